@@ -1,0 +1,26 @@
+//! Errors of the KV pool.
+
+/// What went wrong with a KV pool operation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KvError {
+    /// A geometry field is zero or the pool would not fit in memory.
+    #[error("invalid KV geometry: {0}")]
+    InvalidGeometry(String),
+    /// A page index is outside the pool.
+    #[error("page {page} is out of range for a pool of {num_pages} pages")]
+    PageOutOfRange {
+        /// The offending page.
+        page: u32,
+        /// Pages in the pool.
+        num_pages: usize,
+    },
+    /// Not enough free pages.
+    #[error("need {needed} free KV pages, only {free} are free")]
+    OutOfPages {
+        /// Pages asked for.
+        needed: usize,
+        /// Pages free at the time.
+        free: usize,
+    },
+}

@@ -1,0 +1,247 @@
+//! Page allocation with single-owner RAII leases.
+//!
+//! A [`PageLease`] owns a set of pages; dropping it returns them to the free
+//! list. A writer that may still be writing into the pages (a prefill peer's
+//! transfer) holds a [`WriterGuard`]: the pages return only when the owner
+//! *and* every writer guard are gone, so a page is never reused under an
+//! in-flight write (FIELD-NOTES invariant 8).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::error::KvError;
+use crate::layout::PageIndex;
+
+struct AllocInner {
+    free: Mutex<Vec<PageIndex>>,
+    total: usize,
+    leased: AtomicUsize,
+    leases: AtomicUsize,
+}
+
+impl AllocInner {
+    fn free_list(&self) -> MutexGuard<'_, Vec<PageIndex>> {
+        // A poisoned free list still holds valid page indices: keep going.
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn give_back(&self, pages: &mut Vec<PageIndex>) {
+        let n = pages.len();
+        self.free_list().append(pages);
+        self.leased.fetch_sub(n, Ordering::AcqRel);
+    }
+}
+
+/// Hands out pages of one pool. Cheap to clone; all clones share the free list.
+#[derive(Clone)]
+pub struct PageAllocator {
+    inner: Arc<AllocInner>,
+}
+
+/// Counts for the pages gauge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageStats {
+    /// Pages in the pool.
+    pub total: usize,
+    /// Pages held by leases (including those waiting for a writer to drain).
+    pub leased: usize,
+    /// Leases alive (owner or writer guards).
+    pub leases: usize,
+}
+
+impl PageStats {
+    /// Pages free to lease.
+    pub fn free(&self) -> usize {
+        self.total - self.leased
+    }
+}
+
+impl PageAllocator {
+    /// An allocator for pages `0..num_pages`, all free.
+    pub fn new(num_pages: usize) -> Self {
+        // Pop from the end: hand out low page numbers first.
+        let free = (0..num_pages as u32).rev().map(PageIndex).collect();
+        Self {
+            inner: Arc::new(AllocInner {
+                free: Mutex::new(free),
+                total: num_pages,
+                leased: AtomicUsize::new(0),
+                leases: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Lease `n` pages (possibly zero), or fail without taking any.
+    pub fn lease(&self, n: usize) -> Result<PageLease, KvError> {
+        let pages = self.take(n)?;
+        self.inner.leases.fetch_add(1, Ordering::AcqRel);
+        Ok(PageLease {
+            pages: pages.clone(),
+            core: Arc::new(LeaseCore {
+                pages: Mutex::new(pages),
+                alloc: self.inner.clone(),
+            }),
+        })
+    }
+
+    fn take(&self, n: usize) -> Result<Vec<PageIndex>, KvError> {
+        let mut free = self.inner.free_list();
+        if free.len() < n {
+            return Err(KvError::OutOfPages {
+                needed: n,
+                free: free.len(),
+            });
+        }
+        let at = free.len() - n;
+        let mut pages = free.split_off(at);
+        pages.reverse();
+        self.inner.leased.fetch_add(n, Ordering::AcqRel);
+        Ok(pages)
+    }
+
+    /// Current counts.
+    pub fn stats(&self) -> PageStats {
+        PageStats {
+            total: self.inner.total,
+            leased: self.inner.leased.load(Ordering::Acquire),
+            leases: self.inner.leases.load(Ordering::Acquire),
+        }
+    }
+}
+
+struct LeaseCore {
+    pages: Mutex<Vec<PageIndex>>,
+    alloc: Arc<AllocInner>,
+}
+
+impl Drop for LeaseCore {
+    fn drop(&mut self) {
+        let mut pages = std::mem::take(&mut *self.pages.lock().unwrap_or_else(|e| e.into_inner()));
+        self.alloc.give_back(&mut pages);
+        self.alloc.leases.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The single owner of a set of pages, in sequence order (page `i` holds
+/// token positions `i*page_size..(i+1)*page_size`).
+pub struct PageLease {
+    pages: Vec<PageIndex>,
+    core: Arc<LeaseCore>,
+}
+
+impl std::fmt::Debug for PageLease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PageLease")
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+impl PageLease {
+    /// The leased pages, in sequence order.
+    pub fn pages(&self) -> &[PageIndex] {
+        &self.pages
+    }
+
+    /// Number of pages held.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Whether the lease holds no page.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// Add `n` more pages at the end (a decoding sequence crossing a page
+    /// boundary), or fail without taking any.
+    pub fn grow(&mut self, allocator: &PageAllocator, n: usize) -> Result<(), KvError> {
+        let more = allocator.take(n)?;
+        self.core
+            .pages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(&more);
+        self.pages.extend(more);
+        Ok(())
+    }
+
+    /// A guard for a writer that may still write into these pages. The pages
+    /// are returned only once the lease and all its guards are dropped.
+    pub fn writer_guard(&self) -> WriterGuard {
+        WriterGuard {
+            _core: self.core.clone(),
+        }
+    }
+}
+
+/// Keeps a lease's pages out of the free list while a writer may still write
+/// into them. Drop it once the writer has drained.
+pub struct WriterGuard {
+    _core: Arc<LeaseCore>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leases_return_pages_on_drop() {
+        let alloc = PageAllocator::new(10);
+        let a = alloc.lease(4).unwrap();
+        let mut b = alloc.lease(3).unwrap();
+        assert_eq!(
+            a.pages(),
+            &[PageIndex(0), PageIndex(1), PageIndex(2), PageIndex(3)]
+        );
+        assert_eq!(
+            alloc.stats(),
+            PageStats {
+                total: 10,
+                leased: 7,
+                leases: 2
+            }
+        );
+        assert_eq!(
+            alloc.lease(4).unwrap_err(),
+            KvError::OutOfPages { needed: 4, free: 3 }
+        );
+        assert_eq!(alloc.stats().leased, 7, "a failed lease takes nothing");
+        b.grow(&alloc, 2).unwrap();
+        assert_eq!(b.len(), 5);
+        drop(a);
+        drop(b);
+        assert_eq!(
+            alloc.stats(),
+            PageStats {
+                total: 10,
+                leased: 0,
+                leases: 0
+            }
+        );
+        assert_eq!(alloc.lease(10).unwrap().len(), 10);
+    }
+
+    #[test]
+    fn pages_under_a_writer_are_not_reused() {
+        let alloc = PageAllocator::new(4);
+        let lease = alloc.lease(4).unwrap();
+        let guard = lease.writer_guard();
+        drop(lease);
+        assert_eq!(alloc.stats().leased, 4, "writer still holds the pages");
+        assert!(alloc.lease(1).is_err());
+        drop(guard);
+        assert_eq!(alloc.stats().leased, 0);
+        assert!(alloc.lease(4).is_ok());
+    }
+
+    #[test]
+    fn no_page_is_handed_out_twice() {
+        let alloc = PageAllocator::new(64);
+        let leases: Vec<_> = (0..8).map(|_| alloc.lease(8).unwrap()).collect();
+        let mut seen: Vec<_> = leases.iter().flat_map(|l| l.pages().to_vec()).collect();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 64);
+    }
+}
