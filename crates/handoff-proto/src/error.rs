@@ -1,0 +1,635 @@
+//! Error types (DESIGN.md §4 "Errors"): every error says who is to blame.
+//!
+//! * [`CodecError`] — a frame or message that is not valid on the wire
+//!   (always the peer's fault; counted and dropped, never fatal to a reader).
+//! * [`HandshakeError`] — a connection that must not be used: wrong version,
+//!   incompatible KV geometry, failed authentication.
+//! * [`TransferError`] — why one room failed, with [`TransferError::http_status`]
+//!   and a stable [`TransferError::error_type`] label for metrics, the OpenAI
+//!   error object and SSE error events. It travels over the wire in
+//!   [`crate::message::Status`] so both sides report the same reason.
+
+use std::fmt;
+
+use crate::ids::{RankId, Role};
+
+/// A frame or message payload that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CodecError {
+    /// The frame does not start with [`crate::frame::MAGIC`].
+    #[error("bad magic {found:02x?}: not a handoff frame")]
+    BadMagic {
+        /// The four bytes found instead.
+        found: [u8; 4],
+    },
+    /// The header's protocol version is outside what this build speaks.
+    #[error("unsupported protocol version {version} (this build speaks {min}..={max})")]
+    UnsupportedVersion {
+        /// Version in the header.
+        version: u8,
+        /// Lowest version this build accepts.
+        min: u8,
+        /// Highest version this build accepts.
+        max: u8,
+    },
+    /// The header names a message kind this build does not know.
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    /// Reserved header flags were set.
+    #[error("reserved header flags {0:#06x} set")]
+    ReservedFlags(u16),
+    /// The payload length exceeds the frame limit.
+    #[error("frame payload of {len} bytes exceeds the limit of {max}")]
+    Oversize {
+        /// Declared payload length.
+        len: u32,
+        /// Maximum accepted.
+        max: u32,
+    },
+    /// The payload ended before a field was complete.
+    #[error("truncated {what}: needed {needed} bytes, {remaining} left")]
+    Truncated {
+        /// The field being read.
+        what: &'static str,
+        /// Bytes the field needs.
+        needed: usize,
+        /// Bytes that were left.
+        remaining: usize,
+    },
+    /// The payload has bytes after the last field.
+    #[error("{count} trailing bytes after {kind} payload")]
+    TrailingBytes {
+        /// How many extra bytes.
+        count: usize,
+        /// Message kind name.
+        kind: &'static str,
+    },
+    /// A field has a value outside its domain.
+    #[error("bad value {value} for field {field}")]
+    BadValue {
+        /// Field name.
+        field: &'static str,
+        /// The offending value.
+        value: u64,
+    },
+    /// A string or list exceeds its limit.
+    #[error("field {field} has length {len}, limit {max}")]
+    TooLong {
+        /// Field name.
+        field: &'static str,
+        /// Declared length.
+        len: usize,
+        /// Limit.
+        max: usize,
+    },
+    /// A string field is not UTF-8.
+    #[error("field {field} is not valid UTF-8")]
+    InvalidUtf8 {
+        /// Field name.
+        field: &'static str,
+    },
+}
+
+impl CodecError {
+    /// Stable label for metrics (`malformed_frames_total{reason=...}`).
+    pub fn reason_label(&self) -> &'static str {
+        match self {
+            CodecError::BadMagic { .. } => "bad_magic",
+            CodecError::UnsupportedVersion { .. } => "unsupported_version",
+            CodecError::UnknownKind(_) => "unknown_kind",
+            CodecError::ReservedFlags(_) => "reserved_flags",
+            CodecError::Oversize { .. } => "oversize",
+            CodecError::Truncated { .. } => "truncated",
+            CodecError::TrailingBytes { .. } => "trailing_bytes",
+            CodecError::BadValue { .. } => "bad_value",
+            CodecError::TooLong { .. } => "too_long",
+            CodecError::InvalidUtf8 { .. } => "invalid_utf8",
+        }
+    }
+}
+
+/// Why a connection's handshake failed. The connection must be closed; no
+/// room may use it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum HandshakeError {
+    /// The version ranges do not overlap.
+    #[error("protocol version: {ours_role} speaks {ours_min}..={ours_max}, {theirs_role} speaks {theirs_min}..={theirs_max}")]
+    VersionMismatch {
+        /// Our role.
+        ours_role: Role,
+        /// Our lowest version.
+        ours_min: u8,
+        /// Our highest version.
+        ours_max: u8,
+        /// The peer's role.
+        theirs_role: Role,
+        /// Peer's lowest version.
+        theirs_min: u8,
+        /// Peer's highest version.
+        theirs_max: u8,
+    },
+    /// A compatibility fingerprint field differs, e.g.
+    /// `page size: prefill has 16, decode has 64` (always prefill first, so
+    /// both ends log the same line).
+    #[error("{field}: prefill has {prefill}, decode has {decode}")]
+    Incompatible {
+        /// Human name of the field ("page size").
+        field: &'static str,
+        /// The prefill side's value, rendered.
+        prefill: String,
+        /// The decode side's value, rendered.
+        decode: String,
+    },
+    /// Both ends claim the same role.
+    #[error("both ends are {0}: a connection pairs a prefill with a decode")]
+    SameRole(Role),
+    /// One side has a shared secret configured and the other does not.
+    #[error(
+        "authentication mismatch: {with_secret} has a shared secret configured, {without} does not"
+    )]
+    AuthMismatch {
+        /// The side with a secret.
+        with_secret: Role,
+        /// The side without.
+        without: Role,
+    },
+    /// The peer's proof of the shared secret is wrong.
+    #[error("authentication failed: the peer does not know the shared secret")]
+    AuthFailed,
+    /// A message arrived that the handshake does not expect now.
+    #[error("unexpected {kind} during handshake (expecting {expecting})")]
+    Unexpected {
+        /// Kind of the message received.
+        kind: &'static str,
+        /// What the handshake was waiting for.
+        expecting: &'static str,
+    },
+    /// The peer's message could not be decoded.
+    #[error("malformed handshake message: {0}")]
+    Codec(#[from] CodecError),
+}
+
+/// The phase of a room a timeout fired in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Waiting for the peer / destinations to show up.
+    Bootstrapping,
+    /// Waiting for input: destinations (prefill) or the first write (decode).
+    WaitingForInput,
+    /// KV being written.
+    Transferring,
+    /// Abort sent, waiting for the writer to drain.
+    Draining,
+}
+
+impl Phase {
+    /// Stable snake-case name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Phase::Bootstrapping => "bootstrapping",
+            Phase::WaitingForInput => "waiting_for_input",
+            Phase::Transferring => "transferring",
+            Phase::Draining => "draining",
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Who started an abort.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AbortOrigin {
+    /// The client went away or cancelled.
+    Client,
+    /// The router decided (e.g. its own timeout, policy).
+    Router,
+    /// The prefill worker.
+    Prefill,
+    /// The decode worker.
+    Decode,
+    /// A worker shutting down.
+    Shutdown,
+}
+
+impl AbortOrigin {
+    /// Stable name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            AbortOrigin::Client => "client",
+            AbortOrigin::Router => "router",
+            AbortOrigin::Prefill => "prefill",
+            AbortOrigin::Decode => "decode",
+            AbortOrigin::Shutdown => "shutdown",
+        }
+    }
+
+    /// Wire code.
+    pub const fn code(self) -> u8 {
+        match self {
+            AbortOrigin::Client => 0,
+            AbortOrigin::Router => 1,
+            AbortOrigin::Prefill => 2,
+            AbortOrigin::Decode => 3,
+            AbortOrigin::Shutdown => 4,
+        }
+    }
+
+    /// From a wire code.
+    pub const fn from_code(code: u8) -> Option<Self> {
+        Some(match code {
+            0 => AbortOrigin::Client,
+            1 => AbortOrigin::Router,
+            2 => AbortOrigin::Prefill,
+            3 => AbortOrigin::Decode,
+            4 => AbortOrigin::Shutdown,
+            _ => return None,
+        })
+    }
+
+    /// The origin implied by a peer's role, for peers that do not send one.
+    pub const fn of_role(role: Role) -> Self {
+        match role {
+            Role::Prefill => AbortOrigin::Prefill,
+            Role::Decode => AbortOrigin::Decode,
+        }
+    }
+}
+
+impl fmt::Display for AbortOrigin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a room failed — the blame enum shared by both sides and carried in
+/// [`crate::message::Status`] so the decode side reports the prefill's reason
+/// (and vice versa) with the original HTTP status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// The peer sent something it must not (bad frame for this room,
+    /// aux slot with the wrong room id, destination count changed...).
+    #[error("peer misbehaved: {detail}")]
+    PeerMisbehaved {
+        /// What it did.
+        detail: String,
+    },
+    /// The peer's configuration cannot work with ours.
+    #[error("peer incompatible: {detail}")]
+    PeerIncompatible {
+        /// Which setting.
+        detail: String,
+    },
+    /// The peer stopped answering heartbeats or its connection broke.
+    #[error("peer {rank} is dead: {detail}")]
+    PeerDead {
+        /// The dead peer's rank.
+        rank: RankId,
+        /// How it was detected.
+        detail: String,
+    },
+    /// A room deadline passed.
+    #[error("timed out in {phase} after {:.1} s", after.as_secs_f64())]
+    Timeout {
+        /// Phase the room was in.
+        phase: Phase,
+        /// The deadline's length.
+        after: std::time::Duration,
+    },
+    /// Someone aborted the request.
+    #[error("aborted by {origin}: {reason}")]
+    Aborted {
+        /// Who.
+        origin: AbortOrigin,
+        /// Why.
+        reason: String,
+        /// Status to report to the client.
+        http_status: u16,
+    },
+    /// A worker rejected the request (e.g. validation: prompt too long).
+    #[error("rejected with status {http_status}: {reason}")]
+    Rejected {
+        /// Status to report (400, 413 ...).
+        http_status: u16,
+        /// Why.
+        reason: String,
+    },
+    /// Out of some resource (pages, rooms, unknown-room slots).
+    #[error("capacity: {what}")]
+    Capacity {
+        /// Which resource.
+        what: String,
+    },
+    /// The room id is already live.
+    #[error("duplicate live room id")]
+    DuplicateRoom,
+    /// A local fault (transport error, engine error).
+    #[error("internal: {reason}")]
+    Internal {
+        /// What broke.
+        reason: String,
+    },
+    /// A failure the peer saw and reported (timeout, dead peer, duplicate
+    /// room on its side): kind, reason and status exactly as it sent them.
+    #[error("{} reported by {peer}: {reason}", kind.name())]
+    Remote {
+        /// The peer's failure kind (this is the `error_type`).
+        kind: FailureKind,
+        /// The peer's reason.
+        reason: String,
+        /// The peer's status.
+        http_status: u16,
+        /// The peer's role.
+        peer: Role,
+    },
+}
+
+impl TransferError {
+    /// The HTTP status a client should see for this failure.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            TransferError::PeerMisbehaved { .. }
+            | TransferError::PeerIncompatible { .. }
+            | TransferError::Internal { .. } => 500,
+            TransferError::PeerDead { .. } | TransferError::Capacity { .. } => 503,
+            TransferError::Timeout { .. } => 504,
+            TransferError::Aborted { http_status, .. }
+            | TransferError::Rejected { http_status, .. }
+            | TransferError::Remote { http_status, .. } => *http_status,
+            TransferError::DuplicateRoom => 409,
+        }
+    }
+
+    /// Stable label: metrics, the OpenAI error object's `type`, SSE events.
+    pub fn error_type(&self) -> &'static str {
+        self.kind().name()
+    }
+
+    /// The wire kind of this error.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            TransferError::PeerMisbehaved { .. } => FailureKind::PeerMisbehaved,
+            TransferError::PeerIncompatible { .. } => FailureKind::PeerIncompatible,
+            TransferError::PeerDead { .. } => FailureKind::PeerDead,
+            TransferError::Timeout { .. } => FailureKind::Timeout,
+            TransferError::Aborted { .. } => FailureKind::Aborted,
+            TransferError::Rejected { .. } => FailureKind::Rejected,
+            TransferError::Capacity { .. } => FailureKind::Capacity,
+            TransferError::DuplicateRoom => FailureKind::DuplicateRoom,
+            TransferError::Internal { .. } => FailureKind::Internal,
+            TransferError::Remote { kind, .. } => *kind,
+        }
+    }
+
+    /// The human reason carried on the wire in `Status::Failed` / `Abort`.
+    pub fn reason(&self) -> String {
+        match self {
+            TransferError::Aborted { reason, .. }
+            | TransferError::Rejected { reason, .. }
+            | TransferError::Remote { reason, .. }
+            | TransferError::Internal { reason } => reason.clone(),
+            TransferError::PeerMisbehaved { detail }
+            | TransferError::PeerIncompatible { detail } => detail.clone(),
+            TransferError::Capacity { what } => what.clone(),
+            other => other.to_string(),
+        }
+    }
+
+    /// Rebuild the error a peer reported in a `Status::Failed`. The kind,
+    /// reason and status are kept exactly so both sides report the same thing.
+    pub fn from_wire(kind: FailureKind, reason: String, http_status: u16, peer: Role) -> Self {
+        match kind {
+            FailureKind::PeerMisbehaved => TransferError::PeerMisbehaved { detail: reason },
+            FailureKind::PeerIncompatible => TransferError::PeerIncompatible { detail: reason },
+            FailureKind::PeerDead | FailureKind::Timeout | FailureKind::DuplicateRoom => {
+                TransferError::Remote {
+                    kind,
+                    reason,
+                    http_status,
+                    peer,
+                }
+            }
+            FailureKind::Aborted => TransferError::Aborted {
+                origin: AbortOrigin::of_role(peer),
+                reason,
+                http_status,
+            },
+            FailureKind::Rejected => TransferError::Rejected {
+                http_status,
+                reason,
+            },
+            FailureKind::Capacity => TransferError::Capacity { what: reason },
+            FailureKind::Internal => TransferError::Internal { reason },
+        }
+    }
+}
+
+/// Wire code of a [`TransferError`] variant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// See [`TransferError::PeerMisbehaved`].
+    PeerMisbehaved,
+    /// See [`TransferError::PeerIncompatible`].
+    PeerIncompatible,
+    /// See [`TransferError::PeerDead`].
+    PeerDead,
+    /// See [`TransferError::Timeout`].
+    Timeout,
+    /// See [`TransferError::Aborted`].
+    Aborted,
+    /// See [`TransferError::Rejected`].
+    Rejected,
+    /// See [`TransferError::Capacity`].
+    Capacity,
+    /// See [`TransferError::DuplicateRoom`].
+    DuplicateRoom,
+    /// See [`TransferError::Internal`].
+    Internal,
+}
+
+impl FailureKind {
+    /// Every kind, in wire-code order.
+    pub const ALL: [FailureKind; 9] = [
+        FailureKind::PeerMisbehaved,
+        FailureKind::PeerIncompatible,
+        FailureKind::PeerDead,
+        FailureKind::Timeout,
+        FailureKind::Aborted,
+        FailureKind::Rejected,
+        FailureKind::Capacity,
+        FailureKind::DuplicateRoom,
+        FailureKind::Internal,
+    ];
+
+    /// Stable snake-case label (this is [`TransferError::error_type`]).
+    pub const fn name(self) -> &'static str {
+        match self {
+            FailureKind::PeerMisbehaved => "peer_misbehaved",
+            FailureKind::PeerIncompatible => "peer_incompatible",
+            FailureKind::PeerDead => "peer_dead",
+            FailureKind::Timeout => "timeout",
+            FailureKind::Aborted => "aborted",
+            FailureKind::Rejected => "rejected",
+            FailureKind::Capacity => "capacity",
+            FailureKind::DuplicateRoom => "duplicate_room",
+            FailureKind::Internal => "internal",
+        }
+    }
+
+    /// Wire code.
+    pub const fn code(self) -> u8 {
+        match self {
+            FailureKind::PeerMisbehaved => 1,
+            FailureKind::PeerIncompatible => 2,
+            FailureKind::PeerDead => 3,
+            FailureKind::Timeout => 4,
+            FailureKind::Aborted => 5,
+            FailureKind::Rejected => 6,
+            FailureKind::Capacity => 7,
+            FailureKind::DuplicateRoom => 8,
+            FailureKind::Internal => 9,
+        }
+    }
+
+    /// From a wire code.
+    pub fn from_code(code: u8) -> Option<Self> {
+        FailureKind::ALL.into_iter().find(|k| k.code() == code)
+    }
+
+    /// The status a peer that does not send one (older protocol) implies.
+    pub const fn default_http_status(self) -> u16 {
+        match self {
+            FailureKind::PeerDead | FailureKind::Capacity => 503,
+            FailureKind::Timeout => 504,
+            FailureKind::Aborted => 503,
+            FailureKind::Rejected => 400,
+            FailureKind::DuplicateRoom => 409,
+            _ => 500,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn incompatible_names_both_values() {
+        let e = HandshakeError::Incompatible {
+            field: "page size",
+            prefill: "16".into(),
+            decode: "64".into(),
+        };
+        assert_eq!(e.to_string(), "page size: prefill has 16, decode has 64");
+    }
+
+    #[test]
+    fn statuses_and_labels_are_stable() {
+        let cases: Vec<(TransferError, u16, &str)> = vec![
+            (
+                TransferError::PeerMisbehaved { detail: "x".into() },
+                500,
+                "peer_misbehaved",
+            ),
+            (
+                TransferError::PeerIncompatible { detail: "x".into() },
+                500,
+                "peer_incompatible",
+            ),
+            (
+                TransferError::PeerDead {
+                    rank: RankId(1),
+                    detail: "x".into(),
+                },
+                503,
+                "peer_dead",
+            ),
+            (
+                TransferError::Timeout {
+                    phase: Phase::Transferring,
+                    after: std::time::Duration::from_secs(1),
+                },
+                504,
+                "timeout",
+            ),
+            (
+                TransferError::Aborted {
+                    origin: AbortOrigin::Client,
+                    reason: "gone".into(),
+                    http_status: 499,
+                },
+                499,
+                "aborted",
+            ),
+            (
+                TransferError::Rejected {
+                    http_status: 400,
+                    reason: "too long".into(),
+                },
+                400,
+                "rejected",
+            ),
+            (
+                TransferError::Capacity {
+                    what: "pages".into(),
+                },
+                503,
+                "capacity",
+            ),
+            (TransferError::DuplicateRoom, 409, "duplicate_room"),
+            (
+                TransferError::Internal { reason: "x".into() },
+                500,
+                "internal",
+            ),
+        ];
+        for (e, status, label) in cases {
+            assert_eq!(e.http_status(), status, "{e}");
+            assert_eq!(e.error_type(), label, "{e}");
+        }
+    }
+
+    #[test]
+    fn failure_kind_codes_round_trip() {
+        for k in FailureKind::ALL {
+            assert_eq!(FailureKind::from_code(k.code()), Some(k));
+        }
+        assert_eq!(FailureKind::from_code(0), None);
+        assert_eq!(FailureKind::from_code(200), None);
+    }
+
+    #[test]
+    fn rejection_survives_the_wire() {
+        let e = TransferError::Rejected {
+            http_status: 400,
+            reason: "prompt too long".into(),
+        };
+        let back = TransferError::from_wire(e.kind(), "prompt too long".into(), 400, Role::Prefill);
+        assert_eq!(back, e);
+        assert_eq!(back.http_status(), 400);
+    }
+
+    #[test]
+    fn every_kind_keeps_its_label_across_the_wire() {
+        for k in FailureKind::ALL {
+            let e = TransferError::from_wire(k, "why".into(), 418, Role::Prefill);
+            assert_eq!(e.error_type(), k.name());
+            assert_eq!(e.kind(), k);
+        }
+        let t = TransferError::Timeout {
+            phase: Phase::Bootstrapping,
+            after: std::time::Duration::from_secs(30),
+        };
+        let back = TransferError::from_wire(t.kind(), t.reason(), t.http_status(), Role::Prefill);
+        assert_eq!(back.error_type(), "timeout");
+        assert_eq!(back.http_status(), 504);
+        assert_eq!(back.reason(), "timed out in bootstrapping after 30.0 s");
+    }
+}

@@ -1,0 +1,617 @@
+//! The decode side's room table (DESIGN.md §3 steps 3–5, §4).
+//!
+//! A room is opened when the decode worker accepts a request
+//! ([`ReceiverRooms::open`]) with the distinct prefill ranks it needs KV from
+//! (see [`crate::rank::RankMap::required_prefill_ranks`]). It then expects:
+//!
+//! 1. `Bootstrapping` — its pages: the shell reserves them (backpressure) and
+//!    calls [`ReceiverRooms::handle_pages_reserved`]; a `Destination` goes to
+//!    every source rank. From this moment a write may be in flight.
+//! 2. `WaitingForInput` → `Transferring` — a `Status` from every source.
+//!    Only distinct required ranks count; duplicates and strangers do not.
+//! 3. When all succeeded, the aux slot's room id: [`ReceiverAction::CheckAux`],
+//!    answered with [`ReceiverRooms::handle_aux_checked`].
+//! 4. `Success`: [`ReceiverAction::Commit`] hands the pages to the engine.
+//!
+//! On any failure the request is failed at once ([`ReceiverAction::FailRequest`]),
+//! but the pages are released ([`ReceiverAction::ReleasePages`]) only when no
+//! source may still be writing: each one has sent a `Status` or
+//! `AbortAck { drained: true }`, or the abort fence passed. Until then the
+//! room is `Draining`. A dead peer is failed immediately but its pages wait
+//! for the fence too: a hung process may still be writing.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::time::Instant;
+
+use crate::error::{AbortOrigin, Phase, TransferError};
+use crate::ids::{AuxSlot, PageIndex, RankId, Role, RoomId};
+use crate::message::{Abort, AbortAck, Destination, Message, Outcome, Status};
+use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
+use crate::timer::Timer;
+
+/// A prefill rank a decode room needs KV from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Source {
+    /// The prefill rank.
+    pub rank: RankId,
+    /// How many decode ranks send that prefill rank a destination for this
+    /// room (its `required_destinations`).
+    pub required_destinations: u16,
+}
+
+/// What the decode I/O shell must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReceiverAction {
+    /// Every source reported success: read the aux slot and call
+    /// [`ReceiverRooms::handle_aux_checked`] with the room id it carries.
+    CheckAux {
+        /// The room.
+        room: RoomId,
+        /// The slot to read.
+        aux_slot: AuxSlot,
+    },
+    /// Success: the engine now owns these pages and the aux slot (append the
+    /// first token and start decoding).
+    Commit {
+        /// The room.
+        room: RoomId,
+        /// Pages with the prompt's KV.
+        pages: Vec<PageIndex>,
+        /// Aux slot with first token / logprob.
+        aux_slot: AuxSlot,
+    },
+    /// The request failed: answer the client with this error now.
+    FailRequest {
+        /// The room.
+        room: RoomId,
+        /// Why.
+        error: TransferError,
+    },
+    /// No write can land in these pages any more: return them (and reset
+    /// the aux slot) to the pool.
+    ReleasePages {
+        /// The room.
+        room: RoomId,
+        /// The pages.
+        pages: Vec<PageIndex>,
+        /// The aux slot.
+        aux_slot: AuxSlot,
+        /// True when released because the abort fence passed rather than on
+        /// every writer's word (logged and counted).
+        fence_expired: bool,
+    },
+}
+
+/// Per-room state, named for what the room expects next.
+#[derive(Debug)]
+enum Expect {
+    /// Bootstrapping: the shell's page reservation.
+    Pages,
+    /// WaitingForInput (`started == false`) / Transferring: every source's Status.
+    Statuses {
+        succeeded: BTreeSet<RankId>,
+        started: bool,
+    },
+    /// Transferring: the aux slot check.
+    AuxCheck,
+    /// Draining: these sources may still be writing.
+    Drain {
+        may_write: BTreeSet<RankId>,
+        error: TransferError,
+    },
+}
+
+#[derive(Debug)]
+struct ReceiverRoom {
+    expect: Expect,
+    sources: Vec<Source>,
+    lease: Option<(Vec<PageIndex>, AuxSlot)>,
+    deadline: Instant,
+}
+
+impl ReceiverRoom {
+    fn state(&self) -> RoomState {
+        match self.expect {
+            Expect::Pages => RoomState::Bootstrapping,
+            Expect::Statuses { started: false, .. } => RoomState::WaitingForInput,
+            Expect::Statuses { started: true, .. } | Expect::AuxCheck => RoomState::Transferring,
+            Expect::Drain { .. } => RoomState::Draining,
+        }
+    }
+
+    fn has_source(&self, rank: RankId) -> bool {
+        self.sources.iter().any(|s| s.rank == rank)
+    }
+}
+
+/// The decode side's rooms. One instance per decode rank; the shell
+/// identifies prefill peers by their [`RankId`].
+#[derive(Debug)]
+pub struct ReceiverRooms {
+    config: RoomConfig,
+    rooms: HashMap<RoomId, ReceiverRoom>,
+    closed: Expiring<Tombstone>,
+    transmits: VecDeque<Transmit>,
+    actions: VecDeque<ReceiverAction>,
+    stats: RoomStats,
+}
+
+impl ReceiverRooms {
+    /// An empty table.
+    pub fn new(config: RoomConfig) -> Self {
+        let cap = config.max_unknown_rooms;
+        Self {
+            config,
+            rooms: HashMap::new(),
+            closed: Expiring::new(cap),
+            transmits: VecDeque::new(),
+            actions: VecDeque::new(),
+            stats: RoomStats::default(),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &RoomStats {
+        &self.stats
+    }
+
+    /// Live (non-terminal) rooms, Draining included.
+    pub fn live_rooms(&self) -> usize {
+        self.rooms.len()
+    }
+
+    /// Pages held by live rooms (not yet committed or released).
+    pub fn leased_pages(&self) -> usize {
+        self.rooms
+            .values()
+            .filter_map(|r| r.lease.as_ref())
+            .map(|(p, _)| p.len())
+            .sum()
+    }
+
+    /// Live state of `room`, or its terminal state while remembered.
+    pub fn state(&self, room: RoomId) -> Option<RoomState> {
+        self.rooms
+            .get(&room)
+            .map(ReceiverRoom::state)
+            .or_else(|| self.closed.get(room).map(Tombstone::state))
+    }
+
+    /// How `room` ended, while remembered.
+    pub fn tombstone(&self, room: RoomId) -> Option<&Tombstone> {
+        self.closed.get(room)
+    }
+
+    /// Next message to send. Call until `None` after every input.
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    /// Next action for the shell. Call until `None` after every input.
+    pub fn poll_action(&mut self) -> Option<ReceiverAction> {
+        self.actions.pop_front()
+    }
+
+    /// Earliest deadline; call [`Self::handle_timeout`] then.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.rooms
+            .values()
+            .map(|r| r.deadline)
+            .chain(self.closed.next_expiry())
+            .min()
+    }
+
+    /// Accept a request for `room` needing KV from `sources` (distinct,
+    /// non-empty). Fails with `DuplicateRoom`, `Capacity`, or `Internal` for
+    /// bad sources.
+    pub fn open(
+        &mut self,
+        room: RoomId,
+        sources: Vec<Source>,
+        now: Instant,
+    ) -> Result<(), TransferError> {
+        let distinct: BTreeSet<RankId> = sources.iter().map(|s| s.rank).collect();
+        let refused = if sources.is_empty()
+            || distinct.len() != sources.len()
+            || sources.iter().any(|s| s.required_destinations == 0)
+        {
+            Some(TransferError::Internal {
+                reason: "a room needs distinct sources with at least one destination each".into(),
+            })
+        } else if self.rooms.contains_key(&room) || self.closed.get(room).is_some() {
+            Some(TransferError::DuplicateRoom)
+        } else if self.rooms.len() >= self.config.max_live_rooms {
+            Some(TransferError::Capacity {
+                what: format!("{} live rooms", self.rooms.len()),
+            })
+        } else {
+            None
+        };
+        if let Some(e) = refused {
+            self.stats.open_rejected += 1;
+            return Err(e);
+        }
+        self.stats.opened += 1;
+        self.rooms.insert(
+            room,
+            ReceiverRoom {
+                expect: Expect::Pages,
+                sources,
+                lease: None,
+                deadline: now + self.config.timers.get(Timer::Bootstrap),
+            },
+        );
+        Ok(())
+    }
+
+    /// The shell reserved `pages` and `aux_slot` for `room`; destinations
+    /// are sent. If the room is gone the pages come straight back in a
+    /// [`ReceiverAction::ReleasePages`].
+    pub fn handle_pages_reserved(
+        &mut self,
+        room: RoomId,
+        pages: Vec<PageIndex>,
+        aux_slot: AuxSlot,
+        prefix_tokens: Option<u32>,
+        now: Instant,
+    ) {
+        let Some(r) = self
+            .rooms
+            .get_mut(&room)
+            .filter(|r| matches!(r.expect, Expect::Pages))
+        else {
+            if self.rooms.contains_key(&room) {
+                self.stats.violations += 1;
+            }
+            self.actions.push_back(ReceiverAction::ReleasePages {
+                room,
+                pages,
+                aux_slot,
+                fence_expired: false,
+            });
+            return;
+        };
+        for s in &r.sources {
+            self.transmits.push_back(Transmit {
+                to: s.rank,
+                message: Message::Destination(Destination {
+                    room,
+                    pages: pages.clone(),
+                    aux_slot,
+                    required_destinations: s.required_destinations,
+                    prefix_tokens,
+                }),
+            });
+        }
+        r.lease = Some((pages, aux_slot));
+        r.expect = Expect::Statuses {
+            succeeded: BTreeSet::new(),
+            started: false,
+        };
+        r.deadline = now + self.config.timers.get(Timer::WaitingForInput);
+    }
+
+    /// The transport saw data for `room` arrive (optional; moves
+    /// WaitingForInput to Transferring and its deadline to the transfer one).
+    pub fn handle_transfer_progress(&mut self, room: RoomId, now: Instant) {
+        let transfer = self.config.timers.get(Timer::Transfer);
+        if let Some(r) = self.rooms.get_mut(&room) {
+            if let Expect::Statuses { started, .. } = &mut r.expect {
+                if !*started {
+                    *started = true;
+                    r.deadline = now + transfer;
+                }
+            }
+        }
+    }
+
+    /// A message from prefill rank `from`.
+    pub fn handle_message(&mut self, from: RankId, msg: Message, now: Instant) {
+        match msg {
+            Message::Status(s) => self.on_status(from, s, now),
+            Message::Abort(a) => self.on_abort(from, a, now),
+            Message::AbortAck(a) => self.on_abort_ack(from, a, now),
+            Message::Heartbeat(_) => {}
+            Message::Destination(_) | Message::Register(_) | Message::AuthProof(_) => {
+                self.stats.violations += 1;
+            }
+        }
+    }
+
+    fn on_status(&mut self, from: RankId, s: Status, now: Instant) {
+        let room = s.room;
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.stats.unknown_room_events += 1;
+            return;
+        };
+        if !r.has_source(from) {
+            self.stats.violations += 1;
+            return;
+        }
+        match (&mut r.expect, s.outcome) {
+            (Expect::Drain { may_write, .. }, _) => {
+                // Any status means that rank stopped writing. Success after
+                // failure stays failed.
+                may_write.remove(&from);
+                if may_write.is_empty() {
+                    self.finish(room, false, now);
+                }
+            }
+            (Expect::Statuses { succeeded, started }, Outcome::Success) => {
+                if !succeeded.insert(from) {
+                    self.stats.duplicates += 1;
+                    return;
+                }
+                if !*started {
+                    *started = true;
+                    r.deadline = now + self.config.timers.get(Timer::Transfer);
+                }
+                if succeeded.len() == r.sources.len() {
+                    r.expect = Expect::AuxCheck;
+                    r.deadline = now + self.config.timers.get(Timer::Transfer);
+                    if let Some((_, aux_slot)) = &r.lease {
+                        self.actions.push_back(ReceiverAction::CheckAux {
+                            room,
+                            aux_slot: *aux_slot,
+                        });
+                    }
+                }
+            }
+            (
+                Expect::Statuses { succeeded, .. },
+                Outcome::Failed {
+                    kind,
+                    reason,
+                    http_status,
+                },
+            ) => {
+                if succeeded.contains(&from) {
+                    // A rank that reported success may not fail afterwards,
+                    // but a failure always wins: fail the room.
+                    self.stats.violations += 1;
+                }
+                let status = http_status.unwrap_or_else(|| kind.default_http_status());
+                let error = TransferError::from_wire(kind, reason, status, Role::Prefill);
+                self.fail_room(room, error, Some(from), now);
+            }
+            (Expect::AuxCheck, Outcome::Success) => self.stats.duplicates += 1,
+            (
+                Expect::AuxCheck,
+                Outcome::Failed {
+                    kind,
+                    reason,
+                    http_status,
+                },
+            ) => {
+                self.stats.violations += 1;
+                let status = http_status.unwrap_or_else(|| kind.default_http_status());
+                let error = TransferError::from_wire(kind, reason, status, Role::Prefill);
+                self.fail_room(room, error, Some(from), now);
+            }
+            (Expect::Pages, _) => {
+                // No destination was sent yet: nobody may report on it.
+                self.stats.violations += 1;
+            }
+        }
+    }
+
+    fn on_abort(&mut self, from: RankId, a: Abort, now: Instant) {
+        let room = a.room;
+        // Decode never writes to prefill: its ack is always drained.
+        self.transmits.push_back(Transmit {
+            to: from,
+            message: Message::AbortAck(AbortAck {
+                room,
+                drained: true,
+            }),
+        });
+        if !self.rooms.get(&room).is_some_and(|r| r.has_source(from)) {
+            self.stats.unknown_room_events += 1;
+            return;
+        }
+        let error = TransferError::Aborted {
+            origin: a.origin.unwrap_or(AbortOrigin::Prefill),
+            reason: a.reason,
+            http_status: a.http_status.unwrap_or(503),
+        };
+        // An Abort from prefill means its writes may still land: `from` stays
+        // in the fence.
+        self.fail_room(room, error, None, now);
+    }
+
+    fn on_abort_ack(&mut self, from: RankId, a: AbortAck, now: Instant) {
+        let room = a.room;
+        let Some(r) = self.rooms.get_mut(&room) else {
+            self.stats.unknown_room_events += 1;
+            return;
+        };
+        let Expect::Drain { may_write, .. } = &mut r.expect else {
+            self.stats.violations += 1;
+            return;
+        };
+        if a.drained {
+            may_write.remove(&from);
+            if may_write.is_empty() {
+                self.finish(room, false, now);
+            }
+        }
+    }
+
+    /// The aux slot of `room` carries room id `found` (raw, as read).
+    pub fn handle_aux_checked(&mut self, room: RoomId, found: u64, now: Instant) {
+        let Some(r) = self.rooms.get(&room) else {
+            return;
+        };
+        if !matches!(r.expect, Expect::AuxCheck) {
+            self.stats.violations += 1;
+            return;
+        }
+        if found != room.get() {
+            let error = TransferError::PeerMisbehaved {
+                detail: format!(
+                    "aux slot carries room {found:#018x}, expected {:#018x}",
+                    room.get()
+                ),
+            };
+            self.fail_room(room, error, None, now);
+            return;
+        }
+        let Some(r) = self.rooms.remove(&room) else {
+            return;
+        };
+        self.stats.succeeded += 1;
+        if let Some((pages, aux_slot)) = r.lease {
+            self.actions.push_back(ReceiverAction::Commit {
+                room,
+                pages,
+                aux_slot,
+            });
+        }
+        self.remember(room, Tombstone::Success, now);
+    }
+
+    /// Abort `room` locally (client gone, router, validation, shutdown):
+    /// the request fails now, every source is told, pages wait for drain.
+    pub fn abort(&mut self, room: RoomId, error: TransferError, now: Instant) {
+        if self.rooms.contains_key(&room) {
+            self.fail_room(room, error, None, now);
+        } else {
+            self.stats.unknown_room_events += 1;
+        }
+    }
+
+    /// Prefill rank `rank` is dead: fail every room it is a source of.
+    pub fn handle_peer_dead(&mut self, rank: RankId, now: Instant) {
+        let mut hit: Vec<RoomId> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.has_source(rank) && !matches!(r.expect, Expect::Drain { .. }))
+            .map(|(id, _)| *id)
+            .collect();
+        hit.sort();
+        for room in hit {
+            let error = TransferError::PeerDead {
+                rank,
+                detail: "prefill peer stopped answering".into(),
+            };
+            self.fail_room(room, error, None, now);
+        }
+    }
+
+    /// Fire every deadline at or before `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.closed.expire(now);
+        let mut due: Vec<RoomId> = self
+            .rooms
+            .iter()
+            .filter(|(_, r)| r.deadline <= now)
+            .map(|(id, _)| *id)
+            .collect();
+        due.sort();
+        for room in due {
+            let Some(r) = self.rooms.get(&room) else {
+                continue;
+            };
+            let (phase, timer) = match r.expect {
+                Expect::Pages => (Phase::Bootstrapping, Timer::Bootstrap),
+                Expect::Statuses { started: false, .. } => {
+                    (Phase::WaitingForInput, Timer::WaitingForInput)
+                }
+                Expect::Statuses { started: true, .. } | Expect::AuxCheck => {
+                    (Phase::Transferring, Timer::Transfer)
+                }
+                Expect::Drain { .. } => {
+                    self.stats.fence_expired += 1;
+                    self.finish(room, true, now);
+                    continue;
+                }
+            };
+            let after = self.config.timers.get(timer);
+            self.fail_room(room, TransferError::Timeout { phase, after }, None, now);
+        }
+    }
+
+    fn remember(&mut self, room: RoomId, t: Tombstone, now: Instant) {
+        let expires = now + self.config.timers.get(Timer::UnknownRoomTtl);
+        self.closed.insert(room, t, expires);
+    }
+
+    /// Fail a live room. `stopped` is a source known to have stopped writing
+    /// (it reported `Status(Failed)`).
+    fn fail_room(
+        &mut self,
+        room: RoomId,
+        error: TransferError,
+        stopped: Option<RankId>,
+        now: Instant,
+    ) {
+        let fence = self.config.timers.get(Timer::AbortAckFence);
+        let Some(r) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let may_write: BTreeSet<RankId> = match &r.expect {
+            Expect::Drain { .. } => return,
+            Expect::Pages | Expect::AuxCheck => BTreeSet::new(),
+            Expect::Statuses { succeeded, .. } => r
+                .sources
+                .iter()
+                .map(|s| s.rank)
+                .filter(|k| !succeeded.contains(k) && Some(*k) != stopped)
+                .collect(),
+        };
+        for to in &may_write {
+            self.transmits.push_back(Transmit {
+                to: *to,
+                message: Message::Abort(Abort {
+                    room,
+                    reason: error.reason(),
+                    http_status: Some(error.http_status()),
+                    origin: Some(match &error {
+                        TransferError::Aborted { origin, .. } => *origin,
+                        _ => AbortOrigin::Decode,
+                    }),
+                }),
+            });
+        }
+        self.actions.push_back(ReceiverAction::FailRequest {
+            room,
+            error: error.clone(),
+        });
+        self.stats.failed += 1;
+        let empty = may_write.is_empty();
+        r.expect = Expect::Drain { may_write, error };
+        r.deadline = now + fence;
+        if empty {
+            self.finish(room, false, now);
+        }
+    }
+
+    /// Close a draining room and release its pages.
+    fn finish(&mut self, room: RoomId, fence_expired: bool, now: Instant) {
+        let Some(r) = self.rooms.remove(&room) else {
+            return;
+        };
+        if let Some((pages, aux_slot)) = r.lease {
+            self.actions.push_back(ReceiverAction::ReleasePages {
+                room,
+                pages,
+                aux_slot,
+                fence_expired,
+            });
+        }
+        let error = match r.expect {
+            Expect::Drain { error, .. } => error,
+            _ => TransferError::Internal {
+                reason: "room closed outside Draining".into(),
+            },
+        };
+        self.remember(
+            room,
+            Tombstone::Failed {
+                error,
+                drained: !fence_expired,
+            },
+            now,
+        );
+    }
+}

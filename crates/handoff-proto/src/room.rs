@@ -1,0 +1,284 @@
+//! What both room tables share (DESIGN.md §4 "Room state machine"): the
+//! reported [`RoomState`], the table configuration, outgoing messages, and
+//! the capped, expiring memory of rooms that are closed or unknown.
+//!
+//! A room lives in a table only while it is not terminal. When it ends it
+//! leaves a [`Tombstone`] for [`crate::timer::Timer::UnknownRoomTtl`] so that late
+//! events can be answered (an abort is acknowledged, a late destination for
+//! a failed room learns the failure) without ever re-creating the room.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use crate::error::TransferError;
+use crate::ids::{RankId, RoomId};
+use crate::message::Message;
+use crate::timer::TimerConfig;
+
+/// The state of a room as reported to metrics and tests. Ordered: a room's
+/// state only ever moves to a greater [`RoomState::order`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RoomState {
+    /// Opened; waiting for the other side to show up (prefill: destinations;
+    /// decode: its own page reservation).
+    Bootstrapping,
+    /// Handshake done; waiting for input (prefill: compute; decode: the
+    /// writes to start).
+    WaitingForInput,
+    /// KV is moving.
+    Transferring,
+    /// Failed, but a write may still be in flight: resources stay fenced.
+    Draining,
+    /// Done, everything written and verified.
+    Success,
+    /// Failed; nothing in flight any more.
+    Failed,
+}
+
+impl RoomState {
+    /// Position in the monotonic order (terminal states share the top).
+    pub const fn order(self) -> u8 {
+        match self {
+            RoomState::Bootstrapping => 0,
+            RoomState::WaitingForInput => 1,
+            RoomState::Transferring => 2,
+            RoomState::Draining => 3,
+            RoomState::Success | RoomState::Failed => 4,
+        }
+    }
+
+    /// Success or Failed.
+    pub const fn is_terminal(self) -> bool {
+        matches!(self, RoomState::Success | RoomState::Failed)
+    }
+
+    /// Stable snake-case name (metrics label).
+    pub const fn name(self) -> &'static str {
+        match self {
+            RoomState::Bootstrapping => "bootstrapping",
+            RoomState::WaitingForInput => "waiting_for_input",
+            RoomState::Transferring => "transferring",
+            RoomState::Draining => "draining",
+            RoomState::Success => "success",
+            RoomState::Failed => "failed",
+        }
+    }
+}
+
+/// Limits and timers of a room table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoomConfig {
+    /// Deadlines.
+    pub timers: TimerConfig,
+    /// Most live rooms; more is a [`TransferError::Capacity`] at open.
+    pub max_live_rooms: usize,
+    /// Most remembered unknown or closed rooms (tombstones, parked
+    /// destinations); the oldest is forgotten first.
+    pub max_unknown_rooms: usize,
+}
+
+impl Default for RoomConfig {
+    fn default() -> Self {
+        Self {
+            timers: TimerConfig::default(),
+            max_live_rooms: 65_536,
+            max_unknown_rooms: 4096,
+        }
+    }
+}
+
+/// A message to send to the peer of rank `to` (prefill ranks from decode,
+/// decode ranks from prefill).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Transmit {
+    /// Destination peer rank.
+    pub to: RankId,
+    /// The message.
+    pub message: Message,
+}
+
+/// How a room ended, remembered for late events.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Tombstone {
+    /// The room succeeded.
+    Success,
+    /// The room failed. `drained` is false only when the abort fence expired
+    /// with writes possibly still in flight.
+    Failed {
+        /// The failure.
+        error: TransferError,
+        /// Whether every write had stopped.
+        drained: bool,
+    },
+    /// The peer aborted a room this side never opened; opening it later fails
+    /// with this error.
+    AbortedBeforeOpen {
+        /// The abort as an error.
+        error: TransferError,
+    },
+}
+
+impl Tombstone {
+    /// The terminal state it stands for.
+    pub fn state(&self) -> RoomState {
+        match self {
+            Tombstone::Success => RoomState::Success,
+            Tombstone::Failed { .. } | Tombstone::AbortedBeforeOpen { .. } => RoomState::Failed,
+        }
+    }
+}
+
+/// Capped, expiring map from room to something (tombstones, parked
+/// messages). Insertion order is expiry order because the TTL is fixed.
+#[derive(Debug)]
+pub struct Expiring<T> {
+    map: HashMap<RoomId, (Instant, T)>,
+    order: VecDeque<(Instant, RoomId)>,
+    cap: usize,
+    /// Entries forgotten because the cap was reached.
+    pub evicted: u64,
+}
+
+impl<T> Expiring<T> {
+    /// An empty map holding at most `cap` entries.
+    pub fn new(cap: usize) -> Self {
+        Self {
+            map: HashMap::new(),
+            order: VecDeque::new(),
+            cap,
+            evicted: 0,
+        }
+    }
+
+    /// Insert or replace `room`'s entry, expiring at `expires`.
+    pub fn insert(&mut self, room: RoomId, value: T, expires: Instant) {
+        if self.map.insert(room, (expires, value)).is_none() {
+            self.order.push_back((expires, room));
+        } else {
+            // Refresh the order entry for a replaced value.
+            self.order.retain(|(_, r)| *r != room);
+            self.order.push_back((expires, room));
+        }
+        while self.map.len() > self.cap {
+            let Some((_, oldest)) = self.order.pop_front() else {
+                break;
+            };
+            if self.map.remove(&oldest).is_some() {
+                self.evicted += 1;
+            }
+        }
+    }
+
+    /// The entry for `room`.
+    pub fn get(&self, room: RoomId) -> Option<&T> {
+        self.map.get(&room).map(|(_, v)| v)
+    }
+
+    /// Mutable entry for `room`.
+    pub fn get_mut(&mut self, room: RoomId) -> Option<&mut T> {
+        self.map.get_mut(&room).map(|(_, v)| v)
+    }
+
+    /// Remove and return `room`'s entry.
+    pub fn remove(&mut self, room: RoomId) -> Option<T> {
+        let (_, v) = self.map.remove(&room)?;
+        self.order.retain(|(_, r)| *r != room);
+        Some(v)
+    }
+
+    /// Drop every entry that expired at or before `now`.
+    pub fn expire(&mut self, now: Instant) {
+        while let Some(&(at, room)) = self.order.front() {
+            if at > now {
+                break;
+            }
+            self.order.pop_front();
+            if self.map.get(&room).is_some_and(|(e, _)| *e <= now) {
+                self.map.remove(&room);
+            }
+        }
+    }
+
+    /// Earliest expiry.
+    pub fn next_expiry(&self) -> Option<Instant> {
+        self.order.front().map(|(at, _)| *at)
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+/// Counters shared by both tables, for metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoomStats {
+    /// Rooms opened.
+    pub opened: u64,
+    /// Rooms that ended in Success.
+    pub succeeded: u64,
+    /// Rooms that ended in Failed.
+    pub failed: u64,
+    /// Opens refused (duplicate, zero capacity, already aborted).
+    pub open_rejected: u64,
+    /// Duplicate messages ignored (same destination, same status twice).
+    pub duplicates: u64,
+    /// Messages for rooms this side does not know (answered or parked, never
+    /// creating a room).
+    pub unknown_room_events: u64,
+    /// Messages that break the protocol for a known room (counted; the room
+    /// may be failed as peer-misbehaved).
+    pub violations: u64,
+    /// Abort fences that expired with a write possibly in flight.
+    pub fence_expired: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn r(n: u64) -> RoomId {
+        RoomId::new(n).unwrap()
+    }
+
+    #[test]
+    fn expiring_caps_and_expires() {
+        let t0 = Instant::now();
+        let mut m = Expiring::new(2);
+        m.insert(r(1), "a", t0 + Duration::from_secs(1));
+        m.insert(r(2), "b", t0 + Duration::from_secs(2));
+        m.insert(r(3), "c", t0 + Duration::from_secs(3));
+        assert_eq!(m.len(), 2);
+        assert_eq!(m.evicted, 1);
+        assert_eq!(m.get(r(1)), None);
+        assert_eq!(m.next_expiry(), Some(t0 + Duration::from_secs(2)));
+        m.expire(t0 + Duration::from_secs(2));
+        assert_eq!(m.get(r(2)), None);
+        assert_eq!(m.get(r(3)), Some(&"c"));
+        assert_eq!(m.remove(r(3)), Some("c"));
+        assert!(m.is_empty());
+        assert_eq!(m.next_expiry(), None);
+    }
+
+    #[test]
+    fn order_is_monotonic_with_terminal_top() {
+        let all = [
+            RoomState::Bootstrapping,
+            RoomState::WaitingForInput,
+            RoomState::Transferring,
+            RoomState::Draining,
+            RoomState::Success,
+        ];
+        for w in all.windows(2) {
+            assert!(w[0].order() < w[1].order());
+        }
+        assert_eq!(RoomState::Failed.order(), RoomState::Success.order());
+        assert!(RoomState::Failed.is_terminal() && !RoomState::Draining.is_terminal());
+    }
+}
