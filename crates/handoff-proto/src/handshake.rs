@@ -583,3 +583,326 @@ impl Handshake {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::FailureKind;
+    use crate::frame::{encode_frame, FrameDecoder, HANDSHAKE_FRAME_VERSION};
+    use crate::fuzz::sample_fingerprint;
+    use crate::ids::RoomId;
+    use crate::message::{Outcome, Status};
+
+    /// Move one message through the real codec.
+    fn wire(m: &Message) -> Message {
+        let mut buf = Vec::new();
+        encode_frame(
+            m,
+            HANDSHAKE_FRAME_VERSION,
+            Capabilities::NONE,
+            DEFAULT_MAX_FRAME_LEN,
+            &mut buf,
+        )
+        .unwrap();
+        let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME_LEN);
+        d.push(&buf);
+        d.poll().unwrap().unwrap()
+    }
+
+    /// Run both ends to completion; returns each end's result. Like a real
+    /// shell, each end sends what it has queued (its Register, at connect)
+    /// before it reads anything.
+    #[allow(clippy::type_complexity)]
+    fn run(
+        p: HandshakeConfig,
+        d: HandshakeConfig,
+    ) -> (
+        Handshake,
+        Result<(), HandshakeError>,
+        Handshake,
+        Result<(), HandshakeError>,
+        usize,
+    ) {
+        let mut hp = Handshake::new(p, [1; 32]);
+        let mut hd = Handshake::new(d, [2; 32]);
+        let (mut rp, mut rd) = (Ok(()), Ok(()));
+        let mut sent_by_prefill = 0;
+        for _ in 0..10 {
+            let to_p: Vec<Message> = std::iter::from_fn(|| hd.poll_transmit()).collect();
+            let to_d: Vec<Message> = std::iter::from_fn(|| hp.poll_transmit()).collect();
+            sent_by_prefill += to_d.len();
+            if to_p.is_empty() && to_d.is_empty() {
+                break;
+            }
+            for m in to_p {
+                if rp.is_ok() {
+                    rp = hp.handle(wire(&m));
+                }
+            }
+            for m in to_d {
+                if rd.is_ok() {
+                    rd = hd.handle(wire(&m));
+                }
+            }
+        }
+        (hp, rp, hd, rd, sent_by_prefill)
+    }
+
+    fn cfg(role: Role) -> HandshakeConfig {
+        HandshakeConfig::new(role, sample_fingerprint())
+    }
+
+    #[test]
+    fn plain_handshake_negotiates_current_version() {
+        let (hp, rp, hd, rd, _) = run(cfg(Role::Prefill), cfg(Role::Decode));
+        assert_eq!((rp, rd), (Ok(()), Ok(())));
+        let n = hp.negotiated().unwrap();
+        assert_eq!(n.version, PROTOCOL_VERSION);
+        assert_eq!(
+            n.capabilities,
+            Capabilities::FAILURE_DETAIL.union(Capabilities::DESTINATION_PREFIX)
+        );
+        assert_eq!(n.peer_role, Role::Decode);
+        assert_eq!(hd.negotiated().unwrap().peer_role, Role::Prefill);
+    }
+
+    #[test]
+    fn shared_secret_authenticates_both_ways() {
+        let mut p = cfg(Role::Prefill);
+        let mut d = cfg(Role::Decode);
+        p.secret = Some(b"s3cret".to_vec());
+        d.secret = Some(b"s3cret".to_vec());
+        let (hp, rp, hd, rd, sent) = run(p, d);
+        assert_eq!((rp, rd), (Ok(()), Ok(())));
+        assert!(hp
+            .negotiated()
+            .unwrap()
+            .capabilities
+            .contains(Capabilities::AUTH));
+        assert!(hd.negotiated().is_some());
+        assert_eq!(sent, 2, "prefill sends Register and its proof");
+    }
+
+    #[test]
+    fn wrong_secret_gets_nothing_from_prefill() {
+        let mut p = cfg(Role::Prefill);
+        let mut d = cfg(Role::Decode);
+        p.secret = Some(b"right".to_vec());
+        d.secret = Some(b"wrong".to_vec());
+        let (hp, rp, hd, rd, sent) = run(p, d);
+        assert_eq!(rp, Err(HandshakeError::AuthFailed));
+        assert_eq!(rd, Ok(()), "decode is still waiting: it never got a proof");
+        assert!(hp.is_failed() && hp.negotiated().is_none() && hd.negotiated().is_none());
+        assert_eq!(sent, 1, "prefill sent only its Register, never a proof");
+    }
+
+    #[test]
+    fn the_secret_never_crosses_the_wire() {
+        let secret = b"do-not-leak-this-secret";
+        let mut d = cfg(Role::Decode);
+        d.secret = Some(secret.to_vec());
+        let mut hd = Handshake::new(d, [2; 32]);
+        let mut p = cfg(Role::Prefill);
+        p.secret = Some(secret.to_vec());
+        let mut hp = Handshake::new(p, [1; 32]);
+        let mut bytes = Vec::new();
+        let reg = hp.poll_transmit().unwrap();
+        hd.handle(reg).unwrap();
+        while let Some(m) = hd.poll_transmit() {
+            encode_frame(&m, 1, Capabilities::NONE, DEFAULT_MAX_FRAME_LEN, &mut bytes).unwrap();
+        }
+        assert!(!bytes.windows(secret.len()).any(|w| w == secret));
+        // The proof is bound to the prover's role: decode's proof is not prefill's.
+        assert_ne!(
+            auth_proof(secret, Role::Decode, &[2; 32], &[1; 32]),
+            auth_proof(secret, Role::Prefill, &[2; 32], &[1; 32])
+        );
+    }
+
+    #[test]
+    fn page_size_mismatch_names_both_values_on_both_sides() {
+        let p = cfg(Role::Prefill);
+        let mut d = cfg(Role::Decode);
+        d.fingerprint.page_size = 64;
+        let (_, rp, _, rd, _) = run(p, d);
+        let msg = "page size: prefill has 16, decode has 64";
+        assert_eq!(rp.unwrap_err().to_string(), msg);
+        assert_eq!(rd.unwrap_err().to_string(), msg);
+    }
+
+    #[test]
+    fn every_fingerprint_field_is_checked() {
+        let base = sample_fingerprint();
+        let mut cases: Vec<(Fingerprint, &str)> = Vec::new();
+        let mut f = base.clone();
+        f.model_id = "other".into();
+        cases.push((
+            f,
+            "model: prefill has SmolLM2-135M-Instruct-Q4_1, decode has other",
+        ));
+        let mut f = base.clone();
+        f.model_hash = [8; 32];
+        cases.push((f, "model hash"));
+        let mut f = base.clone();
+        f.layers = 31;
+        cases.push((f, "layers: prefill has 30, decode has 31"));
+        let mut f = base.clone();
+        f.kv_heads = 4;
+        cases.push((f, "KV heads: prefill has 3, decode has 4"));
+        let mut f = base.clone();
+        f.head_dim = 128;
+        cases.push((f, "head dim: prefill has 64, decode has 128"));
+        let mut f = base.clone();
+        f.dtype = KvDtype::F16;
+        cases.push((f, "KV dtype: prefill has f32, decode has f16"));
+        let mut f = base.clone();
+        f.tp_size = 2;
+        cases.push((f, "TP size"));
+        for (decode_fp, expect) in cases {
+            let err = base
+                .check_compatible(Role::Prefill, &decode_fp)
+                .unwrap_err();
+            assert!(err.to_string().starts_with(expect), "{err} vs {expect}");
+        }
+        let mut tp = base.clone();
+        tp.tp_size = 3;
+        tp.tp_rank = 2;
+        assert_eq!(
+            base.check_compatible(Role::Prefill, &tp),
+            Ok(()),
+            "TP 3 over 3 heads is fine"
+        );
+    }
+
+    #[test]
+    fn version_n_minus_one_interoperates() {
+        // An old decode: protocol 1 only, v1 capabilities.
+        let p = cfg(Role::Prefill);
+        let mut d = cfg(Role::Decode);
+        d.max_version = 1;
+        d.capabilities = Capabilities::V1;
+        let (hp, rp, hd, rd, _) = run(p, d);
+        assert_eq!((rp, rd), (Ok(()), Ok(())));
+        let np = hp.negotiated().unwrap().clone();
+        let nd = hd.negotiated().unwrap().clone();
+        assert_eq!((np.version, nd.version), (1, 1));
+        assert_eq!(np.capabilities, Capabilities::NONE);
+        assert_eq!(np.capabilities, nd.capabilities);
+        // New prefill reports a 400 rejection; the old decode gets kind and
+        // reason, and its default status for the kind is the same 400.
+        let status = Message::Status(Status {
+            room: RoomId::new(5).unwrap(),
+            outcome: Outcome::Failed {
+                kind: FailureKind::Rejected,
+                reason: "prompt too long".into(),
+                http_status: Some(400),
+            },
+        });
+        let mut buf = Vec::new();
+        encode_frame(
+            &status,
+            np.version,
+            np.capabilities,
+            np.peer_max_frame_len,
+            &mut buf,
+        )
+        .unwrap();
+        let mut dec = FrameDecoder::new(DEFAULT_MAX_FRAME_LEN);
+        dec.set_capabilities(nd.capabilities);
+        dec.push(&buf);
+        let Some(Ok(Message::Status(Status {
+            outcome:
+                Outcome::Failed {
+                    kind,
+                    reason,
+                    http_status,
+                },
+            ..
+        }))) = dec.poll()
+        else {
+            panic!("old decode could not read the new prefill's status");
+        };
+        assert_eq!(
+            (kind, reason.as_str(), http_status),
+            (FailureKind::Rejected, "prompt too long", None)
+        );
+        assert_eq!(kind.default_http_status(), 400);
+    }
+
+    #[test]
+    fn unknown_register_extensions_are_skipped() {
+        let mut hs = Handshake::new(cfg(Role::Decode), [2; 32]);
+        let Some(Message::Register(reg)) = hs.poll_transmit() else {
+            panic!()
+        };
+        let mut payload = Vec::new();
+        Message::Register(reg.clone()).encode_payload(Capabilities::NONE, &mut payload);
+        // Rewrite the extension list: one known (max_frame_len) plus a future tag.
+        let ext_at = payload.len() - (2 + 2 + 2 + 4);
+        payload.truncate(ext_at);
+        payload.extend(2u16.to_le_bytes());
+        payload.extend(0x7777u16.to_le_bytes());
+        payload.extend(3u16.to_le_bytes());
+        payload.extend([9, 9, 9]);
+        payload.extend(1u16.to_le_bytes());
+        payload.extend(4u16.to_le_bytes());
+        payload.extend(65_536u32.to_le_bytes());
+        let back = Message::decode(
+            crate::message::MessageKind::Register,
+            &payload,
+            Capabilities::NONE,
+        )
+        .unwrap();
+        let Message::Register(back) = back else {
+            panic!()
+        };
+        assert_eq!(back.max_frame_len, Some(65_536));
+        assert_eq!(back.fingerprint, reg.fingerprint);
+    }
+
+    #[test]
+    fn disjoint_versions_fail() {
+        let p = cfg(Role::Prefill);
+        let mut d = cfg(Role::Decode);
+        d.min_version = 3;
+        d.max_version = 4;
+        let (_, rp, _, _, _) = run(p, d);
+        assert_eq!(
+            rp.unwrap_err().to_string(),
+            "protocol version: prefill speaks 1..=2, decode speaks 3..=4"
+        );
+    }
+
+    #[test]
+    fn role_and_auth_mismatches_fail() {
+        let (_, rp, _, _, _) = run(cfg(Role::Prefill), cfg(Role::Prefill));
+        assert_eq!(rp, Err(HandshakeError::SameRole(Role::Prefill)));
+        let mut p = cfg(Role::Prefill);
+        p.secret = Some(b"x".to_vec());
+        let (_, rp, _, rd, _) = run(p, cfg(Role::Decode));
+        let e = HandshakeError::AuthMismatch {
+            with_secret: Role::Prefill,
+            without: Role::Decode,
+        };
+        assert_eq!((rp, rd), (Err(e.clone()), Err(e)));
+    }
+
+    #[test]
+    fn out_of_order_messages_fail() {
+        let mut hs = Handshake::new(cfg(Role::Prefill), [1; 32]);
+        let err = hs
+            .handle(Message::AuthProof(AuthProof { mac: [0; 32] }))
+            .unwrap_err();
+        assert_eq!(
+            err,
+            HandshakeError::Unexpected {
+                kind: "AuthProof",
+                expecting: "Register"
+            }
+        );
+        assert!(
+            hs.poll_transmit().is_none(),
+            "a failed handshake sends nothing, not even Register"
+        );
+    }
+}

@@ -615,3 +615,353 @@ impl ReceiverRooms {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::FailureKind;
+    use std::time::Duration;
+
+    fn room(n: u64) -> RoomId {
+        RoomId::new(n).unwrap()
+    }
+
+    fn sources(ranks: &[u32]) -> Vec<Source> {
+        ranks
+            .iter()
+            .map(|r| Source {
+                rank: RankId(*r),
+                required_destinations: 1,
+            })
+            .collect()
+    }
+
+    fn pages() -> Vec<PageIndex> {
+        vec![PageIndex(7), PageIndex(3)]
+    }
+
+    fn drain(t: &mut ReceiverRooms) -> (Vec<Transmit>, Vec<ReceiverAction>) {
+        (
+            std::iter::from_fn(|| t.poll_transmit()).collect(),
+            std::iter::from_fn(|| t.poll_action()).collect(),
+        )
+    }
+
+    fn status(r: RoomId, outcome: Outcome) -> Message {
+        Message::Status(Status { room: r, outcome })
+    }
+
+    fn ack(r: RoomId, drained: bool) -> Message {
+        Message::AbortAck(AbortAck { room: r, drained })
+    }
+
+    fn release(r: RoomId, fence_expired: bool) -> ReceiverAction {
+        ReceiverAction::ReleasePages {
+            room: r,
+            pages: pages(),
+            aux_slot: AuxSlot(4),
+            fence_expired,
+        }
+    }
+
+    /// A room with sources `ranks`, pages reserved, destinations drained.
+    fn reserved(t: &mut ReceiverRooms, r: RoomId, ranks: &[u32], now: Instant) {
+        t.open(r, sources(ranks), now).unwrap();
+        t.handle_pages_reserved(r, pages(), AuxSlot(4), None, now);
+        let (tx, _) = drain(t);
+        assert_eq!(tx.len(), ranks.len());
+    }
+
+    #[test]
+    fn success_needs_every_distinct_source_then_the_aux_check() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(1);
+        t.open(r, sources(&[0, 1]), t0).unwrap();
+        assert_eq!(t.state(r), Some(RoomState::Bootstrapping));
+        t.handle_pages_reserved(r, pages(), AuxSlot(4), Some(16), t0);
+        let (tx, _) = drain(&mut t);
+        assert_eq!(tx.iter().map(|x| x.to.0).collect::<Vec<_>>(), vec![0, 1]);
+        let Message::Destination(d) = &tx[1].message else {
+            panic!()
+        };
+        assert_eq!(
+            (d.pages.clone(), d.aux_slot, d.prefix_tokens),
+            (pages(), AuxSlot(4), Some(16))
+        );
+        assert_eq!(t.state(r), Some(RoomState::WaitingForInput));
+        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
+        assert_eq!(t.state(r), Some(RoomState::Transferring));
+        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
+        t.handle_message(RankId(9), status(r, Outcome::Success), t0);
+        assert_eq!(
+            drain(&mut t).1,
+            vec![],
+            "a duplicate and a stranger do not complete the room"
+        );
+        assert_eq!((t.stats().duplicates, t.stats().violations), (1, 1));
+        t.handle_message(RankId(1), status(r, Outcome::Success), t0);
+        assert_eq!(
+            drain(&mut t).1,
+            vec![ReceiverAction::CheckAux {
+                room: r,
+                aux_slot: AuxSlot(4)
+            }]
+        );
+        t.handle_aux_checked(r, 1, t0);
+        assert_eq!(
+            drain(&mut t).1,
+            vec![ReceiverAction::Commit {
+                room: r,
+                pages: pages(),
+                aux_slot: AuxSlot(4)
+            }]
+        );
+        assert_eq!((t.live_rooms(), t.leased_pages()), (0, 0));
+        assert_eq!(t.state(r), Some(RoomState::Success));
+    }
+
+    #[test]
+    fn aux_slot_with_another_room_fails_with_500() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(2);
+        reserved(&mut t, r, &[0], t0);
+        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
+        drain(&mut t);
+        t.handle_aux_checked(r, 99, t0);
+        let (_, acts) = drain(&mut t);
+        let ReceiverAction::FailRequest { error, .. } = &acts[0] else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(
+            (error.error_type(), error.http_status()),
+            ("peer_misbehaved", 500)
+        );
+        assert_eq!(error.to_string(), "peer misbehaved: aux slot carries room 0x0000000000000063, expected 0x0000000000000002");
+        assert_eq!(acts[1], release(r, false));
+    }
+
+    #[test]
+    fn prefill_rejection_keeps_reason_and_status_and_fences_other_sources() {
+        // Seed 004 on the decode side, with two sources.
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(3);
+        reserved(&mut t, r, &[0, 1], t0);
+        let failed = Outcome::Failed {
+            kind: FailureKind::Rejected,
+            reason: "prompt too long".into(),
+            http_status: Some(400),
+        };
+        t.handle_message(RankId(0), status(r, failed), t0);
+        let (tx, acts) = drain(&mut t);
+        assert_eq!(
+            acts,
+            vec![ReceiverAction::FailRequest {
+                room: r,
+                error: TransferError::Rejected {
+                    http_status: 400,
+                    reason: "prompt too long".into()
+                }
+            }]
+        );
+        assert_eq!(tx.len(), 1);
+        assert_eq!(
+            tx[0].to,
+            RankId(1),
+            "only the source that may still write is aborted"
+        );
+        let Message::Abort(a) = &tx[0].message else {
+            panic!()
+        };
+        assert_eq!(
+            (a.http_status, a.reason.as_str()),
+            (Some(400), "prompt too long")
+        );
+        assert_eq!(t.state(r), Some(RoomState::Draining));
+        assert_eq!(t.leased_pages(), 2);
+        // A late success after the failure stays failed.
+        t.handle_message(RankId(1), status(r, Outcome::Success), t0);
+        assert_eq!(drain(&mut t).1, vec![release(r, false)]);
+        assert_eq!(t.state(r), Some(RoomState::Failed));
+    }
+
+    #[test]
+    fn local_abort_releases_only_after_every_drained_ack_or_the_fence() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let (a, b) = (room(4), room(5));
+        reserved(&mut t, a, &[0, 1], t0);
+        reserved(&mut t, b, &[0], t0);
+        let client = TransferError::Aborted {
+            origin: AbortOrigin::Client,
+            reason: "client went away".into(),
+            http_status: 499,
+        };
+        t.abort(a, client.clone(), t0);
+        t.abort(b, client.clone(), t0);
+        let (tx, acts) = drain(&mut t);
+        assert_eq!(tx.len(), 3);
+        assert!(tx.iter().all(|x| matches!(&x.message, Message::Abort(m) if m.origin == Some(AbortOrigin::Client) && m.http_status == Some(499))));
+        assert_eq!(
+            acts,
+            vec![
+                ReceiverAction::FailRequest {
+                    room: a,
+                    error: client.clone()
+                },
+                ReceiverAction::FailRequest {
+                    room: b,
+                    error: client
+                }
+            ]
+        );
+        t.handle_message(RankId(0), ack(a, true), t0);
+        t.handle_message(RankId(1), ack(a, false), t0);
+        t.handle_message(RankId(0), ack(b, true), t0);
+        assert_eq!(
+            drain(&mut t).1,
+            vec![ReceiverAction::ReleasePages {
+                room: b,
+                pages: pages(),
+                aux_slot: AuxSlot(4),
+                fence_expired: false
+            }]
+        );
+        assert_eq!(
+            t.state(a),
+            Some(RoomState::Draining),
+            "rank 1 is not drained"
+        );
+        t.handle_timeout(t0 + Duration::from_millis(4999));
+        assert_eq!(drain(&mut t).1, vec![]);
+        t.handle_timeout(t0 + Duration::from_secs(5));
+        assert_eq!(drain(&mut t).1, vec![release(a, true)]);
+        assert_eq!(
+            (t.live_rooms(), t.leased_pages(), t.stats().fence_expired),
+            (0, 0, 1)
+        );
+    }
+
+    #[test]
+    fn abort_before_pages_needs_no_fence_and_late_pages_come_back() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(6);
+        t.open(r, sources(&[0]), t0).unwrap();
+        t.abort(
+            r,
+            TransferError::Aborted {
+                origin: AbortOrigin::Router,
+                reason: "x".into(),
+                http_status: 503,
+            },
+            t0,
+        );
+        let (tx, acts) = drain(&mut t);
+        assert!(tx.is_empty(), "no destination was sent, nobody to abort");
+        assert!(matches!(
+            acts.as_slice(),
+            [ReceiverAction::FailRequest { .. }]
+        ));
+        t.handle_pages_reserved(r, pages(), AuxSlot(4), None, t0);
+        let (tx, acts) = drain(&mut t);
+        assert!(tx.is_empty());
+        assert_eq!(acts, vec![release(r, false)]);
+        assert_eq!(t.live_rooms(), 0);
+    }
+
+    #[test]
+    fn unknown_rooms_are_never_created() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(7);
+        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
+        t.handle_message(RankId(0), ack(r, true), t0);
+        t.handle_message(
+            RankId(0),
+            Message::Abort(Abort {
+                room: r,
+                reason: "x".into(),
+                http_status: None,
+                origin: None,
+            }),
+            t0,
+        );
+        let (tx, acts) = drain(&mut t);
+        assert_eq!(
+            tx,
+            vec![Transmit {
+                to: RankId(0),
+                message: ack(r, true)
+            }]
+        );
+        assert!(acts.is_empty());
+        assert_eq!(
+            (t.live_rooms(), t.state(r), t.stats().unknown_room_events),
+            (0, None, 3)
+        );
+    }
+
+    #[test]
+    fn dead_prefill_fails_now_but_fences_its_pages() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(8);
+        reserved(&mut t, r, &[0], t0);
+        t.handle_peer_dead(RankId(0), t0);
+        let (_, acts) = drain(&mut t);
+        let [ReceiverAction::FailRequest { error, .. }] = acts.as_slice() else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(
+            (error.error_type(), error.http_status()),
+            ("peer_dead", 503)
+        );
+        assert_eq!(t.leased_pages(), 2);
+        t.handle_timeout(t0 + Duration::from_secs(5));
+        assert_eq!(drain(&mut t).1, vec![release(r, true)]);
+    }
+
+    #[test]
+    fn waiting_timeout_aborts_sources_with_504() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(9);
+        reserved(&mut t, r, &[0], t0);
+        t.handle_timeout(t0 + Duration::from_secs(30));
+        let (tx, acts) = drain(&mut t);
+        let [ReceiverAction::FailRequest { error, .. }] = acts.as_slice() else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((error.error_type(), error.http_status()), ("timeout", 504));
+        assert_eq!(
+            error.to_string(),
+            "timed out in waiting_for_input after 30.0 s"
+        );
+        assert!(matches!(&tx[0].message, Message::Abort(a) if a.http_status == Some(504)));
+    }
+
+    #[test]
+    fn duplicate_and_bad_opens_are_refused() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        t.open(room(10), sources(&[0]), t0).unwrap();
+        assert_eq!(
+            t.open(room(10), sources(&[0]), t0),
+            Err(TransferError::DuplicateRoom)
+        );
+        assert_eq!(
+            t.open(room(11), sources(&[0, 0]), t0)
+                .unwrap_err()
+                .error_type(),
+            "internal"
+        );
+        assert_eq!(
+            t.open(room(11), vec![], t0).unwrap_err().error_type(),
+            "internal"
+        );
+        assert_eq!(t.live_rooms(), 1);
+    }
+}

@@ -566,3 +566,386 @@ impl SenderRooms {
         self.remember(room, Tombstone::Failed { error, drained }, now);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::FailureKind;
+    use crate::ids::{AuxSlot, PageIndex};
+    use std::time::Duration;
+
+    fn room(n: u64) -> RoomId {
+        RoomId::new(n).unwrap()
+    }
+
+    fn dest(r: RoomId, required: u16) -> Message {
+        Message::Destination(Destination {
+            room: r,
+            pages: vec![PageIndex(1), PageIndex(2)],
+            aux_slot: AuxSlot(0),
+            required_destinations: required,
+            prefix_tokens: None,
+        })
+    }
+
+    fn abort(r: RoomId) -> Message {
+        Message::Abort(Abort {
+            room: r,
+            reason: "client disconnected".into(),
+            http_status: Some(499),
+            origin: Some(AbortOrigin::Client),
+        })
+    }
+
+    fn drain(t: &mut SenderRooms) -> (Vec<Transmit>, Vec<SenderAction>) {
+        (
+            std::iter::from_fn(|| t.poll_transmit()).collect(),
+            std::iter::from_fn(|| t.poll_action()).collect(),
+        )
+    }
+
+    fn status(to: u32, r: RoomId, outcome: Outcome) -> Transmit {
+        Transmit {
+            to: RankId(to),
+            message: Message::Status(Status { room: r, outcome }),
+        }
+    }
+
+    #[test]
+    fn two_destinations_gate_compute_and_both_get_success() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(1);
+        t.open(r, t0).unwrap();
+        t.handle_message(RankId(0), dest(r, 2), t0);
+        assert_eq!(
+            drain(&mut t),
+            (vec![], vec![]),
+            "one of two destinations: no compute yet"
+        );
+        assert_eq!(t.state(r), Some(RoomState::Bootstrapping));
+        t.handle_message(RankId(0), dest(r, 2), t0);
+        assert_eq!(t.stats().duplicates, 1);
+        t.handle_message(RankId(1), dest(r, 2), t0);
+        assert_eq!(
+            drain(&mut t).1,
+            vec![SenderAction::StartCompute { room: r }]
+        );
+        assert_eq!(t.state(r), Some(RoomState::WaitingForInput));
+        t.handle_compute_done(r, t0);
+        let (_, acts) = drain(&mut t);
+        let [SenderAction::StartWrites { destinations, .. }] = acts.as_slice() else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(
+            destinations.iter().map(|(k, _)| k.0).collect::<Vec<_>>(),
+            vec![0, 1]
+        );
+        t.handle_write_done(r, RankId(0), t0);
+        assert_eq!(drain(&mut t), (vec![], vec![]));
+        t.handle_write_done(r, RankId(1), t0);
+        let (tx, acts) = drain(&mut t);
+        assert_eq!(
+            tx,
+            vec![
+                status(0, r, Outcome::Success),
+                status(1, r, Outcome::Success)
+            ]
+        );
+        assert_eq!(
+            acts,
+            vec![SenderAction::Finished {
+                room: r,
+                result: Ok(())
+            }]
+        );
+        assert_eq!(t.state(r), Some(RoomState::Success));
+        assert_eq!(t.live_rooms(), 0);
+    }
+
+    #[test]
+    fn early_destination_is_parked_not_a_room() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(2);
+        t.handle_message(RankId(0), dest(r, 1), t0);
+        assert_eq!(t.live_rooms(), 0);
+        assert_eq!(t.parked_rooms(), 1);
+        assert_eq!(t.state(r), None);
+        t.open(r, t0).unwrap();
+        assert_eq!(
+            drain(&mut t).1,
+            vec![SenderAction::StartCompute { room: r }]
+        );
+        assert_eq!(t.parked_rooms(), 0);
+    }
+
+    #[test]
+    fn parked_destinations_are_capped_and_expire() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig {
+            max_unknown_rooms: 2,
+            ..RoomConfig::default()
+        });
+        for n in 1..=3 {
+            t.handle_message(RankId(0), dest(room(n), 1), t0);
+        }
+        assert_eq!(t.parked_rooms(), 2);
+        t.handle_timeout(t0 + Duration::from_secs(61));
+        assert_eq!(t.parked_rooms(), 0);
+        t.open(room(3), t0 + Duration::from_secs(61)).unwrap();
+        assert_eq!(
+            drain(&mut t).1,
+            vec![],
+            "expired destination is not applied"
+        );
+    }
+
+    #[test]
+    fn abort_while_writing_drains_before_anyone_is_told() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(3);
+        t.open(r, t0).unwrap();
+        t.handle_message(RankId(0), dest(r, 2), t0);
+        t.handle_message(RankId(1), dest(r, 2), t0);
+        t.handle_compute_done(r, t0);
+        drain(&mut t);
+        t.handle_message(RankId(0), abort(r), t0);
+        assert_eq!(
+            drain(&mut t),
+            (vec![], vec![SenderAction::CancelWrites { room: r }])
+        );
+        assert_eq!(t.state(r), Some(RoomState::Draining));
+        // A late success on a cancelled write does not make the room succeed.
+        t.handle_write_done(r, RankId(0), t0);
+        t.handle_write_failed(
+            r,
+            RankId(1),
+            TransferError::Internal {
+                reason: "cancelled".into(),
+            },
+            t0,
+        );
+        let (tx, acts) = drain(&mut t);
+        assert_eq!(
+            tx,
+            vec![
+                Transmit {
+                    to: RankId(0),
+                    message: Message::AbortAck(AbortAck {
+                        room: r,
+                        drained: true
+                    })
+                },
+                status(
+                    1,
+                    r,
+                    Outcome::Failed {
+                        kind: FailureKind::Aborted,
+                        reason: "client disconnected".into(),
+                        http_status: Some(499)
+                    }
+                ),
+            ]
+        );
+        let [SenderAction::Finished { result: Err(e), .. }] = acts.as_slice() else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((e.error_type(), e.http_status()), ("aborted", 499));
+        assert_eq!(t.state(r), Some(RoomState::Failed));
+    }
+
+    #[test]
+    fn abort_for_unknown_room_is_acked_and_blocks_a_later_open() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(4);
+        t.handle_message(RankId(2), abort(r), t0);
+        let (tx, acts) = drain(&mut t);
+        assert_eq!(
+            tx,
+            vec![Transmit {
+                to: RankId(2),
+                message: Message::AbortAck(AbortAck {
+                    room: r,
+                    drained: true
+                })
+            }]
+        );
+        assert!(acts.is_empty());
+        assert_eq!(t.live_rooms(), 0);
+        let err = t.open(r, t0).unwrap_err();
+        assert_eq!((err.error_type(), err.http_status()), ("aborted", 499));
+    }
+
+    #[test]
+    fn rejection_reaches_a_decode_that_shows_up_later() {
+        // Seed 004: prefill rejects with 400 before decode's destination.
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(5);
+        t.open(r, t0).unwrap();
+        t.fail(
+            r,
+            TransferError::Rejected {
+                http_status: 400,
+                reason: "prompt too long".into(),
+            },
+            t0,
+        );
+        let (tx, acts) = drain(&mut t);
+        assert!(tx.is_empty());
+        assert_eq!(
+            acts,
+            vec![SenderAction::Finished {
+                room: r,
+                result: Err(TransferError::Rejected {
+                    http_status: 400,
+                    reason: "prompt too long".into()
+                })
+            }]
+        );
+        t.handle_message(RankId(0), dest(r, 1), t0);
+        let (tx, _) = drain(&mut t);
+        assert_eq!(
+            tx,
+            vec![status(
+                0,
+                r,
+                Outcome::Failed {
+                    kind: FailureKind::Rejected,
+                    reason: "prompt too long".into(),
+                    http_status: Some(400)
+                }
+            )]
+        );
+        assert_eq!(
+            t.live_rooms(),
+            0,
+            "the late destination did not resurrect the room"
+        );
+        assert_eq!(t.parked_rooms(), 0);
+    }
+
+    #[test]
+    fn duplicate_and_reused_room_ids_are_refused() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig {
+            max_live_rooms: 1,
+            ..RoomConfig::default()
+        });
+        t.open(room(6), t0).unwrap();
+        assert_eq!(t.open(room(6), t0), Err(TransferError::DuplicateRoom));
+        assert_eq!(t.open(room(7), t0).unwrap_err().error_type(), "capacity");
+        t.fail(room(6), TransferError::Internal { reason: "x".into() }, t0);
+        assert_eq!(t.open(room(6), t0), Err(TransferError::DuplicateRoom));
+        assert_eq!(t.stats().open_rejected, 3);
+    }
+
+    #[test]
+    fn each_phase_times_out_with_its_name() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        t.open(room(8), t0).unwrap();
+        t.open(room(9), t0).unwrap();
+        t.handle_message(RankId(0), dest(room(9), 1), t0);
+        assert_eq!(t.poll_timeout(), Some(t0 + Duration::from_secs(30)));
+        t.handle_timeout(t0 + Duration::from_secs(30));
+        let (_, acts) = drain(&mut t);
+        let phases: Vec<String> = acts
+            .iter()
+            .filter_map(|a| match a {
+                SenderAction::Finished { result: Err(e), .. } => Some(e.to_string()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            phases,
+            vec![
+                "timed out in bootstrapping after 30.0 s",
+                "timed out in waiting_for_input after 30.0 s"
+            ]
+        );
+    }
+
+    #[test]
+    fn fence_expiry_tells_decode_writes_may_still_land() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(10);
+        t.open(r, t0).unwrap();
+        t.handle_message(RankId(0), dest(r, 2), t0);
+        t.handle_message(RankId(1), dest(r, 2), t0);
+        t.handle_compute_done(r, t0);
+        t.handle_message(RankId(0), abort(r), t0);
+        drain(&mut t);
+        t.handle_timeout(t0 + Duration::from_secs(5));
+        let (tx, _) = drain(&mut t);
+        assert_eq!(
+            tx[0],
+            Transmit {
+                to: RankId(0),
+                message: Message::AbortAck(AbortAck {
+                    room: r,
+                    drained: false
+                })
+            }
+        );
+        assert!(matches!(
+            &tx[1],
+            Transmit {
+                to: RankId(1),
+                message: Message::Abort(_)
+            }
+        ));
+        assert_eq!(t.stats().fence_expired, 1);
+        // A repeated abort is answered from the tombstone, still not drained.
+        t.handle_message(RankId(0), abort(r), t0 + Duration::from_secs(6));
+        assert_eq!(
+            drain(&mut t).0,
+            vec![Transmit {
+                to: RankId(0),
+                message: Message::AbortAck(AbortAck {
+                    room: r,
+                    drained: false
+                })
+            }]
+        );
+    }
+
+    #[test]
+    fn changing_destination_count_is_misbehaviour() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(11);
+        t.open(r, t0).unwrap();
+        t.handle_message(RankId(0), dest(r, 2), t0);
+        t.handle_message(RankId(1), dest(r, 3), t0);
+        let (tx, acts) = drain(&mut t);
+        let [SenderAction::Finished { result: Err(e), .. }] = acts.as_slice() else {
+            panic!("{acts:?}")
+        };
+        assert_eq!(e.error_type(), "peer_misbehaved");
+        assert_eq!(tx.len(), 1, "the known destination is told");
+    }
+
+    #[test]
+    fn dead_decode_fails_its_rooms_only() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        t.open(room(12), t0).unwrap();
+        t.open(room(13), t0).unwrap();
+        t.handle_message(RankId(0), dest(room(12), 1), t0);
+        t.handle_message(RankId(1), dest(room(13), 1), t0);
+        drain(&mut t);
+        t.handle_peer_dead(RankId(0), t0);
+        assert_eq!(t.state(room(12)), Some(RoomState::Failed));
+        assert_eq!(t.state(room(13)), Some(RoomState::WaitingForInput));
+        let (_, acts) = drain(&mut t);
+        let [SenderAction::Finished { result: Err(e), .. }] = acts.as_slice() else {
+            panic!("{acts:?}")
+        };
+        assert_eq!((e.error_type(), e.http_status()), ("peer_dead", 503));
+    }
+}
