@@ -1,0 +1,373 @@
+//! A Llama-family transformer over a paged KV pool (DESIGN.md §6): GGUF
+//! weights, RMSNorm, RoPE with the GGUF's parameters, GQA, SwiGLU, K/V read
+//! and written through [`KvPool`] pages.
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::QTensor;
+use candle_core::Device;
+use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
+
+use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
+use crate::config::LlamaConfig;
+use crate::error::ModelError;
+use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
+use crate::ops::{add_assign, add_bias, rms_norm, silu_mul};
+use crate::rope::{Rope, RopeMode};
+
+pub(crate) struct Block {
+    pub(crate) attn_norm: Vec<f32>,
+    pub(crate) wq: Linear,
+    pub(crate) wk: Linear,
+    pub(crate) wv: Linear,
+    pub(crate) bq: Option<Vec<f32>>,
+    pub(crate) bk: Option<Vec<f32>>,
+    pub(crate) bv: Option<Vec<f32>>,
+    pub(crate) wo: Linear,
+    pub(crate) ffn_norm: Vec<f32>,
+    pub(crate) w_gate: Linear,
+    pub(crate) w_up: Linear,
+    pub(crate) w_down: Linear,
+}
+
+/// A loaded model, immutable and shareable across threads.
+pub struct Llama {
+    pub(crate) config: LlamaConfig,
+    pub(crate) formats: PhaseFormats,
+    pub(crate) embed: Vec<f32>,
+    pub(crate) blocks: Vec<Block>,
+    pub(crate) norm: Vec<f32>,
+    pub(crate) lm_head: Linear,
+    pub(crate) rope: Rope,
+}
+
+/// The new tokens of one sequence in a forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    /// Token ids to append.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]` in the sequence (tokens before it are already in the pool).
+    pub start_pos: usize,
+    /// The sequence's pages; must cover positions up to `start_pos + tokens.len()`.
+    pub pages: &'a [PageIndex],
+}
+
+struct Loader<'a, R> {
+    content: &'a Content,
+    reader: &'a mut R,
+}
+
+impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
+    fn tensor(&mut self, name: &str) -> Result<QTensor, ModelError> {
+        if !self.content.tensor_infos.contains_key(name) {
+            return Err(ModelError::Malformed(format!("missing tensor {name}")));
+        }
+        self.content
+            .tensor(self.reader, name, &Device::Cpu)
+            .map_err(|e| ModelError::Malformed(format!("tensor {name}: {e}")))
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.tensor(name)?.dequantize(&Device::Cpu)?;
+        let v = t.flatten_all()?.to_vec1::<f32>()?;
+        if v.len() != len {
+            return Err(ModelError::Malformed(format!(
+                "tensor {name} has {} elements, expected {len}",
+                v.len()
+            )));
+        }
+        Ok(v)
+    }
+
+    fn linear(
+        &mut self,
+        name: &str,
+        out: usize,
+        inp: usize,
+        f: PhaseFormats,
+    ) -> Result<Linear, ModelError> {
+        let t = self.tensor(name)?;
+        let dims = t.shape().dims().to_vec();
+        if dims != [out, inp] {
+            return Err(ModelError::Malformed(format!(
+                "tensor {name} has shape {dims:?}, expected [{out}, {inp}]"
+            )));
+        }
+        Linear::new(&t, f)
+    }
+}
+
+impl Llama {
+    /// Open and load a GGUF file.
+    pub fn load(path: &Path, formats: PhaseFormats) -> Result<(Self, Content), ModelError> {
+        let p = path.display().to_string();
+        let mut file = std::fs::File::open(path).map_err(|source| ModelError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        let content = Content::read(&mut file).map_err(|e| ModelError::InvalidGguf {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        let model = Self::from_content(&content, &mut file, formats)?;
+        Ok((model, content))
+    }
+
+    /// Load from an already parsed GGUF header and its reader.
+    pub fn from_content<R: std::io::Read + std::io::Seek>(
+        content: &Content,
+        reader: &mut R,
+        formats: PhaseFormats,
+    ) -> Result<Self, ModelError> {
+        let config = LlamaConfig::from_gguf(content)?;
+        let mut ld = Loader { content, reader };
+        let (h, kvw) = (config.hidden, config.kv_heads * config.head_dim);
+        let embed_q = ld.tensor("token_embd.weight")?;
+        let embed = embed_q
+            .dequantize(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        if embed.len() != config.vocab_size * h {
+            return Err(ModelError::Malformed(
+                "token_embd.weight does not match the hidden size".into(),
+            ));
+        }
+        let head_formats = PhaseFormats {
+            prefill: WeightFormat::AsLoaded,
+            decode: WeightFormat::AsLoaded,
+        };
+        let lm_head = if ld.has("output.weight") {
+            ld.linear("output.weight", config.vocab_size, h, head_formats)?
+        } else {
+            Linear::new(&embed_q, head_formats)?
+        };
+        drop(embed_q);
+        let mut blocks = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let bias = |ld: &mut Loader<'_, R>,
+                        s: &str,
+                        len: usize|
+             -> Result<Option<Vec<f32>>, ModelError> {
+                let name = n(s);
+                if ld.has(&name) {
+                    ld.vector(&name, len).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            blocks.push(Block {
+                attn_norm: ld.vector(&n("attn_norm.weight"), h)?,
+                wq: ld.linear(&n("attn_q.weight"), h, h, formats)?,
+                wk: ld.linear(&n("attn_k.weight"), kvw, h, formats)?,
+                wv: ld.linear(&n("attn_v.weight"), kvw, h, formats)?,
+                bq: bias(&mut ld, "attn_q.bias", h)?,
+                bk: bias(&mut ld, "attn_k.bias", kvw)?,
+                bv: bias(&mut ld, "attn_v.bias", kvw)?,
+                wo: ld.linear(&n("attn_output.weight"), h, h, formats)?,
+                ffn_norm: ld.vector(&n("ffn_norm.weight"), h)?,
+                w_gate: ld.linear(&n("ffn_gate.weight"), config.ffn_hidden, h, formats)?,
+                w_up: ld.linear(&n("ffn_up.weight"), config.ffn_hidden, h, formats)?,
+                w_down: ld.linear(&n("ffn_down.weight"), h, config.ffn_hidden, formats)?,
+            });
+        }
+        let norm = ld.vector("output_norm.weight", h)?;
+        let mode = if config.architecture == "qwen2" {
+            RopeMode::Halves
+        } else {
+            RopeMode::Interleaved
+        };
+        let rope = Rope::new(
+            mode,
+            config.rope_dims,
+            config.rope_theta,
+            config.context_length,
+        );
+        Ok(Self {
+            config,
+            formats,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// Hyper-parameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// Weight formats in use per phase.
+    pub fn formats(&self) -> PhaseFormats {
+        self.formats
+    }
+
+    /// The KV geometry this model needs for a given page size.
+    pub fn kv_geometry(&self, page_size: usize) -> KvGeometry {
+        KvGeometry {
+            layers: self.config.layers,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+            page_size,
+            dtype: KvDtype::F32,
+        }
+    }
+
+    fn attn_shape(&self) -> AttnShape {
+        AttnShape {
+            heads: self.config.heads,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    /// Run the new tokens of each sequence through the model, writing their
+    /// K/V into the pool, and return the logits of each sequence's last new
+    /// token (`[vocab]` per sequence). With `Phase::Decode` every chunk must
+    /// hold exactly one token.
+    pub fn forward(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqChunk<'_>],
+        phase: Phase,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let cfg = &self.config;
+        let (h, d) = (cfg.hidden, cfg.head_dim);
+        let kvw = cfg.kv_heads * d;
+        let page_size = pool.geometry().page_size;
+        if pool.geometry() != &self.kv_geometry(page_size) {
+            return Err(ModelError::Forward(
+                "KV pool geometry does not match the model".into(),
+            ));
+        }
+        let mut total = 0;
+        for s in seqs {
+            let end = s.start_pos + s.tokens.len();
+            if s.tokens.is_empty() {
+                return Err(ModelError::Forward("empty chunk".into()));
+            }
+            if phase == Phase::Decode && s.tokens.len() != 1 {
+                return Err(ModelError::Forward(
+                    "decode chunks hold exactly one token".into(),
+                ));
+            }
+            if end > self.rope.max_pos() {
+                return Err(ModelError::Forward(format!(
+                    "position {end} exceeds the context length {}",
+                    self.rope.max_pos()
+                )));
+            }
+            if s.pages.len() * page_size < end {
+                return Err(ModelError::Forward(format!(
+                    "{} pages cannot hold {end} tokens",
+                    s.pages.len()
+                )));
+            }
+            for &p in s.pages {
+                pool.layout().check_page(p)?;
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t as usize >= cfg.vocab_size) {
+                return Err(ModelError::Forward(format!("token id {bad} out of range")));
+            }
+            total += s.tokens.len();
+        }
+        if total == 0 {
+            return Ok(Vec::new());
+        }
+        let mut hidden = Vec::with_capacity(total * h);
+        for s in seqs {
+            for &t in s.tokens {
+                hidden.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
+            }
+        }
+        let shape = self.attn_shape();
+        for (layer, b) in self.blocks.iter().enumerate() {
+            let xn = rms_norm(&hidden, &b.attn_norm, cfg.rms_eps);
+            let mut q = b.wq.forward(&xn, total, phase)?;
+            let mut k = b.wk.forward(&xn, total, phase)?;
+            let mut v = b.wv.forward(&xn, total, phase)?;
+            for (x, bias) in [(&mut q, &b.bq), (&mut k, &b.bk), (&mut v, &b.bv)] {
+                if let Some(bias) = bias {
+                    add_bias(x, bias);
+                }
+            }
+            let mut row = 0;
+            for s in seqs {
+                for i in 0..s.tokens.len() {
+                    let pos = s.start_pos + i;
+                    self.rope
+                        .apply(&mut q[(row + i) * h..(row + i + 1) * h], d, pos);
+                    self.rope
+                        .apply(&mut k[(row + i) * kvw..(row + i + 1) * kvw], d, pos);
+                    pool.write_token(
+                        layer,
+                        s.pages,
+                        pos,
+                        &k[(row + i) * kvw..(row + i + 1) * kvw],
+                        &v[(row + i) * kvw..(row + i + 1) * kvw],
+                    )?;
+                }
+                row += s.tokens.len();
+            }
+            let attn = match phase {
+                Phase::Decode => {
+                    let sa: Vec<SeqAttn<'_>> = seqs
+                        .iter()
+                        .map(|s| SeqAttn {
+                            pages: s.pages,
+                            start: s.start_pos,
+                            n: 1,
+                        })
+                        .collect();
+                    attend_decode(pool, layer, &sa, &q, shape)
+                }
+                Phase::Prefill => {
+                    let mut out = Vec::with_capacity(total * h);
+                    let mut row = 0;
+                    for s in seqs {
+                        let n = s.tokens.len();
+                        let sa = SeqAttn {
+                            pages: s.pages,
+                            start: s.start_pos,
+                            n,
+                        };
+                        out.extend(attend_prefill(
+                            pool,
+                            layer,
+                            &sa,
+                            &q[row * h..(row + n) * h],
+                            shape,
+                        )?);
+                        row += n;
+                    }
+                    out
+                }
+            };
+            let o = b.wo.forward(&attn, total, phase)?;
+            add_assign(&mut hidden, &o);
+            let xn = rms_norm(&hidden, &b.ffn_norm, cfg.rms_eps);
+            let gate = b.w_gate.forward(&xn, total, phase)?;
+            let up = b.w_up.forward(&xn, total, phase)?;
+            let act = silu_mul(&gate, &up);
+            let down = b.w_down.forward(&act, total, phase)?;
+            add_assign(&mut hidden, &down);
+        }
+        let mut last = Vec::with_capacity(seqs.len() * h);
+        let mut row = 0;
+        for s in seqs {
+            row += s.tokens.len();
+            last.extend_from_slice(&hidden[(row - 1) * h..row * h]);
+        }
+        let last = rms_norm(&last, &self.norm, cfg.rms_eps);
+        let logits = self.lm_head.forward(&last, seqs.len(), phase)?;
+        let vocab = self.lm_head.out_dim();
+        Ok(logits.chunks_exact(vocab).map(|c| c.to_vec()).collect())
+    }
+}
