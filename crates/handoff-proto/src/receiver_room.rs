@@ -82,6 +82,19 @@ pub enum ReceiverAction {
     },
 }
 
+/// Pages handed to [`ReceiverRooms::handle_pages_reserved`] that the room
+/// does not take (it is gone, or already has pages). Nobody was told about
+/// them: the shell frees them immediately.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagesRefused {
+    /// The pages.
+    pub pages: Vec<PageIndex>,
+    /// The aux slot.
+    pub aux_slot: AuxSlot,
+    /// True when the room is live but already had its pages (a shell bug).
+    pub room_live: bool,
+}
+
 /// Per-room state, named for what the room expects next.
 #[derive(Debug)]
 enum Expect {
@@ -245,8 +258,9 @@ impl ReceiverRooms {
     }
 
     /// The shell reserved `pages` and `aux_slot` for `room`; destinations
-    /// are sent. If the room is gone the pages come straight back in a
-    /// [`ReceiverAction::ReleasePages`].
+    /// are sent. If the room is gone or not waiting for pages, the pages were
+    /// never advertised to anyone and come straight back as
+    /// `Err(PagesRefused)`: free them at once.
     pub fn handle_pages_reserved(
         &mut self,
         room: RoomId,
@@ -254,22 +268,21 @@ impl ReceiverRooms {
         aux_slot: AuxSlot,
         prefix_tokens: Option<u32>,
         now: Instant,
-    ) {
+    ) -> Result<(), PagesRefused> {
         let Some(r) = self
             .rooms
             .get_mut(&room)
             .filter(|r| matches!(r.expect, Expect::Pages))
         else {
-            if self.rooms.contains_key(&room) {
+            let live = self.rooms.contains_key(&room);
+            if live {
                 self.stats.violations += 1;
             }
-            self.actions.push_back(ReceiverAction::ReleasePages {
-                room,
+            return Err(PagesRefused {
                 pages,
                 aux_slot,
-                fence_expired: false,
+                room_live: live,
             });
-            return;
         };
         for s in &r.sources {
             self.transmits.push_back(Transmit {
@@ -289,6 +302,7 @@ impl ReceiverRooms {
             started: false,
         };
         r.deadline = now + self.config.timers.get(Timer::WaitingForInput);
+        Ok(())
     }
 
     /// The transport saw data for `room` arrive (optional; moves
@@ -667,7 +681,8 @@ mod tests {
     /// A room with sources `ranks`, pages reserved, destinations drained.
     fn reserved(t: &mut ReceiverRooms, r: RoomId, ranks: &[u32], now: Instant) {
         t.open(r, sources(ranks), now).unwrap();
-        t.handle_pages_reserved(r, pages(), AuxSlot(4), None, now);
+        t.handle_pages_reserved(r, pages(), AuxSlot(4), None, now)
+            .unwrap();
         let (tx, _) = drain(t);
         assert_eq!(tx.len(), ranks.len());
     }
@@ -679,7 +694,8 @@ mod tests {
         let r = room(1);
         t.open(r, sources(&[0, 1]), t0).unwrap();
         assert_eq!(t.state(r), Some(RoomState::Bootstrapping));
-        t.handle_pages_reserved(r, pages(), AuxSlot(4), Some(16), t0);
+        t.handle_pages_reserved(r, pages(), AuxSlot(4), Some(16), t0)
+            .unwrap();
         let (tx, _) = drain(&mut t);
         assert_eq!(tx.iter().map(|x| x.to.0).collect::<Vec<_>>(), vec![0, 1]);
         let Message::Destination(d) = &tx[1].message else {
@@ -865,10 +881,18 @@ mod tests {
             acts.as_slice(),
             [ReceiverAction::FailRequest { .. }]
         ));
-        t.handle_pages_reserved(r, pages(), AuxSlot(4), None, t0);
-        let (tx, acts) = drain(&mut t);
-        assert!(tx.is_empty());
-        assert_eq!(acts, vec![release(r, false)]);
+        let refused = t
+            .handle_pages_reserved(r, pages(), AuxSlot(4), None, t0)
+            .unwrap_err();
+        assert_eq!(
+            refused,
+            PagesRefused {
+                pages: pages(),
+                aux_slot: AuxSlot(4),
+                room_live: false
+            }
+        );
+        assert_eq!(drain(&mut t), (vec![], vec![]));
         assert_eq!(t.live_rooms(), 0);
     }
 

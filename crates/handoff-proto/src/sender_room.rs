@@ -242,10 +242,16 @@ impl SenderRooms {
         let Some(r) = self.rooms.get_mut(&room) else {
             self.stats.unknown_room_events += 1;
             match self.closed.get(room) {
-                Some(Tombstone::Failed { error, .. }) => {
-                    // The request failed here before decode showed up: tell it.
-                    let error = error.clone();
-                    self.push_status_failed(from, room, &error);
+                Some(Tombstone::Failed { error, drained }) => {
+                    // The request failed here before decode showed up: tell
+                    // it. If the fence expired with writes possibly in
+                    // flight, an Abort keeps decode's pages fenced.
+                    let (error, drained) = (error.clone(), *drained);
+                    if drained {
+                        self.push_status_failed(from, room, &error);
+                    } else {
+                        self.push_abort(from, room, &error);
+                    }
                 }
                 Some(_) => {}
                 None => {
@@ -472,6 +478,18 @@ impl SenderRooms {
         self.closed.insert(room, t, expires);
     }
 
+    fn push_abort(&mut self, to: RankId, room: RoomId, error: &TransferError) {
+        self.transmits.push_back(Transmit {
+            to,
+            message: Message::Abort(Abort {
+                room,
+                reason: error.reason(),
+                http_status: Some(error.http_status()),
+                origin: Some(AbortOrigin::of_role(Role::Prefill)),
+            }),
+        });
+    }
+
     fn push_status_failed(&mut self, to: RankId, room: RoomId, error: &TransferError) {
         self.transmits.push_back(Transmit {
             to,
@@ -547,15 +565,7 @@ impl SenderRooms {
             } else {
                 // Writes may still land: an Abort (not a Status) tells decode
                 // to keep its pages fenced.
-                self.transmits.push_back(Transmit {
-                    to: *to,
-                    message: Message::Abort(Abort {
-                        room,
-                        reason: error.reason(),
-                        http_status: Some(error.http_status()),
-                        origin: Some(AbortOrigin::of_role(Role::Prefill)),
-                    }),
-                });
+                self.push_abort(*to, room, &error);
             }
         }
         self.stats.failed += 1;
