@@ -1,0 +1,276 @@
+//! The GGUF's chat template (`tokenizer.chat_template`), rendered with
+//! minijinja the way Hugging Face transformers renders it (DESIGN.md §6):
+//! `trim_blocks` and `lstrip_blocks` on, Python string methods available
+//! (`.strip()`, `.startswith()`, ...), `raise_exception(msg)` to reject a
+//! conversation, and `messages`, `add_generation_prompt`, `bos_token`,
+//! `eos_token` in the context.
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use minijinja::{context, Environment, ErrorKind};
+use serde::{Deserialize, Serialize};
+
+/// SmolLM2-Instruct's chat template, exactly as its GGUF stores it.
+pub const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` (or whatever the template accepts).
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message with the given role and content.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// Why a chat template could not be loaded or rendered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ChatTemplateError {
+    /// `tokenizer.chat_template` is not a string.
+    #[error("GGUF metadata `tokenizer.chat_template` is not a string")]
+    NotAString,
+    /// The template does not parse.
+    #[error("the model's chat template does not compile: {0}")]
+    Syntax(String),
+    /// The template itself rejected the conversation (`raise_exception`).
+    #[error("the model's chat template rejected the conversation: {0}")]
+    Rejected(String),
+    /// Rendering failed for another reason.
+    #[error("rendering the chat template failed: {0}")]
+    Render(String),
+}
+
+impl ChatTemplateError {
+    /// Stable label for metrics and error bodies.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            ChatTemplateError::NotAString | ChatTemplateError::Syntax(_) => "unsupported_model",
+            ChatTemplateError::Rejected(_) => "invalid_request_error",
+            ChatTemplateError::Render(_) => "chat_template_error",
+        }
+    }
+
+    /// HTTP status a client should see for this error.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            ChatTemplateError::Rejected(_) => 400,
+            _ => 500,
+        }
+    }
+}
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    source: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("source", &self.source)
+            .field("bos_token", &self.bos_token)
+            .field("eos_token", &self.eos_token)
+            .finish_non_exhaustive()
+    }
+}
+
+fn raise_exception(msg: String) -> Result<String, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg).with_source(Raised))
+}
+
+/// Marks an error as coming from the template's own `raise_exception`.
+#[derive(Debug)]
+struct Raised;
+
+impl std::fmt::Display for Raised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("raise_exception")
+    }
+}
+
+impl std::error::Error for Raised {}
+
+fn token_text(content: &Content, id_key: &str) -> String {
+    let id = content.metadata.get(id_key).and_then(|v| match v {
+        Value::U32(x) => Some(*x as usize),
+        Value::I32(x) => usize::try_from(*x).ok(),
+        Value::U64(x) => usize::try_from(*x).ok(),
+        Value::I64(x) => usize::try_from(*x).ok(),
+        _ => None,
+    });
+    let tokens = content
+        .metadata
+        .get("tokenizer.ggml.tokens")
+        .and_then(|v| v.to_vec().ok());
+    match (id, tokens) {
+        (Some(id), Some(tokens)) => tokens
+            .get(id)
+            .and_then(|t| t.to_string().ok())
+            .cloned()
+            .unwrap_or_default(),
+        _ => String::new(),
+    }
+}
+
+impl ChatTemplate {
+    /// The GGUF's chat template, or `None` if it has none. `bos_token` and
+    /// `eos_token` are the texts of the GGUF's BOS/EOS tokens.
+    pub fn from_gguf(content: &Content) -> Result<Option<ChatTemplate>, ChatTemplateError> {
+        let Some(v) = content.metadata.get("tokenizer.chat_template") else {
+            return Ok(None);
+        };
+        let source = v.to_string().map_err(|_| ChatTemplateError::NotAString)?;
+        let bos = token_text(content, "tokenizer.ggml.bos_token_id");
+        let eos = token_text(content, "tokenizer.ggml.eos_token_id");
+        Self::new(source, bos, eos).map(Some)
+    }
+
+    /// Compile `source` with the given BOS/EOS token texts.
+    pub fn new(
+        source: impl Into<String>,
+        bos_token: impl Into<String>,
+        eos_token: impl Into<String>,
+    ) -> Result<ChatTemplate, ChatTemplateError> {
+        let source = source.into();
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
+            .map_err(|e| ChatTemplateError::Syntax(e.to_string()))?;
+        Ok(ChatTemplate {
+            env,
+            source,
+            bos_token: bos_token.into(),
+            eos_token: eos_token.into(),
+        })
+    }
+
+    /// The template's source text.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Render a conversation into the prompt text. With
+    /// `add_generation_prompt`, the text ends with the assistant's turn opener.
+    pub fn render(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ChatTemplateError::Render(e.to_string()))?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos_token,
+            eos_token => &self.eos_token,
+        })
+        .map_err(|e| {
+            let raised = std::error::Error::source(&e).is_some_and(|s| s.is::<Raised>());
+            if raised {
+                ChatTemplateError::Rejected(e.detail().unwrap_or("rejected").to_string())
+            } else {
+                ChatTemplateError::Render(e.to_string())
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn smollm2() -> ChatTemplate {
+        ChatTemplate::new(SMOLLM2_TEMPLATE, "<|im_start|>", "<|im_end|>").unwrap()
+    }
+
+    #[test]
+    fn smollm2_adds_default_system_prompt() {
+        let out = smollm2()
+            .render(&[ChatMessage::new("user", "Hi there")], true)
+            .unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+             <|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn smollm2_keeps_given_system_prompt_and_turns() {
+        let msgs = [
+            ChatMessage::new("system", "Be brief."),
+            ChatMessage::new("user", "2+2?"),
+            ChatMessage::new("assistant", "4"),
+            ChatMessage::new("user", "And 3+3?"),
+        ];
+        let out = smollm2().render(&msgs, false).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n\
+             <|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn hf_style_template_features() {
+        // trim_blocks / lstrip_blocks, python methods, bos/eos, raise_exception.
+        let src = "{{ bos_token }}{% for m in messages %}\n  {% if m.role not in ['user', 'assistant'] %}{{ raise_exception('Only user and assistant roles are supported, got ' + m.role) }}{% endif %}\n[{{ m.role.upper() }}] {{ m['content'].strip() }}{{ eos_token }}\n{% endfor %}";
+        let t = ChatTemplate::new(src, "<s>", "</s>").unwrap();
+        let out = t
+            .render(&[ChatMessage::new("user", "  hello  ")], false)
+            .unwrap();
+        assert_eq!(out, "<s>[USER] hello</s>\n");
+        let err = t
+            .render(&[ChatMessage::new("tool", "x")], false)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            ChatTemplateError::Rejected(
+                "Only user and assistant roles are supported, got tool".into()
+            )
+        );
+        assert_eq!(err.http_status(), 400);
+    }
+
+    #[test]
+    fn syntax_error_is_reported() {
+        let err = ChatTemplate::new("{% for %}", "", "").unwrap_err();
+        assert!(matches!(err, ChatTemplateError::Syntax(_)), "{err:?}");
+    }
+
+    #[test]
+    fn from_gguf_reads_template_and_special_tokens() {
+        let content = Content {
+            magic: candle_core::quantized::gguf_file::VersionedMagic::GgufV3,
+            metadata: crate::tokenizer::tiny_vocab_metadata(),
+            tensor_infos: Default::default(),
+            tensor_data_offset: 0,
+        };
+        let t = ChatTemplate::from_gguf(&content).unwrap().unwrap();
+        assert_eq!(t.bos_token, "<|im_start|>");
+        assert_eq!(t.eos_token, "<|im_end|>");
+        assert_eq!(t.source(), SMOLLM2_TEMPLATE);
+        let mut content = content;
+        content.metadata.remove("tokenizer.chat_template");
+        assert!(ChatTemplate::from_gguf(&content).unwrap().is_none());
+    }
+}
