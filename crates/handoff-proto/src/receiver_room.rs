@@ -82,6 +82,18 @@ pub enum ReceiverAction {
     },
 }
 
+fn abort_message(room: RoomId, error: &TransferError) -> Message {
+    Message::Abort(Abort {
+        room,
+        reason: error.reason(),
+        http_status: Some(error.http_status()),
+        origin: Some(match error {
+            TransferError::Aborted { origin, .. } => *origin,
+            _ => AbortOrigin::Decode,
+        }),
+    })
+}
+
 /// Pages handed to [`ReceiverRooms::handle_pages_reserved`] that the room
 /// does not take (it is gone, or already has pages). Nobody was told about
 /// them: the shell frees them immediately.
@@ -563,6 +575,19 @@ impl ReceiverRooms {
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };
+        // Before pages are reserved no write can exist, but the sources
+        // must still hear the abort: a prefill waiting for this room's
+        // destination would otherwise wait for its bootstrap deadline.
+        if matches!(r.expect, Expect::Pages) {
+            for s in &r.sources {
+                if Some(s.rank) != stopped {
+                    self.transmits.push_back(Transmit {
+                        to: s.rank,
+                        message: abort_message(room, &error),
+                    });
+                }
+            }
+        }
         let may_write: BTreeSet<RankId> = match &r.expect {
             Expect::Drain { .. } => return,
             Expect::Pages | Expect::AuxCheck => BTreeSet::new(),
@@ -576,15 +601,7 @@ impl ReceiverRooms {
         for to in &may_write {
             self.transmits.push_back(Transmit {
                 to: *to,
-                message: Message::Abort(Abort {
-                    room,
-                    reason: error.reason(),
-                    http_status: Some(error.http_status()),
-                    origin: Some(match &error {
-                        TransferError::Aborted { origin, .. } => *origin,
-                        _ => AbortOrigin::Decode,
-                    }),
-                }),
+                message: abort_message(room, &error),
             });
         }
         self.actions.push_back(ReceiverAction::FailRequest {
@@ -876,11 +893,17 @@ mod tests {
             t0,
         );
         let (tx, acts) = drain(&mut t);
-        assert!(tx.is_empty(), "no destination was sent, nobody to abort");
+        assert_eq!(
+            tx.len(),
+            1,
+            "the source hears of it even before any destination"
+        );
+        assert!(matches!(&tx[0].message, Message::Abort(a) if a.http_status == Some(503)));
         assert!(matches!(
             acts.as_slice(),
             [ReceiverAction::FailRequest { .. }]
         ));
+        assert_eq!(t.live_rooms(), 0, "no fence: nothing could be written");
         let refused = t
             .handle_pages_reserved(r, pages(), AuxSlot(4), None, t0)
             .unwrap_err();
