@@ -3,12 +3,17 @@
 //! and random inputs on the stable toolchain. Each panics only on a real bug
 //! (a decoded message that does not re-encode to the same message).
 
-use crate::frame::{encode_frame, FrameDecoder, DEFAULT_MAX_FRAME_LEN, PROTOCOL_VERSION};
-use crate::handshake::{
-    Capabilities, Fingerprint, Handshake, HandshakeConfig, KvDtype, KvLayoutKind,
+use crate::error::{AbortOrigin, FailureKind};
+use crate::frame::{
+    encode_frame, FrameDecoder, DEFAULT_MAX_FRAME_LEN, HANDSHAKE_FRAME_VERSION, PROTOCOL_VERSION,
 };
-use crate::ids::Role;
-use crate::message::Message;
+use crate::handshake::{
+    auth_proof, Capabilities, Fingerprint, Handshake, HandshakeConfig, KvDtype, KvLayoutKind,
+};
+use crate::ids::{AuxSlot, PageIndex, Role, RoomId};
+use crate::message::{
+    Abort, AbortAck, AuthProof, Destination, Heartbeat, Message, Outcome, Register, Status,
+};
 
 /// Feed `data` to a frame decoder (whole, then again in small chunks under
 /// the v1 capability set) and check every decoded message round-trips.
@@ -97,11 +102,169 @@ pub fn handshake(data: &[u8]) -> usize {
                 }
                 while hs.poll_transmit().is_some() {}
             }
-            if hs.negotiated().is_some() {
-                assert!(!with_secret || role == Role::Prefill || role == Role::Decode);
+            if let Some(n) = hs.negotiated() {
+                assert_ne!(
+                    n.peer_role, role,
+                    "a completed handshake pairs opposite roles"
+                );
+                assert_eq!(n.capabilities.contains(Capabilities::AUTH), with_secret);
                 done += 1;
             }
         }
     }
     done
+}
+
+/// The shared secret the handshake target tries.
+pub const FUZZ_SECRET: &[u8] = b"fuzz-secret";
+
+fn frames(msgs: &[Message], version: u8) -> Vec<u8> {
+    let mut out = Vec::new();
+    for m in msgs {
+        // Seeds are small; encoding cannot exceed the limit.
+        let _ = encode_frame(
+            m,
+            version,
+            Capabilities::ALL,
+            DEFAULT_MAX_FRAME_LEN,
+            &mut out,
+        );
+    }
+    out
+}
+
+fn register(role: Role, nonce: [u8; 32], with_secret: bool) -> Message {
+    let mut fingerprint = sample_fingerprint();
+    if role == Role::Decode {
+        fingerprint.tp_rank = 0;
+    }
+    Message::Register(Register {
+        role,
+        min_version: 1,
+        max_version: PROTOCOL_VERSION,
+        capabilities: if with_secret {
+            Capabilities::ALL
+        } else {
+            Capabilities::ALL.without(Capabilities::AUTH)
+        },
+        fingerprint,
+        nonce,
+        max_frame_len: Some(DEFAULT_MAX_FRAME_LEN),
+    })
+}
+
+/// Seed inputs for the `frame_decoder` target: `(file name, bytes)`. The
+/// committed corpus under `fuzz/corpus/frame_decoder/` is exactly these
+/// (checked by a test).
+pub fn frame_decoder_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let Some(room) = RoomId::new(0x1234_5678_9abc_def0) else {
+        return Vec::new();
+    };
+    let all = vec![
+        register(Role::Decode, [2; 32], false),
+        Message::AuthProof(AuthProof { mac: [9; 32] }),
+        Message::Destination(Destination {
+            room,
+            pages: vec![PageIndex(3), PageIndex(17), PageIndex(4)],
+            aux_slot: AuxSlot(2),
+            required_destinations: 2,
+            prefix_tokens: Some(16),
+        }),
+        Message::Abort(Abort {
+            room,
+            reason: "client disconnected".into(),
+            http_status: Some(499),
+            origin: Some(AbortOrigin::Client),
+        }),
+        Message::AbortAck(AbortAck {
+            room,
+            drained: true,
+        }),
+        Message::Status(Status {
+            room,
+            outcome: Outcome::Success,
+        }),
+        Message::Status(Status {
+            room,
+            outcome: Outcome::Failed {
+                kind: FailureKind::Rejected,
+                reason: "prompt too long".into(),
+                http_status: Some(400),
+            },
+        }),
+        Message::Heartbeat(Heartbeat { seq: 42 }),
+    ];
+    let names = [
+        "valid_register",
+        "valid_auth_proof",
+        "valid_destination",
+        "valid_abort",
+        "valid_abort_ack",
+        "valid_status_success",
+        "valid_status_failed",
+        "valid_heartbeat",
+    ];
+    let mut out: Vec<(&'static str, Vec<u8>)> = names
+        .iter()
+        .zip(&all)
+        .map(|(n, m)| (*n, frames(std::slice::from_ref(m), PROTOCOL_VERSION)))
+        .collect();
+    let stream = frames(&all, PROTOCOL_VERSION);
+    out.push(("valid_stream_all_kinds", stream.clone()));
+    let mut truncated = frames(&all[2..3], PROTOCOL_VERSION);
+    truncated.pop();
+    out.push(("truncated_destination", truncated));
+    let mut garbage = b"GET / HTTP/1.1\r\n\r\n".to_vec();
+    garbage.extend(frames(&all[7..8], PROTOCOL_VERSION));
+    out.push(("garbage_then_heartbeat", garbage));
+    let mut trailing = frames(&all[7..8], PROTOCOL_VERSION);
+    trailing[8] += 1;
+    trailing.push(0);
+    out.push(("trailing_byte_heartbeat", trailing));
+    out
+}
+
+/// Seed inputs for the `handshake` target (see [`handshake`]): a peer's
+/// Register, with and without a correct proof for [`FUZZ_SECRET`].
+pub fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    let peer_nonce = [5u8; 32];
+    let our_nonce = [1u8; 32];
+    let decode_proof = auth_proof(FUZZ_SECRET, Role::Decode, &peer_nonce, &our_nonce);
+    let prefill_proof = auth_proof(FUZZ_SECRET, Role::Prefill, &peer_nonce, &our_nonce);
+    let v = HANDSHAKE_FRAME_VERSION;
+    let mut mismatch = register(Role::Decode, peer_nonce, false);
+    if let Message::Register(r) = &mut mismatch {
+        r.fingerprint.page_size = 64;
+    }
+    vec![
+        (
+            "decode_register_plain",
+            frames(&[register(Role::Decode, peer_nonce, false)], v),
+        ),
+        (
+            "prefill_register_plain",
+            frames(&[register(Role::Prefill, peer_nonce, false)], v),
+        ),
+        (
+            "decode_register_with_proof",
+            frames(
+                &[
+                    register(Role::Decode, peer_nonce, true),
+                    Message::AuthProof(AuthProof { mac: decode_proof }),
+                ],
+                v,
+            ),
+        ),
+        (
+            "prefill_register_with_proof",
+            frames(
+                &[
+                    register(Role::Prefill, peer_nonce, true),
+                    Message::AuthProof(AuthProof { mac: prefill_proof }),
+                ],
+                v,
+            ),
+        ),
+        ("decode_register_page_size_64", frames(&[mismatch], v)),
+    ]
 }
