@@ -169,6 +169,9 @@ pub enum HandshakeError {
     /// The peer's message could not be decoded.
     #[error("malformed handshake message: {0}")]
     Codec(#[from] CodecError),
+    /// The handshake did not complete in time.
+    #[error("handshake did not complete within {0:?}")]
+    TimedOut(std::time::Duration),
 }
 
 /// The phase of a room a timeout fired in.

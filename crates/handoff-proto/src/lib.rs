@@ -13,6 +13,7 @@
 //! * [`ids`] — `RoomId`, `PageIndex`, `RankId`, `AuxSlot`, `Role`.
 //! * [`codec`], [`frame`], [`message`] — the wire format.
 //! * [`handshake`] — versions, capabilities, fingerprint, shared secret.
+//! * [`connection`] — one control connection: bytes in, events out.
 //! * [`room`], [`sender_room`], [`receiver_room`] — per-room state machines.
 //! * [`timer`] — the one timer table.
 //! * [`heartbeat`] — peer liveness.
@@ -24,6 +25,7 @@
 #![warn(missing_docs)]
 
 pub mod codec;
+pub mod connection;
 pub mod error;
 pub mod frame;
 pub mod fuzz;

@@ -26,6 +26,7 @@ use std::time::Instant;
 use crate::error::{AbortOrigin, Phase, TransferError};
 use crate::ids::{AuxSlot, PageIndex, RankId, Role, RoomId};
 use crate::message::{Abort, AbortAck, Destination, Message, Outcome, Status};
+use crate::rank::{RankError, RankMap};
 use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
 use crate::timer::Timer;
 
@@ -37,6 +38,23 @@ pub struct Source {
     /// How many decode ranks send that prefill rank a destination for this
     /// room (its `required_destinations`).
     pub required_destinations: u16,
+}
+
+impl Source {
+    /// The sources decode rank `d` needs under `map`, each with the number of
+    /// decode ranks that rank serves (fan-in and fan-out both covered).
+    pub fn for_decode_rank(map: &RankMap, d: RankId) -> Result<Vec<Source>, RankError> {
+        map.required_prefill_ranks(d)?
+            .into_iter()
+            .map(|p| {
+                let n = map.destination_ranks(p)?.len();
+                Ok(Source {
+                    rank: p,
+                    required_destinations: u16::try_from(n).unwrap_or(u16::MAX),
+                })
+            })
+            .collect()
+    }
 }
 
 /// What the decode I/O shell must do.
@@ -988,6 +1006,33 @@ mod tests {
             "timed out in waiting_for_input after 30.0 s"
         );
         assert!(matches!(&tx[0].message, Message::Abort(a) if a.http_status == Some(504)));
+    }
+
+    #[test]
+    fn sources_follow_the_rank_map() {
+        let four_to_two = RankMap::new(8, 4, 2).unwrap();
+        assert_eq!(
+            Source::for_decode_rank(&four_to_two, RankId(1)).unwrap(),
+            vec![
+                Source {
+                    rank: RankId(2),
+                    required_destinations: 1
+                },
+                Source {
+                    rank: RankId(3),
+                    required_destinations: 1
+                }
+            ]
+        );
+        let two_to_four = RankMap::new(8, 2, 4).unwrap();
+        assert_eq!(
+            Source::for_decode_rank(&two_to_four, RankId(3)).unwrap(),
+            vec![Source {
+                rank: RankId(1),
+                required_destinations: 2
+            }]
+        );
+        assert!(Source::for_decode_rank(&two_to_four, RankId(4)).is_err());
     }
 
     #[test]
