@@ -27,7 +27,7 @@ use crate::error::{AbortOrigin, Phase, TransferError};
 use crate::ids::{AuxSlot, PageIndex, RankId, Role, RoomId};
 use crate::message::{Abort, AbortAck, Destination, Message, Outcome, Status};
 use crate::rank::{RankError, RankMap};
-use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
+use crate::room::{Deadlines, Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
 use crate::timer::Timer;
 
 /// A prefill rank a decode room needs KV from.
@@ -173,6 +173,7 @@ impl ReceiverRoom {
 pub struct ReceiverRooms {
     config: RoomConfig,
     rooms: HashMap<RoomId, ReceiverRoom>,
+    deadlines: Deadlines,
     closed: Expiring<Tombstone>,
     transmits: VecDeque<Transmit>,
     actions: VecDeque<ReceiverAction>,
@@ -186,6 +187,7 @@ impl ReceiverRooms {
         Self {
             config,
             rooms: HashMap::new(),
+            deadlines: Deadlines::default(),
             closed: Expiring::new(cap),
             transmits: VecDeque::new(),
             actions: VecDeque::new(),
@@ -237,9 +239,9 @@ impl ReceiverRooms {
 
     /// Earliest deadline; call [`Self::handle_timeout`] then.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.rooms
-            .values()
-            .map(|r| r.deadline)
+        self.deadlines
+            .next()
+            .into_iter()
             .chain(self.closed.next_expiry())
             .min()
     }
@@ -284,6 +286,8 @@ impl ReceiverRooms {
                 deadline: now + self.config.timers.get(Timer::Bootstrap),
             },
         );
+        let at = now + self.config.timers.get(Timer::Bootstrap);
+        self.deadlines.push(at, room);
         Ok(())
     }
 
@@ -332,6 +336,7 @@ impl ReceiverRooms {
             started: false,
         };
         r.deadline = now + self.config.timers.get(Timer::WaitingForInput);
+        self.deadlines.push(r.deadline, room);
         Ok(())
     }
 
@@ -344,6 +349,7 @@ impl ReceiverRooms {
                 if !*started {
                     *started = true;
                     r.deadline = now + transfer;
+                    self.deadlines.push(r.deadline, room);
                 }
             }
         }
@@ -389,10 +395,12 @@ impl ReceiverRooms {
                 if !*started {
                     *started = true;
                     r.deadline = now + self.config.timers.get(Timer::Transfer);
+                    self.deadlines.push(r.deadline, room);
                 }
                 if succeeded.len() == r.sources.len() {
                     r.expect = Expect::AuxCheck;
                     r.deadline = now + self.config.timers.get(Timer::Transfer);
+                    self.deadlines.push(r.deadline, room);
                     if let Some((_, aux_slot)) = &r.lease {
                         self.actions.push_back(ReceiverAction::CheckAux {
                             room,
@@ -545,15 +553,9 @@ impl ReceiverRooms {
     /// Fire every deadline at or before `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.closed.expire(now);
-        let mut due: Vec<RoomId> = self
-            .rooms
-            .iter()
-            .filter(|(_, r)| r.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        due.sort();
+        let due = self.deadlines.pop_due(now);
         for room in due {
-            let Some(r) = self.rooms.get(&room) else {
+            let Some(r) = self.rooms.get(&room).filter(|r| r.deadline <= now) else {
                 continue;
             };
             let (phase, timer) = match r.expect {
@@ -572,6 +574,10 @@ impl ReceiverRooms {
             };
             let after = self.config.timers.get(timer);
             self.fail_room(room, TransferError::Timeout { phase, after }, None, now);
+        }
+        if self.deadlines.len() > 4 * self.rooms.len() + 1024 {
+            self.deadlines
+                .rebuild(self.rooms.iter().map(|(id, r)| (r.deadline, *id)));
         }
     }
 
@@ -630,6 +636,7 @@ impl ReceiverRooms {
         let empty = may_write.is_empty();
         r.expect = Expect::Drain { may_write, error };
         r.deadline = now + fence;
+        self.deadlines.push(r.deadline, room);
         if empty {
             self.finish(room, false, now);
         }
@@ -1006,6 +1013,22 @@ mod tests {
             "timed out in waiting_for_input after 30.0 s"
         );
         assert!(matches!(&tx[0].message, Message::Abort(a) if a.http_status == Some(504)));
+    }
+
+    #[test]
+    fn a_superseded_deadline_does_not_fire() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(12);
+        reserved(&mut t, r, &[0, 1], t0);
+        let t1 = t0 + Duration::from_secs(1);
+        t.handle_message(RankId(0), status(r, Outcome::Success), t1);
+        // The waiting deadline (t0 + 30 s) is stale: the transfer one is t1 + 30 s.
+        t.handle_timeout(t0 + Duration::from_secs(30));
+        assert_eq!(t.state(r), Some(RoomState::Transferring));
+        assert_eq!(drain(&mut t), (vec![], vec![]));
+        t.handle_timeout(t1 + Duration::from_secs(30));
+        assert_eq!(t.state(r), Some(RoomState::Draining));
     }
 
     #[test]

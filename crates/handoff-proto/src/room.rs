@@ -7,7 +7,8 @@
 //! events can be answered (an abort is acknowledged, a late destination for
 //! a failed room learns the failure) without ever re-creating the room.
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Instant;
 
 use crate::error::TransferError;
@@ -215,6 +216,57 @@ impl<T> Expiring<T> {
     }
 }
 
+/// Room deadlines as a min-heap. Entries are never updated in place: a new
+/// deadline is pushed and the old entry goes stale; the table checks each
+/// popped room's real deadline. `next` may therefore be early (a spurious
+/// wake-up, harmless), never late.
+#[derive(Debug, Default)]
+pub struct Deadlines {
+    heap: BinaryHeap<Reverse<(Instant, RoomId)>>,
+}
+
+impl Deadlines {
+    /// Record that `room` must be looked at by `at`.
+    pub fn push(&mut self, at: Instant, room: RoomId) {
+        self.heap.push(Reverse((at, room)));
+    }
+
+    /// Earliest recorded deadline.
+    pub fn next(&self) -> Option<Instant> {
+        self.heap.peek().map(|Reverse((at, _))| *at)
+    }
+
+    /// Rooms with an entry at or before `now`, sorted, without duplicates.
+    pub fn pop_due(&mut self, now: Instant) -> Vec<RoomId> {
+        let mut due = Vec::new();
+        while let Some(Reverse((at, room))) = self.heap.peek().copied() {
+            if at > now {
+                break;
+            }
+            self.heap.pop();
+            due.push(room);
+        }
+        due.sort();
+        due.dedup();
+        due
+    }
+
+    /// Entries held (live and stale).
+    pub fn len(&self) -> usize {
+        self.heap.len()
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.heap.is_empty()
+    }
+
+    /// Replace every entry by `live` (drops stale entries).
+    pub fn rebuild(&mut self, live: impl Iterator<Item = (Instant, RoomId)>) {
+        self.heap = live.map(Reverse).collect();
+    }
+}
+
 /// Counters shared by both tables, for metrics and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RoomStats {
@@ -264,6 +316,20 @@ mod tests {
         assert_eq!(m.remove(r(3)), Some("c"));
         assert!(m.is_empty());
         assert_eq!(m.next_expiry(), None);
+    }
+
+    #[test]
+    fn deadlines_pop_in_order_without_duplicates() {
+        let t0 = Instant::now();
+        let mut d = Deadlines::default();
+        d.push(t0 + Duration::from_secs(5), r(2));
+        d.push(t0 + Duration::from_secs(1), r(1));
+        d.push(t0 + Duration::from_secs(3), r(1));
+        assert_eq!(d.next(), Some(t0 + Duration::from_secs(1)));
+        assert_eq!(d.pop_due(t0 + Duration::from_secs(3)), vec![r(1)]);
+        assert_eq!(d.len(), 1);
+        d.rebuild(std::iter::empty());
+        assert!(d.is_empty());
     }
 
     #[test]

@@ -30,7 +30,7 @@ use std::time::Instant;
 use crate::error::{AbortOrigin, Phase, TransferError};
 use crate::ids::{RankId, Role, RoomId};
 use crate::message::{Abort, AbortAck, Destination, Message, Outcome, Status};
-use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
+use crate::room::{Deadlines, Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
 use crate::timer::Timer;
 
 /// What the prefill I/O shell must do.
@@ -107,6 +107,7 @@ impl SenderRoom {
 pub struct SenderRooms {
     config: RoomConfig,
     rooms: HashMap<RoomId, SenderRoom>,
+    deadlines: Deadlines,
     closed: Expiring<Tombstone>,
     parked: Expiring<BTreeMap<RankId, Destination>>,
     transmits: VecDeque<Transmit>,
@@ -121,6 +122,7 @@ impl SenderRooms {
         Self {
             config,
             rooms: HashMap::new(),
+            deadlines: Deadlines::default(),
             closed: Expiring::new(cap),
             parked: Expiring::new(cap),
             transmits: VecDeque::new(),
@@ -169,9 +171,9 @@ impl SenderRooms {
 
     /// Earliest deadline; call [`Self::handle_timeout`] then.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.rooms
-            .values()
-            .map(|r| r.deadline)
+        self.deadlines
+            .next()
+            .into_iter()
             .chain(self.closed.next_expiry())
             .chain(self.parked.next_expiry())
             .min()
@@ -213,6 +215,8 @@ impl SenderRooms {
                 deadline: now + self.config.timers.get(Timer::Bootstrap),
             },
         );
+        let at = now + self.config.timers.get(Timer::Bootstrap);
+        self.deadlines.push(at, room);
         if let Some(parked) = self.parked.remove(room) {
             for (from, d) in parked {
                 self.on_destination(from, d, now);
@@ -292,6 +296,7 @@ impl SenderRooms {
         if r.dests.len() >= usize::from(r.required.unwrap_or(1)) {
             r.expect = Expect::Compute;
             r.deadline = now + self.config.timers.get(Timer::WaitingForInput);
+            self.deadlines.push(r.deadline, room);
             self.actions.push_back(SenderAction::StartCompute { room });
         }
     }
@@ -338,6 +343,7 @@ impl SenderRooms {
         let destinations = r.dests.iter().map(|(k, v)| (*k, v.clone())).collect();
         r.expect = Expect::Writes { pending };
         r.deadline = now + self.config.timers.get(Timer::Transfer);
+        self.deadlines.push(r.deadline, room);
         self.actions
             .push_back(SenderAction::StartWrites { room, destinations });
     }
@@ -426,15 +432,9 @@ impl SenderRooms {
     pub fn handle_timeout(&mut self, now: Instant) {
         self.closed.expire(now);
         self.parked.expire(now);
-        let mut due: Vec<RoomId> = self
-            .rooms
-            .iter()
-            .filter(|(_, r)| r.deadline <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        due.sort();
+        let due = self.deadlines.pop_due(now);
         for room in due {
-            let Some(r) = self.rooms.get(&room) else {
+            let Some(r) = self.rooms.get(&room).filter(|r| r.deadline <= now) else {
                 continue;
             };
             let (phase, timer) = match r.expect {
@@ -449,6 +449,10 @@ impl SenderRooms {
             };
             let after = self.config.timers.get(timer);
             self.fail_room(room, TransferError::Timeout { phase, after }, None, now);
+        }
+        if self.deadlines.len() > 4 * self.rooms.len() + 1024 {
+            self.deadlines
+                .rebuild(self.rooms.iter().map(|(id, r)| (r.deadline, *id)));
         }
     }
 
@@ -531,6 +535,7 @@ impl SenderRooms {
                     ack_to: aborter.into_iter().collect(),
                 };
                 r.deadline = now + self.config.timers.get(Timer::AbortAckFence);
+                self.deadlines.push(r.deadline, room);
                 self.actions.push_back(SenderAction::CancelWrites { room });
             }
             _ => {
