@@ -21,6 +21,51 @@
 //! * [`error`] — who is to blame.
 //! * [`fuzz`] — entry points shared by cargo-fuzz targets and tests.
 
+//!
+//! # Driving the room tables
+//!
+//! One room from open to commit, with the messages handed across directly
+//! (a real shell sends them through a [`connection::Connection`]):
+//!
+//! ```
+//! use std::time::Instant;
+//! use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
+//! use handoff_proto::room::RoomConfig;
+//! use handoff_proto::sender_room::{SenderAction, SenderRooms};
+//! use handoff_proto::{AuxSlot, PageIndex, RankId, RoomId};
+//!
+//! let now = Instant::now();
+//! let room = RoomId::new(42).unwrap();
+//! let mut prefill = SenderRooms::new(RoomConfig::default());
+//! let mut decode = ReceiverRooms::new(RoomConfig::default());
+//!
+//! prefill.open(room, now).unwrap();
+//! decode
+//!     .open(room, vec![Source { rank: RankId(0), required_destinations: 1 }], now)
+//!     .unwrap();
+//! // Decode reserved pages: a Destination goes to prefill rank 0.
+//! decode
+//!     .handle_pages_reserved(room, vec![PageIndex(3), PageIndex(8)], AuxSlot(0), None, now)
+//!     .unwrap();
+//! while let Some(t) = decode.poll_transmit() {
+//!     prefill.handle_message(RankId(0), t.message, now); // from decode rank 0
+//! }
+//! // Every destination is known: prefill computes, then writes.
+//! assert_eq!(prefill.poll_action(), Some(SenderAction::StartCompute { room }));
+//! prefill.handle_compute_done(room, now);
+//! assert!(matches!(prefill.poll_action(), Some(SenderAction::StartWrites { .. })));
+//! prefill.handle_write_done(room, RankId(0), now); // KV and aux landed
+//! assert!(matches!(prefill.poll_action(), Some(SenderAction::Finished { result: Ok(()), .. })));
+//! while let Some(t) = prefill.poll_transmit() {
+//!     decode.handle_message(RankId(0), t.message, now); // Status(Success)
+//! }
+//! // Decode checks the aux slot carries the room id, then commits.
+//! assert_eq!(decode.poll_action(), Some(ReceiverAction::CheckAux { room, aux_slot: AuxSlot(0) }));
+//! decode.handle_aux_checked(room, 42, now);
+//! assert!(matches!(decode.poll_action(), Some(ReceiverAction::Commit { .. })));
+//! assert_eq!((prefill.live_rooms(), decode.live_rooms()), (0, 0));
+//! ```
+
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

@@ -146,6 +146,11 @@ impl SenderRooms {
         self.parked.len()
     }
 
+    /// Live rooms in `state` (a gauge for metrics: rooms by state).
+    pub fn rooms_in(&self, state: RoomState) -> usize {
+        self.rooms.values().filter(|r| r.state() == state).count()
+    }
+
     /// Live state of `room`, or its terminal state while remembered.
     pub fn state(&self, room: RoomId) -> Option<RoomState> {
         self.rooms
