@@ -8,7 +8,8 @@
 //! A malformed frame after the handshake is reported as
 //! [`ConnectionEvent::Malformed`], counted, and skipped; the connection and
 //! every room on it carry on. During the handshake any error is fatal
-//! ([`ConnectionEvent::Failed`]) and nothing more is sent to the peer.
+//! ([`ConnectionEvent::Failed`]); nothing more is sent to a peer that has not
+//! proved the shared secret.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -98,7 +99,6 @@ impl Connection {
     fn fail(&mut self, e: HandshakeError) {
         self.failed = true;
         self.handshake_deadline = None;
-        self.out.clear();
         self.events.push_back(ConnectionEvent::Failed(e));
     }
 
@@ -120,6 +120,8 @@ impl Connection {
                 }
                 (Ok(m), false) => {
                     if let Err(e) = self.handshake.handle(m) {
+                        // Only an authenticated peer still gets our proof.
+                        self.flush_handshake();
                         self.fail(e);
                         return;
                     }

@@ -114,21 +114,18 @@ impl CodecError {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum HandshakeError {
-    /// The version ranges do not overlap.
-    #[error("protocol version: {ours_role} speaks {ours_min}..={ours_max}, {theirs_role} speaks {theirs_min}..={theirs_max}")]
+    /// The version ranges do not overlap (prefill first, so both ends log
+    /// the same line).
+    #[error("protocol version: prefill speaks {prefill_min}..={prefill_max}, decode speaks {decode_min}..={decode_max}")]
     VersionMismatch {
-        /// Our role.
-        ours_role: Role,
-        /// Our lowest version.
-        ours_min: u8,
-        /// Our highest version.
-        ours_max: u8,
-        /// The peer's role.
-        theirs_role: Role,
-        /// Peer's lowest version.
-        theirs_min: u8,
-        /// Peer's highest version.
-        theirs_max: u8,
+        /// Prefill's lowest version.
+        prefill_min: u8,
+        /// Prefill's highest version.
+        prefill_max: u8,
+        /// Decode's lowest version.
+        decode_min: u8,
+        /// Decode's highest version.
+        decode_max: u8,
     },
     /// A compatibility fingerprint field differs, e.g.
     /// `page size: prefill has 16, decode has 64` (always prefill first, so

@@ -370,6 +370,9 @@ pub struct Handshake {
     nonce: [u8; NONCE_LEN],
     state: State,
     out: VecDeque<Message>,
+    /// The peer proved the shared secret: our own proof may go out even if
+    /// the fingerprint check then fails, so both ends log the same reason.
+    peer_authenticated: bool,
 }
 
 const AUTH_LABEL: &[u8] = b"handoff-auth-v1";
@@ -432,6 +435,7 @@ impl Handshake {
             nonce,
             state: State::ExpectRegister,
             out,
+            peer_authenticated: false,
         }
     }
 
@@ -455,7 +459,10 @@ impl Handshake {
     }
 
     /// Feed one received message. On error the handshake is dead: close the
-    /// connection. Nothing more is ever queued for the peer after an error.
+    /// connection after sending what [`Self::poll_transmit`] still returns,
+    /// which is nothing unless the peer proved the shared secret (then our
+    /// own proof goes out, so an incompatible but authenticated peer learns
+    /// the same reason we did).
     pub fn handle(&mut self, msg: Message) -> Result<(), HandshakeError> {
         let state = std::mem::replace(&mut self.state, State::Failed);
         match self.step(state, msg) {
@@ -464,7 +471,9 @@ impl Handshake {
                 Ok(())
             }
             Err(e) => {
-                self.out.clear();
+                if !self.peer_authenticated {
+                    self.out.clear();
+                }
                 Err(e)
             }
         }
@@ -502,10 +511,16 @@ impl Handshake {
                     let mac = auth_proof(secret, role, &self.nonce, &peer_nonce);
                     self.out.push_back(Message::AuthProof(AuthProof { mac }));
                 }
+                self.config
+                    .fingerprint
+                    .check_compatible(role, &result.peer_fingerprint)?;
                 Ok(State::Done(result))
             }
             (State::ExpectPeerProof { result, peer_nonce }, Message::AuthProof(p)) => {
                 self.check_proof(&result, &peer_nonce, &p)?;
+                self.config
+                    .fingerprint
+                    .check_compatible(role, &result.peer_fingerprint)?;
                 Ok(State::Done(result))
             }
             (state, msg) => Err(HandshakeError::Unexpected {
@@ -520,9 +535,9 @@ impl Handshake {
         }
     }
 
-    /// Verify the peer's proof (constant time), then the fingerprint.
+    /// Verify the peer's proof (constant time).
     fn check_proof(
-        &self,
+        &mut self,
         result: &Negotiated,
         peer_nonce: &[u8; NONCE_LEN],
         p: &AuthProof,
@@ -536,9 +551,8 @@ impl Handshake {
             .ok_or(HandshakeError::AuthFailed)?;
         mac.verify_slice(&p.mac)
             .map_err(|_| HandshakeError::AuthFailed)?;
-        self.config
-            .fingerprint
-            .check_compatible(self.config.role, &result.peer_fingerprint)
+        self.peer_authenticated = true;
+        Ok(())
     }
 
     fn negotiate(&self, peer: &Register) -> Result<Negotiated, HandshakeError> {
@@ -549,13 +563,17 @@ impl Handshake {
         let low = self.config.min_version.max(peer.min_version);
         let high = self.config.max_version.min(peer.max_version);
         if low > high {
+            let ours = (self.config.min_version, self.config.max_version);
+            let theirs = (peer.min_version, peer.max_version);
+            let (p, d) = match role {
+                Role::Prefill => (ours, theirs),
+                Role::Decode => (theirs, ours),
+            };
             return Err(HandshakeError::VersionMismatch {
-                ours_role: role,
-                ours_min: self.config.min_version,
-                ours_max: self.config.max_version,
-                theirs_role: peer.role,
-                theirs_min: peer.min_version,
-                theirs_max: peer.max_version,
+                prefill_min: p.0,
+                prefill_max: p.1,
+                decode_min: d.0,
+                decode_max: d.1,
             });
         }
         let ours = self.config.advertised();
@@ -728,6 +746,23 @@ mod tests {
         let msg = "page size: prefill has 16, decode has 64";
         assert_eq!(rp.unwrap_err().to_string(), msg);
         assert_eq!(rd.unwrap_err().to_string(), msg);
+    }
+
+    #[test]
+    fn authenticated_but_incompatible_peers_both_learn_why() {
+        let mut p = cfg(Role::Prefill);
+        let mut d = cfg(Role::Decode);
+        p.secret = Some(b"k".to_vec());
+        d.secret = Some(b"k".to_vec());
+        d.fingerprint.page_size = 64;
+        let (_, rp, _, rd, sent) = run(p, d);
+        let msg = "page size: prefill has 16, decode has 64";
+        assert_eq!(rp.unwrap_err().to_string(), msg);
+        assert_eq!(rd.unwrap_err().to_string(), msg);
+        assert_eq!(
+            sent, 2,
+            "prefill's proof went out: decode had proved the secret"
+        );
     }
 
     #[test]
