@@ -218,6 +218,16 @@ fn get_room(r: &mut Reader<'_>) -> Result<RoomId, CodecError> {
     })
 }
 
+/// The status put on the wire: anything outside 100..=599 (which the peer
+/// would reject, dropping the whole message) is sent as 500.
+fn wire_status(s: u16) -> u16 {
+    if (100..=599).contains(&s) {
+        s
+    } else {
+        500
+    }
+}
+
 fn get_http_status(r: &mut Reader<'_>) -> Result<u16, CodecError> {
     let s = r.u16("http_status")?;
     if (100..=599).contains(&s) {
@@ -370,6 +380,7 @@ impl Message {
                 w.raw(&m.nonce);
                 let mut exts: Vec<(u16, Vec<u8>)> = Vec::new();
                 if let Some(len) = m.max_frame_len {
+                    let len = len.max(crate::frame::MIN_MAX_FRAME_LEN);
                     exts.push((EXT_MAX_FRAME_LEN, len.to_le_bytes().to_vec()));
                 }
                 w.u16(exts.len() as u16);
@@ -392,7 +403,7 @@ impl Message {
                 put_room(&mut w, m.room);
                 w.string(&m.reason);
                 if detail {
-                    w.u16(m.http_status.unwrap_or(503));
+                    w.u16(wire_status(m.http_status.unwrap_or(503)));
                     w.u8(m.origin.map_or(u8::MAX, AbortOrigin::code));
                 }
             }
@@ -413,7 +424,9 @@ impl Message {
                         w.u8(kind.code());
                         w.string(reason);
                         if detail {
-                            w.u16(http_status.unwrap_or_else(|| kind.default_http_status()));
+                            w.u16(wire_status(
+                                http_status.unwrap_or_else(|| kind.default_http_status()),
+                            ));
                         }
                     }
                 }
@@ -666,6 +679,22 @@ mod tests {
                 value: 999
             })
         );
+    }
+
+    #[test]
+    fn an_invalid_status_is_never_put_on_the_wire() {
+        // The peer would reject the whole message: an abort must not be lost
+        // because a caller passed a bad status.
+        let m = Message::Abort(Abort {
+            room: room(3),
+            reason: "x".into(),
+            http_status: Some(0),
+            origin: None,
+        });
+        let Message::Abort(back) = round_trip(&m, Capabilities::ALL) else {
+            panic!()
+        };
+        assert_eq!(back.http_status, Some(500));
     }
 
     #[test]
