@@ -25,7 +25,7 @@ use sha2::Sha256;
 
 use crate::error::HandshakeError;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, PROTOCOL_VERSION, PROTOCOL_VERSION_MIN};
-use crate::ids::Role;
+use crate::ids::{RankId, Role};
 use crate::message::{AuthProof, Message, Register, NONCE_LEN};
 use crate::rank;
 
@@ -343,6 +343,13 @@ pub struct Negotiated {
     pub peer_fingerprint: Fingerprint,
     /// Largest payload we may send the peer.
     pub peer_max_frame_len: u32,
+}
+
+impl Negotiated {
+    /// The peer's TP rank: the [`RankId`] the room tables know it by.
+    pub fn peer_rank(&self) -> RankId {
+        RankId(self.peer_fingerprint.tp_rank)
+    }
 }
 
 #[derive(Debug)]
@@ -682,6 +689,7 @@ mod tests {
         );
         assert_eq!(n.peer_role, Role::Decode);
         assert_eq!(hd.negotiated().unwrap().peer_role, Role::Prefill);
+        assert_eq!(n.peer_rank(), RankId(0));
     }
 
     #[test]
