@@ -1,1 +1,19 @@
-//! handoff-engine
+//! Schedulers (DESIGN.md §2 `handoff-engine`). Today: the colocated engine —
+//! continuous batching over one paged KV pool, chunked prefill interleaved
+//! with decode, admission by free pages, cancellation by dropping a stream.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod handle;
+pub mod request;
+mod scheduler;
+mod stop;
+
+pub use config::EngineConfig;
+pub use engine::Engine;
+pub use error::EngineError;
+pub use handle::{EngineHandle, LoadSnapshot, ModelInfo, RequestStream};
+pub use request::{FinishReason, Finished, GenerateRequest, SamplingParams, StreamEvent, TokenOut};

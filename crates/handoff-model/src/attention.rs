@@ -44,13 +44,13 @@ fn attend_one(
     pool: &KvPool,
     layer: usize,
     seq: &SeqAttn<'_>,
-    pos: usize,
     kvh: usize,
     q: &[f32],
     scale: f32,
     out: &mut [f32],
 ) {
     let g = *pool.geometry();
+    let pos = seq.start;
     let len = pos + 1;
     let mut scores = Vec::with_capacity(len);
     let mut left = len;
@@ -105,7 +105,7 @@ pub fn attend_decode(
         let (s, h) = (idx / shape.heads, idx % shape.heads);
         let seq = &seqs[s];
         let qh = &q[s * width + h * d..s * width + (h + 1) * d];
-        attend_one(pool, layer, seq, seq.start, h / shape.group(), qh, scale, o);
+        attend_one(pool, layer, seq, h / shape.group(), qh, scale, o);
     });
     out
 }

@@ -12,6 +12,7 @@ pub mod model;
 pub mod ops;
 pub mod reference;
 pub mod rope;
+pub mod sampling;
 pub mod tiny;
 pub mod tokenizer;
 

@@ -49,7 +49,7 @@ fn random(rng: &mut rand::rngs::StdRng, shape: &[usize], scale: f32) -> Result<T
 }
 
 /// Write a tiny seeded-random Llama GGUF (linears Q4_1, embedding Q8_0,
-/// norms F32, tied output) with the tiny byte-level vocabulary.
+/// norms F32, separate Q8_0 output matrix) with the tiny byte-level vocabulary.
 pub fn write_tiny_gguf(path: &Path, seed: u64) -> Result<(), ModelError> {
     write_tiny_gguf_with(path, seed, TinyConfig::default())
 }
@@ -113,6 +113,15 @@ pub fn write_tiny_gguf_with(path: &Path, seed: u64, cfg: TinyConfig) -> Result<(
         ));
     }
     tensors.push(("output_norm.weight".into(), norm(&mut rng, cfg.hidden)?));
+    // An untied output matrix: with tied embeddings a random model mostly
+    // repeats its input token, which makes a poor test of sampling.
+    tensors.push((
+        "output.weight".into(),
+        q(
+            random(&mut rng, &[vocab, cfg.hidden], 0.5)?,
+            GgmlDType::Q8_0,
+        )?,
+    ));
 
     let u = |x: usize| Value::U32(x as u32);
     let mut meta: Vec<(String, Value)> = vec![

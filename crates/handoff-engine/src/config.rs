@@ -1,0 +1,46 @@
+//! Engine configuration.
+
+use std::path::PathBuf;
+
+use handoff_model::PhaseFormats;
+
+/// How to load the model and size the engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// GGUF file.
+    pub model_path: PathBuf,
+    /// Compute threads for the forward pass.
+    pub threads: usize,
+    /// KV page size in tokens.
+    pub page_size: usize,
+    /// Pages in the KV pool.
+    pub kv_pages: usize,
+    /// Most requests in the running batch.
+    pub max_batch: usize,
+    /// Most prompt tokens one prefill step computes (longer prompts are chunked
+    /// so running requests keep decoding in between).
+    pub prefill_chunk: usize,
+    /// Context limit per request; defaults to (and may not exceed) the model's.
+    pub max_context: Option<usize>,
+    /// Name served in the API; defaults to the file stem.
+    pub served_name: Option<String>,
+    /// Weight formats per phase.
+    pub formats: PhaseFormats,
+}
+
+impl EngineConfig {
+    /// Defaults for a model path: 2 threads, 16-token pages, 2048 pages, batch 32, chunk 256.
+    pub fn new(model_path: impl Into<PathBuf>) -> Self {
+        Self {
+            model_path: model_path.into(),
+            threads: 2,
+            page_size: 16,
+            kv_pages: 2048,
+            max_batch: 32,
+            prefill_chunk: 256,
+            max_context: None,
+            served_name: None,
+            formats: PhaseFormats::default(),
+        }
+    }
+}

@@ -1,0 +1,204 @@
+//! Starting the engine: load the model, build the KV pool, spawn the
+//! scheduler thread that owns them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc};
+
+use handoff_kv::{KvPool, PageAllocator};
+use handoff_model::chat_template::ChatTemplate;
+use handoff_model::tokenizer::Tokenizer;
+use handoff_model::Llama;
+use tokio::sync::mpsc;
+
+use crate::config::EngineConfig;
+use crate::error::EngineError;
+use crate::handle::{EngineHandle, LoadSnapshot, ModelInfo};
+use crate::request::{GenerateRequest, StreamEvent};
+use crate::scheduler::{Command, Scheduler};
+
+/// State shared between the handle and the scheduler thread. Only counters
+/// and immutable data live here; the scheduler owns everything else.
+pub(crate) struct Shared {
+    pub info: ModelInfo,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    pub commands: std_mpsc::Sender<Command>,
+    pub allocator: PageAllocator,
+    pub counters: Arc<Counters>,
+}
+
+/// Load counters the scheduler publishes after every step.
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+}
+
+impl Shared {
+    pub fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        let p = &req.sampling;
+        if req.prompt_ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if let Some(&id) = req
+            .prompt_ids
+            .iter()
+            .find(|&&id| id as usize >= self.info.vocab_size)
+        {
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab_size: self.info.vocab_size,
+            });
+        }
+        if p.max_new_tokens == 0 {
+            return Err(EngineError::InvalidParams(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        if !p.temperature.is_finite() || p.temperature < 0.0 {
+            return Err(EngineError::InvalidParams(format!(
+                "temperature must be a finite number >= 0, got {}",
+                p.temperature
+            )));
+        }
+        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+            return Err(EngineError::InvalidParams(format!(
+                "top_p must be in (0, 1], got {}",
+                p.top_p
+            )));
+        }
+        if p.stop.iter().any(|s| s.is_empty()) {
+            return Err(EngineError::InvalidParams(
+                "stop strings must not be empty".into(),
+            ));
+        }
+        let total = req.prompt_ids.len().saturating_add(p.max_new_tokens);
+        if total > self.info.context_length {
+            return Err(EngineError::ContextExceeded {
+                prompt_tokens: req.prompt_ids.len(),
+                max_new_tokens: p.max_new_tokens,
+                context_length: self.info.context_length,
+            });
+        }
+        let needed_pages = total.div_ceil(self.info.page_size);
+        let total_pages = self.allocator.stats().total;
+        if needed_pages > total_pages {
+            return Err(EngineError::ExceedsKvCapacity {
+                needed_pages,
+                total_pages,
+            });
+        }
+        Ok(())
+    }
+
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+        tx: mpsc::UnboundedSender<StreamEvent>,
+    ) -> Result<(), EngineError> {
+        self.commands
+            .send(Command::Submit(Box::new(req), tx))
+            .map_err(|_| EngineError::ShuttingDown)
+    }
+
+    pub fn load(&self) -> LoadSnapshot {
+        let pages = self.allocator.stats();
+        LoadSnapshot {
+            running: self.counters.running.load(Ordering::Acquire),
+            waiting: self.counters.waiting.load(Ordering::Acquire),
+            pages_total: pages.total,
+            pages_used: pages.leased,
+        }
+    }
+}
+
+/// The colocated engine.
+pub struct Engine;
+
+impl Engine {
+    /// Load the model and start the scheduler thread. Returns once the model
+    /// is loaded and the engine accepts requests.
+    pub fn start(config: EngineConfig) -> Result<EngineHandle, EngineError> {
+        if config.threads == 0
+            || config.page_size == 0
+            || config.kv_pages == 0
+            || config.max_batch == 0
+            || config.prefill_chunk == 0
+        {
+            return Err(EngineError::InvalidParams(
+                "threads, page size, KV pages, max batch and prefill chunk must all be at least 1"
+                    .into(),
+            ));
+        }
+        let (model, content) = Llama::load(&config.model_path, config.formats)
+            .map_err(|e| EngineError::Model(e.to_string()))?;
+        let tokenizer =
+            Tokenizer::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
+        let chat_template =
+            ChatTemplate::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
+        let model_ctx = model.config().context_length;
+        let context_length = match config.max_context {
+            Some(c) if c == 0 || c > model_ctx => {
+                return Err(EngineError::InvalidParams(format!(
+                    "context length must be in 1..={model_ctx} (the model's), got {c}"
+                )))
+            }
+            Some(c) => c,
+            None => model_ctx,
+        };
+        let pool = KvPool::new(model.kv_geometry(config.page_size), config.kv_pages)
+            .map_err(|e| EngineError::InvalidParams(e.to_string()))?;
+        let served_name = config.served_name.clone().unwrap_or_else(|| {
+            config
+                .model_path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into())
+        });
+        let info = ModelInfo {
+            served_name,
+            model_path: config.model_path.display().to_string(),
+            context_length,
+            vocab_size: model.config().vocab_size,
+            page_size: config.page_size,
+        };
+        let threads = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.threads)
+            .thread_name(|i| format!("handoff-compute-{i}"))
+            .build()
+            .map_err(|e| EngineError::Model(format!("cannot start compute threads: {e}")))?;
+        let (tx, rx) = std_mpsc::channel();
+        let shared = Arc::new(Shared {
+            info,
+            tokenizer: Arc::new(tokenizer),
+            chat_template,
+            commands: tx,
+            allocator: pool.allocator().clone(),
+            counters: Arc::new(Counters::default()),
+        });
+        let scheduler = Scheduler {
+            model: Arc::new(model),
+            pool,
+            tokenizer: shared.tokenizer.clone(),
+            counters: shared.counters.clone(),
+            threads,
+            max_batch: config.max_batch,
+            prefill_chunk: config.prefill_chunk,
+            waiting: Default::default(),
+            active: Vec::new(),
+        };
+        std::thread::Builder::new()
+            .name("handoff-scheduler".into())
+            .spawn(move || scheduler.run(rx))
+            .map_err(|e| EngineError::Model(format!("cannot start the scheduler thread: {e}")))?;
+        tracing::info!(
+            model = %shared.info.model_path,
+            context = shared.info.context_length,
+            page_size = shared.info.page_size,
+            kv_pages = config.kv_pages,
+            formats = ?config.formats,
+            "engine started"
+        );
+        Ok(EngineHandle { inner: shared })
+    }
+}

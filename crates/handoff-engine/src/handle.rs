@@ -1,0 +1,102 @@
+//! The engine's public handle: submit requests, read their streams, read load.
+//! The scheduler thread owns all engine state; this handle only sends it
+//! commands (TGI's queue pattern).
+
+use std::sync::Arc;
+
+use handoff_model::chat_template::ChatTemplate;
+use handoff_model::tokenizer::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::error::EngineError;
+use crate::request::{GenerateRequest, StreamEvent};
+
+/// What the server needs to know about the loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// Name served in `/v1/models` and `served_model_name`.
+    pub served_name: String,
+    /// Path of the GGUF file.
+    pub model_path: String,
+    /// Maximum tokens of prompt + output for one request.
+    pub context_length: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+    /// KV page size in tokens.
+    pub page_size: usize,
+}
+
+/// A point-in-time view of the engine's load (for `/get_load`, `/metrics`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadSnapshot {
+    /// Requests in the running batch.
+    pub running: usize,
+    /// Requests waiting for admission (KV pages or batch slots).
+    pub waiting: usize,
+    /// Pages in the KV pool.
+    pub pages_total: usize,
+    /// Pages currently leased to requests.
+    pub pages_used: usize,
+}
+
+/// Cheap, cloneable handle to a running engine.
+#[derive(Clone)]
+pub struct EngineHandle {
+    pub(crate) inner: Arc<crate::engine::Shared>,
+}
+
+impl EngineHandle {
+    /// The loaded model.
+    pub fn model(&self) -> &ModelInfo {
+        &self.inner.info
+    }
+
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.inner.tokenizer
+    }
+
+    /// The model's chat template, if the GGUF has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.inner.chat_template.as_ref()
+    }
+
+    /// Check a request against every limit without queueing it. `submit`
+    /// calls this too; use it alone to reject before doing other work.
+    pub fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        self.inner.validate(req)
+    }
+
+    /// Validate and enqueue a request. The returned stream yields its tokens;
+    /// dropping the stream cancels the request and frees its pages at the
+    /// engine's next step.
+    pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
+        self.inner.validate(&req)?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.inner.submit(req, tx)?;
+        Ok(RequestStream { rx })
+    }
+
+    /// Current load.
+    pub fn load(&self) -> LoadSnapshot {
+        self.inner.load()
+    }
+}
+
+/// The events of one request. Drop it to cancel the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    rx: mpsc::UnboundedReceiver<StreamEvent>,
+}
+
+impl RequestStream {
+    /// Next event; `None` after `Finished`/`Error` has been yielded.
+    pub async fn next(&mut self) -> Option<StreamEvent> {
+        self.rx.recv().await
+    }
+
+    /// Blocking variant of [`RequestStream::next`] for non-async callers (tests, benches).
+    pub fn blocking_next(&mut self) -> Option<StreamEvent> {
+        self.rx.blocking_recv()
+    }
+}

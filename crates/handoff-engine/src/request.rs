@@ -1,0 +1,119 @@
+//! Request, sampling parameters and the events a request's stream yields
+//! (DESIGN.md §3, the part shared by colocated and disaggregated serving).
+
+use std::time::Instant;
+
+use crate::error::EngineError;
+
+/// How the next token is chosen and when generation stops.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0.0 means greedy (argmax); otherwise logits are divided by it.
+    pub temperature: f32,
+    /// Keep only the `top_k` most likely tokens; 0 disables the filter.
+    pub top_k: usize,
+    /// Nucleus sampling: keep the smallest set whose mass reaches `top_p`; 1.0 disables it.
+    pub top_p: f32,
+    /// Seed of the request's own RNG: same seed, same prompt, same output.
+    /// `None` draws a seed at random.
+    pub seed: Option<u64>,
+    /// Maximum number of tokens to generate (at least 1).
+    pub max_new_tokens: usize,
+    /// Generation stops when the decoded output contains one of these; the
+    /// text returned ends before the match.
+    pub stop: Vec<String>,
+    /// Generation stops when one of these token ids is sampled.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past the model's end-of-sequence token.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: None,
+            max_new_tokens: 128,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// One generation request, already tokenized.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// Prompt token ids (chat template already applied, BOS included if the model wants one).
+    pub prompt_ids: Vec<u32>,
+    /// Sampling and stopping rules.
+    pub sampling: SamplingParams,
+    /// When the request reached the server (for TTFT accounting).
+    pub arrived: Instant,
+}
+
+/// Why a request stopped generating.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced EOS or a stop token id.
+    Eos {
+        /// The token that ended generation.
+        token: u32,
+    },
+    /// A stop string matched.
+    StopString {
+        /// The stop string that matched.
+        matched: String,
+    },
+    /// `max_new_tokens` was reached, or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string: `"stop"` or `"length"`.
+    pub fn openai(&self) -> &'static str {
+        match self {
+            FinishReason::Eos { .. } | FinishReason::StopString { .. } => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// One generated token as it leaves the engine.
+#[derive(Debug, Clone)]
+pub struct TokenOut {
+    /// Token id.
+    pub id: u32,
+    /// Natural log of the token's probability under the sampling distribution
+    /// before temperature/top-k/top-p (the model's own log-softmax).
+    pub logprob: f32,
+    /// Text this token adds to the output (may be empty while a multi-byte
+    /// character or a possible stop string is incomplete; held-back text is
+    /// released by a later token or dropped if a stop string matches).
+    pub text: String,
+}
+
+/// The end of a request that completed normally.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// Why it stopped.
+    pub reason: FinishReason,
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated (including a final EOS/stop token).
+    pub completion_tokens: usize,
+}
+
+/// What a request's stream yields, in order: zero or more `Token`, then exactly
+/// one `Finished` or `Error`.
+#[derive(Debug, Clone)]
+pub enum StreamEvent {
+    /// A generated token.
+    Token(TokenOut),
+    /// Generation ended normally.
+    Finished(Finished),
+    /// Generation failed; nothing follows.
+    Error(EngineError),
+}

@@ -1,0 +1,285 @@
+//! The colocated scheduler loop (DESIGN.md §2 `handoff-engine`): one thread
+//! owns the model, the KV pool and every request. Each iteration: take new
+//! requests, drop cancelled ones, admit waiting requests whose pages fit,
+//! run one prefill chunk, run one decode step for the running batch.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc as std_mpsc, Arc};
+
+use handoff_kv::{KvPool, PageLease};
+use handoff_model::sampling::{Sampler, SamplerConfig};
+use handoff_model::tokenizer::Tokenizer;
+use handoff_model::{Llama, Phase, SeqChunk};
+use tokio::sync::mpsc;
+
+use crate::engine::Counters;
+use crate::error::EngineError;
+use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
+use crate::stop::TextTracker;
+
+/// What the handle sends the scheduler.
+pub(crate) enum Command {
+    /// A validated request and where its events go.
+    Submit(Box<GenerateRequest>, mpsc::UnboundedSender<StreamEvent>),
+}
+
+pub(crate) struct Waiting {
+    req: Box<GenerateRequest>,
+    tx: mpsc::UnboundedSender<StreamEvent>,
+}
+
+/// A request holding pages: prefilling, then decoding.
+pub(crate) struct Active {
+    tx: mpsc::UnboundedSender<StreamEvent>,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose K/V are in the pool.
+    cached: usize,
+    lease: PageLease,
+    sampler: Sampler,
+    text: TextTracker,
+    max_new: usize,
+    stop_ids: Vec<u32>,
+    ignore_eos: bool,
+}
+
+impl Active {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    fn prefilling(&self) -> bool {
+        self.cached < self.prompt_len
+    }
+}
+
+pub(crate) struct Scheduler {
+    pub model: Arc<Llama>,
+    pub pool: KvPool,
+    pub tokenizer: Arc<Tokenizer>,
+    pub counters: Arc<Counters>,
+    pub threads: rayon::ThreadPool,
+    pub max_batch: usize,
+    pub prefill_chunk: usize,
+    pub waiting: VecDeque<Waiting>,
+    pub active: Vec<Active>,
+}
+
+impl Scheduler {
+    pub fn run(mut self, rx: std_mpsc::Receiver<Command>) {
+        loop {
+            let idle = self.active.is_empty() && self.waiting.is_empty();
+            let first = if idle {
+                match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => break,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                match cmd {
+                    Command::Submit(req, tx) => self.waiting.push_back(Waiting { req, tx }),
+                }
+            }
+            self.drop_cancelled();
+            self.admit();
+            self.publish();
+            if let Err(e) = self.step() {
+                tracing::error!(error = %e, "forward pass failed; failing the running batch");
+                for a in self.active.drain(..) {
+                    let _ = a.tx.send(StreamEvent::Error(e.clone()));
+                }
+            }
+            self.publish();
+        }
+        for w in self.waiting.drain(..) {
+            let _ = w.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
+        }
+        for a in self.active.drain(..) {
+            let _ = a.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
+        }
+        self.publish();
+    }
+
+    fn publish(&self) {
+        self.counters
+            .running
+            .store(self.active.len(), Ordering::Release);
+        self.counters
+            .waiting
+            .store(self.waiting.len(), Ordering::Release);
+    }
+
+    /// A client that went away frees its pages here (dropping the lease).
+    fn drop_cancelled(&mut self) {
+        let before = self.active.len() + self.waiting.len();
+        self.waiting.retain(|w| !w.tx.is_closed());
+        self.active.retain(|a| !a.tx.is_closed());
+        let dropped = before - self.active.len() - self.waiting.len();
+        if dropped > 0 {
+            tracing::debug!(dropped, "cancelled requests released");
+        }
+    }
+
+    /// Admit waiting requests in arrival order while pages and batch slots
+    /// last. Pages for prompt + max_new_tokens are reserved up front, so a
+    /// running request never runs out of pages mid-generation.
+    fn admit(&mut self) {
+        let page_size = self.pool.geometry().page_size;
+        while self.active.len() < self.max_batch {
+            let Some(w) = self.waiting.front() else { break };
+            let need = (w.req.prompt_ids.len() + w.req.sampling.max_new_tokens).div_ceil(page_size);
+            let Ok(lease) = self.pool.allocator().lease(need) else {
+                break;
+            };
+            let Some(w) = self.waiting.pop_front() else {
+                break;
+            };
+            let s = &w.req.sampling;
+            let seed = s.seed.unwrap_or_else(rand::random);
+            self.active.push(Active {
+                prompt_len: w.req.prompt_ids.len(),
+                cached: 0,
+                lease,
+                sampler: Sampler::new(SamplerConfig {
+                    temperature: s.temperature,
+                    top_k: s.top_k,
+                    top_p: s.top_p,
+                    seed,
+                }),
+                text: TextTracker::new(s.stop.clone()),
+                max_new: s.max_new_tokens,
+                stop_ids: s.stop_token_ids.clone(),
+                ignore_eos: s.ignore_eos,
+                tokens: w.req.prompt_ids,
+                tx: w.tx,
+            });
+        }
+    }
+
+    fn step(&mut self) -> Result<(), EngineError> {
+        let model = self.model.clone();
+        // One prefill chunk: the oldest request still prefilling.
+        if let Some(i) = self.active.iter().position(Active::prefilling) {
+            let a = &self.active[i];
+            let end = (a.cached + self.prefill_chunk).min(a.prompt_len);
+            let chunk = SeqChunk {
+                tokens: &a.tokens[a.cached..end],
+                start_pos: a.cached,
+                pages: a.lease.pages(),
+            };
+            let pool = &mut self.pool;
+            let logits = self
+                .threads
+                .install(|| model.forward(pool, &[chunk], Phase::Prefill))
+                .map_err(|e| EngineError::Model(e.to_string()))?;
+            let a = &mut self.active[i];
+            a.cached = end;
+            if !a.prefilling() {
+                if let Some(l) = logits.first() {
+                    if let Some(last) = self.emit(i, l) {
+                        self.finish(i, last);
+                    }
+                }
+            }
+        }
+        // One decode step for every request past prefill.
+        let idx: Vec<usize> = (0..self.active.len())
+            .filter(|&i| !self.active[i].prefilling())
+            .collect();
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let chunks: Vec<SeqChunk<'_>> = idx
+            .iter()
+            .map(|&i| {
+                let a = &self.active[i];
+                let pos = a.tokens.len() - 1;
+                SeqChunk {
+                    tokens: &a.tokens[pos..],
+                    start_pos: pos,
+                    pages: a.lease.pages(),
+                }
+            })
+            .collect();
+        let pool = &mut self.pool;
+        let logits = self
+            .threads
+            .install(|| model.forward(pool, &chunks, Phase::Decode))
+            .map_err(|e| EngineError::Model(e.to_string()))?;
+        drop(chunks);
+        let mut finished = Vec::new();
+        for (k, &i) in idx.iter().enumerate() {
+            if let Some(last) = self.emit(i, &logits[k]) {
+                finished.push((i, last));
+            }
+        }
+        for (i, last) in finished.into_iter().rev() {
+            self.finish(i, last);
+        }
+        Ok(())
+    }
+
+    /// Remove request `i`, returning its pages, then send its last event: a
+    /// client that sees the end of its stream never sees its pages still held.
+    fn finish(&mut self, i: usize, last: Option<StreamEvent>) {
+        let a = self.active.swap_remove(i);
+        let tx = a.tx.clone();
+        drop(a);
+        if let Some(ev) = last {
+            let _ = tx.send(ev);
+        }
+    }
+
+    /// Sample the next token of request `i` and send it. Returns `Some` when
+    /// the request is finished, with the final event to send once its pages
+    /// are released (`None` inside when the client is gone).
+    fn emit(&mut self, i: usize, logits: &[f32]) -> Option<Option<StreamEvent>> {
+        let eos = self.tokenizer.eog_ids().to_vec();
+        let a = &mut self.active[i];
+        let (id, logprob) = a.sampler.sample(logits);
+        a.tokens.push(id);
+        let is_eos = (!a.ignore_eos && eos.contains(&id)) || a.stop_ids.contains(&id);
+        let pushed = if is_eos {
+            None
+        } else {
+            Some(a.text.push(&self.tokenizer, id))
+        };
+        let mut reason = None;
+        let mut text = String::new();
+        match pushed {
+            None => reason = Some(FinishReason::Eos { token: id }),
+            Some(p) => {
+                text = p.text;
+                if let Some(m) = p.matched {
+                    reason = Some(FinishReason::StopString { matched: m });
+                }
+            }
+        }
+        if reason.is_none() && a.generated() >= a.max_new {
+            reason = Some(FinishReason::Length);
+        }
+        if matches!(
+            reason,
+            Some(FinishReason::Eos { .. }) | Some(FinishReason::Length)
+        ) {
+            text.push_str(&a.text.flush());
+        }
+        let sent =
+            a.tx.send(StreamEvent::Token(TokenOut { id, logprob, text }));
+        match reason {
+            Some(reason) => Some(Some(StreamEvent::Finished(Finished {
+                reason,
+                prompt_tokens: a.prompt_len,
+                completion_tokens: a.generated(),
+            }))),
+            None if sent.is_err() => Some(None),
+            None => None,
+        }
+    }
+}
