@@ -23,4 +23,17 @@ pub enum KvError {
         /// Pages free at the time.
         free: usize,
     },
+    /// A byte range is outside a region.
+    #[error("byte range {start}..{end} is outside a region of {len} bytes")]
+    OutOfBounds {
+        /// Start of the range.
+        start: usize,
+        /// End of the range.
+        end: usize,
+        /// Region length.
+        len: usize,
+    },
+    /// Creating, opening or mapping shared memory failed.
+    #[error("shared memory: {0}")]
+    Shm(String),
 }

@@ -1,15 +1,18 @@
 //! KV geometry and memory (DESIGN.md §2 `handoff-kv`): the paged KV pool that
 //! the model reads and writes and the transfer layer moves, the byte layout of
 //! (layer, page, K|V) blocks, and single-owner page leases.
-#![forbid(unsafe_code)]
+// Only `shm` (the mapping of shared memory) may use `unsafe`.
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod error;
 pub mod layout;
 pub mod lease;
 pub mod pool;
+pub mod shm;
 
 pub use error::KvError;
 pub use layout::{KvDtype, KvGeometry, KvKind, KvLayout, PageIndex};
 pub use lease::{PageAllocator, PageLease, PageStats};
 pub use pool::KvPool;
+pub use shm::{ShmRegion, ShmRegionHandle};

@@ -1,15 +1,25 @@
-//! The KV pool's memory: one plain f32 region addressed by [`KvLayout`].
-//! A later transport maps the same region across processes (shared memory);
-//! everything here works on a plain slice so the backing can change.
+//! The KV pool's memory: one plain f32 region addressed by [`KvLayout`],
+//! either on the heap ([`KvPool::new`]) or in shared memory
+//! ([`KvPool::new_shared`]) that a transfer peer maps across processes.
+//! Everything here works on a plain slice so the backing can change.
+
+use std::sync::Arc;
 
 use crate::error::KvError;
 use crate::layout::{KvGeometry, KvKind, KvLayout, PageIndex};
 use crate::lease::PageAllocator;
+use crate::shm::{ShmRegion, ShmRegionHandle};
+
+/// Where a pool's bytes live.
+enum Backing {
+    Heap(Vec<f32>),
+    Shared(Arc<ShmRegion>),
+}
 
 /// A paged KV cache: memory plus the allocator of its pages.
 pub struct KvPool {
     layout: KvLayout,
-    memory: Vec<f32>,
+    memory: Backing,
     allocator: PageAllocator,
 }
 
@@ -27,9 +37,53 @@ impl KvPool {
         memory.resize(layout.pool_elems(), 0.0);
         Ok(Self {
             layout,
-            memory,
+            memory: Backing::Heap(memory),
             allocator: PageAllocator::new(num_pages),
         })
+    }
+
+    /// A zeroed pool of `num_pages` pages in shared memory (memfd), and the
+    /// handle another process on this host maps it with.
+    pub fn new_shared(
+        geometry: KvGeometry,
+        num_pages: usize,
+    ) -> Result<(Self, ShmRegionHandle), KvError> {
+        let layout = KvLayout::new(geometry, num_pages)?;
+        let region = ShmRegion::create("handoff-kv-pool", layout.pool_bytes())?;
+        let handle = region.handle();
+        Ok((
+            Self {
+                layout,
+                memory: Backing::Shared(Arc::new(region)),
+                allocator: PageAllocator::new(num_pages),
+            },
+            handle,
+        ))
+    }
+
+    /// The shared region behind this pool, if it is shared. Transports
+    /// write into (and read from) leased pages through it.
+    pub fn shared_region(&self) -> Option<&Arc<ShmRegion>> {
+        match &self.memory {
+            Backing::Heap(_) => None,
+            Backing::Shared(r) => Some(r),
+        }
+    }
+
+    fn elems(&self) -> &[f32] {
+        match &self.memory {
+            Backing::Heap(v) => v,
+            Backing::Shared(r) => r.as_f32(),
+        }
+    }
+
+    fn elems_mut(&mut self) -> &mut [f32] {
+        match &mut self.memory {
+            Backing::Heap(v) => v,
+            // A transport may hold the region too: the view is tied to
+            // `&mut self`, the pool owner's exclusive borrow.
+            Backing::Shared(r) => r.as_f32_owner_mut(),
+        }
     }
 
     /// The pool's layout.
@@ -50,24 +104,24 @@ impl KvPool {
     /// One (layer, page, kind) block: `[kv_head][slot][head_dim]`.
     pub fn block(&self, layer: usize, page: PageIndex, kind: KvKind) -> &[f32] {
         let off = self.layout.block_offset(layer, page, kind);
-        &self.memory[off..off + self.layout.geometry.block_elems()]
+        &self.elems()[off..off + self.layout.geometry.block_elems()]
     }
 
     /// Mutable access to one block.
     pub fn block_mut(&mut self, layer: usize, page: PageIndex, kind: KvKind) -> &mut [f32] {
         let off = self.layout.block_offset(layer, page, kind);
         let n = self.layout.geometry.block_elems();
-        &mut self.memory[off..off + n]
+        &mut self.elems_mut()[off..off + n]
     }
 
     /// The whole region as bytes (what a transport reads).
     pub fn as_bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.memory)
+        bytemuck::cast_slice(self.elems())
     }
 
     /// The whole region as mutable bytes (what a transport writes into).
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(&mut self.memory)
+        bytemuck::cast_slice_mut(self.elems_mut())
     }
 
     /// Write K and V of one token at sequence position `pos` of a sequence
@@ -158,5 +212,43 @@ mod tests {
         assert!(pool
             .write_token(1, &pages, 12, &[0.0; 6], &[0.0; 6])
             .is_err());
+    }
+
+    #[test]
+    fn shared_pool_is_visible_from_a_second_mapping() {
+        let g = KvGeometry {
+            layers: 2,
+            kv_heads: 1,
+            head_dim: 2,
+            page_size: 2,
+            dtype: KvDtype::F32,
+        };
+        let (mut pool, handle) = KvPool::new_shared(g, 4).unwrap();
+        assert_eq!(handle.len as usize, pool.layout().pool_bytes());
+        let peer = crate::shm::ShmRegion::open(&handle).unwrap();
+        let pages = [PageIndex(3)];
+        pool.write_token(1, &pages, 1, &[1.5, 2.5], &[3.5, 4.5])
+            .unwrap();
+        let range = pool
+            .layout()
+            .block_bytes(1, PageIndex(3), KvKind::K)
+            .unwrap();
+        let mut raw = vec![0u8; range.len()];
+        peer.read_at(range.start, &mut raw).unwrap();
+        let floats: &[f32] = bytemuck::cast_slice(&raw);
+        assert_eq!(floats, &[0.0, 0.0, 1.5, 2.5]);
+        // The peer writes V of layer 0, page 0; the owner reads it.
+        let v = pool
+            .layout()
+            .block_bytes(0, PageIndex(0), KvKind::V)
+            .unwrap();
+        peer.write_at(v.start, bytemuck::cast_slice(&[9.0f32, 8.0, 7.0, 6.0]))
+            .unwrap();
+        assert_eq!(
+            pool.block(0, PageIndex(0), KvKind::V),
+            &[9.0, 8.0, 7.0, 6.0]
+        );
+        assert!(pool.shared_region().is_some());
+        assert!(KvPool::new(g, 4).unwrap().shared_region().is_none());
     }
 }
