@@ -1,0 +1,168 @@
+//! Teacher-forced comparison with llama.cpp: feed SmolLM2 Q4_1 the prompt and
+//! llama.cpp's own greedy tokens, and at every step compare our logits for
+//! llama.cpp's top-5 tokens with llama.cpp's values
+//! (tests/data/llamacpp_greedy_fa_off.json, see tests/data/README.md).
+//!
+//! Required: (1) at every step our logits for llama.cpp's top-5 tokens are
+//! within `MAX_LOGIT_DIFF` of llama.cpp's, with a median difference of at
+//! most `MEDIAN_LOGIT_DIFF`; (2) our argmax equals llama.cpp's at
+//! `MIN_ARGMAX_AGREEMENT` of the steps at least, and where it does not,
+//! llama.cpp's pick trails ours by at most `NEAR_TIE` in our logits.
+//! Why not exact equality: llama.cpp quantizes activations to 8 bits before
+//! every Q4_1 matmul and stores K/V in f16; we store K/V in f32, prefill
+//! multiplies in f32 and decode uses Q8_0 weights (BENCHMARKS.md). Measured
+//! here: median top-5 logit difference 0.18, argmax equal at 529/560 steps
+//! (with all-Q4_1 weights like llama.cpp: 0.14 and 532/560, so most of the
+//! gap is llama.cpp's f16 KV cache and activation rounding, not our formats).
+
+use std::path::PathBuf;
+
+use handoff_kv::{KvPool, PageIndex};
+use handoff_model::sampling::argmax;
+use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk};
+
+const MAX_LOGIT_DIFF: f32 = 2.0;
+const MEDIAN_LOGIT_DIFF: f32 = 0.3;
+const NEAR_TIE: f32 = 1.0;
+const MIN_ARGMAX_AGREEMENT: f64 = 0.9;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+#[test]
+fn logits_track_llamacpp_step_by_step() {
+    let path = std::env::var("HANDOFF_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"));
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-model.sh first",
+        path.display()
+    );
+    let data: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            repo().join("crates/handoff-model/tests/data/llamacpp_greedy_fa_off.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let mut formats = PhaseFormats::default();
+    if let Ok(f) = std::env::var("HANDOFF_FORMATS") {
+        let (p, d) = f.split_once(',').unwrap();
+        formats = PhaseFormats {
+            prefill: p.parse().unwrap(),
+            decode: d.parse().unwrap(),
+        };
+    }
+    let (model, _) = Llama::load(&path, formats).unwrap();
+    let mut diffs = Vec::new();
+    let page_size = 16;
+    let (mut worst, mut steps, mut argmax_same) = (0.0f32, 0, 0);
+    for case in data["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let ids = |k: &str| -> Vec<u32> {
+            case[k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let (prompt, out) = (ids("prompt_ids"), ids("output_ids"));
+        let top: Vec<Vec<(usize, f32)>> = case["top_logits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                s.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|p| {
+                        (
+                            p[0].as_u64().unwrap() as usize,
+                            p[1].as_f64().unwrap() as f32,
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let total = prompt.len() + out.len();
+        let mut pool =
+            KvPool::new(model.kv_geometry(page_size), total.div_ceil(page_size)).unwrap();
+        let pages: Vec<PageIndex> = (0..total.div_ceil(page_size) as u32)
+            .rev()
+            .map(PageIndex)
+            .collect();
+        let mut logits = model
+            .forward(
+                &mut pool,
+                &[SeqChunk {
+                    tokens: &prompt,
+                    start_pos: 0,
+                    pages: &pages,
+                }],
+                Phase::Prefill,
+            )
+            .unwrap()
+            .remove(0);
+        for (step, want) in top.iter().enumerate() {
+            for &(id, v) in want {
+                let d = (logits[id] - v).abs();
+                worst = worst.max(d);
+                diffs.push(d);
+                if std::env::var("HANDOFF_STATS_ONLY").is_err() {
+                    assert!(
+                        d <= MAX_LOGIT_DIFF,
+                        "{name} step {step}: logit of token {id} is {} here, {v} in llama.cpp",
+                        logits[id]
+                    );
+                }
+            }
+            let ours = argmax(&logits);
+            let best = want[0].1;
+            if ours == want[0].0 {
+                argmax_same += 1;
+            } else {
+                // A near-tie on our side: llama.cpp's pick is within NEAR_TIE of ours.
+                let gap = logits[ours] - logits[want[0].0];
+                assert!(
+                    std::env::var("HANDOFF_STATS_ONLY").is_ok() || gap <= NEAR_TIE,
+                    "{name} step {step}: we pick {ours}, llama.cpp picks {} which trails ours by {gap}",
+                    want[0].0
+                );
+            }
+            steps += 1;
+            if step + 1 < top.len() {
+                let pos = prompt.len() + step;
+                let c = SeqChunk {
+                    tokens: &out[step..step + 1],
+                    start_pos: pos,
+                    pages: &pages,
+                };
+                logits = model
+                    .forward(&mut pool, &[c], Phase::Decode)
+                    .unwrap()
+                    .remove(0);
+            }
+        }
+    }
+    diffs.sort_by(f32::total_cmp);
+    let pct = |p: f64| diffs[((diffs.len() - 1) as f64 * p) as usize];
+    println!(
+        "top-5 logit |diff|: median {:.3}, p90 {:.3}, p99 {:.3}",
+        pct(0.5),
+        pct(0.9),
+        pct(0.99)
+    );
+    println!("argmax equal at {argmax_same}/{steps} teacher-forced steps; worst top-5 logit difference {worst:.3}");
+    assert!(
+        pct(0.5) <= MEDIAN_LOGIT_DIFF,
+        "median logit difference {} too large",
+        pct(0.5)
+    );
+    assert!(
+        argmax_same as f64 >= MIN_ARGMAX_AGREEMENT * steps as f64,
+        "argmax agrees at only {argmax_same}/{steps} steps"
+    );
+}
