@@ -1,1 +1,21 @@
-//! handoff-server
+//! handoff-server: the HTTP worker API (DESIGN.md §1, §8) — OpenAI chat and
+//! completions, SGLang's `/generate`, health, load, server info and
+//! Prometheus metrics — around a running engine.
+#![warn(missing_docs)]
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod errors;
+pub mod extract;
+pub mod generate_api;
+pub mod generation;
+pub mod info_api;
+pub mod metrics;
+pub mod openai_api;
+pub mod openai_types;
+pub mod params;
+pub mod prompt;
+pub mod sse;
+
+pub use app::{app, app_with_state, AppState};
+pub use errors::ApiError;

@@ -1,0 +1,121 @@
+//! The router: every route of the worker API, the shared state, request
+//! counting and the JSON 404/405 answers.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use handoff_engine::handle::EngineHandle;
+
+use crate::errors::ApiError;
+use crate::extract::MAX_BODY_BYTES;
+use crate::metrics::Metrics;
+use crate::{generate_api, info_api, openai_api};
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// The engine.
+    pub engine: EngineHandle,
+    /// The metrics registry.
+    pub metrics: Arc<Metrics>,
+    /// Server start, seconds since the Unix epoch.
+    pub started_unix: u64,
+    next_id: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("model", &self.engine.model())
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// State around a running engine.
+    pub fn new(engine: EngineHandle) -> Self {
+        let started_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        AppState {
+            engine,
+            metrics: Arc::new(Metrics::new()),
+            started_unix,
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+
+    /// A fresh id like `chatcmpl-65f1c0de-3`.
+    pub fn next_request_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:x}-{n}", self.started_unix)
+    }
+
+    /// The model name reported in responses.
+    pub fn served_name(&self) -> String {
+        self.engine.model().served_name.clone()
+    }
+}
+
+/// The HTTP API around `engine`.
+pub fn app(engine: EngineHandle) -> Router {
+    app_with_state(AppState::new(engine))
+}
+
+/// The HTTP API around prepared state (lets callers keep the metrics handle).
+pub fn app_with_state(state: AppState) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(openai_api::chat_completions))
+        .route("/v1/completions", post(openai_api::completions))
+        .route("/generate", post(generate_api::generate))
+        .route("/v1/models", get(info_api::models))
+        .route("/health", get(info_api::health))
+        .route("/health_generate", get(info_api::health_generate))
+        .route("/server_info", get(info_api::server_info))
+        .route("/get_server_info", get(info_api::server_info))
+        .route("/get_load", get(info_api::get_load))
+        .route("/metrics", get(info_api::metrics))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn count_requests(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let endpoint = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let resp = next.run(req).await;
+    state
+        .metrics
+        .count_request(&endpoint, resp.status().as_u16());
+    resp
+}
+
+async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        404,
+        "not_found",
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+}
+
+async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        405,
+        "method_not_allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}

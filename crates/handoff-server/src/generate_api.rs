@@ -1,0 +1,296 @@
+//! `POST /generate`: SGLang's native request and response shapes
+//! (`text` or `input_ids`, `sampling_params`, `stream`; `text`,
+//! `output_ids`, `meta_info`). Streaming sends cumulative objects, as SGLang
+//! does, then `data: [DONE]`. The PD fields `bootstrap_host`,
+//! `bootstrap_port` and `bootstrap_room` are validated and otherwise unused
+//! in colocated serving.
+
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use handoff_engine::request::GenerateRequest;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::app::AppState;
+use crate::errors::ApiError;
+use crate::extract::JsonBody;
+use crate::generation::{sglang_finish_reason, Generation, Step};
+use crate::params::{RawSampling, StopInput};
+use crate::prompt;
+use crate::sse::{sse_response, Disconnected, SseSender};
+
+const ENDPOINT: &str = "/generate";
+
+/// SGLang's default `max_new_tokens`.
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 128;
+
+/// `text`: one string (a list is a batch, which is not supported).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a string")]
+pub enum TextInput {
+    /// One prompt.
+    One(String),
+    /// A batch.
+    Batch(Vec<String>),
+}
+
+/// `input_ids`: one list of ids (a list of lists is a batch).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a list of token ids")]
+pub enum IdsInput {
+    /// One prompt.
+    One(Vec<u32>),
+    /// A batch.
+    Batch(Vec<Vec<u32>>),
+}
+
+/// `sampling_params`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct GenerateSampling {
+    /// Output limit (default 128).
+    #[serde(default)]
+    pub max_new_tokens: Option<i64>,
+    /// Temperature (default 1; 0 is greedy).
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Nucleus mass.
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Top-k (-1 disables it).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<StopInput>,
+    /// Stop token ids.
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Keep generating after EOS.
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+    /// RNG seed.
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// RNG seed (SGLang's name).
+    #[serde(default)]
+    pub sampling_seed: Option<i64>,
+    /// Choices; only 1.
+    #[serde(default)]
+    pub n: Option<i64>,
+}
+
+/// `POST /generate` body.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GenerateBody {
+    /// Prompt text.
+    #[serde(default)]
+    pub text: Option<TextInput>,
+    /// Prompt token ids.
+    #[serde(default)]
+    pub input_ids: Option<IdsInput>,
+    /// Sampling parameters.
+    #[serde(default)]
+    pub sampling_params: Option<GenerateSampling>,
+    /// Stream cumulative results as SSE.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Request id chosen by the client.
+    #[serde(default)]
+    pub rid: Option<String>,
+    /// PD bootstrap host (unused when colocated).
+    #[serde(default)]
+    pub bootstrap_host: Option<String>,
+    /// PD bootstrap port (unused when colocated).
+    #[serde(default)]
+    pub bootstrap_port: Option<Value>,
+    /// PD room id (unused when colocated).
+    #[serde(default)]
+    pub bootstrap_room: Option<Value>,
+}
+
+/// A non-negative integer of at most `max`, or a 400 naming the field.
+pub fn bounded_integer(field: &str, v: &Value, max: u64) -> Result<u64, ApiError> {
+    match v.as_u64() {
+        Some(n) if n <= max => Ok(n),
+        _ => Err(ApiError::invalid_param(
+            field,
+            format!("{field} must be an integer between 0 and {max}, got {v}"),
+        )),
+    }
+}
+
+fn check_bootstrap(body: &GenerateBody) -> Result<(), ApiError> {
+    if let Some(v) = body.bootstrap_room.as_ref().filter(|v| !v.is_null()) {
+        bounded_integer("bootstrap_room", v, i64::MAX as u64)?;
+    }
+    if let Some(v) = body.bootstrap_port.as_ref().filter(|v| !v.is_null()) {
+        bounded_integer("bootstrap_port", v, u64::from(u16::MAX))?;
+    }
+    Ok(())
+}
+
+fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<Vec<u32>, ApiError> {
+    let batch = || {
+        ApiError::bad_request(
+            "batch_not_supported",
+            "batched /generate requests are not supported: send one prompt per request",
+        )
+    };
+    match (&body.text, &body.input_ids) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request(
+            "invalid_value",
+            "give either `text` or `input_ids`, not both",
+        )),
+        (None, None) => Err(ApiError::bad_request(
+            "invalid_value",
+            "the request needs a prompt: `text` or `input_ids`",
+        )),
+        (Some(TextInput::One(t)), None) => prompt::text_prompt(&state.engine, t),
+        (None, Some(IdsInput::One(ids))) => {
+            prompt::id_prompt(&state.engine, ids.clone(), "input_ids")
+        }
+        _ => Err(batch()),
+    }
+}
+
+/// `POST /generate`.
+pub async fn generate(
+    State(state): State<AppState>,
+    JsonBody(body): JsonBody<GenerateBody>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    check_bootstrap(&body)?;
+    let sp = body.sampling_params.clone().unwrap_or_default();
+    if let Some(n) = sp.n.filter(|&n| n != 1) {
+        return Err(ApiError::invalid_param(
+            "sampling_params.n",
+            format!("sampling_params.n must be 1 (one output per request), got {n}"),
+        ));
+    }
+    let raw = RawSampling {
+        max_tokens_field: "max_new_tokens",
+        max_tokens: sp.max_new_tokens,
+        temperature: sp.temperature,
+        top_p: sp.top_p,
+        top_k: sp.top_k,
+        seed: sp.seed.or(sp.sampling_seed),
+        stop: sp.stop,
+        stop_token_ids: sp.stop_token_ids,
+        ignore_eos: sp.ignore_eos,
+    };
+    let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
+    let prompt_ids = prompt_ids(&state, &body)?;
+    let prompt_tokens = prompt_ids.len();
+    let rid = body
+        .rid
+        .clone()
+        .unwrap_or_else(|| state.next_request_id("gen"));
+    let gen = Generation::submit(
+        &state,
+        GenerateRequest {
+            prompt_ids,
+            sampling,
+            arrived,
+        },
+        ENDPOINT,
+    )?;
+    if body.stream.unwrap_or(false) {
+        return Ok(sse_response(move |tx| stream(gen, tx, rid, prompt_tokens)));
+    }
+    let c = gen.collect().await?;
+    let ids: Vec<u32> = c.tokens.iter().map(|t| t.id).collect();
+    Ok(Json(json!({
+        "text": c.text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": sglang_finish_reason(&c.finished.reason, c.finished.completion_tokens),
+            "prompt_tokens": c.finished.prompt_tokens,
+            "completion_tokens": c.finished.completion_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": arrived.elapsed().as_secs_f64(),
+        },
+    }))
+    .into_response())
+}
+
+async fn stream(
+    mut gen: Generation,
+    tx: SseSender,
+    rid: String,
+    prompt_tokens: usize,
+) -> Result<(), Disconnected> {
+    let mut text = String::new();
+    let mut ids: Vec<u32> = Vec::new();
+    while let Some(step) = tx.race(gen.next()).await? {
+        match step {
+            Step::Token(t) => {
+                text.push_str(&t.text);
+                ids.push(t.id);
+                tx.json(&json!({
+                    "text": text,
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": rid,
+                        "finish_reason": null,
+                        "prompt_tokens": prompt_tokens,
+                        "completion_tokens": ids.len(),
+                        "cached_tokens": 0,
+                    },
+                }))
+                .await?;
+            }
+            Step::Finished(f) => {
+                tx.json(&json!({
+                    "text": text,
+                    "output_ids": ids,
+                    "meta_info": {
+                        "id": rid,
+                        "finish_reason": sglang_finish_reason(&f.reason, f.completion_tokens),
+                        "prompt_tokens": f.prompt_tokens,
+                        "completion_tokens": f.completion_tokens,
+                        "cached_tokens": 0,
+                        "e2e_latency": gen.arrived().elapsed().as_secs_f64(),
+                    },
+                }))
+                .await?;
+                return tx.done().await;
+            }
+            Step::Error(e) => return tx.error(&e).await,
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bootstrap_room_bounds() {
+        let max = i64::MAX as u64;
+        assert_eq!(
+            bounded_integer("bootstrap_room", &json!(9223372036854775807u64), max).unwrap(),
+            max
+        );
+        for bad in [
+            json!(-1),
+            json!(1.5),
+            json!("7"),
+            json!(9223372036854775808u64),
+        ] {
+            let e = bounded_integer("bootstrap_room", &bad, max).unwrap_err();
+            assert_eq!(e.status, 400);
+            assert!(
+                e.message.contains(
+                    "bootstrap_room must be an integer between 0 and 9223372036854775807"
+                ),
+                "{}",
+                e.message
+            );
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! One request's run through the engine, as the HTTP handlers see it: submit,
+//! read events while recording TTFT / inter-token / end-to-end latency, and
+//! either collect the whole answer or hand events to an SSE stream. Dropping a
+//! [`Generation`] drops the engine's `RequestStream`, which cancels the request.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use handoff_engine::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
+
+use crate::app::AppState;
+use crate::errors::ApiError;
+use crate::metrics::Metrics;
+
+/// A submitted request whose events are being read.
+#[derive(Debug)]
+pub struct Generation {
+    stream: handoff_engine::handle::RequestStream,
+    metrics: Arc<Metrics>,
+    endpoint: &'static str,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    ended: bool,
+}
+
+/// What a whole (non-streamed) generation produced.
+#[derive(Debug, Clone)]
+pub struct Collected {
+    /// Every token, in order.
+    pub tokens: Vec<TokenOut>,
+    /// The output text (concatenated token texts).
+    pub text: String,
+    /// How it ended.
+    pub finished: Finished,
+}
+
+/// One step of a generation as the handlers consume it.
+#[derive(Debug)]
+pub enum Step {
+    /// A token.
+    Token(TokenOut),
+    /// The normal end.
+    Finished(Finished),
+    /// A failure; nothing follows.
+    Error(ApiError),
+}
+
+impl Generation {
+    /// Validate and submit `req`; errors are the engine's, as HTTP errors.
+    pub fn submit(
+        state: &AppState,
+        req: GenerateRequest,
+        endpoint: &'static str,
+    ) -> Result<Generation, ApiError> {
+        let arrived = req.arrived;
+        let stream = state.engine.submit(req).map_err(|e| {
+            state.metrics.count_error(endpoint, e.error_type());
+            ApiError::from(e)
+        })?;
+        Ok(Generation {
+            stream,
+            metrics: state.metrics.clone(),
+            endpoint,
+            arrived,
+            last_token: None,
+            ended: false,
+        })
+    }
+
+    /// When the request arrived.
+    pub fn arrived(&self) -> Instant {
+        self.arrived
+    }
+
+    /// The next step, or `None` once a `Finished`/`Error` step was returned.
+    pub async fn next(&mut self) -> Option<Step> {
+        if self.ended {
+            return None;
+        }
+        let step = match self.stream.next().await {
+            Some(StreamEvent::Token(t)) => {
+                let now = Instant::now();
+                match self.last_token {
+                    None => self
+                        .metrics
+                        .observe_ttft(now.duration_since(self.arrived).as_secs_f64()),
+                    Some(prev) => self
+                        .metrics
+                        .observe_itl(now.duration_since(prev).as_secs_f64()),
+                }
+                self.last_token = Some(now);
+                self.metrics.count_generated();
+                Step::Token(t)
+            }
+            Some(StreamEvent::Finished(f)) => {
+                self.metrics
+                    .observe_finished(self.arrived.elapsed().as_secs_f64(), f.prompt_tokens);
+                self.ended = true;
+                Step::Finished(f)
+            }
+            Some(StreamEvent::Error(e)) => {
+                self.metrics.count_error(self.endpoint, e.error_type());
+                self.ended = true;
+                Step::Error(e.into())
+            }
+            None => {
+                self.ended = true;
+                let e = ApiError::new(
+                    500,
+                    "engine_dropped_request",
+                    "the engine ended the request without a result",
+                );
+                self.metrics.count_error(self.endpoint, e.code);
+                Step::Error(e)
+            }
+        };
+        Some(step)
+    }
+
+    /// Read every event and return the whole answer.
+    pub async fn collect(mut self) -> Result<Collected, ApiError> {
+        let mut tokens = Vec::new();
+        let mut text = String::new();
+        while let Some(step) = self.next().await {
+            match step {
+                Step::Token(t) => {
+                    text.push_str(&t.text);
+                    tokens.push(t);
+                }
+                Step::Finished(finished) => {
+                    return Ok(Collected {
+                        tokens,
+                        text,
+                        finished,
+                    })
+                }
+                Step::Error(e) => return Err(e),
+            }
+        }
+        Err(ApiError::new(
+            500,
+            "engine_dropped_request",
+            "the engine ended the request without a result",
+        ))
+    }
+}
+
+/// SGLang's `finish_reason` object: `{"type":"stop","matched":...}` or
+/// `{"type":"length","length":N}`.
+pub fn sglang_finish_reason(reason: &FinishReason, completion_tokens: usize) -> serde_json::Value {
+    match reason {
+        FinishReason::Eos { token } => serde_json::json!({"type": "stop", "matched": token}),
+        FinishReason::StopString { matched } => {
+            serde_json::json!({"type": "stop", "matched": matched})
+        }
+        FinishReason::Length => serde_json::json!({"type": "length", "length": completion_tokens}),
+    }
+}

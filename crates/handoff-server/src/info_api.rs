@@ -1,0 +1,118 @@
+//! Read-only endpoints: `/v1/models`, `/health`, `/health_generate`,
+//! `/server_info`, `/get_load` (SGLang's array shape) and `/metrics`.
+
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use handoff_engine::request::{GenerateRequest, SamplingParams};
+use serde_json::{json, Value};
+
+use crate::app::AppState;
+use crate::errors::ApiError;
+use crate::generation::Generation;
+
+/// How long `/health_generate` waits for its one token.
+pub const HEALTH_GENERATE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// `GET /v1/models`.
+pub async fn models(State(state): State<AppState>) -> Json<Value> {
+    let info = state.engine.model();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": info.served_name,
+            "object": "model",
+            "created": state.started_unix,
+            "owned_by": "handoff",
+            "root": info.model_path,
+            "max_model_len": info.context_length,
+        }],
+    }))
+}
+
+/// `GET /health`: the server is up.
+pub async fn health() -> &'static str {
+    ""
+}
+
+/// `GET /health_generate`: generate one token end to end.
+pub async fn health_generate(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    let tok = state.engine.tokenizer();
+    let first = tok.bos_id().or(tok.eos_id()).unwrap_or(0);
+    let req = GenerateRequest {
+        prompt_ids: vec![first],
+        sampling: SamplingParams {
+            max_new_tokens: 1,
+            ignore_eos: true,
+            ..SamplingParams::default()
+        },
+        arrived: Instant::now(),
+    };
+    let gen = Generation::submit(&state, req, "/health_generate")?;
+    match tokio::time::timeout(HEALTH_GENERATE_TIMEOUT, gen.collect()).await {
+        Ok(Ok(_)) => Ok(""),
+        Ok(Err(e)) => Err(ApiError::new(
+            503,
+            "unhealthy",
+            format!("health generation failed: {}", e.message),
+        )),
+        Err(_) => Err(ApiError::new(
+            503,
+            "unhealthy",
+            format!(
+                "health generation produced no token within {} s",
+                HEALTH_GENERATE_TIMEOUT.as_secs()
+            ),
+        )),
+    }
+}
+
+/// `GET /server_info` (also `/get_server_info`, SGLang's older name).
+pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
+    let info = state.engine.model();
+    let load = state.engine.load();
+    Json(json!({
+        "served_model_name": info.served_name,
+        "model_path": info.model_path,
+        "context_length": info.context_length,
+        "page_size": info.page_size,
+        "vocab_size": info.vocab_size,
+        "kv_pages_total": load.pages_total,
+        "max_total_num_tokens": load.pages_total * info.page_size,
+        "disaggregation_mode": "null",
+        "version": env!("CARGO_PKG_VERSION"),
+        "internal_states": [{
+            "num_running_reqs": load.running,
+            "num_waiting_reqs": load.waiting,
+            "kv_pages_used": load.pages_used,
+        }],
+    }))
+}
+
+/// `GET /get_load`: one object per data-parallel rank (one rank here).
+pub async fn get_load(State(state): State<AppState>) -> Json<Value> {
+    let load = state.engine.load();
+    let page = state.engine.model().page_size;
+    Json(json!([{
+        "dp_rank": 0,
+        "num_reqs": load.running + load.waiting,
+        "num_waiting_reqs": load.waiting,
+        "num_tokens": load.pages_used * page,
+    }]))
+}
+
+/// `GET /metrics`: Prometheus text exposition.
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let body = state.metrics.render(&state.engine.load());
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}

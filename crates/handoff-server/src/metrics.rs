@@ -1,0 +1,222 @@
+//! Prometheus metrics of the HTTP front end (DESIGN.md §8): request counts by
+//! endpoint and status, errors by type, TTFT / inter-token / end-to-end
+//! latency histograms, token counters, queue depth and KV pages (read from the
+//! engine at scrape time).
+
+use handoff_engine::handle::LoadSnapshot;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels of the request counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// Route path (`/v1/chat/completions`).
+    pub endpoint: String,
+    /// HTTP status code.
+    pub status: String,
+}
+
+/// Labels of the error counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// Route path.
+    pub endpoint: String,
+    /// The error's stable `error_type()` label.
+    pub error_type: String,
+}
+
+/// All metrics of one server.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    errors: Family<ErrorLabels, Counter>,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+    prompt_tokens: Counter,
+    generation_tokens: Counter,
+    running: Gauge,
+    waiting: Gauge,
+    pages_free: Gauge,
+    pages_used: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every metric at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("handoff");
+        let requests = Family::<RequestLabels, Counter>::default();
+        let errors = Family::<ErrorLabels, Counter>::default();
+        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        let itl = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let e2e = Histogram::new(exponential_buckets(0.005, 2.0, 18));
+        let prompt_tokens = Counter::default();
+        let generation_tokens = Counter::default();
+        let running = Gauge::default();
+        let waiting = Gauge::default();
+        let pages_free = Gauge::default();
+        let pages_used = Gauge::default();
+        registry.register(
+            "http_requests",
+            "HTTP requests by endpoint and status",
+            requests.clone(),
+        );
+        registry.register(
+            "request_errors",
+            "Failed requests by endpoint and error type (including errors sent mid-stream)",
+            errors.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "Time from request arrival to its first generated token",
+            ttft.clone(),
+        );
+        registry.register(
+            "inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            itl.clone(),
+        );
+        registry.register(
+            "e2e_request_latency_seconds",
+            "Time from request arrival to its last token",
+            e2e.clone(),
+        );
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens of completed requests",
+            prompt_tokens.clone(),
+        );
+        registry.register(
+            "generation_tokens",
+            "Tokens generated",
+            generation_tokens.clone(),
+        );
+        registry.register(
+            "num_requests_running",
+            "Requests in the running batch",
+            running.clone(),
+        );
+        registry.register(
+            "num_requests_waiting",
+            "Requests waiting for admission",
+            waiting.clone(),
+        );
+        registry.register("kv_pages_free", "Free KV pages", pages_free.clone());
+        registry.register(
+            "kv_pages_used",
+            "KV pages leased to requests",
+            pages_used.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            errors,
+            ttft,
+            itl,
+            e2e,
+            prompt_tokens,
+            generation_tokens,
+            running,
+            waiting,
+            pages_free,
+            pages_used,
+        }
+    }
+
+    /// Count one answered HTTP request.
+    pub fn count_request(&self, endpoint: &str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                endpoint: endpoint.to_string(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count one failed request.
+    pub fn count_error(&self, endpoint: &str, error_type: &str) {
+        self.errors
+            .get_or_create(&ErrorLabels {
+                endpoint: endpoint.to_string(),
+                error_type: error_type.to_string(),
+            })
+            .inc();
+    }
+
+    /// Record a first token `secs` after arrival.
+    pub fn observe_ttft(&self, secs: f64) {
+        self.ttft.observe(secs);
+    }
+
+    /// Record a gap of `secs` between two tokens.
+    pub fn observe_itl(&self, secs: f64) {
+        self.itl.observe(secs);
+    }
+
+    /// Record a generated token.
+    pub fn count_generated(&self) {
+        self.generation_tokens.inc();
+    }
+
+    /// Record a finished request.
+    pub fn observe_finished(&self, e2e_secs: f64, prompt_tokens: usize) {
+        self.e2e.observe(e2e_secs);
+        self.prompt_tokens.inc_by(prompt_tokens as u64);
+    }
+
+    /// The text exposition, with the engine's load as of now.
+    pub fn render(&self, load: &LoadSnapshot) -> String {
+        let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.running.set(as_i64(load.running));
+        self.waiting.set(as_i64(load.waiting));
+        self.pages_used.set(as_i64(load.pages_used));
+        self.pages_free
+            .set(as_i64(load.pages_total.saturating_sub(load.pages_used)));
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_names_every_metric() {
+        let m = Metrics::new();
+        m.count_request("/generate", 200);
+        m.count_error("/generate", "context_length_exceeded");
+        m.observe_ttft(0.01);
+        let text = m.render(&LoadSnapshot {
+            running: 2,
+            waiting: 1,
+            pages_total: 10,
+            pages_used: 3,
+        });
+        for needle in [
+            "handoff_http_requests_total{endpoint=\"/generate\",status=\"200\"} 1",
+            "handoff_request_errors_total{endpoint=\"/generate\",error_type=\"context_length_exceeded\"} 1",
+            "handoff_time_to_first_token_seconds_count 1",
+            "handoff_num_requests_running 2",
+            "handoff_num_requests_waiting 1",
+            "handoff_kv_pages_free 7",
+            "handoff_kv_pages_used 3",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+    }
+}

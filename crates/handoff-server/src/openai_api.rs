@@ -1,0 +1,321 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions`: OpenAI's shapes,
+//! whole or streamed as SSE chunks ending with `data: [DONE]`.
+
+use std::time::Instant;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use handoff_engine::request::{Finished, GenerateRequest, TokenOut};
+use serde_json::{json, Value};
+
+use crate::app::AppState;
+use crate::errors::ApiError;
+use crate::extract::JsonBody;
+use crate::generation::{Generation, Step};
+use crate::openai_types::{ChatCompletionRequest, CompletionRequest};
+use crate::prompt;
+use crate::sse::{sse_response, SseSender};
+
+const CHAT_ENDPOINT: &str = "/v1/chat/completions";
+
+/// Output limit of a chat request that gives none. The engine reserves KV
+/// pages for the whole limit up front, so "until the context is full" would
+/// let one request hold the pool; the limit is also capped by the context and
+/// the pool size.
+pub const DEFAULT_CHAT_MAX_TOKENS: usize = 1024;
+const COMPLETIONS_ENDPOINT: &str = "/v1/completions";
+
+fn check_n(n: Option<i64>, field: &str) -> Result<(), ApiError> {
+    match n {
+        None | Some(1) => Ok(()),
+        Some(v) => Err(ApiError::invalid_param(
+            field,
+            format!("{field} must be 1 (handoff returns one choice per request), got {v}"),
+        )),
+    }
+}
+
+fn usage(f: &Finished) -> Value {
+    json!({
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+    })
+}
+
+/// What differs between the two endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// Everything needed to answer after submission.
+#[derive(Debug, Clone)]
+struct Answer {
+    kind: Kind,
+    id: String,
+    created: u64,
+    model: String,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+impl Answer {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
+    fn envelope(&self, chunk: bool, choices: Value) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    fn logprobs_of(&self, state: &AppState, tokens: &[TokenOut]) -> Value {
+        if !self.logprobs {
+            return Value::Null;
+        }
+        let tok = state.engine.tokenizer();
+        let piece = |t: &TokenOut| -> (String, Vec<u8>) {
+            let bytes = tok
+                .token_bytes(t.id, false)
+                .map(<[u8]>::to_vec)
+                .unwrap_or_default();
+            (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+        };
+        match self.kind {
+            Kind::Chat => json!({
+                "content": tokens.iter().map(|t| {
+                    let (text, bytes) = piece(t);
+                    json!({"token": text, "logprob": t.logprob, "bytes": bytes, "top_logprobs": []})
+                }).collect::<Vec<_>>()
+            }),
+            Kind::Completion => json!({
+                "tokens": tokens.iter().map(|t| piece(t).0).collect::<Vec<_>>(),
+                "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                "top_logprobs": Value::Null,
+                "text_offset": Value::Null,
+            }),
+        }
+    }
+
+    fn whole(&self, state: &AppState, c: crate::generation::Collected) -> Value {
+        let finish = c.finished.reason.openai();
+        let logprobs = self.logprobs_of(state, &c.tokens);
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+            Kind::Completion => json!({
+                "index": 0,
+                "text": c.text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+        };
+        let mut body = self.envelope(false, json!([choice]));
+        body["usage"] = usage(&c.finished);
+        body
+    }
+
+    fn token_chunk(&self, state: &AppState, t: &TokenOut, first: bool) -> Value {
+        let logprobs = self.logprobs_of(state, std::slice::from_ref(t));
+        let choice = match self.kind {
+            Kind::Chat => {
+                let delta = if first {
+                    json!({"role": "assistant", "content": t.text})
+                } else {
+                    json!({"content": t.text})
+                };
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})
+            }
+            Kind::Completion => {
+                json!({"index": 0, "text": t.text, "logprobs": logprobs, "finish_reason": null})
+            }
+        };
+        self.envelope(true, json!([choice]))
+    }
+
+    fn final_chunk(&self, f: &Finished) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": f.reason.openai()})
+            }
+            Kind::Completion => {
+                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": f.reason.openai()})
+            }
+        };
+        self.envelope(true, json!([choice]))
+    }
+
+    fn usage_chunk(&self, f: &Finished) -> Value {
+        let mut body = self.envelope(true, json!([]));
+        body["usage"] = usage(f);
+        body
+    }
+
+    async fn stream(
+        self,
+        state: AppState,
+        mut gen: Generation,
+        tx: SseSender,
+    ) -> Result<(), crate::sse::Disconnected> {
+        let mut first = true;
+        while let Some(step) = tx.race(gen.next()).await? {
+            match step {
+                Step::Token(t) => {
+                    if t.text.is_empty() && !self.logprobs && !first {
+                        continue;
+                    }
+                    tx.json(&self.token_chunk(&state, &t, first)).await?;
+                    first = false;
+                }
+                Step::Finished(f) => {
+                    tx.json(&self.final_chunk(&f)).await?;
+                    if self.include_usage {
+                        tx.json(&self.usage_chunk(&f)).await?;
+                    }
+                    return tx.done().await;
+                }
+                Step::Error(e) => return tx.error(&e).await,
+            }
+        }
+        Ok(())
+    }
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn run(
+    state: AppState,
+    answer: Answer,
+    req: GenerateRequest,
+    stream: bool,
+    endpoint: &'static str,
+) -> Result<Response, ApiError> {
+    let gen = Generation::submit(&state, req, endpoint)?;
+    if stream {
+        return Ok(sse_response(move |tx| answer.stream(state, gen, tx)));
+    }
+    let collected = gen.collect().await?;
+    Ok(Json(answer.whole(&state, collected)).into_response())
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    JsonBody(req): JsonBody<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    check_n(req.n, "n")?;
+    match req.top_logprobs {
+        None | Some(0) => {}
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "top_logprobs is not supported: set logprobs=true alone to get the chosen tokens' log-probabilities",
+            ))
+        }
+    }
+    let prompt_ids = prompt::chat_prompt(&state.engine, &req.messages)?;
+    let info = state.engine.model();
+    let pool_tokens = state.engine.load().pages_total * info.page_size;
+    let default_max = DEFAULT_CHAT_MAX_TOKENS
+        .min(info.context_length.saturating_sub(prompt_ids.len()))
+        .min(pool_tokens.saturating_sub(prompt_ids.len()));
+    let sampling = req.sampling().into_params(default_max)?;
+    let answer = Answer {
+        kind: Kind::Chat,
+        id: state.next_request_id("chatcmpl"),
+        created: now_secs(),
+        model: state.served_name(),
+        logprobs: req.logprobs.unwrap_or(false),
+        include_usage: req
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    };
+    let gen_req = GenerateRequest {
+        prompt_ids,
+        sampling,
+        arrived,
+    };
+    run(
+        state,
+        answer,
+        gen_req,
+        req.stream.unwrap_or(false),
+        CHAT_ENDPOINT,
+    )
+    .await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<AppState>,
+    JsonBody(req): JsonBody<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    check_n(req.n, "n")?;
+    check_n(req.best_of, "best_of")?;
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid_param(
+            "echo",
+            "echo is not supported: the prompt is not returned",
+        ));
+    }
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
+    }
+    let logprobs = match req.logprobs {
+        None => false,
+        Some(0) => true,
+        Some(n) => {
+            return Err(ApiError::invalid_param(
+                "logprobs",
+                format!("logprobs={n} asks for alternatives, which are not supported: use logprobs=0 for the chosen tokens' log-probabilities"),
+            ))
+        }
+    };
+    let sampling = req.sampling().into_params(16)?;
+    let stream = req.stream.unwrap_or(false);
+    let include_usage = req
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    let prompt_ids = prompt::completion_prompt(&state.engine, req.prompt)?;
+    let answer = Answer {
+        kind: Kind::Completion,
+        id: state.next_request_id("cmpl"),
+        created: now_secs(),
+        model: state.served_name(),
+        logprobs,
+        include_usage,
+    };
+    let gen_req = GenerateRequest {
+        prompt_ids,
+        sampling,
+        arrived,
+    };
+    run(state, answer, gen_req, stream, COMPLETIONS_ENDPOINT).await
+}

@@ -1,0 +1,210 @@
+//! Request shapes of the OpenAI API (`/v1/chat/completions`,
+//! `/v1/completions`). Unknown fields are ignored, as OpenAI clients send
+//! many; fields we read are type-checked by serde and range-checked in
+//! [`crate::params`].
+
+use serde::Deserialize;
+
+use crate::params::{RawSampling, StopInput};
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a final chunk with `usage` before `[DONE]`.
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// A message's `content`: a string or a list of parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged, expecting = "a string or a list of content parts")]
+pub enum ContentInput {
+    /// Plain text.
+    Text(String),
+    /// Content parts; only `{"type":"text","text":...}` is supported.
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Part type (`text`).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// One message of `messages`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct MessageInput {
+    /// `system`, `developer`, `user` or `assistant`.
+    pub role: String,
+    /// The message content (`null` is read as empty).
+    #[serde(default)]
+    pub content: Option<ContentInput>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// Model name (any value is accepted; the server serves one model).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The conversation.
+    pub messages: Vec<MessageInput>,
+    /// Output limit (deprecated name).
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    /// Output limit.
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    /// Temperature (default 1; 0 is greedy).
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Nucleus mass.
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Top-k (extension).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// RNG seed.
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<StopInput>,
+    /// Stop token ids (extension).
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Keep generating after EOS (extension).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+    /// Stream the answer as SSE.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Number of choices; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<i64>,
+    /// Return the chosen tokens' log-probabilities.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    /// Alternatives per position (only 0 is supported).
+    #[serde(default)]
+    pub top_logprobs: Option<i64>,
+}
+
+impl ChatCompletionRequest {
+    /// The sampling fields.
+    pub fn sampling(&self) -> RawSampling {
+        let (field, max) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(n), _) => ("max_completion_tokens", Some(n)),
+            (None, n) => ("max_tokens", n),
+        };
+        RawSampling {
+            max_tokens_field: field,
+            max_tokens: max,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+        }
+    }
+}
+
+/// `prompt` of `/v1/completions`: text, a list of one text, token ids, or a
+/// list of one token-id list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of strings, a list of token ids, or a list of token-id lists"
+)]
+pub enum PromptInput {
+    /// One text.
+    Text(String),
+    /// Token ids.
+    Ids(Vec<u32>),
+    /// Several texts (only one is supported).
+    Texts(Vec<String>),
+    /// Several token-id lists (only one is supported).
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// Model name (any value is accepted).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// Output limit (default 16, as OpenAI).
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    /// Temperature (default 1; 0 is greedy).
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Nucleus mass.
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Top-k (extension).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// RNG seed.
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<StopInput>,
+    /// Stop token ids (extension).
+    #[serde(default)]
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Keep generating after EOS (extension).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
+    /// Stream the answer as SSE.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Streaming options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Number of choices; only 1 is supported.
+    #[serde(default)]
+    pub n: Option<i64>,
+    /// Only 1 is supported.
+    #[serde(default)]
+    pub best_of: Option<i64>,
+    /// Log-probabilities: 0 returns the chosen tokens' only.
+    #[serde(default)]
+    pub logprobs: Option<i64>,
+    /// Echo the prompt (not supported).
+    #[serde(default)]
+    pub echo: Option<bool>,
+    /// Suffix (not supported).
+    #[serde(default)]
+    pub suffix: Option<String>,
+}
+
+impl CompletionRequest {
+    /// The sampling fields.
+    pub fn sampling(&self) -> RawSampling {
+        RawSampling {
+            max_tokens_field: "max_tokens",
+            max_tokens: self.max_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+            stop: self.stop.clone(),
+            stop_token_ids: self.stop_token_ids.clone(),
+            ignore_eos: self.ignore_eos,
+        }
+    }
+}

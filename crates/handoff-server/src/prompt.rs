@@ -1,0 +1,128 @@
+//! Turning request inputs into prompt token ids: chat messages through the
+//! model's chat template, texts through the tokenizer (special tokens parsed,
+//! BOS only if the GGUF asks for it), token ids checked against the vocabulary.
+
+use handoff_engine::handle::EngineHandle;
+use handoff_model::chat_template::ChatMessage;
+
+use crate::errors::ApiError;
+use crate::openai_types::{ContentInput, MessageInput, PromptInput};
+
+/// Roles accepted in `messages` (`developer` is read as `system`).
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
+
+/// Check the messages and render them with the chat template.
+pub fn chat_prompt(engine: &EngineHandle, messages: &[MessageInput]) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages must contain at least one message",
+        ));
+    }
+    let mut conv = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "developer" => "system",
+            r if ROLES.contains(&r) => r,
+            other => {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].role"),
+                    format!(
+                        "messages[{i}] has unknown role `{other}`: expected one of {}",
+                        ROLES.join(", ")
+                    ),
+                ))
+            }
+        };
+        let content = match &m.content {
+            None => String::new(),
+            Some(ContentInput::Text(t)) => t.clone(),
+            Some(ContentInput::Parts(parts)) => {
+                let mut s = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => s.push_str(t),
+                        ("text", None) => {
+                            return Err(ApiError::invalid_param(
+                                &format!("messages[{i}].content[{j}].text"),
+                                format!("messages[{i}].content[{j}] is a text part without `text`"),
+                            ))
+                        }
+                        (kind, _) => {
+                            return Err(ApiError::invalid_param(
+                                &format!("messages[{i}].content[{j}].type"),
+                                format!(
+                                    "messages[{i}].content[{j}] has type `{kind}`: only `text` parts are supported"
+                                ),
+                            ))
+                        }
+                    }
+                }
+                s
+            }
+        };
+        conv.push(ChatMessage::new(role, content));
+    }
+    let template = engine.chat_template().ok_or_else(|| {
+        ApiError::bad_request(
+            "no_chat_template",
+            "the model has no chat template: use /v1/completions or /generate with a raw prompt",
+        )
+    })?;
+    let text = template.render(&conv, true)?;
+    text_prompt(engine, &text)
+}
+
+/// Tokenize a text prompt (special tokens parsed; BOS if the model wants one).
+pub fn text_prompt(engine: &EngineHandle, text: &str) -> Result<Vec<u32>, ApiError> {
+    let tok = engine.tokenizer();
+    let ids = tok.encode(text, true)?;
+    let mut out = Vec::with_capacity(ids.len() + 1);
+    if tok.add_bos() {
+        if let Some(bos) = tok.bos_id() {
+            if ids.first() != Some(&bos) {
+                out.push(bos);
+            }
+        }
+    }
+    out.extend(ids);
+    Ok(out)
+}
+
+/// Check token ids given directly by the client.
+pub fn id_prompt(engine: &EngineHandle, ids: Vec<u32>, field: &str) -> Result<Vec<u32>, ApiError> {
+    let vocab = engine.tokenizer().vocab_size();
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+        return Err(ApiError::invalid_param(
+            field,
+            format!("{field}[{i}] = {id} is out of range for a vocabulary of {vocab} tokens"),
+        ));
+    }
+    Ok(ids)
+}
+
+/// The prompt of `/v1/completions`.
+pub fn completion_prompt(engine: &EngineHandle, prompt: PromptInput) -> Result<Vec<u32>, ApiError> {
+    let one = |n: usize| {
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(ApiError::invalid_param(
+                "prompt",
+                format!("prompt holds {n} prompts: send exactly one prompt per request"),
+            ))
+        }
+    };
+    match prompt {
+        PromptInput::Text(t) => text_prompt(engine, &t),
+        PromptInput::Ids(ids) => id_prompt(engine, ids, "prompt"),
+        PromptInput::Texts(mut v) => {
+            one(v.len())?;
+            text_prompt(engine, &v.remove(0))
+        }
+        PromptInput::IdLists(mut v) => {
+            one(v.len())?;
+            id_prompt(engine, v.remove(0), "prompt")
+        }
+    }
+}

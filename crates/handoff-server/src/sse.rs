@@ -1,0 +1,88 @@
+//! Server-sent events: `data: {json}\n\n` per chunk, `data: [DONE]` at the
+//! end, and errors as an event whose data is the JSON error object.
+//!
+//! A producer task writes events into a bounded channel that the response
+//! body reads. When the client goes away the body (and the channel's receiver)
+//! is dropped; the producer sees it at once through [`SseSender::closed`] and
+//! returns, dropping the engine stream, which cancels the request.
+
+use std::convert::Infallible;
+use std::future::Future;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+use crate::errors::ApiError;
+
+/// Events buffered between producer and body.
+const CHANNEL_CAPACITY: usize = 64;
+
+/// The producer's end of an SSE response.
+#[derive(Debug, Clone)]
+pub struct SseSender {
+    tx: mpsc::Sender<Event>,
+}
+
+/// The client went away; stop producing.
+#[derive(Debug, Clone, Copy)]
+pub struct Disconnected;
+
+impl SseSender {
+    /// Send one `data: {json}` event.
+    pub async fn json<T: Serialize>(&self, value: &T) -> Result<(), Disconnected> {
+        let data = serde_json::to_string(value).map_err(|_| Disconnected)?;
+        self.send(Event::default().data(data)).await
+    }
+
+    /// Send the error as `data: {"error":{...}}`.
+    pub async fn error(&self, err: &ApiError) -> Result<(), Disconnected> {
+        self.json(&err.to_json()).await
+    }
+
+    /// Send `data: [DONE]`.
+    pub async fn done(&self) -> Result<(), Disconnected> {
+        self.send(Event::default().data("[DONE]")).await
+    }
+
+    async fn send(&self, ev: Event) -> Result<(), Disconnected> {
+        self.tx.send(ev).await.map_err(|_| Disconnected)
+    }
+
+    /// Resolves when the client has gone away.
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+
+    /// Await `fut` unless the client goes away first (then `Err`).
+    pub async fn race<F: Future>(&self, fut: F) -> Result<F::Output, Disconnected> {
+        tokio::select! {
+            out = fut => Ok(out),
+            _ = self.tx.closed() => Err(Disconnected),
+        }
+    }
+}
+
+/// Start `produce` on its own task and return the SSE response that streams
+/// what it sends.
+pub fn sse_response<F, Fut>(produce: F) -> Response
+where
+    F: FnOnce(SseSender) -> Fut,
+    Fut: Future<Output = Result<(), Disconnected>> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
+    let fut = produce(SseSender { tx });
+    tokio::spawn(async move {
+        if fut.await.is_err() {
+            tracing::debug!("SSE client disconnected; request cancelled");
+        }
+    });
+    let body = stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+    });
+    Sse::new(body)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}

@@ -1,0 +1,156 @@
+//! A real engine and server on an ephemeral port, shared by the tests of one
+//! file, plus a small HTTP/SSE client.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use handoff_engine::handle::EngineHandle;
+use handoff_engine::{Engine, EngineConfig};
+use serde_json::Value;
+
+/// The running server of this test binary.
+pub struct TestServer {
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    /// The engine behind it.
+    pub engine: EngineHandle,
+}
+
+/// KV pool of the test server.
+pub const KV_PAGES: usize = 512;
+/// Page size of the test server.
+pub const PAGE_SIZE: usize = 16;
+
+fn model_path() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("handoff-server-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("tiny.gguf");
+    handoff_model::tiny::write_tiny_gguf(&path, 7).expect("write tiny GGUF");
+    path
+}
+
+/// Start (once) and return the shared server.
+pub fn server() -> &'static TestServer {
+    static SERVER: OnceLock<TestServer> = OnceLock::new();
+    SERVER.get_or_init(|| {
+        let config = EngineConfig {
+            threads: 2,
+            page_size: PAGE_SIZE,
+            kv_pages: KV_PAGES,
+            max_batch: 16,
+            prefill_chunk: 64,
+            served_name: Some("tiny-test".to_string()),
+            ..EngineConfig::new(model_path())
+        };
+        let engine = Engine::start(config).expect("engine starts");
+        let (tx, rx) = std::sync::mpsc::channel();
+        let app_engine = engine.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                tx.send(listener.local_addr().expect("addr"))
+                    .expect("send addr");
+                axum::serve(listener, handoff_server::app(app_engine))
+                    .await
+                    .expect("serve");
+            });
+        });
+        let addr = rx.recv().expect("server address");
+        TestServer {
+            base: format!("http://{addr}"),
+            engine,
+        }
+    })
+}
+
+/// POST `body` (raw text) to `path`; returns status and body text.
+pub async fn post_raw(path: &str, body: &str) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{}{path}", server().base))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.expect("body"))
+}
+
+/// POST JSON; returns status and parsed JSON body.
+pub async fn post(path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = post_raw(path, &body.to_string()).await;
+    let v = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("body of {path} is not JSON ({e}): {text}"));
+    (status, v)
+}
+
+/// GET; returns status and body text.
+pub async fn get(path: &str) -> (u16, String) {
+    let resp = reqwest::get(format!("{}{path}", server().base))
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.expect("body"))
+}
+
+/// POST a streaming request; returns status and the `data:` payloads in order.
+pub async fn post_sse(path: &str, body: &Value) -> (u16, Vec<String>) {
+    let (status, text) = post_raw(path, &body.to_string()).await;
+    (status, sse_data(&text))
+}
+
+/// The `data:` payloads of an SSE body.
+pub fn sse_data(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter_map(|ev| {
+            let data: Vec<&str> = ev
+                .lines()
+                .filter_map(|l| {
+                    l.strip_prefix("data:")
+                        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                })
+                .collect();
+            (!data.is_empty()).then(|| data.join("\n"))
+        })
+        .collect()
+}
+
+/// Assert an OpenAI error body with this status, code and message part.
+#[track_caller]
+pub fn assert_error(status: u16, body: &Value, want_status: u16, code: &str, message_part: &str) {
+    assert_eq!(status, want_status, "status; body {body}");
+    let err = &body["error"];
+    assert_eq!(err["code"], code, "code; body {body}");
+    let kind = if want_status < 500 {
+        "invalid_request_error"
+    } else {
+        err["type"].as_str().unwrap_or("")
+    };
+    assert_eq!(err["type"], kind, "type; body {body}");
+    let msg = err["message"].as_str().expect("message");
+    assert!(
+        msg.contains(message_part),
+        "message {msg:?} lacks {message_part:?}"
+    );
+}
+
+/// Wait until no request holds KV pages or runs.
+pub async fn wait_idle() -> handoff_engine::handle::LoadSnapshot {
+    let engine = &server().engine;
+    for _ in 0..200 {
+        let load = engine.load();
+        if load.pages_used == 0 && load.running == 0 && load.waiting == 0 {
+            return load;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    engine.load()
+}

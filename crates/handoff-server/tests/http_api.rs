@@ -1,0 +1,457 @@
+//! Every endpoint over real HTTP against a real engine on the tiny test model:
+//! shapes, streaming, and every bad-input case with status, type and message.
+
+mod common;
+
+use common::{assert_error, get, post, post_raw, post_sse, server};
+use serde_json::{json, Value};
+
+fn chat_body(content: &str, max_tokens: u64) -> Value {
+    json!({
+        "model": "tiny-test",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": true,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_endpoints() {
+    let (s, body) = get("/health").await;
+    assert_eq!((s, body.as_str()), (200, ""));
+    let (s, _) = get("/health_generate").await;
+    assert_eq!(s, 200);
+
+    let (s, body) = get("/v1/models").await;
+    assert_eq!(s, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "tiny-test");
+    assert_eq!(v["data"][0]["object"], "model");
+
+    let (s, body) = get("/server_info").await;
+    assert_eq!(s, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["served_model_name"], "tiny-test");
+    assert!(v["model_path"].as_str().unwrap().ends_with("tiny.gguf"));
+    assert_eq!(v["page_size"], common::PAGE_SIZE);
+    assert_eq!(v["kv_pages_total"], common::KV_PAGES);
+    assert!(v["context_length"].as_u64().unwrap() > 0);
+
+    let (s, body) = get("/get_load").await;
+    assert_eq!(s, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let ranks = v.as_array().expect("array");
+    assert_eq!(ranks.len(), 1);
+    for key in ["dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"] {
+        assert!(ranks[0][key].is_u64(), "{key} in {v}");
+    }
+
+    // One request so that latency histograms and counters move.
+    let (s, _) = post("/v1/chat/completions", &chat_body("metrics", 3)).await;
+    assert_eq!(s, 200);
+    let (s, text) = get("/metrics").await;
+    assert_eq!(s, 200);
+    for needle in [
+        "handoff_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}",
+        "handoff_time_to_first_token_seconds_count",
+        "handoff_inter_token_latency_seconds_count",
+        "handoff_e2e_request_latency_seconds_count",
+        "handoff_generation_tokens_total",
+        "handoff_prompt_tokens_total",
+        "handoff_num_requests_running",
+        "handoff_num_requests_waiting",
+        "handoff_kv_pages_free",
+        "handoff_kv_pages_used",
+    ] {
+        assert!(text.contains(needle), "/metrics lacks {needle}:\n{text}");
+    }
+
+    let (s, body) = get("/nope").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_error(s, &v, 404, "not_found", "no route for GET /nope");
+    let (s, body) = get("/generate").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_error(
+        s,
+        &v,
+        405,
+        "method_not_allowed",
+        "GET is not allowed on /generate",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completion_whole_and_streamed_agree() {
+    let (s, whole) = post("/v1/chat/completions", &chat_body("Hello there", 6)).await;
+    assert_eq!(s, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    assert!(whole["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(whole["model"], "tiny-test");
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(choice["finish_reason"], "length");
+    let usage = &whole["usage"];
+    assert_eq!(usage["completion_tokens"], 6);
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 5);
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap() + 6
+    );
+    let content = choice["message"]["content"].as_str().unwrap().to_string();
+
+    let mut body = chat_body("Hello there", 6);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (s, events) = post_sse("/v1/chat/completions", &body).await;
+    assert_eq!(s, 200);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk is JSON"))
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let mut streamed = String::new();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+            streamed.push_str(t);
+        }
+    }
+    assert_eq!(streamed, content, "streamed text equals the whole answer");
+    let n = chunks.len();
+    assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[n - 1]["choices"], json!([]));
+    assert_eq!(chunks[n - 1]["usage"], *usage);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_logprobs() {
+    let mut body = chat_body("logprobs please", 4);
+    body["logprobs"] = json!(true);
+    let (s, v) = post("/v1/chat/completions", &body).await;
+    assert_eq!(s, 200, "{v}");
+    let lp = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(lp.len(), 4);
+    for t in lp {
+        assert!(t["logprob"].as_f64().unwrap() <= 0.0);
+        assert!(t["bytes"].is_array());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_whole_and_streamed_agree() {
+    let body = json!({"prompt": "The quick brown fox", "max_tokens": 5, "temperature": 0, "ignore_eos": true});
+    let (s, whole) = post("/v1/completions", &body).await;
+    assert_eq!(s, 200, "{whole}");
+    assert_eq!(whole["object"], "text_completion");
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    assert_eq!(whole["usage"]["completion_tokens"], 5);
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let (s, events) = post_sse("/v1/completions", &sbody).await;
+    assert_eq!(s, 200);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut streamed = String::new();
+    let mut finish = Value::Null;
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        assert!(c.get("usage").is_none(), "no usage without include_usage");
+        streamed.push_str(c["choices"][0]["text"].as_str().unwrap());
+        if !c["choices"][0]["finish_reason"].is_null() {
+            finish = c["choices"][0]["finish_reason"].clone();
+        }
+    }
+    assert_eq!(streamed, text);
+    assert_eq!(finish, "length");
+
+    // Token-id prompts give the same answer as the text they encode.
+    let ids = server()
+        .engine
+        .tokenizer()
+        .encode("The quick brown fox", true)
+        .unwrap();
+    let mut ibody = body.clone();
+    ibody["prompt"] = json!(ids);
+    let (s, v) = post("/v1/completions", &ibody).await;
+    assert_eq!(s, 200);
+    assert_eq!(v["choices"][0]["text"], text.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_string_ends_the_answer() {
+    let body =
+        json!({"prompt": "Stop here", "max_tokens": 24, "temperature": 0, "ignore_eos": true});
+    let (_, v) = post("/v1/completions", &body).await;
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    // Pick a stop string from the middle of the greedy answer.
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 6, "greedy answer too short to cut: {text:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let mut sbody = body.clone();
+    sbody["stop"] = json!([stop]);
+    let (s, v) = post("/v1/completions", &sbody).await;
+    assert_eq!(s, 200, "{v}");
+    let cut = v["choices"][0]["text"].as_str().unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let expected = &text[..text.find(&stop).unwrap()];
+    assert_eq!(cut, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_whole_streamed_and_ids() {
+    let body = json!({
+        "text": "Once upon a time",
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": true},
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": 8998,
+        "bootstrap_room": 9223372036854775807u64,
+    });
+    let (s, whole) = post("/generate", &body).await;
+    assert_eq!(s, 200, "{whole}");
+    let ids = whole["output_ids"].as_array().unwrap().clone();
+    assert_eq!(ids.len(), 5);
+    let meta = &whole["meta_info"];
+    assert_eq!(
+        meta["finish_reason"],
+        json!({"type": "length", "length": 5})
+    );
+    assert_eq!(meta["completion_tokens"], 5);
+    assert!(meta["prompt_tokens"].as_u64().unwrap() > 0);
+    assert!(meta["e2e_latency"].as_f64().unwrap() > 0.0);
+    assert!(meta["id"].is_string());
+
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let (s, events) = post_sse("/generate", &sbody).await;
+    assert_eq!(s, 200);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(last["text"], whole["text"]);
+    assert_eq!(last["output_ids"], whole["output_ids"]);
+    assert_eq!(last["meta_info"]["finish_reason"]["type"], "length");
+    // Cumulative: each object extends the previous one.
+    let mut prev = 0;
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let n = c["output_ids"].as_array().unwrap().len();
+        assert!(n >= prev);
+        prev = n;
+    }
+
+    let ibody = json!({
+        "input_ids": server().engine.tokenizer().encode("Once upon a time", true).unwrap(),
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": true},
+    });
+    let (s, v) = post("/generate", &ibody).await;
+    assert_eq!(s, 200);
+    assert_eq!(v["output_ids"], whole["output_ids"]);
+    assert_eq!(v["text"], whole["text"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_sampling_is_reproducible() {
+    let body = json!({
+        "text": "Random",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 42, "ignore_eos": true},
+    });
+    let (_, a) = post("/generate", &body).await;
+    let (_, b) = post("/generate", &body).await;
+    assert_eq!(a["output_ids"], b["output_ids"]);
+    let mut body2 = body.clone();
+    body2["sampling_params"]["seed"] = json!(null);
+    body2["sampling_params"]["sampling_seed"] = json!(42);
+    let (_, c) = post("/generate", &body2).await;
+    assert_eq!(
+        a["output_ids"], c["output_ids"],
+        "sampling_seed is an alias of seed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_a_400_with_an_actionable_message() {
+    let (s, t) = post_raw("/v1/chat/completions", "{\"messages\": [").await;
+    let v: Value = serde_json::from_str(&t).expect("error body is JSON");
+    assert_error(s, &v, 400, "invalid_json", "not valid JSON");
+
+    let (s, t) = post_raw("/generate", "").await;
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_error(s, &v, 400, "invalid_json", "request body is empty");
+
+    let mut b = chat_body("hi", 4);
+    b["max_tokens"] = json!("ten");
+    let (s, v) = post("/v1/chat/completions", &b).await;
+    assert_error(s, &v, 400, "invalid_type", "invalid value for `max_tokens`");
+    assert_eq!(v["error"]["param"], "max_tokens");
+
+    let (s, v) = post("/v1/chat/completions", &json!({"messages": "hi"})).await;
+    assert_error(s, &v, 400, "invalid_type", "`messages`");
+
+    let (s, v) = post("/v1/chat/completions", &json!({"max_tokens": 3})).await;
+    assert_error(s, &v, 400, "invalid_type", "missing field `messages`");
+
+    b["max_tokens"] = json!(-5);
+    let (s, v) = post("/v1/chat/completions", &b).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "invalid_value",
+        "max_tokens must be at least 1, got -5",
+    );
+
+    b["max_tokens"] = json!(1_000_000_000u64);
+    let (s, v) = post("/v1/chat/completions", &b).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "context_length_exceeded",
+        "exceeds the context length",
+    );
+
+    let mut b = chat_body("hi", 4);
+    b.as_object_mut().unwrap().remove("max_tokens");
+    b["max_completion_tokens"] = json!(0);
+    let (s, v) = post("/v1/chat/completions", &b).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "invalid_value",
+        "max_completion_tokens must be at least 1, got 0",
+    );
+
+    let ctx = server().engine.model().context_length;
+    let long = json!({"prompt": vec![5u32; ctx + 1], "max_tokens": 1});
+    let (s, v) = post("/v1/completions", &long).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "context_length_exceeded",
+        &format!("context length of {ctx} tokens"),
+    );
+    let mut long_stream = long.clone();
+    long_stream["stream"] = json!(true);
+    let (s, v) = post("/v1/completions", &long_stream).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "context_length_exceeded",
+        "exceeds the context length",
+    );
+
+    let (s, v) = post("/v1/chat/completions", &json!({"messages": []})).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "invalid_value",
+        "messages must contain at least one message",
+    );
+
+    let (s, v) = post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "wizard", "content": "x"}]}),
+    )
+    .await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "invalid_value",
+        "messages[0] has unknown role `wizard`: expected one of system, developer, user, assistant",
+    );
+
+    let mut b = chat_body("hi", 4);
+    b["n"] = json!(2);
+    let (s, v) = post("/v1/chat/completions", &b).await;
+    assert_error(s, &v, 400, "invalid_value", "n must be 1");
+
+    let mut b = chat_body("hi", 4);
+    b["temperature"] = json!(-1);
+    let (s, v) = post("/v1/chat/completions", &b).await;
+    assert_error(s, &v, 400, "invalid_value", "temperature must be between 0");
+
+    let (s, v) = post("/v1/completions", &json!({"prompt": "", "max_tokens": 3})).await;
+    assert_error(s, &v, 400, "empty_prompt", "the prompt is empty");
+
+    let (s, v) = post("/v1/completions", &json!({"prompt": ["a", "b"]})).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "invalid_value",
+        "send exactly one prompt per request",
+    );
+
+    let vocab = server().engine.tokenizer().vocab_size();
+    let (s, v) = post("/generate", &json!({"input_ids": [1, vocab]})).await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "invalid_value",
+        &format!("input_ids[1] = {vocab} is out of range"),
+    );
+
+    let (s, v) = post(
+        "/generate",
+        &json!({"sampling_params": {"max_new_tokens": 2}}),
+    )
+    .await;
+    assert_error(s, &v, 400, "invalid_value", "`text` or `input_ids`");
+
+    let (s, v) = post(
+        "/generate",
+        &json!({"text": "x", "sampling_params": {"max_new_tokens": -1}}),
+    )
+    .await;
+    assert_error(
+        s,
+        &v,
+        400,
+        "invalid_value",
+        "max_new_tokens must be at least 1, got -1",
+    );
+
+    for (field, value) in [
+        ("bootstrap_room", json!(-1)),
+        ("bootstrap_room", json!(1.5)),
+        ("bootstrap_room", json!("12")),
+        ("bootstrap_room", json!(9223372036854775808u64)),
+        ("bootstrap_port", json!(70000)),
+    ] {
+        let mut b = json!({"text": "x", "sampling_params": {"max_new_tokens": 1}});
+        b[field] = value.clone();
+        let (s, v) = post("/generate", &b).await;
+        assert_error(
+            s,
+            &v,
+            400,
+            "invalid_value",
+            &format!("{field} must be an integer between 0 and"),
+        );
+        assert_eq!(v["error"]["param"], field, "{value}");
+    }
+
+    // The server keeps serving after all of that.
+    let (s, _) = post("/v1/chat/completions", &chat_body("still there?", 2)).await;
+    assert_eq!(s, 200);
+    let (_, text) = get("/metrics").await;
+    assert!(
+        text.contains(
+            "handoff_http_requests_total{endpoint=\"/v1/chat/completions\",status=\"400\"}"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("error_type=\"context_length_exceeded\""),
+        "{text}"
+    );
+}
