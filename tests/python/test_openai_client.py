@@ -1,0 +1,97 @@
+"""The official `openai` Python client against a running `handoff serve`.
+
+Run: HANDOFF_URL=http://127.0.0.1:30000 python -m pytest tests/python
+(the base URL without /v1; the server must already be running).
+"""
+
+import os
+
+import openai
+import pytest
+
+BASE = os.environ.get("HANDOFF_URL", "http://127.0.0.1:30000").rstrip("/")
+
+
+@pytest.fixture(scope="module")
+def client():
+    return openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    models = client.models.list().data
+    assert len(models) == 1
+    return models[0].id
+
+
+def test_chat_non_stream(client, model):
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert r.object == "chat.completion"
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str) and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client, model):
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "Name three colors."}],
+        max_tokens=12,
+        temperature=0,
+    )
+    whole = client.chat.completions.create(**kwargs)
+    stream = client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    text, finish, usage = "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert text == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_completions_non_stream_and_stream(client, model):
+    kwargs = dict(model=model, prompt="The sky is", max_tokens=6, temperature=0)
+    whole = client.completions.create(**kwargs)
+    assert whole.object == "text_completion"
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    text = "".join(
+        c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices
+    )
+    assert text == whole.choices[0].text
+
+
+def test_error_is_400_with_message(client, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=-5,
+        )
+    err = info.value
+    assert err.status_code == 400
+    assert "max_tokens must be at least 1, got -5" in err.message
+    assert err.body["code"] == "invalid_value"
+
+
+def test_n_must_be_one(client, model):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2
+        )
+    assert info.value.status_code == 400
+    assert "n must be 1" in info.value.message
