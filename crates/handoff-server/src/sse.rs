@@ -86,3 +86,44 @@ where
         .keep_alive(KeepAlive::default())
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn events_are_data_lines_and_errors_are_json() {
+        let resp = sse_response(|tx| async move {
+            tx.json(&serde_json::json!({"text": "a"})).await?;
+            tx.error(&ApiError::new(500, "model_error", "boom")).await
+        });
+        assert_eq!(
+            resp.headers()["content-type"].to_str().unwrap(),
+            "text/event-stream"
+        );
+        let body = axum::body::to_bytes(resp.into_body(), 1 << 20)
+            .await
+            .unwrap();
+        let text = String::from_utf8(body.to_vec()).unwrap();
+        let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(events[0], "data: {\"text\":\"a\"}");
+        let err: serde_json::Value =
+            serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
+        assert_eq!(err["error"]["code"], "model_error");
+        assert_eq!(err["error"]["type"], "server_error");
+        assert_eq!(err["error"]["message"], "boom");
+        assert_eq!(events.len(), 2, "the stream ends after the error");
+    }
+
+    #[tokio::test]
+    async fn producer_stops_when_the_client_goes_away() {
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let resp = sse_response(|tx| async move {
+            let r = tx.race(std::future::pending::<()>()).await;
+            let _ = done_tx.send(r.is_err());
+            Ok(())
+        });
+        drop(resp);
+        assert!(done_rx.await.unwrap(), "race returns Disconnected");
+    }
+}

@@ -1,0 +1,107 @@
+//! The `handoff` binary: precise CLI errors, and `serve` on the tiny model
+//! answering HTTP and shutting down cleanly on SIGTERM.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn handoff() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_handoff"))
+}
+
+fn fails_with(args: &[&str], needle: &str) {
+    let out = handoff().args(args).output().expect("run handoff");
+    assert!(!out.status.success(), "{args:?} should fail");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(needle),
+        "{args:?}: stderr lacks {needle:?}:\n{stderr}"
+    );
+}
+
+#[test]
+fn cli_errors_are_precise() {
+    fails_with(
+        &["serve", "--threads", "0"],
+        "invalid value '0' for '--threads <THREADS>'",
+    );
+    fails_with(
+        &["serve", "--port", "70000"],
+        "invalid value '70000' for '--port <PORT>'",
+    );
+    fails_with(
+        &["serve", "--kv-pages", "10", "--kv-memory-mb", "10"],
+        "the argument '--kv-pages <KV_PAGES>' cannot be used with '--kv-memory-mb <KV_MEMORY_MB>'",
+    );
+    fails_with(
+        &["serve", "--model", "/nonexistent/model.gguf"],
+        "model file /nonexistent/model.gguf does not exist",
+    );
+    fails_with(&["frobnicate"], "unrecognized subcommand 'frobnicate'");
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[cfg(unix)]
+#[test]
+fn serve_answers_and_stops_on_sigterm() {
+    let dir = std::env::temp_dir().join(format!("handoff-cli-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    handoff_model::tiny::write_tiny_gguf(&model, 3).expect("tiny GGUF");
+    let mut child = handoff()
+        .args([
+            "serve",
+            "--port",
+            "0",
+            "--kv-pages",
+            "64",
+            "--served-model-name",
+            "tiny-cli",
+        ])
+        .arg("--model")
+        .arg(&model)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut addr = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(i) = line.find("listening on http://") {
+            addr = Some(line[i + "listening on http://".len()..].trim().to_string());
+            break;
+        }
+    }
+    let addr = addr.expect("server logs its address");
+    let models = http_get(&addr, "/v1/models");
+    assert!(models.starts_with("HTTP/1.1 200"), "{models}");
+    assert!(models.contains("\"id\":\"tiny-cli\""), "{models}");
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let exit = child.wait().unwrap();
+    assert!(exit.success(), "exit status {exit:?}; log tail {rest:?}");
+    assert!(
+        rest.iter().any(|l| l.contains("SIGTERM received")),
+        "{rest:?}"
+    );
+    std::thread::sleep(Duration::from_millis(10));
+}
