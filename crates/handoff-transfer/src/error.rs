@@ -1,0 +1,65 @@
+//! Errors of the I/O shell (DESIGN.md §4 "Errors"): who is to blame, a
+//! stable `error_type()` and the HTTP status a client would see.
+
+use handoff_proto::{HandshakeError, TransferError};
+
+/// Why a transfer-layer operation failed (connections, links, handles).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransportError {
+    /// Socket-level failure.
+    #[error("I/O error during {what}: {source}")]
+    Io {
+        /// What we were doing.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The handshake failed (version, fingerprint, secret, timeout).
+    #[error("handshake failed: {0}")]
+    Handshake(#[from] HandshakeError),
+    /// The peer broke the data-plane protocol.
+    #[error("peer misbehaved on the data link: {0}")]
+    PeerMisbehaved(String),
+    /// Shared memory could not be mapped or written.
+    #[error("shared memory: {0}")]
+    Kv(#[from] handoff_kv::KvError),
+    /// A room-level failure.
+    #[error(transparent)]
+    Room(#[from] TransferError),
+    /// The endpoint was shut down.
+    #[error("transfer endpoint is shut down")]
+    Shutdown,
+    /// Bootstrap could not find or reach the prefill ranks.
+    #[error("bootstrap: {0}")]
+    Bootstrap(String),
+}
+
+impl TransportError {
+    /// Stable label for metrics, OpenAI error objects and SSE events.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            TransportError::Io { .. } => "transport_io",
+            TransportError::Handshake(_) => "peer_incompatible",
+            TransportError::PeerMisbehaved(_) => "peer_misbehaved",
+            TransportError::Kv(_) => "shared_memory",
+            TransportError::Room(e) => e.error_type(),
+            TransportError::Shutdown => "shutdown",
+            TransportError::Bootstrap(_) => "bootstrap",
+        }
+    }
+
+    /// HTTP status a client would see.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            TransportError::Room(e) => e.http_status(),
+            TransportError::Shutdown | TransportError::Bootstrap(_) => 503,
+            _ => 500,
+        }
+    }
+
+    pub(crate) fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> TransportError {
+        move |source| TransportError::Io { what, source }
+    }
+}

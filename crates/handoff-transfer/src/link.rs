@@ -1,0 +1,637 @@
+//! Data links (DESIGN.md §5): one per (decode rank, prefill rank) pair,
+//! opened by decode next to its control connection, authenticated with the
+//! same handshake, then set up for one transport.
+//!
+//! * Prefill side: a writer task owns the [`Transport`] and runs the jobs
+//!   the driver queues; an ack task reads decode's acknowledgements.
+//! * Decode side: one reader task owns the socket and the table of rooms it
+//!   may write, each holding the lease's writer guard. Every segment is
+//!   bounds-checked against that room's own pages before a byte lands; when
+//!   the driver forgets a room, the guard is dropped only after any
+//!   in-progress write stopped, so a page never returns under a writer.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_kv::lease::WriterGuard;
+use handoff_kv::{KvLayout, ShmRegion, ShmRegionHandle};
+use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::{RankId, RoomId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use crate::conn::handshake_exact;
+use crate::error::TransportError;
+use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
+use crate::wire::{Ack, AuxData, Record, ACK_LEN, PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP};
+
+/// Bytes of one (layer, page): its K and V blocks, adjacent in the layout.
+pub fn page_span(layout: &KvLayout) -> usize {
+    2 * layout.geometry.block_elems() * layout.geometry.dtype.size()
+}
+
+/// Byte offset of (layer, page) in a pool of `num_pages` pages.
+pub fn span_offset(layout: &KvLayout, num_pages: usize, layer: usize, page: usize) -> usize {
+    (layer * num_pages + page) * page_span(layout)
+}
+
+/// Counters shared by an endpoint's tasks (read for stats and metrics).
+#[derive(Debug, Default)]
+pub struct LinkCounters {
+    /// Malformed control frames dropped.
+    pub malformed_frames: AtomicU64,
+    /// Data segments rejected (unknown room, page not the room's, range).
+    pub rejected_segments: AtomicU64,
+    /// Handshakes refused.
+    pub handshakes_failed: AtomicU64,
+    /// Payload bytes placed into the pool.
+    pub bytes_landed: AtomicU64,
+}
+
+async fn reply_setup(stream: &mut TcpStream, result: &Result<(), String>) {
+    let mut out = Vec::new();
+    match result {
+        Ok(()) => out.push(0u8),
+        Err(msg) => {
+            out.push(1u8);
+            let b = msg.as_bytes();
+            let n = b.len().min(1024);
+            out.extend_from_slice(&(n as u16).to_le_bytes());
+            out.extend_from_slice(&b[..n]);
+        }
+    }
+    let _ = stream.write_all(&out).await;
+}
+
+/// Decode side: open a data link to `addr` for `kind`, offering `pool`
+/// (`num_pages` pages of `layout`). Returns the socket and the prefill rank.
+pub async fn connect_link(
+    addr: std::net::SocketAddr,
+    config: HandshakeConfig,
+    timeout: Duration,
+    kind: TransportKind,
+    pool: &ShmRegion,
+    num_pages: usize,
+) -> Result<(TcpStream, RankId), TransportError> {
+    let mut s = TcpStream::connect(addr)
+        .await
+        .map_err(TransportError::io("data link connect"))?;
+    let _ = s.set_nodelay(true);
+    s.write_all(&[PREFACE_DATA])
+        .await
+        .map_err(TransportError::io("data link preface"))?;
+    let n = handshake_exact(&mut s, config, timeout).await?;
+    let mut setup = Vec::new();
+    match kind {
+        TransportKind::Shm => {
+            setup.push(SETUP_SHM);
+            setup.extend_from_slice(&pool.handle().to_bytes());
+        }
+        TransportKind::Tcp => {
+            setup.push(SETUP_TCP);
+            setup.extend_from_slice(&(num_pages as u64).to_le_bytes());
+        }
+    }
+    s.write_all(&setup)
+        .await
+        .map_err(TransportError::io("data link setup"))?;
+    let mut status = [0u8; 1];
+    s.read_exact(&mut status)
+        .await
+        .map_err(TransportError::io("data link setup reply"))?;
+    if status[0] != 0 {
+        let mut len = [0u8; 2];
+        s.read_exact(&mut len)
+            .await
+            .map_err(TransportError::io("data link setup reply"))?;
+        let mut msg = vec![0u8; u16::from_le_bytes(len) as usize];
+        s.read_exact(&mut msg)
+            .await
+            .map_err(TransportError::io("data link setup reply"))?;
+        return Err(TransportError::PeerMisbehaved(format!(
+            "prefill refused the {} link: {}",
+            kind.name(),
+            String::from_utf8_lossy(&msg)
+        )));
+    }
+    Ok((s, n.peer_rank()))
+}
+
+/// A link accepted on the prefill side, ready to run.
+pub struct AcceptedLink {
+    /// The decode rank.
+    pub rank: RankId,
+    /// Pages in the decode pool (every destination page is checked against it).
+    pub dest_pages: usize,
+    /// Transport kind.
+    pub kind: TransportKind,
+    writer: LinkWriter,
+    acks: OwnedReadHalf,
+}
+
+enum LinkWriter {
+    Shm(ShmTransport),
+    Tcp(TcpTransport),
+}
+
+/// Prefill side: finish accepting a data link (preface already read).
+pub async fn accept_link(
+    mut s: TcpStream,
+    config: HandshakeConfig,
+    timeout: Duration,
+    src: Arc<ShmRegion>,
+    layout: &KvLayout,
+) -> Result<AcceptedLink, TransportError> {
+    let _ = s.set_nodelay(true);
+    let n = handshake_exact(&mut s, config, timeout).await?;
+    let rank = n.peer_rank();
+    let per_page = page_span(layout) * layout.geometry.layers;
+    let mut kind = [0u8; 1];
+    let read = tokio::time::timeout(timeout, s.read_exact(&mut kind)).await;
+    if !matches!(read, Ok(Ok(_))) {
+        return Err(TransportError::PeerMisbehaved("no link setup".into()));
+    }
+    let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match kind[0] {
+        SETUP_SHM => {
+            let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
+            s.read_exact(&mut h)
+                .await
+                .map_err(TransportError::io("shm link setup"))?;
+            let handle = ShmRegionHandle::from_bytes(&h);
+            if handle.len == 0 || handle.len % per_page as u64 != 0 {
+                Err(format!(
+                    "region of {} bytes is not a whole number of {per_page}-byte pages",
+                    handle.len
+                ))
+            } else {
+                match ShmRegion::open(&handle) {
+                    Ok(r) => Ok((TransportKind::Shm, r.len() / per_page, Some(r))),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        }
+        SETUP_TCP => {
+            let mut b = [0u8; 8];
+            s.read_exact(&mut b)
+                .await
+                .map_err(TransportError::io("tcp link setup"))?;
+            let pages = u64::from_le_bytes(b);
+            if pages == 0 || pages > u64::from(u32::MAX) {
+                Err(format!("pool of {pages} pages"))
+            } else {
+                Ok((TransportKind::Tcp, pages as usize, None))
+            }
+        }
+        other => Err(format!("unknown transport {other}")),
+    };
+    reply_setup(&mut s, &setup.as_ref().map(|_| ()).map_err(Clone::clone)).await;
+    let (kind, dest_pages, region) = setup.map_err(TransportError::PeerMisbehaved)?;
+    let (r, w) = s.into_split();
+    let writer = match region {
+        Some(dst) => LinkWriter::Shm(ShmTransport::new(src, dst, w)),
+        None => LinkWriter::Tcp(TcpTransport::new(src, w)),
+    };
+    Ok(AcceptedLink {
+        rank,
+        dest_pages,
+        kind,
+        writer,
+        acks: r,
+    })
+}
+
+/// Work for a prefill link writer.
+#[derive(Debug)]
+pub enum LinkJob {
+    /// Write these segments of `room`.
+    Segments {
+        /// The room.
+        room: RoomId,
+        /// What to write.
+        segs: Vec<Segment>,
+        /// Set when the room's writes are cancelled.
+        cancel: Arc<AtomicBool>,
+    },
+    /// No more segments: write the aux record (unless cancelled) and the end.
+    Finish {
+        /// The room.
+        room: RoomId,
+        /// Aux slot and data.
+        aux: Option<(u32, AuxData)>,
+        /// Set when the room's writes are cancelled.
+        cancel: Arc<AtomicBool>,
+    },
+}
+
+/// What prefill link tasks report to the driver.
+#[derive(Debug)]
+pub enum LinkEvent {
+    /// Decode acknowledged everything of `room` up to its end.
+    Acked {
+        /// Decode rank.
+        rank: RankId,
+        /// Link generation.
+        link: u64,
+        /// The ack.
+        ack: Ack,
+    },
+    /// The link broke.
+    Closed {
+        /// Decode rank.
+        rank: RankId,
+        /// Link generation.
+        link: u64,
+        /// Why.
+        reason: String,
+    },
+}
+
+async fn run_writer<T: Transport>(
+    mut t: T,
+    mut jobs: mpsc::UnboundedReceiver<LinkJob>,
+) -> Result<(), TransportError> {
+    while let Some(job) = jobs.recv().await {
+        match job {
+            LinkJob::Segments { segs, cancel, .. } => {
+                if !cancel.load(Ordering::Acquire) {
+                    t.write_segments(&segs, &cancel).await?;
+                }
+            }
+            LinkJob::Finish { room, aux, cancel } => {
+                let cancelled = cancel.load(Ordering::Acquire);
+                if let (false, Some((aux_slot, aux))) = (cancelled, aux) {
+                    t.write_record(Record::Aux {
+                        room,
+                        aux_slot,
+                        written_room: room.get(),
+                        aux,
+                    })
+                    .await?;
+                }
+                t.write_record(Record::End { room, cancelled }).await?;
+            }
+        }
+    }
+    Ok(())
+}
+
+impl AcceptedLink {
+    /// Spawn the writer and ack tasks; events go through `send`.
+    pub fn spawn<F>(
+        self,
+        link: u64,
+        tasks: &crate::conn::TaskCounter,
+        send: F,
+    ) -> mpsc::UnboundedSender<LinkJob>
+    where
+        F: Fn(LinkEvent) -> bool + Send + Sync + 'static,
+    {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let rank = self.rank;
+        let send = Arc::new(send);
+        let s1 = send.clone();
+        tasks.spawn(async move {
+            let r = match self.writer {
+                LinkWriter::Shm(t) => run_writer(t, rx).await,
+                LinkWriter::Tcp(t) => run_writer(t, rx).await,
+            };
+            if let Err(e) = r {
+                s1(LinkEvent::Closed {
+                    rank,
+                    link,
+                    reason: e.to_string(),
+                });
+            }
+        });
+        let mut acks = self.acks;
+        tasks.spawn(async move {
+            let mut b = [0u8; ACK_LEN];
+            let reason = loop {
+                match acks.read_exact(&mut b).await {
+                    Ok(_) => match Ack::decode(&b) {
+                        Ok(ack) => {
+                            if !send(LinkEvent::Acked { rank, link, ack }) {
+                                return;
+                            }
+                        }
+                        Err(e) => break e.to_string(),
+                    },
+                    Err(e) => break format!("link closed: {e}"),
+                }
+            };
+            send(LinkEvent::Closed { rank, link, reason });
+        });
+        tx
+    }
+}
+
+/// Decode side: commands from the driver to a link reader.
+pub enum ReaderCmd {
+    /// `room` may receive writes into `pages` (sorted) and `aux_slot`.
+    Register {
+        /// The room.
+        room: RoomId,
+        /// Its pages, sorted.
+        pages: Vec<u32>,
+        /// Its aux slot.
+        aux_slot: u32,
+        /// Keeps the pages from the free list while this link may write.
+        guard: WriterGuard,
+    },
+    /// Stop accepting writes for `room` and drop its guard.
+    Forget {
+        /// The room.
+        room: RoomId,
+    },
+}
+
+/// Decode side: what a link reader reports to the driver.
+#[derive(Debug)]
+pub enum ReaderEvent {
+    /// The aux record of `room` arrived (before its end marker).
+    Aux {
+        /// The room.
+        room: RoomId,
+        /// The room id written in the slot.
+        written_room: u64,
+        /// The data.
+        aux: AuxData,
+    },
+    /// The link closed.
+    Closed {
+        /// Why.
+        reason: String,
+    },
+}
+
+struct Slot {
+    pages: Vec<u32>,
+    aux_slot: u32,
+    rejected: bool,
+    _guard: WriterGuard,
+}
+
+enum ReadState {
+    Header {
+        buf: [u8; RECORD_LEN],
+        filled: usize,
+    },
+    Payload {
+        room: RoomId,
+        dst: std::ops::Range<usize>,
+        filled: usize,
+        keep: bool,
+    },
+}
+
+/// Decode side link reader: owns the socket and the writable-room table.
+pub struct LinkReader {
+    stream: TcpStream,
+    kind: TransportKind,
+    pool: Arc<ShmRegion>,
+    layout: KvLayout,
+    rooms: HashMap<RoomId, Slot>,
+    state: ReadState,
+    counters: Arc<LinkCounters>,
+    scratch: Vec<u8>,
+}
+
+/// Most bytes a reader moves before it looks at its commands again.
+const READ_BUDGET: usize = 16 << 20;
+
+impl LinkReader {
+    /// A reader for an established link.
+    pub fn new(
+        stream: TcpStream,
+        kind: TransportKind,
+        pool: Arc<ShmRegion>,
+        layout: KvLayout,
+        counters: Arc<LinkCounters>,
+    ) -> Self {
+        Self {
+            stream,
+            kind,
+            pool,
+            layout,
+            rooms: HashMap::new(),
+            state: ReadState::Header {
+                buf: [0; RECORD_LEN],
+                filled: 0,
+            },
+            counters,
+            scratch: vec![0; 64 * 1024],
+        }
+    }
+
+    /// Run until the link closes or the driver drops the command channel.
+    pub async fn run<F>(mut self, mut cmds: mpsc::UnboundedReceiver<ReaderCmd>, send: F)
+    where
+        F: Fn(ReaderEvent) -> bool,
+    {
+        let reason = loop {
+            tokio::select! {
+                biased;
+                c = cmds.recv() => match c {
+                    Some(c) => self.command(c),
+                    None => break None,
+                },
+                r = self.stream.readable() => {
+                    if let Err(e) = r {
+                        break Some(e.to_string());
+                    }
+                    match self.on_readable(&send).await {
+                        Ok(true) => {}
+                        Ok(false) => break Some("peer closed the link".to_string()),
+                        Err(e) => break Some(e),
+                    }
+                }
+            }
+        };
+        if let Some(reason) = reason {
+            send(ReaderEvent::Closed { reason });
+        }
+    }
+
+    fn command(&mut self, c: ReaderCmd) {
+        match c {
+            ReaderCmd::Register {
+                room,
+                pages,
+                aux_slot,
+                guard,
+            } => {
+                self.rooms.insert(
+                    room,
+                    Slot {
+                        pages,
+                        aux_slot,
+                        rejected: false,
+                        _guard: guard,
+                    },
+                );
+            }
+            ReaderCmd::Forget { room } => {
+                // A payload in progress for this room is discarded from here
+                // on: no byte lands after the guard is gone.
+                if let ReadState::Payload { room: r, keep, .. } = &mut self.state {
+                    if *r == room {
+                        *keep = false;
+                    }
+                }
+                self.rooms.remove(&room);
+            }
+        }
+    }
+
+    /// Validate a segment against its room's pages and the pool; the byte
+    /// range it may write, or `None` (counted; the payload is discarded).
+    fn place(&mut self, h: &crate::wire::SegmentHeader) -> Option<std::ops::Range<usize>> {
+        let num_pages = self.layout.num_pages;
+        let ok = self.kind == TransportKind::Tcp
+            && (h.layer as usize) < self.layout.geometry.layers
+            && (h.dst_page as usize)
+                .checked_add(h.n_pages as usize)
+                .is_some_and(|end| end <= num_pages)
+            && self.rooms.get(&h.room).is_some_and(|slot| {
+                (h.dst_page..h.dst_page + h.n_pages).all(|p| slot.pages.binary_search(&p).is_ok())
+            });
+        if !ok {
+            self.counters
+                .rejected_segments
+                .fetch_add(1, Ordering::Relaxed);
+            if let Some(slot) = self.rooms.get_mut(&h.room) {
+                slot.rejected = true;
+            }
+            return None;
+        }
+        let start = span_offset(
+            &self.layout,
+            num_pages,
+            h.layer as usize,
+            h.dst_page as usize,
+        );
+        Some(start..start + h.n_pages as usize * page_span(&self.layout))
+    }
+
+    /// Read what is available. `Ok(false)` on EOF.
+    async fn on_readable<F>(&mut self, send: &F) -> Result<bool, String>
+    where
+        F: Fn(ReaderEvent) -> bool,
+    {
+        let mut budget = READ_BUDGET;
+        while budget > 0 {
+            let res = match &mut self.state {
+                ReadState::Header { buf, filled } => self.stream.try_read(&mut buf[*filled..]),
+                ReadState::Payload {
+                    dst, filled, keep, ..
+                } => {
+                    let want = dst.start + *filled..dst.end;
+                    if *keep {
+                        let stream = &self.stream;
+                        self.pool
+                            .with_mut(want, |b| stream.try_read(b))
+                            .map_err(|e| e.to_string())?
+                    } else {
+                        let n = want.len().min(self.scratch.len());
+                        self.stream.try_read(&mut self.scratch[..n])
+                    }
+                }
+            };
+            let n = match res {
+                Ok(0) => return Ok(false),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(true),
+                Err(e) => return Err(e.to_string()),
+            };
+            budget = budget.saturating_sub(n);
+            match &mut self.state {
+                ReadState::Header { buf, filled } => {
+                    *filled += n;
+                    if *filled == RECORD_LEN {
+                        let rec = Record::decode(buf).map_err(|e| e.to_string())?;
+                        self.state = ReadState::Header {
+                            buf: [0; RECORD_LEN],
+                            filled: 0,
+                        };
+                        self.record(rec, send).await?;
+                    }
+                }
+                ReadState::Payload {
+                    dst, filled, keep, ..
+                } => {
+                    *filled += n;
+                    if *keep {
+                        self.counters
+                            .bytes_landed
+                            .fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                    if *filled == dst.len() {
+                        self.state = ReadState::Header {
+                            buf: [0; RECORD_LEN],
+                            filled: 0,
+                        };
+                    }
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    async fn record<F>(&mut self, rec: Record, send: &F) -> Result<(), String>
+    where
+        F: Fn(ReaderEvent) -> bool,
+    {
+        match rec {
+            Record::Segment(h) => {
+                let len = (h.n_pages as usize)
+                    .checked_mul(page_span(&self.layout))
+                    .filter(|l| *l <= self.pool.len())
+                    .ok_or_else(|| format!("segment of {} pages", h.n_pages))?;
+                let (dst, keep) = match self.place(&h) {
+                    Some(r) => (r, true),
+                    None => (0..len, false),
+                };
+                if !dst.is_empty() {
+                    self.state = ReadState::Payload {
+                        room: h.room,
+                        dst,
+                        filled: 0,
+                        keep,
+                    };
+                }
+            }
+            Record::Aux {
+                room,
+                aux_slot,
+                written_room,
+                aux,
+            } => match self.rooms.get_mut(&room) {
+                Some(slot) if slot.aux_slot == aux_slot => {
+                    send(ReaderEvent::Aux {
+                        room,
+                        written_room,
+                        aux,
+                    });
+                }
+                Some(slot) => slot.rejected = true,
+                None => {
+                    self.counters
+                        .rejected_segments
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            },
+            Record::End { room, .. } => {
+                let ok = self.rooms.get(&room).is_some_and(|s| !s.rejected);
+                self.stream
+                    .write_all(&Ack { room, ok }.encode())
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    }
+}

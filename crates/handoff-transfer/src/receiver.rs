@@ -1,0 +1,567 @@
+//! The decode side (DESIGN.md §3 steps 3 and 5, §5): [`KvReceiver`], a
+//! cheap handle around one driver task that owns the [`ReceiverRooms`]
+//! table, the page leases of live rooms, the aux records, heartbeats and the
+//! links to every prefill rank.
+//!
+//! An engine calls [`KvReceiver::connect`] once per prefill rank (address
+//! from bootstrap), [`KvReceiver::open`] when it accepts a request,
+//! [`KvReceiver::reserve`] once it holds the pages (backpressure: a room may
+//! wait in `Bootstrapping` for them), and [`KvReceiver::poll`] until the
+//! room succeeds (the lease and aux come back) or fails (reason and status
+//! as the side that saw it reported). [`KvReceiver::abort`] aborts anywhere;
+//! the pages of an aborted room return to the pool only after every prefill
+//! writer drained or the abort fence passed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_kv::{KvLayout, PageLease, ShmRegion};
+use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::heartbeat::Liveness;
+use handoff_proto::message::Message;
+use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
+use handoff_proto::room::{RoomConfig, RoomState};
+use handoff_proto::{AuxSlot, PageIndex, RankId, RoomId, TransferError};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::conn::{run_control, CtlEvent, TaskCounter};
+use crate::error::TransportError;
+use crate::link::{connect_link, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
+use crate::transport::TransportKind;
+use crate::wire::{AuxData, PREFACE_CONTROL};
+use crate::EndpointStats;
+
+/// Settings of a decode endpoint.
+#[derive(Debug, Clone)]
+pub struct ReceiverConfig {
+    /// Handshake: role Decode, fingerprint, optional secret.
+    pub handshake: HandshakeConfig,
+    /// Room table limits and timers.
+    pub rooms: RoomConfig,
+    /// Handshake deadline.
+    pub handshake_timeout: Duration,
+    /// Transport of new links.
+    pub transport: TransportKind,
+}
+
+impl ReceiverConfig {
+    /// Defaults for `handshake` over `transport`.
+    pub fn new(handshake: HandshakeConfig, transport: TransportKind) -> Self {
+        Self {
+            handshake,
+            rooms: RoomConfig::default(),
+            handshake_timeout: Duration::from_secs(5),
+            transport,
+        }
+    }
+}
+
+/// What [`KvReceiver::poll`] says about a room.
+#[derive(Debug)]
+pub enum ReceiverPoll {
+    /// Live, in this state.
+    Pending(RoomState),
+    /// Committed: the pages hold the prompt's KV; the engine owns them now.
+    Success {
+        /// The pages, back to the engine.
+        lease: PageLease,
+        /// The aux slot's data (first token, logprob).
+        aux: AuxData,
+    },
+    /// Failed (reported once). Pages return to the pool on their own once
+    /// no writer may still be writing.
+    Failed(TransferError),
+    /// Not known (never opened, or its outcome was already polled).
+    Unknown,
+}
+
+enum Cmd {
+    Open(
+        RoomId,
+        Vec<Source>,
+        oneshot::Sender<Result<(), TransferError>>,
+    ),
+    Reserve(
+        RoomId,
+        PageLease,
+        AuxSlot,
+        oneshot::Sender<Result<(), TransferError>>,
+    ),
+    Abort(RoomId, TransferError),
+    Poll(RoomId, oneshot::Sender<ReceiverPoll>),
+    AddLink(RankId, TcpStream),
+    Stats(oneshot::Sender<EndpointStats>),
+    Shutdown,
+}
+
+enum Ev {
+    Cmd(Cmd),
+    Ctl(CtlEvent),
+    Reader(RankId, u64, ReaderEvent),
+}
+
+/// Handle to a decode transfer endpoint. Cheap to clone.
+#[derive(Clone)]
+pub struct KvReceiver {
+    tx: mpsc::UnboundedSender<Ev>,
+    config: ReceiverConfig,
+    pool: Arc<ShmRegion>,
+    layout: KvLayout,
+    tasks: TaskCounter,
+    conn_ids: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl std::fmt::Debug for KvReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvReceiver")
+            .field("transport", &self.config.transport)
+            .finish()
+    }
+}
+
+impl KvReceiver {
+    /// Start the endpoint for the decode pool `pool` laid out as `layout`
+    /// (its pages are leased from the pool's allocator by the engine).
+    pub fn start(config: ReceiverConfig, pool: Arc<ShmRegion>, layout: KvLayout) -> KvReceiver {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let tasks = TaskCounter::default();
+        let counters = Arc::new(LinkCounters::default());
+        let driver = Driver {
+            rooms: ReceiverRooms::new(config.rooms.clone()),
+            liveness: Liveness::new(config.rooms.timers),
+            ctl: HashMap::new(),
+            links: HashMap::new(),
+            leases: HashMap::new(),
+            aux: HashMap::new(),
+            outcomes: HashMap::new(),
+            counters,
+            tasks: tasks.clone(),
+            pool: pool.clone(),
+            layout,
+            transport: config.transport,
+            next_link: 0,
+            self_tx: tx.downgrade(),
+        };
+        tasks.spawn(driver.run(rx));
+        KvReceiver {
+            tx,
+            config,
+            pool,
+            layout,
+            tasks,
+            conn_ids: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        }
+    }
+
+    async fn ask<T>(&self, f: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T, TransportError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Ev::Cmd(f(tx)))
+            .map_err(|_| TransportError::Shutdown)?;
+        rx.await.map_err(|_| TransportError::Shutdown)
+    }
+
+    /// Connect to the prefill rank listening at `addr`: a control
+    /// connection and a data link, both authenticated by the handshake.
+    /// Returns the prefill rank once both are up; a version, fingerprint or
+    /// secret mismatch fails here, not at the first request.
+    pub async fn connect(&self, addr: SocketAddr) -> Result<RankId, TransportError> {
+        let mut s = TcpStream::connect(addr)
+            .await
+            .map_err(TransportError::io("control connect"))?;
+        s.write_all(&[PREFACE_CONTROL])
+            .await
+            .map_err(TransportError::io("control preface"))?;
+        let id = self.conn_ids.fetch_add(1, Ordering::Relaxed) + 1;
+        let tx = self.tx.downgrade();
+        let send = move |e: CtlEvent| match tx.upgrade() {
+            Some(tx) => tx.send(Ev::Ctl(e)).map_err(|_| ()),
+            None => Err(()),
+        };
+        self.tasks.spawn(run_control(
+            s,
+            self.config.handshake.clone(),
+            self.config.handshake_timeout,
+            id,
+            self.tasks.clone(),
+            send,
+        ));
+        let (stream, rank) = connect_link(
+            addr,
+            self.config.handshake.clone(),
+            self.config.handshake_timeout,
+            self.config.transport,
+            &self.pool,
+            self.layout.num_pages,
+        )
+        .await?;
+        self.tx
+            .send(Ev::Cmd(Cmd::AddLink(rank, stream)))
+            .map_err(|_| TransportError::Shutdown)?;
+        // The control handshake runs concurrently; wait for it.
+        let deadline = tokio::time::Instant::now() + self.config.handshake_timeout;
+        loop {
+            if self.ask(Cmd::Stats).await?.peers_ranks.contains(&rank) {
+                return Ok(rank);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(TransportError::Handshake(
+                    handoff_proto::HandshakeError::TimedOut(self.config.handshake_timeout),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Accept a request for `room` needing KV from `sources`.
+    pub async fn open(&self, room: RoomId, sources: Vec<Source>) -> Result<(), TransportError> {
+        Ok(self.ask(|r| Cmd::Open(room, sources, r)).await??)
+    }
+
+    /// Pages for `room` are reserved (`lease`, in token order) with aux slot
+    /// `aux_slot`: destinations go to every source. On error the lease is
+    /// dropped (the pages were never advertised).
+    pub async fn reserve(
+        &self,
+        room: RoomId,
+        lease: PageLease,
+        aux_slot: AuxSlot,
+    ) -> Result<(), TransportError> {
+        Ok(self
+            .ask(|r| Cmd::Reserve(room, lease, aux_slot, r))
+            .await??)
+    }
+
+    /// Abort `room` (client gone, validation, shutdown): it fails now, every
+    /// source is told, pages wait for the writers to drain.
+    pub fn abort(&self, room: RoomId, error: TransferError) {
+        let _ = self.tx.send(Ev::Cmd(Cmd::Abort(room, error)));
+    }
+
+    /// The room's state or outcome (an outcome is reported once).
+    pub async fn poll(&self, room: RoomId) -> Result<ReceiverPoll, TransportError> {
+        self.ask(|r| Cmd::Poll(room, r)).await
+    }
+
+    /// Counters and gauges.
+    pub async fn stats(&self) -> Result<EndpointStats, TransportError> {
+        let mut s = self.ask(Cmd::Stats).await?;
+        s.tasks = self.tasks.live();
+        Ok(s)
+    }
+
+    /// Live tasks of this endpoint (zero after shutdown completes).
+    pub fn live_tasks(&self) -> usize {
+        self.tasks.live()
+    }
+
+    /// Stop: close every connection and task; leases held for live rooms are
+    /// dropped (their pages return once link readers stopped).
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Ev::Cmd(Cmd::Shutdown));
+    }
+}
+
+struct Link {
+    id: u64,
+    tx: mpsc::UnboundedSender<ReaderCmd>,
+}
+
+struct Driver {
+    rooms: ReceiverRooms,
+    liveness: Liveness,
+    ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
+    links: HashMap<RankId, Link>,
+    leases: HashMap<RoomId, (PageLease, Vec<RankId>)>,
+    aux: HashMap<RoomId, (u64, AuxData)>,
+    outcomes: HashMap<RoomId, ReceiverPoll>,
+    counters: Arc<LinkCounters>,
+    tasks: TaskCounter,
+    pool: Arc<ShmRegion>,
+    layout: KvLayout,
+    transport: TransportKind,
+    next_link: u64,
+    self_tx: mpsc::WeakUnboundedSender<Ev>,
+}
+
+fn now() -> std::time::Instant {
+    std::time::Instant::now()
+}
+
+impl Driver {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Ev>) {
+        loop {
+            let deadline = self
+                .rooms
+                .poll_timeout()
+                .into_iter()
+                .chain(self.liveness.poll_timeout())
+                .min();
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                _ = sleep => {
+                    let t = now();
+                    self.rooms.handle_timeout(t);
+                    for dead in self.liveness.handle_timeout(t) {
+                        tracing::warn!(rank = dead.0, "prefill peer missed heartbeats");
+                        self.ctl.remove(&dead);
+                        self.rooms.handle_peer_dead(dead, t);
+                    }
+                    self.pump();
+                    continue;
+                }
+            };
+            let Some(ev) = ev else { break };
+            match ev {
+                Ev::Cmd(Cmd::Shutdown) => break,
+                Ev::Cmd(c) => self.command(c),
+                Ev::Ctl(e) => self.control(e),
+                Ev::Reader(rank, id, e) => self.reader_event(rank, id, e),
+            }
+            self.pump();
+        }
+        self.ctl.clear();
+        self.links.clear();
+        self.leases.clear();
+        self.outcomes.clear();
+    }
+
+    fn control(&mut self, e: CtlEvent) {
+        let t = now();
+        match e {
+            CtlEvent::Established { conn, rank, tx } => {
+                self.ctl.insert(rank, (conn, tx));
+                self.liveness.add_peer(rank, t);
+            }
+            CtlEvent::Message { rank, msg, .. } => {
+                self.liveness.handle_seen(rank, t);
+                self.rooms.handle_message(rank, msg, t);
+            }
+            CtlEvent::Malformed { .. } => {
+                self.counters
+                    .malformed_frames
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            CtlEvent::HandshakeFailed { .. } => {
+                self.counters
+                    .handshakes_failed
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            CtlEvent::Closed { conn, rank } => {
+                if let Some(rank) = rank {
+                    if self.ctl.get(&rank).is_some_and(|(c, _)| *c == conn) {
+                        self.ctl.remove(&rank);
+                        self.liveness.remove_peer(rank);
+                        self.rooms.handle_peer_dead(rank, t);
+                    }
+                }
+            }
+        }
+    }
+
+    fn reader_event(&mut self, rank: RankId, id: u64, e: ReaderEvent) {
+        match e {
+            ReaderEvent::Aux {
+                room,
+                written_room,
+                aux,
+            } => {
+                if self.leases.contains_key(&room) {
+                    self.aux.insert(room, (written_room, aux));
+                }
+            }
+            ReaderEvent::Closed { reason } => {
+                if self.links.get(&rank).is_some_and(|l| l.id == id) {
+                    tracing::warn!(rank = rank.0, %reason, "data link closed");
+                    self.links.remove(&rank);
+                    self.rooms.handle_peer_dead(rank, now());
+                }
+            }
+        }
+    }
+
+    fn add_link(&mut self, rank: RankId, stream: TcpStream) {
+        self.next_link += 1;
+        let id = self.next_link;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let reader = LinkReader::new(
+            stream,
+            self.transport,
+            self.pool.clone(),
+            self.layout,
+            self.counters.clone(),
+        );
+        let weak = self.self_tx.clone();
+        self.tasks.spawn(reader.run(rx, move |e| {
+            weak.upgrade()
+                .is_some_and(|tx| tx.send(Ev::Reader(rank, id, e)).is_ok())
+        }));
+        self.links.insert(rank, Link { id, tx });
+    }
+
+    fn command(&mut self, c: Cmd) {
+        let t = now();
+        match c {
+            Cmd::Open(room, sources, reply) => {
+                let _ = reply.send(self.rooms.open(room, sources, t));
+            }
+            Cmd::Reserve(room, lease, aux_slot, reply) => {
+                let _ = reply.send(self.reserve(room, lease, aux_slot));
+            }
+            Cmd::Abort(room, error) => self.rooms.abort(room, error, t),
+            Cmd::Poll(room, reply) => {
+                // A failure is reported at once, even while the room's pages
+                // still wait for writers to drain (Draining).
+                let p = match (self.outcomes.remove(&room), self.rooms.state(room)) {
+                    (Some(o), _) => o,
+                    (None, Some(s)) if !s.is_terminal() => ReceiverPoll::Pending(s),
+                    (None, _) => ReceiverPoll::Unknown,
+                };
+                let _ = reply.send(p);
+            }
+            Cmd::AddLink(rank, stream) => self.add_link(rank, stream),
+            Cmd::Stats(reply) => {
+                let _ = reply.send(EndpointStats {
+                    live_rooms: self.rooms.live_rooms(),
+                    peers: self.ctl.len(),
+                    peers_ranks: self.ctl.keys().copied().collect(),
+                    links: self.links.len(),
+                    room_stats: self.rooms.stats().clone(),
+                    malformed_frames: self.counters.malformed_frames.load(Ordering::Relaxed),
+                    rejected_segments: self.counters.rejected_segments.load(Ordering::Relaxed),
+                    handshakes_failed: self.counters.handshakes_failed.load(Ordering::Relaxed),
+                    tasks: 0,
+                });
+            }
+            Cmd::Shutdown => {}
+        }
+    }
+
+    fn reserve(
+        &mut self,
+        room: RoomId,
+        lease: PageLease,
+        aux_slot: AuxSlot,
+    ) -> Result<(), TransferError> {
+        let pages: Vec<PageIndex> = lease.pages().iter().map(|p| PageIndex(p.0)).collect();
+        if self.rooms.state(room) != Some(RoomState::Bootstrapping) {
+            return Err(TransferError::Internal {
+                reason: "room is not waiting for pages".into(),
+            });
+        }
+        // Register the room with every link before its destination leaves:
+        // a write can only follow the destination.
+        let sources: Vec<RankId> = self.links.keys().copied().collect();
+        let mut sorted: Vec<u32> = pages.iter().map(|p| p.0).collect();
+        sorted.sort_unstable();
+        let mut registered = Vec::new();
+        for rank in sources {
+            if let Some(l) = self.links.get(&rank) {
+                let _ = l.tx.send(ReaderCmd::Register {
+                    room,
+                    pages: sorted.clone(),
+                    aux_slot: aux_slot.0,
+                    guard: lease.writer_guard(),
+                });
+                registered.push(rank);
+            }
+        }
+        match self
+            .rooms
+            .handle_pages_reserved(room, pages, aux_slot, None, now())
+        {
+            Ok(()) => {
+                self.leases.insert(room, (lease, registered));
+                Ok(())
+            }
+            Err(_) => {
+                self.forget(room, &registered);
+                Err(TransferError::Internal {
+                    reason: "room refused its pages".into(),
+                })
+            }
+        }
+    }
+
+    fn forget(&mut self, room: RoomId, ranks: &[RankId]) {
+        for rank in ranks {
+            if let Some(l) = self.links.get(rank) {
+                let _ = l.tx.send(ReaderCmd::Forget { room });
+            }
+        }
+    }
+
+    fn pump(&mut self) {
+        loop {
+            let mut busy = false;
+            while let Some(t) = self.rooms.poll_transmit() {
+                busy = true;
+                if let Some((_, tx)) = self.ctl.get(&t.to) {
+                    let _ = tx.send(t.message);
+                }
+            }
+            while let Some(t) = self.liveness.poll_transmit(now()) {
+                if let Some((_, tx)) = self.ctl.get(&t.to) {
+                    let _ = tx.send(t.message);
+                }
+            }
+            while let Some(a) = self.rooms.poll_action() {
+                busy = true;
+                self.action(a);
+            }
+            if !busy {
+                break;
+            }
+        }
+    }
+
+    fn action(&mut self, a: ReceiverAction) {
+        let t = now();
+        match a {
+            ReceiverAction::CheckAux { room, .. } => {
+                let found = self.aux.get(&room).map_or(0, |(w, _)| *w);
+                self.rooms.handle_aux_checked(room, found, t);
+            }
+            ReceiverAction::Commit { room, .. } => {
+                let aux = self.aux.remove(&room).map(|(_, a)| a);
+                if let Some((lease, ranks)) = self.leases.remove(&room) {
+                    self.forget(room, &ranks);
+                    let aux = aux.unwrap_or(AuxData {
+                        first_token: 0,
+                        logprob: 0.0,
+                    });
+                    self.outcomes
+                        .insert(room, ReceiverPoll::Success { lease, aux });
+                }
+            }
+            ReceiverAction::FailRequest { room, error } => {
+                self.outcomes.insert(room, ReceiverPoll::Failed(error));
+            }
+            ReceiverAction::ReleasePages {
+                room,
+                fence_expired,
+                ..
+            } => {
+                if fence_expired {
+                    tracing::warn!(room = room.get(), "abort fence expired; pages released");
+                }
+                self.aux.remove(&room);
+                if let Some((lease, ranks)) = self.leases.remove(&room) {
+                    self.forget(room, &ranks);
+                    drop(lease);
+                }
+            }
+        }
+    }
+}

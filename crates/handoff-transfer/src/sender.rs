@@ -1,0 +1,782 @@
+//! The prefill side (DESIGN.md §3 step 4, §5): [`KvSender`], a cheap handle
+//! around one driver task that owns the [`SenderRooms`] table, heartbeats,
+//! and the control and data links of every decode peer (TGI's queue shape:
+//! commands in, state inside one task, replies on oneshots).
+//!
+//! An engine calls [`KvSender::open`] when it accepts a request, waits until
+//! [`KvSender::poll`] says `WaitingForInput` (every decode destination
+//! arrived: compute may start), then streams KV with [`KvSender::send`] (a
+//! range of layers and pages, so layer-by-layer streaming works) and ends
+//! with [`KvSender::finish`] (aux record). [`KvSender::fail`] rejects or
+//! aborts a room; its reason and status reach every decode peer.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use handoff_kv::{KvLayout, PageIndex, ShmRegion};
+use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::heartbeat::Liveness;
+use handoff_proto::message::{Destination, Message};
+use handoff_proto::room::{RoomConfig, RoomState};
+use handoff_proto::sender_room::{SenderAction, SenderRooms};
+use handoff_proto::{RankId, RoomId, TransferError};
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::conn::{run_control, CtlEvent, TaskCounter};
+use crate::error::TransportError;
+use crate::link::{
+    accept_link, page_span, span_offset, AcceptedLink, LinkCounters, LinkEvent, LinkJob,
+};
+use crate::transport::Segment;
+use crate::wire::{AuxData, SegmentHeader, PREFACE_CONTROL, PREFACE_DATA};
+use crate::EndpointStats;
+
+/// Settings of a prefill endpoint.
+#[derive(Debug, Clone)]
+pub struct SenderConfig {
+    /// Where to listen for decode peers (control and data links).
+    pub listen: SocketAddr,
+    /// Handshake: role Prefill, fingerprint, optional secret.
+    pub handshake: HandshakeConfig,
+    /// Room table limits and timers.
+    pub rooms: RoomConfig,
+    /// Handshake deadline.
+    pub handshake_timeout: Duration,
+    /// Largest coalesced segment in bytes.
+    pub max_segment_bytes: usize,
+}
+
+impl SenderConfig {
+    /// Defaults for `handshake` on 127.0.0.1, any port.
+    pub fn new(handshake: HandshakeConfig) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            handshake,
+            rooms: RoomConfig::default(),
+            handshake_timeout: Duration::from_secs(5),
+            max_segment_bytes: 4 << 20,
+        }
+    }
+}
+
+/// What [`KvSender::poll`] says about a room.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SenderPoll {
+    /// Live, in this state (`WaitingForInput`: compute may start).
+    Pending(RoomState),
+    /// Every destination has all KV and aux.
+    Success,
+    /// Failed (reported once; the room is released).
+    Failed(TransferError),
+    /// Not known (never opened, or its outcome was already polled).
+    Unknown,
+}
+
+enum Cmd {
+    Open(RoomId, oneshot::Sender<Result<(), TransferError>>),
+    Fail(RoomId, TransferError),
+    Send {
+        room: RoomId,
+        layers: Range<usize>,
+        pages: Range<usize>,
+        src: Arc<[PageIndex]>,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    },
+    Finish(RoomId, AuxData, oneshot::Sender<Result<(), TransferError>>),
+    Poll(RoomId, oneshot::Sender<SenderPoll>),
+    Stats(oneshot::Sender<EndpointStats>),
+    Shutdown,
+}
+
+enum Ev {
+    Cmd(Cmd),
+    Ctl(CtlEvent),
+    Link(LinkEvent),
+    Accepted(Box<AcceptedLink>),
+}
+
+/// Handle to a prefill transfer endpoint. Cheap to clone.
+#[derive(Clone)]
+pub struct KvSender {
+    tx: mpsc::UnboundedSender<Ev>,
+    addr: SocketAddr,
+    tasks: TaskCounter,
+}
+
+impl std::fmt::Debug for KvSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvSender")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl KvSender {
+    /// Bind the listener and start the endpoint. `pool` is the prefill KV
+    /// pool's shared region, laid out as `layout`.
+    pub async fn start(
+        config: SenderConfig,
+        pool: Arc<ShmRegion>,
+        layout: KvLayout,
+    ) -> Result<KvSender, TransportError> {
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .map_err(TransportError::io("bind"))?;
+        let addr = listener.local_addr().map_err(TransportError::io("bind"))?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let tasks = TaskCounter::default();
+        let counters = Arc::new(LinkCounters::default());
+        let accept = tasks.spawn(accept_loop(
+            listener,
+            config.clone(),
+            pool,
+            layout,
+            tx.downgrade(),
+            tasks.clone(),
+            counters.clone(),
+        ));
+        let driver = Driver {
+            rooms: SenderRooms::new(config.rooms.clone()),
+            liveness: Liveness::new(config.rooms.timers),
+            config,
+            layout,
+            ctl: HashMap::new(),
+            links: HashMap::new(),
+            io: HashMap::new(),
+            outcomes: HashMap::new(),
+            counters,
+            tasks: tasks.clone(),
+            next_link: 0,
+        };
+        tasks.spawn(driver.run(rx, accept));
+        Ok(KvSender { tx, addr, tasks })
+    }
+
+    /// Where decode peers connect (the bootstrap address of this rank).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    async fn ask<T>(&self, f: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T, TransportError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Ev::Cmd(f(tx)))
+            .map_err(|_| TransportError::Shutdown)?;
+        rx.await.map_err(|_| TransportError::Shutdown)
+    }
+
+    /// Accept a request for `room`. Fails for a duplicate live room id, a
+    /// room decode already aborted, or capacity.
+    pub async fn open(&self, room: RoomId) -> Result<(), TransportError> {
+        Ok(self.ask(|r| Cmd::Open(room, r)).await??)
+    }
+
+    /// Fail `room` here (validation rejection, engine error): every decode
+    /// destination learns `error`'s reason and status.
+    pub fn fail(&self, room: RoomId, error: TransferError) {
+        let _ = self.tx.send(Ev::Cmd(Cmd::Fail(room, error)));
+    }
+
+    /// Write `layers` × room pages `pages` (indices into the room's page
+    /// list) from source pages `src` (the room's prefill pages, in token
+    /// order). The first call marks compute done. Returns once queued.
+    pub async fn send(
+        &self,
+        room: RoomId,
+        layers: Range<usize>,
+        pages: Range<usize>,
+        src: Arc<[PageIndex]>,
+    ) -> Result<(), TransportError> {
+        Ok(self
+            .ask(|reply| Cmd::Send {
+                room,
+                layers,
+                pages,
+                src,
+                reply,
+            })
+            .await??)
+    }
+
+    /// Every `send` of `room` is queued: write the aux record and end the
+    /// room on every link. Success is reported once decode acknowledged.
+    pub async fn finish(&self, room: RoomId, aux: AuxData) -> Result<(), TransportError> {
+        Ok(self.ask(|r| Cmd::Finish(room, aux, r)).await??)
+    }
+
+    /// The room's state or outcome (an outcome is reported once).
+    pub async fn poll(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
+        self.ask(|r| Cmd::Poll(room, r)).await
+    }
+
+    /// Counters and gauges.
+    pub async fn stats(&self) -> Result<EndpointStats, TransportError> {
+        let mut s = self.ask(Cmd::Stats).await?;
+        s.tasks = self.tasks.live();
+        Ok(s)
+    }
+
+    /// Live tasks of this endpoint (zero after shutdown completes).
+    pub fn live_tasks(&self) -> usize {
+        self.tasks.live()
+    }
+
+    /// Stop: close every connection and task.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Ev::Cmd(Cmd::Shutdown));
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    config: SenderConfig,
+    pool: Arc<ShmRegion>,
+    layout: KvLayout,
+    tx: mpsc::WeakUnboundedSender<Ev>,
+    tasks: TaskCounter,
+    counters: Arc<LinkCounters>,
+) {
+    let mut conn_id = 0u64;
+    loop {
+        let Ok((mut stream, _peer)) = listener.accept().await else {
+            continue;
+        };
+        let Some(tx) = tx.upgrade() else { return };
+        conn_id += 1;
+        let id = conn_id;
+        let config = config.clone();
+        let pool = pool.clone();
+        let counters = counters.clone();
+        let t2 = tasks.clone();
+        tasks.spawn(async move {
+            let mut preface = [0u8; 1];
+            let got =
+                tokio::time::timeout(config.handshake_timeout, stream.read_exact(&mut preface))
+                    .await;
+            if !matches!(got, Ok(Ok(_))) {
+                return;
+            }
+            match preface[0] {
+                PREFACE_CONTROL => {
+                    let send = move |e: CtlEvent| tx.send(Ev::Ctl(e)).map_err(|_| ());
+                    run_control(
+                        stream,
+                        config.handshake.clone(),
+                        config.handshake_timeout,
+                        id,
+                        t2,
+                        send,
+                    )
+                    .await;
+                }
+                PREFACE_DATA => {
+                    match accept_link(
+                        stream,
+                        config.handshake.clone(),
+                        config.handshake_timeout,
+                        pool,
+                        &layout,
+                    )
+                    .await
+                    {
+                        Ok(link) => {
+                            let _ = tx.send(Ev::Accepted(Box::new(link)));
+                        }
+                        Err(e) => {
+                            counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(error = %e, "data link refused");
+                        }
+                    }
+                }
+                _ => {
+                    counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+    }
+}
+
+struct Link {
+    id: u64,
+    tx: mpsc::UnboundedSender<LinkJob>,
+    dest_pages: usize,
+}
+
+struct RoomIo {
+    dests: Vec<(RankId, Destination)>,
+    cancel: Arc<AtomicBool>,
+    ended: bool,
+}
+
+struct Driver {
+    config: SenderConfig,
+    layout: KvLayout,
+    rooms: SenderRooms,
+    liveness: Liveness,
+    ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
+    links: HashMap<RankId, Link>,
+    io: HashMap<RoomId, RoomIo>,
+    outcomes: HashMap<RoomId, Result<(), TransferError>>,
+    counters: Arc<LinkCounters>,
+    tasks: TaskCounter,
+    next_link: u64,
+}
+
+fn now() -> std::time::Instant {
+    std::time::Instant::now()
+}
+
+impl Driver {
+    async fn run(
+        mut self,
+        mut rx: mpsc::UnboundedReceiver<Ev>,
+        accept: tokio::task::JoinHandle<()>,
+    ) {
+        // The driver keeps a sender to itself for link tasks.
+        let (self_tx, mut self_rx) = mpsc::unbounded_channel::<Ev>();
+        loop {
+            let deadline = self
+                .rooms
+                .poll_timeout()
+                .into_iter()
+                .chain(self.liveness.poll_timeout())
+                .min();
+            let sleep = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let ev = tokio::select! {
+                ev = rx.recv() => ev,
+                ev = self_rx.recv() => ev,
+                _ = sleep => {
+                    self.on_timeout();
+                    self.pump();
+                    continue;
+                }
+            };
+            let Some(ev) = ev else { break };
+            match ev {
+                Ev::Cmd(Cmd::Shutdown) => break,
+                Ev::Cmd(c) => self.command(c),
+                Ev::Ctl(e) => self.control(e),
+                Ev::Link(e) => self.link_event(e),
+                Ev::Accepted(l) => self.accepted(*l, &self_tx),
+            }
+            self.pump();
+        }
+        accept.abort();
+        self.ctl.clear();
+        self.links.clear();
+        for (_, io) in self.io.drain() {
+            io.cancel.store(true, Ordering::Release);
+        }
+    }
+
+    fn on_timeout(&mut self) {
+        let t = now();
+        self.rooms.handle_timeout(t);
+        for dead in self.liveness.handle_timeout(t) {
+            tracing::warn!(rank = dead.0, "decode peer missed heartbeats");
+            self.ctl.remove(&dead);
+            self.rooms.handle_peer_dead(dead, t);
+        }
+    }
+
+    fn accepted(&mut self, l: AcceptedLink, self_tx: &mpsc::UnboundedSender<Ev>) {
+        self.next_link += 1;
+        let id = self.next_link;
+        let rank = l.rank;
+        let dest_pages = l.dest_pages;
+        let weak = self_tx.downgrade();
+        let tx = l.spawn(id, &self.tasks, move |e| {
+            weak.upgrade()
+                .is_some_and(|tx| tx.send(Ev::Link(e)).is_ok())
+        });
+        self.links.insert(rank, Link { id, tx, dest_pages });
+    }
+
+    fn control(&mut self, e: CtlEvent) {
+        let t = now();
+        match e {
+            CtlEvent::Established { conn, rank, tx } => {
+                self.ctl.insert(rank, (conn, tx));
+                self.liveness.add_peer(rank, t);
+            }
+            CtlEvent::Message { rank, msg, .. } => {
+                self.liveness.handle_seen(rank, t);
+                self.rooms.handle_message(rank, msg, t);
+            }
+            CtlEvent::Malformed { .. } => {
+                self.counters
+                    .malformed_frames
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            CtlEvent::HandshakeFailed { .. } => {
+                self.counters
+                    .handshakes_failed
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            CtlEvent::Closed { conn, rank } => {
+                if let Some(rank) = rank {
+                    if self.ctl.get(&rank).is_some_and(|(c, _)| *c == conn) {
+                        self.ctl.remove(&rank);
+                        self.liveness.remove_peer(rank);
+                        self.rooms.handle_peer_dead(rank, t);
+                    }
+                }
+            }
+        }
+    }
+
+    fn link_event(&mut self, e: LinkEvent) {
+        let t = now();
+        match e {
+            LinkEvent::Acked { rank, ack, .. } => {
+                let Some(io) = self.io.get(&ack.room) else {
+                    return;
+                };
+                if io.cancel.load(Ordering::Acquire) {
+                    let err = TransferError::Internal {
+                        reason: "writes cancelled".into(),
+                    };
+                    self.rooms.handle_write_failed(ack.room, rank, err, t);
+                } else if ack.ok {
+                    self.rooms.handle_write_done(ack.room, rank, t);
+                } else {
+                    let err = TransferError::PeerMisbehaved {
+                        detail: "decode rejected part of the room's writes".into(),
+                    };
+                    self.rooms.handle_write_failed(ack.room, rank, err, t);
+                }
+            }
+            LinkEvent::Closed { rank, link, reason } => {
+                if self.links.get(&rank).is_some_and(|l| l.id == link) {
+                    self.links.remove(&rank);
+                    let hit: Vec<RoomId> = self
+                        .io
+                        .iter()
+                        .filter(|(_, io)| io.dests.iter().any(|(r, _)| *r == rank))
+                        .map(|(room, _)| *room)
+                        .collect();
+                    for room in hit {
+                        let err = TransferError::PeerDead {
+                            rank,
+                            detail: format!("data link closed: {reason}"),
+                        };
+                        self.rooms.handle_write_failed(room, rank, err, t);
+                    }
+                }
+            }
+        }
+    }
+
+    fn command(&mut self, c: Cmd) {
+        let t = now();
+        match c {
+            Cmd::Open(room, reply) => {
+                let _ = reply.send(self.rooms.open(room, t));
+            }
+            Cmd::Fail(room, error) => self.rooms.fail(room, error, t),
+            Cmd::Send {
+                room,
+                layers,
+                pages,
+                src,
+                reply,
+            } => {
+                let _ = reply.send(self.send(room, layers, pages, &src));
+            }
+            Cmd::Finish(room, aux, reply) => {
+                let r = self.start_writes(room).map(|()| {
+                    if let Some(io) = self.io.get_mut(&room) {
+                        if !io.ended {
+                            io.ended = true;
+                            for (rank, d) in &io.dests {
+                                if let Some(l) = self.links.get(rank) {
+                                    let _ = l.tx.send(LinkJob::Finish {
+                                        room,
+                                        aux: Some((d.aux_slot.0, aux)),
+                                        cancel: io.cancel.clone(),
+                                    });
+                                }
+                            }
+                        }
+                    }
+                });
+                let _ = reply.send(r);
+            }
+            Cmd::Poll(room, reply) => {
+                let p = match self.rooms.state(room) {
+                    Some(s) if !s.is_terminal() => SenderPoll::Pending(s),
+                    _ => match self.outcomes.remove(&room) {
+                        Some(Ok(())) => SenderPoll::Success,
+                        Some(Err(e)) => SenderPoll::Failed(e),
+                        None => SenderPoll::Unknown,
+                    },
+                };
+                let _ = reply.send(p);
+            }
+            Cmd::Stats(reply) => {
+                let _ = reply.send(EndpointStats {
+                    live_rooms: self.rooms.live_rooms(),
+                    peers: self.ctl.len(),
+                    peers_ranks: self.ctl.keys().copied().collect(),
+                    links: self.links.len(),
+                    room_stats: self.rooms.stats().clone(),
+                    malformed_frames: self.counters.malformed_frames.load(Ordering::Relaxed),
+                    rejected_segments: self.counters.rejected_segments.load(Ordering::Relaxed),
+                    handshakes_failed: self.counters.handshakes_failed.load(Ordering::Relaxed),
+                    tasks: 0,
+                });
+            }
+            Cmd::Shutdown => {}
+        }
+    }
+
+    /// Move the room to Transferring (compute done) if it is not yet.
+    fn start_writes(&mut self, room: RoomId) -> Result<(), TransferError> {
+        if !self.io.contains_key(&room) {
+            match self.rooms.state(room) {
+                Some(RoomState::WaitingForInput) => {
+                    self.rooms.handle_compute_done(room, now());
+                    self.pump();
+                }
+                Some(s) => {
+                    return Err(TransferError::Internal {
+                        reason: format!("room is {}, not ready for writes", s.name()),
+                    })
+                }
+                None => {
+                    return Err(TransferError::Internal {
+                        reason: "unknown room".into(),
+                    })
+                }
+            }
+        }
+        if self.io.contains_key(&room) {
+            Ok(())
+        } else {
+            Err(TransferError::Internal {
+                reason: "room failed before its writes started".into(),
+            })
+        }
+    }
+
+    fn send(
+        &mut self,
+        room: RoomId,
+        layers: Range<usize>,
+        pages: Range<usize>,
+        src: &[PageIndex],
+    ) -> Result<(), TransferError> {
+        self.start_writes(room)?;
+        let Some(io) = self.io.get(&room) else {
+            return Err(TransferError::Internal {
+                reason: "room failed".into(),
+            });
+        };
+        if io.ended {
+            return Err(TransferError::Internal {
+                reason: "room already finished or cancelled".into(),
+            });
+        }
+        if layers.end > self.layout.geometry.layers
+            || pages.end > src.len()
+            || src.iter().any(|p| p.0 as usize >= self.layout.num_pages)
+        {
+            return Err(TransferError::Internal {
+                reason: format!(
+                    "send of layers {layers:?} pages {pages:?} outside the room or the prefill pool"
+                ),
+            });
+        }
+        let span = page_span(&self.layout);
+        let max_run = (self.config.max_segment_bytes / span).max(1);
+        let mut failed: Vec<(RankId, TransferError)> = Vec::new();
+        for (rank, d) in &io.dests {
+            let Some(link) = self.links.get(rank) else {
+                failed.push((
+                    *rank,
+                    TransferError::PeerDead {
+                        rank: *rank,
+                        detail: "no data link to this decode rank".into(),
+                    },
+                ));
+                continue;
+            };
+            if pages.end > d.pages.len() {
+                failed.push((
+                    *rank,
+                    TransferError::PeerMisbehaved {
+                        detail: format!(
+                            "destination has {} pages, the room sends {}",
+                            d.pages.len(),
+                            pages.end
+                        ),
+                    },
+                ));
+                continue;
+            }
+            // Every destination page is checked against the decode pool
+            // before anything is written.
+            if let Some(bad) = d.pages.iter().find(|p| p.0 as usize >= link.dest_pages) {
+                failed.push((
+                    *rank,
+                    TransferError::PeerMisbehaved {
+                        detail: format!(
+                            "destination page {} is outside the decode pool of {} pages",
+                            bad.0, link.dest_pages
+                        ),
+                    },
+                ));
+                continue;
+            }
+            let segs = build_segments(
+                room,
+                &self.layout,
+                link.dest_pages,
+                layers.clone(),
+                pages.clone(),
+                src,
+                &d.pages,
+                max_run,
+            );
+            let _ = link.tx.send(LinkJob::Segments {
+                room,
+                segs,
+                cancel: io.cancel.clone(),
+            });
+        }
+        let t = now();
+        for (rank, e) in failed {
+            self.rooms.handle_write_failed(room, rank, e, t);
+        }
+        Ok(())
+    }
+
+    fn pump(&mut self) {
+        loop {
+            let mut busy = false;
+            while let Some(t) = self.rooms.poll_transmit() {
+                busy = true;
+                if let Some((_, tx)) = self.ctl.get(&t.to) {
+                    let _ = tx.send(t.message);
+                }
+            }
+            while let Some(t) = self.liveness.poll_transmit(now()) {
+                if let Some((_, tx)) = self.ctl.get(&t.to) {
+                    let _ = tx.send(t.message);
+                }
+            }
+            while let Some(a) = self.rooms.poll_action() {
+                busy = true;
+                self.action(a);
+            }
+            if !busy {
+                break;
+            }
+        }
+    }
+
+    fn action(&mut self, a: SenderAction) {
+        match a {
+            SenderAction::StartCompute { .. } => {}
+            SenderAction::StartWrites { room, destinations } => {
+                self.io.insert(
+                    room,
+                    RoomIo {
+                        dests: destinations,
+                        cancel: Arc::new(AtomicBool::new(false)),
+                        ended: false,
+                    },
+                );
+            }
+            SenderAction::CancelWrites { room } => {
+                let t = now();
+                let mut orphans = Vec::new();
+                if let Some(io) = self.io.get_mut(&room) {
+                    io.cancel.store(true, Ordering::Release);
+                    // A room whose end was already queued will be acked; a
+                    // room without one gets a cancelled end now.
+                    for (rank, _) in &io.dests {
+                        match self.links.get(rank) {
+                            Some(l) if !io.ended => {
+                                let _ = l.tx.send(LinkJob::Finish {
+                                    room,
+                                    aux: None,
+                                    cancel: io.cancel.clone(),
+                                });
+                            }
+                            Some(_) => {}
+                            None => orphans.push(*rank),
+                        }
+                    }
+                    io.ended = true;
+                }
+                for rank in orphans {
+                    let err = TransferError::PeerDead {
+                        rank,
+                        detail: "no data link".into(),
+                    };
+                    self.rooms.handle_write_failed(room, rank, err, t);
+                }
+            }
+            SenderAction::Finished { room, result } => {
+                self.io.remove(&room);
+                self.outcomes.insert(room, result);
+            }
+        }
+    }
+}
+
+/// Coalesce (layer, page) spans into runs contiguous on both sides.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn build_segments(
+    room: RoomId,
+    layout: &KvLayout,
+    dest_pages: usize,
+    layers: Range<usize>,
+    pages: Range<usize>,
+    src: &[PageIndex],
+    dst: &[handoff_proto::PageIndex],
+    max_run: usize,
+) -> Vec<Segment> {
+    let span = page_span(layout);
+    let mut out = Vec::new();
+    for layer in layers {
+        let mut i = pages.start;
+        while i < pages.end {
+            let (s0, d0) = (src[i].0 as usize, dst[i].0 as usize);
+            let mut n = 1;
+            while i + n < pages.end
+                && n < max_run
+                && src[i + n].0 as usize == s0 + n
+                && dst[i + n].0 as usize == d0 + n
+            {
+                n += 1;
+            }
+            let s = span_offset(layout, layout.num_pages, layer, s0);
+            let d = span_offset(layout, dest_pages, layer, d0);
+            out.push(Segment {
+                header: SegmentHeader {
+                    room,
+                    layer: layer as u32,
+                    dst_page: d0 as u32,
+                    n_pages: n as u32,
+                },
+                src: s..s + n * span,
+                dst: d..d + n * span,
+            });
+            i += n;
+        }
+    }
+    out
+}

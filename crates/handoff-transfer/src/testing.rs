@@ -1,0 +1,123 @@
+//! Small fixtures shared by the conformance suite, the peer process and the
+//! benchmark: a tiny geometry, short timers, matching handshake configs.
+
+use std::time::Duration;
+
+use handoff_kv::{KvDtype, KvGeometry, KvPool, ShmRegionHandle};
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvDtype as WireDtype, KvLayoutKind};
+use handoff_proto::receiver_room::Source;
+use handoff_proto::room::{RoomConfig, RoomState};
+use handoff_proto::timer::TimerConfig;
+use handoff_proto::{RankId, Role, RoomId};
+
+use crate::{KvSender, ReceiverConfig, SenderConfig, SenderPoll, TransportError, TransportKind};
+
+/// Pages in a test pool.
+pub const TEST_PAGES: usize = 64;
+
+/// The test geometry: 2 layers, 1 KV head of 4, pages of 4 tokens.
+pub fn geometry() -> KvGeometry {
+    KvGeometry {
+        layers: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        page_size: 4,
+        dtype: KvDtype::F32,
+    }
+}
+
+/// A shared test pool.
+pub fn pool() -> (KvPool, ShmRegionHandle) {
+    match KvPool::new_shared(geometry(), TEST_PAGES) {
+        Ok(p) => p,
+        Err(e) => panic!("shared pool: {e}"),
+    }
+}
+
+/// A fingerprint for `g`.
+pub fn fingerprint(g: &KvGeometry) -> Fingerprint {
+    Fingerprint {
+        model_id: "test-model".into(),
+        model_hash: [3; 32],
+        layers: g.layers as u32,
+        kv_heads: g.kv_heads as u32,
+        head_dim: g.head_dim as u32,
+        page_size: g.page_size as u32,
+        dtype: WireDtype::F32,
+        layout: KvLayoutKind::LayerPageKv,
+        tp_rank: 0,
+        tp_size: 1,
+    }
+}
+
+/// Short timers: the suite runs in seconds.
+pub fn timers() -> TimerConfig {
+    TimerConfig {
+        bootstrap: Duration::from_secs(3),
+        waiting_for_input: Duration::from_secs(3),
+        transfer: Duration::from_secs(3),
+        abort_ack_fence: Duration::from_millis(1000),
+        heartbeat_interval: Duration::from_millis(50),
+        heartbeat_miss: Duration::from_millis(400),
+        unknown_room_ttl: Duration::from_secs(3),
+    }
+}
+
+fn rooms() -> RoomConfig {
+    RoomConfig {
+        timers: timers(),
+        ..RoomConfig::default()
+    }
+}
+
+/// Prefill settings for the test geometry.
+pub fn sender_config() -> SenderConfig {
+    let mut c = SenderConfig::new(HandshakeConfig::new(
+        Role::Prefill,
+        fingerprint(&geometry()),
+    ));
+    c.rooms = rooms();
+    c.handshake_timeout = Duration::from_secs(2);
+    c
+}
+
+/// Decode settings for the test geometry.
+pub fn receiver_config(kind: TransportKind) -> ReceiverConfig {
+    let mut c = ReceiverConfig::new(
+        HandshakeConfig::new(Role::Decode, fingerprint(&geometry())),
+        kind,
+    );
+    c.rooms = rooms();
+    c.handshake_timeout = Duration::from_secs(2);
+    c
+}
+
+/// One source, prefill rank `rank`.
+pub fn sources(rank: RankId) -> Vec<Source> {
+    vec![Source {
+        rank,
+        required_destinations: 1,
+    }]
+}
+
+/// Poll until the prefill room is in `state` (or 3 s pass).
+pub async fn wait_sender_state(
+    tx: &KvSender,
+    room: RoomId,
+    state: RoomState,
+) -> Result<(), TransportError> {
+    let end = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        match tx.poll(room).await? {
+            SenderPoll::Pending(s) if s == state => return Ok(()),
+            SenderPoll::Pending(_) if tokio::time::Instant::now() < end => {}
+            other => {
+                return Err(TransportError::Bootstrap(format!(
+                    "room not {}: {other:?}",
+                    state.name()
+                )))
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}

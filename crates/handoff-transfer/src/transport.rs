@@ -1,0 +1,235 @@
+//! The `Transport` trait and its two implementations (DESIGN.md §5), seen
+//! from the writing (prefill) side of one data link:
+//!
+//! * [`ShmTransport`] — the decode pool is mapped here; segments are copied
+//!   straight into decode's pages (one-sided, like an RDMA write).
+//! * [`TcpTransport`] — segments are streamed as a record header followed by
+//!   the payload, several coalesced segments per vectored write; decode's
+//!   link reader places them into its pool.
+//!
+//! Both carry the aux record and the end-of-room marker on the link socket,
+//! so the decode side acknowledges a room only once all of its bytes are in
+//! memory. Later transports (RDMA, CUDA IPC) implement the same trait.
+
+use std::future::Future;
+use std::io::IoSlice;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use handoff_kv::ShmRegion;
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedWriteHalf;
+
+use crate::error::TransportError;
+use crate::wire::{Record, SegmentHeader, RECORD_LEN};
+
+/// Which transport a data link uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// Shared memory (same host).
+    Shm,
+    /// TCP payload streaming (any host).
+    Tcp,
+}
+
+impl TransportKind {
+    /// Both kinds, for conformance loops.
+    pub const ALL: [TransportKind; 2] = [TransportKind::Shm, TransportKind::Tcp];
+
+    /// Stable name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
+
+/// One coalesced run of pages of one layer: where it comes from in the
+/// source pool and where it goes in the destination pool (byte ranges, both
+/// bounds-checked before the segment is built).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    /// Placement as the decode side sees it.
+    pub header: SegmentHeader,
+    /// Source byte range.
+    pub src: Range<usize>,
+    /// Destination byte range.
+    pub dst: Range<usize>,
+}
+
+/// The writing side of one data link.
+pub trait Transport: Send + 'static {
+    /// Which kind this is.
+    fn kind(&self) -> TransportKind;
+
+    /// Write `segs` (stop early, without error, once `cancel` is set).
+    fn write_segments<'a>(
+        &'a mut self,
+        segs: &'a [Segment],
+        cancel: &'a AtomicBool,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a;
+
+    /// Write one aux or end record on the link.
+    fn write_record(
+        &mut self,
+        rec: Record,
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + '_;
+}
+
+/// Bytes copied between cancellation checks / yields.
+const SHM_CHUNK: usize = 8 << 20;
+
+/// Shared-memory transport: copies into the mapped decode pool.
+#[derive(Debug)]
+pub struct ShmTransport {
+    src: Arc<ShmRegion>,
+    dst: ShmRegion,
+    link: OwnedWriteHalf,
+}
+
+impl ShmTransport {
+    /// A transport copying from `src` into the mapped decode pool `dst`,
+    /// with `link` carrying records.
+    pub fn new(src: Arc<ShmRegion>, dst: ShmRegion, link: OwnedWriteHalf) -> Self {
+        Self { src, dst, link }
+    }
+}
+
+impl Transport for ShmTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Shm
+    }
+
+    async fn write_segments<'a>(
+        &'a mut self,
+        segs: &'a [Segment],
+        cancel: &'a AtomicBool,
+    ) -> Result<(), TransportError> {
+        let mut since_yield = 0usize;
+        for s in segs {
+            let mut off = 0usize;
+            while off < s.src.len() {
+                if cancel.load(Ordering::Acquire) {
+                    return Ok(());
+                }
+                let n = (s.src.len() - off).min(SHM_CHUNK);
+                self.dst
+                    .copy_from(s.dst.start + off, &self.src, s.src.start + off, n)?;
+                off += n;
+                since_yield += n;
+                if since_yield >= SHM_CHUNK {
+                    since_yield = 0;
+                    tokio::task::yield_now().await;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn write_record(&mut self, rec: Record) -> Result<(), TransportError> {
+        self.link
+            .write_all(&rec.encode())
+            .await
+            .map_err(TransportError::io("shm link record"))
+    }
+}
+
+/// Most bytes gathered into one vectored write.
+const TCP_BATCH_BYTES: usize = 8 << 20;
+/// Most segments gathered into one vectored write (two iovecs each).
+const TCP_BATCH_SEGS: usize = 256;
+
+/// TCP transport: header + payload records, vectored writes.
+#[derive(Debug)]
+pub struct TcpTransport {
+    src: Arc<ShmRegion>,
+    link: OwnedWriteHalf,
+}
+
+impl TcpTransport {
+    /// A transport streaming from `src` on `link`.
+    pub fn new(src: Arc<ShmRegion>, link: OwnedWriteHalf) -> Self {
+        Self { src, link }
+    }
+
+    async fn write_batch(&mut self, segs: &[Segment]) -> Result<(), TransportError> {
+        let headers: Vec<[u8; RECORD_LEN]> = segs
+            .iter()
+            .map(|s| Record::Segment(s.header).encode())
+            .collect();
+        let ranges: Vec<Range<usize>> = segs.iter().map(|s| s.src.clone()).collect();
+        let total: usize = segs.iter().map(|s| RECORD_LEN + s.src.len()).sum();
+        let mut done = 0usize;
+        while done < total {
+            self.link
+                .writable()
+                .await
+                .map_err(TransportError::io("tcp link writable"))?;
+            let link = &self.link;
+            let res = self.src.with_slices(&ranges, |payloads| {
+                let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(2 * payloads.len());
+                let mut skip = done;
+                for (h, p) in headers.iter().zip(payloads) {
+                    for part in [&h[..], &p[..]] {
+                        if skip >= part.len() {
+                            skip -= part.len();
+                        } else {
+                            iov.push(IoSlice::new(&part[skip..]));
+                            skip = 0;
+                        }
+                    }
+                }
+                link.try_write_vectored(&iov)
+            })?;
+            match res {
+                Ok(0) => {
+                    return Err(TransportError::Io {
+                        what: "tcp link write",
+                        source: std::io::ErrorKind::WriteZero.into(),
+                    })
+                }
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(TransportError::io("tcp link write")(e)),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    async fn write_segments<'a>(
+        &'a mut self,
+        segs: &'a [Segment],
+        cancel: &'a AtomicBool,
+    ) -> Result<(), TransportError> {
+        let mut start = 0;
+        while start < segs.len() {
+            if cancel.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let mut end = start;
+            let mut bytes = 0;
+            while end < segs.len() && end - start < TCP_BATCH_SEGS && bytes < TCP_BATCH_BYTES {
+                bytes += segs[end].src.len();
+                end += 1;
+            }
+            self.write_batch(&segs[start..end]).await?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    async fn write_record(&mut self, rec: Record) -> Result<(), TransportError> {
+        self.link
+            .write_all(&rec.encode())
+            .await
+            .map_err(TransportError::io("tcp link record"))
+    }
+}

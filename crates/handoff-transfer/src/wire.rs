@@ -1,0 +1,243 @@
+//! The data-link wire format (DESIGN.md §5): what flows on a data connection
+//! after its handshake. Control frames never travel here; these records only
+//! carry KV payload placement (tcp), the aux record and end-of-room markers,
+//! and the decode side's acknowledgements.
+//!
+//! Every record has a fixed-size header; a decoder validates the tag and
+//! sizes before anything is acted on.
+
+use handoff_proto::RoomId;
+
+/// Preface byte of a control connection.
+pub const PREFACE_CONTROL: u8 = b'C';
+/// Preface byte of a data connection.
+pub const PREFACE_DATA: u8 = b'D';
+
+/// Link setup: decode offers its pool in shared memory.
+pub const SETUP_SHM: u8 = b'S';
+/// Link setup: decode receives payloads over this TCP stream.
+pub const SETUP_TCP: u8 = b'T';
+
+/// Record tags.
+const TAG_SEGMENT: u8 = 1;
+const TAG_AUX: u8 = 2;
+const TAG_END: u8 = 3;
+const TAG_ACK: u8 = 4;
+
+/// Header bytes of every prefill → decode record (tag + fields, padded).
+pub const RECORD_LEN: usize = 32;
+/// Bytes of a decode → prefill acknowledgement.
+pub const ACK_LEN: usize = 10;
+
+/// Where `n_pages` consecutive destination pages of one layer go: the
+/// payload that follows (tcp) is `n_pages × page_span` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentHeader {
+    /// The room.
+    pub room: RoomId,
+    /// Layer.
+    pub layer: u32,
+    /// First destination page.
+    pub dst_page: u32,
+    /// Consecutive pages.
+    pub n_pages: u32,
+}
+
+/// The aux record: first token, its logprob, and the room id the decode side
+/// checks before committing (FIELD-NOTES invariant 7).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AuxData {
+    /// First generated token.
+    pub first_token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+}
+
+/// One prefill → decode record.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Record {
+    /// KV payload placement (tcp only; payload follows).
+    Segment(SegmentHeader),
+    /// Aux slot contents for a room, carrying the room id it was written for.
+    Aux {
+        /// The room.
+        room: RoomId,
+        /// The aux slot decode named in its destination.
+        aux_slot: u32,
+        /// The room id written into the slot.
+        written_room: u64,
+        /// The data.
+        aux: AuxData,
+    },
+    /// No more writes for this room on this link.
+    End {
+        /// The room.
+        room: RoomId,
+        /// True when writes were cancelled (the room failed).
+        cancelled: bool,
+    },
+}
+
+/// Decode → prefill: everything of `room` up to its `End` is in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ack {
+    /// The room.
+    pub room: RoomId,
+    /// False when some segment was rejected (bounds) or the room was unknown.
+    pub ok: bool,
+}
+
+/// A record that failed validation.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("bad data-link record: {0}")]
+pub struct RecordError(pub String);
+
+fn room_at(b: &[u8]) -> Result<RoomId, RecordError> {
+    let raw = u64::from_le_bytes(arr(b));
+    RoomId::new(raw).ok_or_else(|| RecordError("room 0".into()))
+}
+
+fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
+}
+
+impl Record {
+    /// Fixed-size encoding.
+    pub fn encode(&self) -> [u8; RECORD_LEN] {
+        let mut b = [0u8; RECORD_LEN];
+        match self {
+            Record::Segment(s) => {
+                b[0] = TAG_SEGMENT;
+                b[1..9].copy_from_slice(&s.room.get().to_le_bytes());
+                b[9..13].copy_from_slice(&s.layer.to_le_bytes());
+                b[13..17].copy_from_slice(&s.dst_page.to_le_bytes());
+                b[17..21].copy_from_slice(&s.n_pages.to_le_bytes());
+            }
+            Record::Aux {
+                room,
+                aux_slot,
+                written_room,
+                aux,
+            } => {
+                b[0] = TAG_AUX;
+                b[1..9].copy_from_slice(&room.get().to_le_bytes());
+                b[9..13].copy_from_slice(&aux_slot.to_le_bytes());
+                b[13..21].copy_from_slice(&written_room.to_le_bytes());
+                b[21..25].copy_from_slice(&aux.first_token.to_le_bytes());
+                b[25..29].copy_from_slice(&aux.logprob.to_bits().to_le_bytes());
+            }
+            Record::End { room, cancelled } => {
+                b[0] = TAG_END;
+                b[1..9].copy_from_slice(&room.get().to_le_bytes());
+                b[9] = u8::from(*cancelled);
+            }
+        }
+        b
+    }
+
+    /// Decode and validate one record header.
+    pub fn decode(b: &[u8; RECORD_LEN]) -> Result<Record, RecordError> {
+        let room = room_at(&b[1..9])?;
+        match b[0] {
+            TAG_SEGMENT => {
+                let s = SegmentHeader {
+                    room,
+                    layer: u32::from_le_bytes(arr(&b[9..13])),
+                    dst_page: u32::from_le_bytes(arr(&b[13..17])),
+                    n_pages: u32::from_le_bytes(arr(&b[17..21])),
+                };
+                if s.n_pages == 0 {
+                    return Err(RecordError("segment of zero pages".into()));
+                }
+                Ok(Record::Segment(s))
+            }
+            TAG_AUX => Ok(Record::Aux {
+                room,
+                aux_slot: u32::from_le_bytes(arr(&b[9..13])),
+                written_room: u64::from_le_bytes(arr(&b[13..21])),
+                aux: AuxData {
+                    first_token: u32::from_le_bytes(arr(&b[21..25])),
+                    logprob: f32::from_bits(u32::from_le_bytes(arr(&b[25..29]))),
+                },
+            }),
+            TAG_END => match b[9] {
+                0 | 1 => Ok(Record::End {
+                    room,
+                    cancelled: b[9] == 1,
+                }),
+                v => Err(RecordError(format!("end flag {v}"))),
+            },
+            t => Err(RecordError(format!("unknown tag {t}"))),
+        }
+    }
+}
+
+impl Ack {
+    /// Fixed-size encoding.
+    pub fn encode(&self) -> [u8; ACK_LEN] {
+        let mut b = [0u8; ACK_LEN];
+        b[0] = TAG_ACK;
+        b[1..9].copy_from_slice(&self.room.get().to_le_bytes());
+        b[9] = u8::from(self.ok);
+        b
+    }
+
+    /// Decode and validate.
+    pub fn decode(b: &[u8; ACK_LEN]) -> Result<Ack, RecordError> {
+        if b[0] != TAG_ACK || b[9] > 1 {
+            return Err(RecordError(
+                format!("bad ack {:?}", &b[..]).chars().take(80).collect(),
+            ));
+        }
+        Ok(Ack {
+            room: room_at(&b[1..9])?,
+            ok: b[9] == 1,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_garbage_is_rejected() {
+        let room = RoomId::new(77).unwrap();
+        for r in [
+            Record::Segment(SegmentHeader {
+                room,
+                layer: 3,
+                dst_page: 9,
+                n_pages: 2,
+            }),
+            Record::Aux {
+                room,
+                aux_slot: 4,
+                written_room: 77,
+                aux: AuxData {
+                    first_token: 42,
+                    logprob: -0.5,
+                },
+            },
+            Record::End {
+                room,
+                cancelled: true,
+            },
+        ] {
+            assert_eq!(Record::decode(&r.encode()), Ok(r));
+        }
+        let mut bad = Record::End {
+            room,
+            cancelled: false,
+        }
+        .encode();
+        bad[0] = 99;
+        assert!(Record::decode(&bad).is_err());
+        assert!(Record::decode(&[0u8; RECORD_LEN]).is_err(), "room 0");
+        let a = Ack { room, ok: true };
+        assert_eq!(Ack::decode(&a.encode()), Ok(a));
+        assert!(Ack::decode(&[9u8; ACK_LEN]).is_err());
+    }
+}

@@ -1,0 +1,984 @@
+//! The transport conformance suite (issue 3, DESIGN.md §9): the same test
+//! bodies run once per transport (`shm`, `tcp`), with real sockets on
+//! 127.0.0.1, real shared memory and, for "killed" and "frozen", a real
+//! child process. After every test: zero live rooms, zero leased pages, no
+//! task left running.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_kv::{KvPool, PageIndex};
+use handoff_proto::connection::{Connection, ConnectionEvent};
+use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::message::{Abort, Destination, Message};
+use handoff_proto::room::RoomState;
+use handoff_proto::{
+    AbortOrigin, AuxSlot, FailureKind, HandshakeError, RankId, RoomId, TransferError,
+};
+use handoff_transfer::testing::{self, sources};
+use handoff_transfer::{
+    AuxData, KvReceiver, KvSender, ReceiverPoll, SenderPoll, TransportError, TransportKind,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod shm {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(handoff_transfer::TransportKind::Shm).await }) *
+        }
+        mod tcp {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(handoff_transfer::TransportKind::Tcp).await }) *
+        }
+    };
+}
+
+conformance!(
+    success_with_scattered_pages_is_byte_exact,
+    decode_abort_in_each_state_releases_prefill_room_fast,
+    prefill_rejection_reaches_decode_with_reason_and_status,
+    abort_for_unknown_room_is_acked_and_creates_nothing,
+    late_success_after_failure_stays_failed,
+    duplicate_room_is_rejected,
+    bad_frames_are_counted_and_dropped,
+    version_and_fingerprint_mismatch_fail_at_handshake,
+    bad_secret_is_refused,
+    out_of_range_destination_page_is_rejected_and_nothing_written,
+    killed_decode_fails_prefill_room_in_each_state,
+    killed_prefill_fails_decode_room_in_each_state,
+    pages_are_not_reused_while_a_frozen_writer_may_write,
+);
+
+fn room(n: u64) -> RoomId {
+    RoomId::new(n).unwrap()
+}
+
+struct Pair {
+    tx: KvSender,
+    rx: KvReceiver,
+    p_pool: KvPool,
+    d_pool: KvPool,
+    rank: RankId,
+}
+
+/// Fill the prefill pool with a pattern unique per byte position.
+fn fill(pool: &KvPool) {
+    let region = pool.shared_region().unwrap();
+    let bytes: Vec<u8> = (0..region.len())
+        .map(|i| (i * 7 + i / 251) as u8 | 1)
+        .collect();
+    region.write_at(0, &bytes).unwrap();
+}
+
+async fn pair(kind: TransportKind) -> Pair {
+    let (p_pool, _) = testing::pool();
+    let (d_pool, _) = testing::pool();
+    fill(&p_pool);
+    let tx = KvSender::start(
+        testing::sender_config(),
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let rx = KvReceiver::start(
+        testing::receiver_config(kind),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rank = rx.connect(tx.local_addr()).await.unwrap();
+    Pair {
+        tx,
+        rx,
+        p_pool,
+        d_pool,
+        rank,
+    }
+}
+
+async fn eventually<F, Fut>(what: &str, within: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let end = Instant::now() + within;
+    while !f().await {
+        assert!(Instant::now() < end, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Nothing left behind: rooms, leases, tasks.
+async fn teardown(p: Pair) {
+    let Pair {
+        tx,
+        rx,
+        d_pool,
+        p_pool,
+        ..
+    } = p;
+    eventually("no live rooms", Duration::from_secs(3), || async {
+        tx.stats().await.unwrap().live_rooms == 0 && rx.stats().await.unwrap().live_rooms == 0
+    })
+    .await;
+    eventually("no leased pages", Duration::from_secs(3), || async {
+        d_pool.allocator().stats().leased == 0
+    })
+    .await;
+    tx.shutdown();
+    rx.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        tx.live_tasks() == 0 && rx.live_tasks() == 0
+    })
+    .await;
+    drop(p_pool);
+}
+
+async fn sender_outcome(tx: &KvSender, r: RoomId, within: Duration) -> SenderPoll {
+    let end = Instant::now() + within;
+    loop {
+        match tx.poll(r).await.unwrap() {
+            SenderPoll::Pending(s) => assert!(Instant::now() < end, "prefill room still {s:?}"),
+            other => return other,
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+async fn receiver_outcome(rx: &KvReceiver, r: RoomId, within: Duration) -> ReceiverPoll {
+    let end = Instant::now() + within;
+    loop {
+        match rx.poll(r).await.unwrap() {
+            ReceiverPoll::Pending(s) => assert!(Instant::now() < end, "decode room still {s:?}"),
+            other => return other,
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// Open `r` on both sides and reserve `n` decode pages; prefill waits for compute.
+async fn open_both(p: &Pair, r: RoomId, n: usize) -> Vec<PageIndex> {
+    p.tx.open(r).await.unwrap();
+    p.rx.open(r, sources(p.rank)).await.unwrap();
+    let lease = p.d_pool.allocator().lease(n).unwrap();
+    let pages = lease.pages().to_vec();
+    p.rx.reserve(r, lease, AuxSlot(5)).await.unwrap();
+    testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
+        .await
+        .unwrap();
+    pages
+}
+
+fn span_bytes(pool: &KvPool, layer: usize, page: PageIndex) -> Vec<u8> {
+    let l = pool.layout();
+    let k = l.block_bytes(layer, page, handoff_kv::KvKind::K).unwrap();
+    let v = l.block_bytes(layer, page, handoff_kv::KvKind::V).unwrap();
+    assert_eq!(k.end, v.start);
+    let mut out = vec![0u8; v.end - k.start];
+    pool.shared_region()
+        .unwrap()
+        .read_at(k.start, &mut out)
+        .unwrap();
+    out
+}
+
+async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
+    let p = pair(kind).await;
+    // Scatter decode pages: lease, lease, give the first back.
+    let hole = p.d_pool.allocator().lease(5).unwrap();
+    let _keep = p.d_pool.allocator().lease(3).unwrap();
+    drop(hole);
+    let r = room(11);
+    let dst = open_both(&p, r, 9).await;
+    drop(_keep);
+    let src: Vec<PageIndex> = [40, 41, 42, 7, 3, 20, 21, 60, 12]
+        .into_iter()
+        .map(PageIndex)
+        .collect();
+    let src: Arc<[PageIndex]> = src.into();
+    // Layer by layer, the second layer in two page ranges.
+    p.tx.send(r, 0..1, 0..9, src.clone()).await.unwrap();
+    p.tx.send(r, 1..2, 0..4, src.clone()).await.unwrap();
+    p.tx.send(r, 1..2, 4..9, src.clone()).await.unwrap();
+    p.tx.finish(
+        r,
+        AuxData {
+            first_token: 4242,
+            logprob: -0.25,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    let ReceiverPoll::Success { lease, aux } =
+        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
+    else {
+        panic!("decode did not commit")
+    };
+    assert_eq!(lease.pages(), &dst[..]);
+    assert_eq!(aux.first_token, 4242);
+    assert_eq!(aux.logprob, -0.25);
+    for layer in 0..2 {
+        for (s, d) in src.iter().zip(&dst) {
+            assert_eq!(
+                span_bytes(&p.p_pool, layer, *s),
+                span_bytes(&p.d_pool, layer, *d),
+                "layer {layer} page {s:?} -> {d:?}"
+            );
+        }
+    }
+    // Pages outside the room are untouched.
+    let untouched = (0..testing::TEST_PAGES as u32)
+        .map(PageIndex)
+        .filter(|p| !dst.contains(p));
+    for page in untouched {
+        assert!(span_bytes(&p.d_pool, 0, page).iter().all(|b| *b == 0));
+    }
+    drop(lease);
+    teardown(p).await;
+}
+
+fn client_abort() -> TransferError {
+    TransferError::Aborted {
+        origin: AbortOrigin::Client,
+        reason: "client went away".into(),
+        http_status: 499,
+    }
+}
+
+async fn decode_abort_in_each_state_releases_prefill_room_fast(kind: TransportKind) {
+    let p = pair(kind).await;
+    for (i, state) in ["bootstrapping", "waiting", "transferring"]
+        .iter()
+        .enumerate()
+    {
+        let r = room(100 + i as u64);
+        p.tx.open(r).await.unwrap();
+        p.rx.open(r, sources(p.rank)).await.unwrap();
+        if *state != "bootstrapping" {
+            let lease = p.d_pool.allocator().lease(4).unwrap();
+            p.rx.reserve(r, lease, AuxSlot(1)).await.unwrap();
+            testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
+                .await
+                .unwrap();
+        }
+        if *state == "transferring" {
+            let src: Arc<[PageIndex]> = (0..4).map(PageIndex).collect::<Vec<_>>().into();
+            p.tx.send(r, 0..1, 0..4, src).await.unwrap();
+            assert_eq!(
+                p.tx.poll(r).await.unwrap(),
+                SenderPoll::Pending(RoomState::Transferring)
+            );
+        }
+        let t0 = Instant::now();
+        p.rx.abort(r, client_abort());
+        let out = sender_outcome(&p.tx, r, Duration::from_secs(3)).await;
+        let took = t0.elapsed();
+        let SenderPoll::Failed(TransferError::Aborted {
+            reason,
+            http_status,
+            ..
+        }) = out
+        else {
+            panic!("{state}: prefill outcome {out:?}")
+        };
+        assert_eq!(
+            (reason.as_str(), http_status),
+            ("client went away", 499),
+            "{state}"
+        );
+        assert!(
+            took < Duration::from_millis(200),
+            "{state}: prefill released after {took:?}"
+        );
+        let ReceiverPoll::Failed(e) = receiver_outcome(&p.rx, r, Duration::from_secs(1)).await
+        else {
+            panic!("decode not failed")
+        };
+        assert_eq!(e.http_status(), 499);
+        // Pages come back on the writer's word, well before the 1 s fence.
+        eventually(state, Duration::from_millis(300), || async {
+            p.d_pool.allocator().stats().leased == 0
+        })
+        .await;
+    }
+    teardown(p).await;
+}
+
+async fn prefill_rejection_reaches_decode_with_reason_and_status(kind: TransportKind) {
+    let p = pair(kind).await;
+    // Rejected before decode's destination arrived, and after.
+    for (i, early) in [true, false].into_iter().enumerate() {
+        let r = room(200 + i as u64);
+        p.tx.open(r).await.unwrap();
+        p.rx.open(r, sources(p.rank)).await.unwrap();
+        let reject = TransferError::Rejected {
+            http_status: 400,
+            reason: "prompt of 9000 tokens exceeds the context of 8192".into(),
+        };
+        if early {
+            p.tx.fail(r, reject.clone());
+            let lease = p.d_pool.allocator().lease(2).unwrap();
+            p.rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+        } else {
+            let lease = p.d_pool.allocator().lease(2).unwrap();
+            p.rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+            testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
+                .await
+                .unwrap();
+            p.tx.fail(r, reject.clone());
+        }
+        let t0 = Instant::now();
+        let ReceiverPoll::Failed(e) = receiver_outcome(&p.rx, r, Duration::from_secs(2)).await
+        else {
+            panic!("decode did not fail")
+        };
+        assert!(
+            t0.elapsed() < Duration::from_millis(500),
+            "not at a timeout"
+        );
+        assert_eq!(e.http_status(), 400);
+        assert_eq!(e.error_type(), "rejected");
+        assert_eq!(
+            e.reason(),
+            "prompt of 9000 tokens exceeds the context of 8192"
+        );
+        assert_eq!(e.kind(), FailureKind::Rejected);
+        assert_eq!(
+            sender_outcome(&p.tx, r, Duration::from_secs(1)).await,
+            SenderPoll::Failed(reject)
+        );
+    }
+    teardown(p).await;
+}
+
+/// A hand-driven decode control connection speaking the protocol directly.
+struct RawDecode {
+    s: TcpStream,
+    conn: Connection,
+}
+
+impl RawDecode {
+    async fn connect(
+        addr: std::net::SocketAddr,
+        cfg: HandshakeConfig,
+    ) -> Result<RawDecode, HandshakeError> {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"C").await.unwrap();
+        let mut conn = Connection::new(
+            cfg,
+            [9; 32],
+            Duration::from_secs(2),
+            std::time::Instant::now(),
+        );
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let out = conn.take_output();
+            s.write_all(&out).await.unwrap();
+            if conn.negotiated().is_some() {
+                return Ok(RawDecode { s, conn });
+            }
+            let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
+                .await
+                .expect("handshake stalled")
+                .unwrap();
+            if n == 0 {
+                return Err(HandshakeError::AuthFailed);
+            }
+            conn.handle_bytes(&buf[..n], std::time::Instant::now());
+            while let Some(ev) = conn.poll_event() {
+                if let ConnectionEvent::Failed(e) = ev {
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    async fn send(&mut self, m: Message) {
+        self.conn.send(&m).unwrap();
+        let out = self.conn.take_output();
+        self.s.write_all(&out).await.unwrap();
+    }
+
+    async fn raw(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).await.unwrap();
+    }
+
+    /// Next non-heartbeat message within `within`.
+    async fn recv(&mut self, within: Duration) -> Option<Message> {
+        let end = tokio::time::Instant::now() + within;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            while let Some(ev) = self.conn.poll_event() {
+                match ev {
+                    ConnectionEvent::Message(Message::Heartbeat(_)) => {}
+                    ConnectionEvent::Message(m) => return Some(m),
+                    _ => {}
+                }
+            }
+            let n = tokio::time::timeout_at(end, self.s.read(&mut buf))
+                .await
+                .ok()?
+                .ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.conn.handle_bytes(&buf[..n], std::time::Instant::now());
+        }
+    }
+}
+
+/// A second decode rank (rank 1 of 2), so the raw peer never replaces the
+/// real decode's connection.
+fn decode_handshake() -> HandshakeConfig {
+    let mut h = testing::receiver_config(TransportKind::Tcp).handshake;
+    h.fingerprint.tp_rank = 1;
+    h.fingerprint.tp_size = 2;
+    h
+}
+
+fn abort_msg(r: RoomId) -> Message {
+    Message::Abort(Abort {
+        room: r,
+        reason: "gone".into(),
+        http_status: Some(499),
+        origin: Some(AbortOrigin::Client),
+    })
+}
+
+async fn abort_for_unknown_room_is_acked_and_creates_nothing(kind: TransportKind) {
+    let p = pair(kind).await;
+    let mut raw = RawDecode::connect(p.tx.local_addr(), decode_handshake())
+        .await
+        .unwrap();
+    let r = room(300);
+    raw.send(abort_msg(r)).await;
+    match raw.recv(Duration::from_secs(1)).await {
+        Some(Message::AbortAck(a)) => assert_eq!((a.room, a.drained), (r, true)),
+        other => panic!("expected AbortAck, got {other:?}"),
+    }
+    assert_eq!(p.tx.stats().await.unwrap().live_rooms, 0);
+    assert_eq!(p.tx.poll(r).await.unwrap(), SenderPoll::Unknown);
+    // Decode side: aborting an unknown room is a no-op.
+    p.rx.abort(room(301), client_abort());
+    assert!(matches!(
+        p.rx.poll(room(301)).await.unwrap(),
+        ReceiverPoll::Unknown
+    ));
+    assert_eq!(p.rx.stats().await.unwrap().live_rooms, 0);
+    drop(raw);
+    teardown(p).await;
+}
+
+async fn late_success_after_failure_stays_failed(kind: TransportKind) {
+    let p = pair(kind).await;
+    let r = room(400);
+    open_both(&p, r, 3).await;
+    // Prefill fails the room, then its engine (not yet told) sends and finishes.
+    p.tx.fail(
+        r,
+        TransferError::Internal {
+            reason: "engine error".into(),
+        },
+    );
+    let src: Arc<[PageIndex]> = (0..3).map(PageIndex).collect::<Vec<_>>().into();
+    assert!(p.tx.send(r, 0..2, 0..3, src).await.is_err());
+    assert!(p
+        .tx
+        .finish(
+            r,
+            AuxData {
+                first_token: 1,
+                logprob: 0.0
+            }
+        )
+        .await
+        .is_err());
+    let out = sender_outcome(&p.tx, r, Duration::from_secs(1)).await;
+    assert!(matches!(out, SenderPoll::Failed(_)), "{out:?}");
+    let ReceiverPoll::Failed(e) = receiver_outcome(&p.rx, r, Duration::from_secs(1)).await else {
+        panic!("decode did not fail")
+    };
+    assert_eq!(e.reason(), "engine error");
+    // Decode: a room that failed is not resurrected by polling or aborting.
+    p.rx.abort(r, client_abort());
+    assert!(matches!(p.rx.poll(r).await.unwrap(), ReceiverPoll::Unknown));
+    teardown(p).await;
+}
+
+async fn duplicate_room_is_rejected(kind: TransportKind) {
+    let p = pair(kind).await;
+    let r = room(500);
+    p.tx.open(r).await.unwrap();
+    let e = p.tx.open(r).await.unwrap_err();
+    assert_eq!(e.error_type(), "duplicate_room");
+    assert_eq!(e.http_status(), 409);
+    p.rx.open(r, sources(p.rank)).await.unwrap();
+    assert_eq!(
+        p.rx.open(r, sources(p.rank))
+            .await
+            .unwrap_err()
+            .error_type(),
+        "duplicate_room"
+    );
+    p.rx.abort(r, client_abort());
+    let _ = sender_outcome(&p.tx, r, Duration::from_secs(1)).await;
+    let _ = receiver_outcome(&p.rx, r, Duration::from_secs(1)).await;
+    teardown(p).await;
+}
+
+async fn bad_frames_are_counted_and_dropped(kind: TransportKind) {
+    let p = pair(kind).await;
+    // A live room on the real decode connection must be unaffected.
+    let live = room(600);
+    open_both(&p, live, 2).await;
+    let mut raw = RawDecode::connect(p.tx.local_addr(), decode_handshake())
+        .await
+        .unwrap();
+    let mut header = b"HOFF".to_vec();
+    header.extend_from_slice(&[2, 4, 0, 0]);
+    let mut oversized = header.clone();
+    oversized.extend_from_slice(&(64u32 << 20).to_le_bytes());
+    let mut unknown_kind = b"HOFF".to_vec();
+    unknown_kind.extend_from_slice(&[2, 99, 0, 0, 0, 0, 0, 0]);
+    let mut truncated = header.clone();
+    truncated.extend_from_slice(&3u32.to_le_bytes());
+    truncated.extend_from_slice(&[1, 2, 3]);
+    raw.raw(b"GET / HTTP/1.1\r\n\r\n").await; // foreign
+    raw.raw(&unknown_kind).await;
+    raw.raw(&truncated).await;
+    // The connection still carries a well-formed message afterwards.
+    let r = room(601);
+    raw.send(abort_msg(r)).await;
+    match raw.recv(Duration::from_secs(1)).await {
+        Some(Message::AbortAck(a)) => assert_eq!(a.room, r),
+        other => panic!("expected AbortAck after garbage, got {other:?}"),
+    }
+    let stats = p.tx.stats().await.unwrap();
+    assert!(stats.malformed_frames >= 3, "{stats:?}");
+    // An oversized frame (on its own connection: its declared payload is
+    // skipped) is counted too; the endpoint carries on.
+    let mut raw2 = RawDecode::connect(p.tx.local_addr(), decode_handshake())
+        .await
+        .unwrap();
+    raw2.raw(&oversized).await;
+    eventually("oversize counted", Duration::from_secs(1), || async {
+        p.tx.stats().await.unwrap().malformed_frames > stats.malformed_frames
+    })
+    .await;
+    drop(raw2);
+    // The other room completes.
+    let src: Arc<[PageIndex]> = [9, 10]
+        .into_iter()
+        .map(PageIndex)
+        .collect::<Vec<_>>()
+        .into();
+    p.tx.send(live, 0..2, 0..2, src).await.unwrap();
+    p.tx.finish(
+        live,
+        AuxData {
+            first_token: 1,
+            logprob: 0.0,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        sender_outcome(&p.tx, live, Duration::from_secs(2)).await,
+        SenderPoll::Success
+    );
+    assert!(matches!(
+        receiver_outcome(&p.rx, live, Duration::from_secs(2)).await,
+        ReceiverPoll::Success { .. }
+    ));
+    drop(raw);
+    teardown(p).await;
+}
+
+async fn version_and_fingerprint_mismatch_fail_at_handshake(kind: TransportKind) {
+    let p = pair(kind).await;
+    let (pool, _) = testing::pool();
+    let region = pool.shared_region().unwrap().clone();
+    let mut cfg = testing::receiver_config(kind);
+    cfg.handshake.fingerprint.layers = 30;
+    let rx = KvReceiver::start(cfg, region.clone(), *pool.layout());
+    let e = rx.connect(p.tx.local_addr()).await.unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(
+            e,
+            TransportError::Handshake(HandshakeError::Incompatible {
+                field: "layers",
+                ..
+            })
+        ),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("layers: prefill has 2, decode has 30"),
+        "{msg}"
+    );
+    rx.shutdown();
+    let mut cfg = testing::receiver_config(kind);
+    cfg.handshake.min_version = 9;
+    cfg.handshake.max_version = 9;
+    let rx2 = KvReceiver::start(cfg, region, *pool.layout());
+    let e = rx2.connect(p.tx.local_addr()).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TransportError::Handshake(HandshakeError::VersionMismatch { .. })
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("protocol version"), "{e}");
+    rx2.shutdown();
+    eventually("mismatched peers gone", Duration::from_secs(3), || async {
+        rx.live_tasks() == 0 && rx2.live_tasks() == 0
+    })
+    .await;
+    assert_eq!(p.tx.stats().await.unwrap().live_rooms, 0);
+    teardown(p).await;
+}
+
+async fn bad_secret_is_refused(kind: TransportKind) {
+    let (p_pool, _) = testing::pool();
+    let mut scfg = testing::sender_config();
+    scfg.handshake.secret = Some(b"right secret".to_vec());
+    let tx = KvSender::start(
+        scfg,
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let (d_pool, _) = testing::pool();
+    let mut rcfg = testing::receiver_config(kind);
+    rcfg.handshake.secret = Some(b"wrong secret".to_vec());
+    let rx = KvReceiver::start(
+        rcfg,
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let e = rx.connect(tx.local_addr()).await.unwrap_err();
+    assert!(
+        matches!(e, TransportError::Handshake(_) | TransportError::Io { .. }),
+        "{e}"
+    );
+    let mut no_secret = testing::receiver_config(kind).handshake;
+    no_secret.secret = None;
+    assert!(RawDecode::connect(tx.local_addr(), no_secret)
+        .await
+        .is_err());
+    eventually("refusals counted", Duration::from_secs(2), || async {
+        tx.stats().await.unwrap().handshakes_failed >= 2
+    })
+    .await;
+    assert_eq!(tx.stats().await.unwrap().peers, 0);
+    // The right secret works.
+    let mut good = testing::receiver_config(kind);
+    good.handshake.secret = Some(b"right secret".to_vec());
+    let rx_good = KvReceiver::start(
+        good,
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rank = rx_good.connect(tx.local_addr()).await.unwrap();
+    rx.shutdown();
+    let p = Pair {
+        tx,
+        rx: rx_good,
+        p_pool,
+        d_pool,
+        rank,
+    };
+    teardown(p).await;
+}
+
+async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: TransportKind) {
+    let p = pair(kind).await;
+    // A decode that lies: its destination names a page outside its pool.
+    let (liar_pool, _) = testing::pool();
+    let liar_region = liar_pool.shared_region().unwrap().clone();
+    let mut raw = RawDecode::connect(p.tx.local_addr(), decode_handshake())
+        .await
+        .unwrap();
+    let (_link, _rank) = handoff_transfer::link::connect_link(
+        p.tx.local_addr(),
+        decode_handshake(),
+        Duration::from_secs(2),
+        kind,
+        &liar_region,
+        testing::TEST_PAGES,
+    )
+    .await
+    .unwrap();
+    let r = room(700);
+    p.tx.open(r).await.unwrap();
+    raw.send(Message::Destination(Destination {
+        room: r,
+        pages: vec![
+            handoff_proto::PageIndex(1),
+            handoff_proto::PageIndex(1_000_000),
+        ],
+        aux_slot: AuxSlot(0),
+        required_destinations: 1,
+        prefix_tokens: None,
+    }))
+    .await;
+    testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
+        .await
+        .unwrap();
+    let src: Arc<[PageIndex]> = [1, 2].into_iter().map(PageIndex).collect::<Vec<_>>().into();
+    p.tx.send(r, 0..2, 0..2, src).await.unwrap();
+    let out = sender_outcome(&p.tx, r, Duration::from_secs(1)).await;
+    let SenderPoll::Failed(TransferError::PeerMisbehaved { detail }) = out else {
+        panic!("{out:?}")
+    };
+    assert!(detail.contains("outside the decode pool"), "{detail}");
+    match raw.recv(Duration::from_secs(1)).await {
+        Some(Message::Status(s)) => assert_eq!(s.room, r),
+        other => panic!("decode not told: {other:?}"),
+    }
+    let mut all = vec![0u8; liar_region.len()];
+    liar_region.read_at(0, &mut all).unwrap();
+    assert!(all.iter().all(|b| *b == 0), "nothing written");
+    drop(raw);
+    drop(_link);
+    teardown(p).await;
+}
+
+fn peer_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_handoff-transfer-peer")
+}
+
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The child's stdout lines, read on a thread.
+struct Lines(std::sync::mpsc::Receiver<String>);
+
+impl Lines {
+    fn of(child: &mut Child) -> Lines {
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Lines(rx)
+    }
+
+    fn next(&self) -> String {
+        self.0
+            .recv_timeout(Duration::from_secs(10))
+            .expect("child said nothing")
+    }
+}
+
+async fn killed_decode_fails_prefill_room_in_each_state(kind: TransportKind) {
+    let (p_pool, _) = testing::pool();
+    let tx = KvSender::start(
+        testing::sender_config(),
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    for (i, state) in ["bootstrapping", "waiting", "transferring"]
+        .into_iter()
+        .enumerate()
+    {
+        let r = room(77 + i as u64);
+        tx.open(r).await.unwrap();
+        let mut child = ChildGuard(
+            Command::new(peer_bin())
+                .args([
+                    "decode",
+                    &tx.local_addr().to_string(),
+                    kind.name(),
+                    state,
+                    &r.get().to_string(),
+                ])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let lines = Lines::of(&mut child.0);
+        assert_eq!(lines.next(), "READY");
+        if state != "bootstrapping" {
+            testing::wait_sender_state(&tx, r, RoomState::WaitingForInput)
+                .await
+                .unwrap();
+        }
+        if state == "transferring" {
+            let src: Arc<[PageIndex]> = (0..4).map(PageIndex).collect::<Vec<_>>().into();
+            tx.send(r, 0..1, 0..4, src).await.unwrap();
+        }
+        let t0 = Instant::now();
+        child.0.kill().unwrap();
+        let out = sender_outcome(&tx, r, Duration::from_secs(5)).await;
+        let took = t0.elapsed();
+        if state == "bootstrapping" {
+            // No destination came from the dead decode: the room is nobody's
+            // yet, and fails at its (seconds, not minutes) bootstrap deadline.
+            let SenderPoll::Failed(e) = out else {
+                panic!("{state}: {out:?}")
+            };
+            assert_eq!(e.kind(), FailureKind::Timeout, "{state}: {e}");
+        } else {
+            let SenderPoll::Failed(e) = out else {
+                panic!("{state}: {out:?}")
+            };
+            assert_eq!(e.kind(), FailureKind::PeerDead, "{state}: {e}");
+            assert!(
+                took < testing::timers().heartbeat_miss + Duration::from_millis(200),
+                "{state}: {took:?}"
+            );
+        }
+        if tx.stats().await.unwrap().live_rooms > 0 {
+            tx.fail(r, client_abort());
+            let _ = sender_outcome(&tx, r, Duration::from_secs(2)).await;
+        }
+        drop(child);
+    }
+    tx.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        tx.live_tasks() == 0
+    })
+    .await;
+}
+
+async fn killed_prefill_fails_decode_room_in_each_state(kind: TransportKind) {
+    for state in ["bootstrapping", "waiting", "transferring"] {
+        let mut child = ChildGuard(
+            Command::new(peer_bin())
+                .args(["prefill", kind.name(), state])
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let lines = Lines::of(&mut child.0);
+        let addr: std::net::SocketAddr = lines.next().parse().unwrap();
+        let (d_pool, _) = testing::pool();
+        let rx = KvReceiver::start(
+            testing::receiver_config(kind),
+            d_pool.shared_region().unwrap().clone(),
+            *d_pool.layout(),
+        );
+        let rank = rx.connect(addr).await.unwrap();
+        let r = room(77);
+        rx.open(r, sources(rank)).await.unwrap();
+        if state != "bootstrapping" {
+            let lease = d_pool.allocator().lease(4).unwrap();
+            rx.reserve(r, lease, AuxSlot(1)).await.unwrap();
+        }
+        if state != "bootstrapping" {
+            assert_eq!(lines.next(), "READY");
+        }
+        let t0 = Instant::now();
+        child.0.kill().unwrap();
+        let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r, Duration::from_secs(2)).await else {
+            panic!("{state}: decode did not fail")
+        };
+        assert_eq!(e.kind(), FailureKind::PeerDead, "{state}: {e}");
+        let took = t0.elapsed();
+        assert!(
+            took < testing::timers().heartbeat_miss + Duration::from_millis(200),
+            "{state}: {took:?} {e}"
+        );
+        // Pages of a dead writer wait for the fence, then return.
+        eventually(
+            "pages back after the fence",
+            Duration::from_secs(3),
+            || async { d_pool.allocator().stats().leased == 0 },
+        )
+        .await;
+        assert_eq!(rx.stats().await.unwrap().live_rooms, 0);
+        rx.shutdown();
+        eventually("no task left", Duration::from_secs(3), || async {
+            rx.live_tasks() == 0
+        })
+        .await;
+        drop(child);
+    }
+}
+
+async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKind) {
+    let mut child = ChildGuard(
+        Command::new(peer_bin())
+            .args(["prefill", kind.name(), "transferring"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let lines = Lines::of(&mut child.0);
+    let addr: std::net::SocketAddr = lines.next().parse().unwrap();
+    let (d_pool, _) = testing::pool();
+    let rx = KvReceiver::start(
+        testing::receiver_config(kind),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rank = rx.connect(addr).await.unwrap();
+    let r = room(77);
+    rx.open(r, sources(rank)).await.unwrap();
+    let lease = d_pool.allocator().lease(4).unwrap();
+    rx.reserve(r, lease, AuxSlot(1)).await.unwrap();
+    assert_eq!(lines.next(), "READY");
+    // Freeze the writer: it can neither write nor acknowledge.
+    let pid = child.0.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let t0 = Instant::now();
+    rx.abort(r, client_abort());
+    assert!(matches!(
+        receiver_outcome(&rx, r, Duration::from_secs(1)).await,
+        ReceiverPoll::Failed(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s = d_pool.allocator().stats();
+    assert_eq!(
+        s.leased,
+        4,
+        "pages stay fenced while the writer may write {:?}",
+        rx.stats().await.unwrap()
+    );
+    assert_eq!(
+        d_pool.allocator().lease(61).unwrap_err().to_string(),
+        "need 61 free KV pages, only 60 are free"
+    );
+    eventually(
+        "fence releases the pages",
+        Duration::from_secs(2),
+        || async { d_pool.allocator().stats().leased == 0 },
+    )
+    .await;
+    assert!(t0.elapsed() >= testing::timers().abort_ack_fence);
+    let _ = Command::new("kill").args(["-CONT", &pid]).status();
+    drop(child);
+    rx.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        rx.live_tasks() == 0
+    })
+    .await;
+}
