@@ -20,6 +20,8 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::SplitDelimiterBehavior;
 
+mod spm;
+
 /// Why a tokenizer could not be built or could not encode/decode.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -36,7 +38,7 @@ pub enum TokenizerError {
         reason: String,
     },
     /// `tokenizer.ggml.model` names a tokenizer family not implemented here.
-    #[error("unsupported tokenizer model `{0}` (tokenizer.ggml.model): only byte-level BPE (`gpt2`) is supported")]
+    #[error("unsupported tokenizer model `{0}` (tokenizer.ggml.model): supported are byte-level BPE (`gpt2`) and SentencePiece (`llama`)")]
     UnsupportedModel(String),
     /// `tokenizer.ggml.pre` names a pre-tokenizer not implemented here.
     #[error("unsupported pre-tokenizer `{0}` (tokenizer.ggml.pre): supported are default, gpt2, smollm, starcoder, refact, command-r, codeshell, exaone, minerva, llama-bpe, llama3, qwen2")]
@@ -135,9 +137,23 @@ const PRE_DIGITS_GPT2: &[&str] = &[
 const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// A byte-level BPE tokenizer read from a GGUF file.
+/// The subword algorithm named by `tokenizer.ggml.model`.
+enum Backend {
+    /// `gpt2`: byte-level BPE with a regex pre-tokenizer.
+    Bpe(Box<tokenizers::Tokenizer>),
+    /// `llama`: SentencePiece-style merges by score with byte fallback.
+    Spm {
+        model: Box<spm::Spm>,
+        /// Prepend a space to text at the start and after special tokens.
+        add_space_prefix: bool,
+    },
+}
+
+/// A tokenizer read from a GGUF file: byte-level BPE (`gpt2`) or
+/// SentencePiece (`llama`) vocabularies.
 pub struct Tokenizer {
-    bpe: tokenizers::Tokenizer,
+    backend: Backend,
+    ids: HashMap<String, u32>,
     tokens: Vec<String>,
     token_bytes: Vec<Vec<u8>>,
     token_types: Vec<TokenType>,
@@ -231,6 +247,46 @@ pub fn byte_to_unicode() -> [char; 256] {
     table
 }
 
+/// The byte-level BPE of a `gpt2` vocabulary with the pre-tokenizer named by
+/// `tokenizer.ggml.pre`.
+fn bpe_backend(
+    content: &Content,
+    tokens: &[String],
+) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    let pre = match content.metadata.get("tokenizer.ggml.pre") {
+        Some(v) => v
+            .to_string()
+            .map_err(|e| invalid("tokenizer.ggml.pre", e))?
+            .clone(),
+        None => "default".to_string(),
+    };
+    let (pre_tok, ignore_merges) = pre_tokenizer(&pre)?;
+    let merges_raw = meta_string_array(content, "tokenizer.ggml.merges")?;
+    let mut merges = Vec::with_capacity(merges_raw.len());
+    for (i, m) in merges_raw.iter().enumerate() {
+        let (a, b) = m.split_once(' ').ok_or_else(|| {
+            invalid(
+                "tokenizer.ggml.merges",
+                format!("entry {i} `{m}` is not two tokens separated by a space"),
+            )
+        })?;
+        merges.push((a.to_string(), b.to_string()));
+    }
+    let vocab: Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe_model = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(ignore_merges)
+        .build()
+        .map_err(|e| TokenizerError::Bpe(e.to_string()))?;
+    let mut bpe = tokenizers::Tokenizer::new(bpe_model);
+    bpe.with_pre_tokenizer(Some(pre_tok));
+    Ok(bpe)
+}
+
 fn pre_tokenizer(pre: &str) -> Result<(PreTokenizerWrapper, bool), TokenizerError> {
     let byte_level = |use_regex| ByteLevel::new(false, false, use_regex);
     let split = |re: &str| -> Result<PreTokenizerWrapper, TokenizerError> {
@@ -298,21 +354,13 @@ impl Tokenizer {
         let model = meta(content, model_key)?
             .to_string()
             .map_err(|e| invalid(model_key, e))?;
-        if model != "gpt2" {
-            return Err(TokenizerError::UnsupportedModel(model.clone()));
-        }
-        let pre = match content.metadata.get("tokenizer.ggml.pre") {
-            Some(v) => v
-                .to_string()
-                .map_err(|e| invalid("tokenizer.ggml.pre", e))?
-                .clone(),
-            None => "default".to_string(),
+        let is_spm = match model.as_str() {
+            "gpt2" => false,
+            "llama" => true,
+            other => return Err(TokenizerError::UnsupportedModel(other.to_string())),
         };
-        let (pre_tok, ignore_merges) = pre_tokenizer(&pre)?;
-
         let tokens = meta_string_array(content, "tokenizer.ggml.tokens")?;
         let vocab_size = tokens.len();
-        let merges_raw = meta_string_array(content, "tokenizer.ggml.merges")?;
         let types_key = "tokenizer.ggml.token_type";
         let token_types: Vec<TokenType> = match content.metadata.get(types_key) {
             Some(v) => {
@@ -334,28 +382,31 @@ impl Tokenizer {
             None => vec![TokenType::Normal; vocab_size],
         };
 
-        let mut merges = Vec::with_capacity(merges_raw.len());
-        for (i, m) in merges_raw.iter().enumerate() {
-            let (a, b) = m.split_once(' ').ok_or_else(|| {
-                invalid(
-                    "tokenizer.ggml.merges",
-                    format!("entry {i} `{m}` is not two tokens separated by a space"),
-                )
-            })?;
-            merges.push((a.to_string(), b.to_string()));
-        }
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(i, t)| (t.clone(), i as u32))
-            .collect();
-        let bpe_model = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .ignore_merges(ignore_merges)
-            .build()
-            .map_err(|e| TokenizerError::Bpe(e.to_string()))?;
-        let mut bpe = tokenizers::Tokenizer::new(bpe_model);
-        bpe.with_pre_tokenizer(Some(pre_tok));
+        let backend = if is_spm {
+            let scores_key = "tokenizer.ggml.scores";
+            let scores: Vec<f32> = match content.metadata.get(scores_key) {
+                Some(v) => v
+                    .to_vec()
+                    .map_err(|e| invalid(scores_key, e))?
+                    .iter()
+                    .map(|x| x.to_f32().map_err(|e| invalid(scores_key, e)))
+                    .collect::<Result<_, _>>()?,
+                None => vec![0.0; vocab_size],
+            };
+            let unk = meta_token_id(content, "tokenizer.ggml.unknown_token_id", vocab_size)?;
+            let add_space_prefix = match content.metadata.get("tokenizer.ggml.add_space_prefix") {
+                Some(v) => v
+                    .to_bool()
+                    .map_err(|e| invalid("tokenizer.ggml.add_space_prefix", e))?,
+                None => true,
+            };
+            Backend::Spm {
+                model: Box::new(spm::Spm::new(&tokens, scores, unk)),
+                add_space_prefix,
+            }
+        } else {
+            Backend::Bpe(Box::new(bpe_backend(content, &tokens)?))
+        };
 
         let table = byte_to_unicode();
         let mut decode_map: HashMap<char, u8> = HashMap::with_capacity(256);
@@ -366,6 +417,13 @@ impl Tokenizer {
             .iter()
             .zip(&token_types)
             .map(|(t, ty)| match ty {
+                TokenType::Byte if is_spm => match spm::byte_of(t) {
+                    Some(b) => vec![b],
+                    None => t.as_bytes().to_vec(),
+                },
+                TokenType::Normal | TokenType::Unused | TokenType::UserDefined if is_spm => {
+                    t.replace(spm::SPACE_MARK, " ").into_bytes()
+                }
                 TokenType::Normal | TokenType::Unused => {
                     let mut out = Vec::with_capacity(t.len());
                     for c in t.chars() {
@@ -404,7 +462,8 @@ impl Tokenizer {
             Some(v) => v
                 .to_bool()
                 .map_err(|e| invalid("tokenizer.ggml.add_bos_token", e))?,
-            None => false,
+            // llama.cpp's defaults: SentencePiece vocabularies start with BOS.
+            None => is_spm,
         };
         let mut eog: Vec<u32> = eos.into_iter().collect();
         for key in ["tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
@@ -420,8 +479,13 @@ impl Tokenizer {
         eog.sort_unstable();
         eog.dedup();
 
+        let mut ids = HashMap::with_capacity(vocab_size);
+        for (i, t) in tokens.iter().enumerate() {
+            ids.entry(t.clone()).or_insert(i as u32);
+        }
         Ok(Tokenizer {
-            bpe,
+            backend,
+            ids,
             tokens,
             token_bytes,
             token_types,
@@ -479,15 +543,41 @@ impl Tokenizer {
     /// it they are tokenized as plain text.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
         let mut ids = Vec::new();
+        // SentencePiece: a space is prepended at the start and after every special token.
+        let mut prev_special = true;
         for frag in self.partition(text, parse_special) {
             match frag {
-                Fragment::Token(id) => ids.push(id),
+                Fragment::Token(id) => {
+                    ids.push(id);
+                    prev_special = true;
+                }
                 Fragment::Text(t) => {
-                    let enc = self
-                        .bpe
-                        .encode_fast(t, false)
-                        .map_err(|e| TokenizerError::Bpe(e.to_string()))?;
-                    ids.extend_from_slice(enc.get_ids());
+                    match &self.backend {
+                        Backend::Bpe(bpe) => {
+                            let enc = bpe
+                                .encode_fast(t, false)
+                                .map_err(|e| TokenizerError::Bpe(e.to_string()))?;
+                            ids.extend_from_slice(enc.get_ids());
+                        }
+                        Backend::Spm {
+                            model,
+                            add_space_prefix,
+                        } => {
+                            let mut escaped = String::with_capacity(t.len() + 3);
+                            if *add_space_prefix && prev_special {
+                                escaped.push(spm::SPACE_MARK);
+                            }
+                            escaped.extend(t.chars().map(|c| {
+                                if c == ' ' {
+                                    spm::SPACE_MARK
+                                } else {
+                                    c
+                                }
+                            }));
+                            model.tokenize(&escaped, &mut ids);
+                        }
+                    }
+                    prev_special = false;
                 }
             }
         }
@@ -566,7 +656,7 @@ impl Tokenizer {
 
     /// The id whose vocabulary entry is exactly `text`.
     pub fn token_id(&self, text: &str) -> Option<u32> {
-        self.bpe.token_to_id(text)
+        self.ids.get(text).copied()
     }
 }
 
@@ -776,10 +866,10 @@ mod tests {
     #[test]
     fn unsupported_model_is_named() {
         let mut m = tiny_vocab_metadata();
-        m.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
+        m.insert("tokenizer.ggml.model".into(), Value::String("bert".into()));
         let err = Tokenizer::from_metadata(&m).unwrap_err();
-        assert_eq!(err, TokenizerError::UnsupportedModel("llama".into()));
-        assert!(err.to_string().contains("`llama`"));
+        assert_eq!(err, TokenizerError::UnsupportedModel("bert".into()));
+        assert!(err.to_string().contains("`bert`"));
         let mut m = tiny_vocab_metadata();
         m.insert("tokenizer.ggml.pre".into(), Value::String("martian".into()));
         let err = Tokenizer::from_metadata(&m).unwrap_err();
@@ -791,6 +881,84 @@ mod tests {
             err,
             TokenizerError::MissingKey("tokenizer.ggml.tokens".into())
         );
+    }
+
+    /// A small SentencePiece (`llama`) vocabulary: control tokens, the 256
+    /// byte tokens, and scored pieces.
+    fn spm_metadata() -> HashMap<String, Value> {
+        let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+        let mut types = vec![Value::I32(2), Value::I32(3), Value::I32(3)];
+        let mut scores = vec![Value::F32(0.0); 3];
+        for b in 0..=255u8 {
+            tokens.push(format!("<0x{b:02X}>"));
+            types.push(Value::I32(6));
+            scores.push(Value::F32(0.0));
+        }
+        let pieces = [
+            ("▁", -1.0),
+            ("h", -2.0),
+            ("e", -2.0),
+            ("l", -2.0),
+            ("o", -2.0),
+            ("w", -2.0),
+            ("r", -2.0),
+            ("d", -2.0),
+            ("▁h", -3.0),
+            ("he", -4.0),
+            ("ll", -3.5),
+            ("llo", -3.6),
+            ("▁he", -3.2),
+            ("▁hello", -3.0),
+            ("▁w", -3.0),
+            ("or", -3.0),
+            ("ld", -3.0),
+            ("▁wor", -3.1),
+            ("▁world", -2.9),
+            ("▁hellollo", -1.0),
+        ];
+        for (p, sc) in pieces {
+            tokens.push(p.into());
+            types.push(Value::I32(1));
+            scores.push(Value::F32(sc));
+        }
+        let mut m = HashMap::new();
+        m.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
+        m.insert(
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(tokens.into_iter().map(Value::String).collect()),
+        );
+        m.insert("tokenizer.ggml.token_type".into(), Value::Array(types));
+        m.insert("tokenizer.ggml.scores".into(), Value::Array(scores));
+        m.insert("tokenizer.ggml.bos_token_id".into(), Value::U32(1));
+        m.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(2));
+        m.insert("tokenizer.ggml.unknown_token_id".into(), Value::U32(0));
+        m
+    }
+
+    #[test]
+    fn sentencepiece_vocab_merges_by_score_with_space_prefix() {
+        let tok = Tokenizer::from_metadata(&spm_metadata()).unwrap();
+        assert!(tok.add_bos(), "SentencePiece defaults to BOS");
+        let pieces = |ids: &[u32]| -> Vec<String> {
+            ids.iter()
+                .map(|&i| tok.token_text(i).unwrap().to_string())
+                .collect()
+        };
+        let ids = tok.encode("hello world", true).unwrap();
+        assert_eq!(pieces(&ids), ["▁hello", "▁world"]);
+        assert_eq!(tok.decode(&ids, false).unwrap(), " hello world");
+        // After a special token the space prefix is added again, as llama.cpp does.
+        let ids = tok.encode("<s>hello", true).unwrap();
+        assert_eq!(pieces(&ids), ["<s>", "▁hello"]);
+        // Characters outside the vocabulary fall back to byte tokens.
+        let ids = tok.encode("hé", false).unwrap();
+        assert_eq!(pieces(&ids), ["▁h", "<0xC3>", "<0xA9>"]);
+        assert_eq!(tok.decode(&ids, false).unwrap(), " hé");
+        let mut m = spm_metadata();
+        m.insert("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false));
+        let tok = Tokenizer::from_metadata(&m).unwrap();
+        let ids = tok.encode("hello", false).unwrap();
+        assert_eq!(pieces(&ids), ["he", "llo"]);
     }
 
     #[test]
@@ -835,7 +1003,19 @@ mod tests {
             T.get_or_init(tiny)
         }
 
+        fn spm_shared() -> &'static Tokenizer {
+            static T: OnceLock<Tokenizer> = OnceLock::new();
+            T.get_or_init(|| Tokenizer::from_metadata(&spm_metadata()).expect("spm"))
+        }
+
         proptest! {
+            #[test]
+            fn sentencepiece_round_trip(s in "[a-z éß€\\n]{0,24}") {
+                let tok = spm_shared();
+                let ids = tok.encode(&s, false).unwrap();
+                prop_assert_eq!(tok.decode(&ids, false).unwrap(), format!(" {s}"));
+            }
+
             #[test]
             fn round_trip(s in any::<String>(), special in any::<bool>()) {
                 let tok = shared();
