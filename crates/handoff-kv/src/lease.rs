@@ -84,6 +84,48 @@ impl PageAllocator {
         })
     }
 
+    /// Lease exactly `pages` (in this order), or fail without taking any if
+    /// one of them is out of range, repeated, or not free. For placement that
+    /// must be chosen by the caller (benchmarks, restoring a known layout).
+    pub fn lease_exact(&self, pages: &[PageIndex]) -> Result<PageLease, KvError> {
+        let mut wanted = std::collections::HashSet::with_capacity(pages.len());
+        for p in pages {
+            if p.0 as usize >= self.inner.total {
+                return Err(KvError::PageOutOfRange {
+                    page: p.0,
+                    num_pages: self.inner.total,
+                });
+            }
+            if !wanted.insert(*p) {
+                return Err(KvError::OutOfPages {
+                    needed: pages.len(),
+                    free: wanted.len(),
+                });
+            }
+        }
+        {
+            let mut free = self.inner.free_list();
+            let available = free.iter().filter(|p| wanted.contains(p)).count();
+            if available != pages.len() {
+                return Err(KvError::OutOfPages {
+                    needed: pages.len(),
+                    free: available,
+                });
+            }
+            free.retain(|p| !wanted.contains(p));
+            self.inner.leased.fetch_add(pages.len(), Ordering::AcqRel);
+        }
+        self.inner.leases.fetch_add(1, Ordering::AcqRel);
+        let pages = pages.to_vec();
+        Ok(PageLease {
+            pages: pages.clone(),
+            core: Arc::new(LeaseCore {
+                pages: Mutex::new(pages),
+                alloc: self.inner.clone(),
+            }),
+        })
+    }
+
     fn take(&self, n: usize) -> Result<Vec<PageIndex>, KvError> {
         let mut free = self.inner.free_list();
         if free.len() < n {
@@ -233,6 +275,21 @@ mod tests {
         drop(guard);
         assert_eq!(alloc.stats().leased, 0);
         assert!(alloc.lease(4).is_ok());
+    }
+
+    #[test]
+    fn exact_leases_take_those_pages_or_nothing() {
+        let alloc = PageAllocator::new(8);
+        let a = alloc.lease_exact(&[PageIndex(6), PageIndex(1)]).unwrap();
+        assert_eq!(a.pages(), &[PageIndex(6), PageIndex(1)]);
+        assert!(alloc.lease_exact(&[PageIndex(2), PageIndex(6)]).is_err());
+        assert!(alloc.lease_exact(&[PageIndex(2), PageIndex(2)]).is_err());
+        assert!(alloc.lease_exact(&[PageIndex(8)]).is_err());
+        assert_eq!(alloc.stats().leased, 2, "failed exact leases take nothing");
+        let rest = alloc.lease(6).unwrap();
+        assert!(!rest.pages().contains(&PageIndex(6)));
+        drop((a, rest));
+        assert_eq!(alloc.stats().leased, 0);
     }
 
     #[test]
