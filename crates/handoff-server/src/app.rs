@@ -79,6 +79,12 @@ pub fn app_with_state(state: AppState) -> Router {
         .route("/health_generate", get(info_api::health_generate))
         .route("/server_info", get(info_api::server_info))
         .route("/get_server_info", get(info_api::server_info))
+        .route("/get_model_info", get(info_api::model_info))
+        .route("/model_info", get(info_api::model_info))
+        .route(
+            "/flush_cache",
+            get(info_api::flush_cache).post(info_api::flush_cache),
+        )
         .route("/get_load", get(info_api::get_load))
         .route("/metrics", get(info_api::metrics))
         .route_layer(middleware::from_fn_with_state(

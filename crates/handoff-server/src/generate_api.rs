@@ -100,6 +100,9 @@ pub struct GenerateBody {
     /// Request id chosen by the client.
     #[serde(default)]
     pub rid: Option<String>,
+    /// Add `output_token_logprobs` (`[logprob, id, null]` per token) to `meta_info`.
+    #[serde(default)]
+    pub return_logprob: Option<bool>,
     /// PD bootstrap host (unused when colocated).
     #[serde(default)]
     pub bootstrap_host: Option<String>,
@@ -184,6 +187,7 @@ pub async fn generate(
     let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
     let prompt_ids = prompt_ids(&state, &body)?;
     let prompt_tokens = prompt_ids.len();
+    let body_wants_logprobs = body.return_logprob.unwrap_or(false);
     let rid = body
         .rid
         .clone()
@@ -202,7 +206,7 @@ pub async fn generate(
     }
     let c = gen.collect().await?;
     let ids: Vec<u32> = c.tokens.iter().map(|t| t.id).collect();
-    Ok(Json(json!({
+    let mut body = json!({
         "text": c.text,
         "output_ids": ids,
         "meta_info": {
@@ -213,8 +217,15 @@ pub async fn generate(
             "cached_tokens": 0,
             "e2e_latency": arrived.elapsed().as_secs_f64(),
         },
-    }))
-    .into_response())
+    });
+    if body_wants_logprobs {
+        body["meta_info"]["output_token_logprobs"] = c
+            .tokens
+            .iter()
+            .map(|t| json!([t.logprob, t.id, null]))
+            .collect();
+    }
+    Ok(Json(body).into_response())
 }
 
 async fn stream(

@@ -92,6 +92,28 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
+/// `GET /get_model_info` (and `/model_info`): SGLang's model description,
+/// which routers read when a worker registers.
+pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
+    let info = state.engine.model();
+    Json(json!({
+        "model_path": info.model_path,
+        "tokenizer_path": info.model_path,
+        "is_generation": true,
+        "preferred_sampling_params": null,
+        "weight_version": "default",
+        "has_image_understanding": false,
+        "has_audio_understanding": false,
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+    }))
+}
+
+/// `POST`/`GET /flush_cache`: there is no prefix cache yet, so nothing to flush.
+pub async fn flush_cache() -> &'static str {
+    "Cache flushed.\n"
+}
+
 /// `GET /get_load`: one object per data-parallel rank (one rank here).
 pub async fn get_load(State(state): State<AppState>) -> Json<Value> {
     let load = state.engine.load();

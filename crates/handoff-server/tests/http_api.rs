@@ -39,6 +39,14 @@ async fn info_endpoints() {
     assert_eq!(v["kv_pages_total"], common::KV_PAGES);
     assert!(v["context_length"].as_u64().unwrap() > 0);
 
+    let (s, body) = get("/get_model_info").await;
+    assert_eq!(s, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["is_generation"], true);
+    assert!(v["model_path"].as_str().unwrap().ends_with("tiny.gguf"));
+    let (s, _) = post_raw("/flush_cache", "").await;
+    assert_eq!(s, 200);
+
     let (s, body) = get("/get_load").await;
     assert_eq!(s, 200);
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -245,11 +253,18 @@ async fn generate_whole_streamed_and_ids() {
     let ibody = json!({
         "input_ids": server().engine.tokenizer().encode("Once upon a time", true).unwrap(),
         "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": true},
+        "return_logprob": true,
     });
     let (s, v) = post("/generate", &ibody).await;
     assert_eq!(s, 200);
     assert_eq!(v["output_ids"], whole["output_ids"]);
     assert_eq!(v["text"], whole["text"]);
+    let lps = v["meta_info"]["output_token_logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), 5);
+    for (lp, id) in lps.iter().zip(ids.iter()) {
+        assert!(lp[0].as_f64().unwrap() <= 0.0);
+        assert_eq!(&lp[1], id);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
