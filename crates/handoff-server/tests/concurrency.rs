@@ -20,6 +20,42 @@ fn body(i: usize, stream: bool) -> Value {
 async fn concurrent_streams_and_disconnects() {
     sixteen_streams_match_single_requests_and_free_pages().await;
     disconnect_cancels_the_request().await;
+    non_streaming_disconnect_cancels_too().await;
+}
+
+async fn generated_tokens() -> u64 {
+    let (_, text) = common::get("/metrics").await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("handoff_generation_tokens_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("generation token counter")
+}
+
+/// A client that gives up on a whole (non-streamed) answer cancels it too:
+/// the handler future is dropped with the connection.
+async fn non_streaming_disconnect_cancels_too() {
+    let ctx = server().engine.model().context_length;
+    let max_new = ctx - 16;
+    let before = generated_tokens().await;
+    let b = json!({
+        "text": "Keep talking",
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": true},
+    });
+    let err = reqwest::Client::new()
+        .post(format!("{}/generate", server().base))
+        .json(&b)
+        .timeout(std::time::Duration::from_millis(150))
+        .send()
+        .await
+        .expect_err("the client gives up first");
+    assert!(err.is_timeout(), "{err}");
+    let load = wait_idle().await;
+    assert_eq!(load.pages_used, 0, "{load:?}");
+    let generated = generated_tokens().await - before;
+    assert!(
+        (generated as usize) < max_new,
+        "the request ran to completion ({generated} tokens) instead of being cancelled"
+    );
 }
 
 async fn sixteen_streams_match_single_requests_and_free_pages() {
