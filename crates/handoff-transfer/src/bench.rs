@@ -1,1 +1,888 @@
-//! Benchmark (filled in later).
+//! `bench-transfer` (DESIGN.md §1, §9; issue 3 "Benchmark"): KV transfer
+//! bandwidth and latency per transport and page size, with the machine's
+//! limits measured in the same run.
+//!
+//! Workload (kept exactly as the field's comparison harness): `bytes`
+//! (1 GiB) pushed from a prefill *process* (this one) to a decode *process*
+//! (a child: `<peer_exe> bench-peer ...`) on this host; cases one contiguous
+//! buffer, 4 KiB, 64 KiB and 256 KiB pages; pages scattered on both sides
+//! (pools of 2 × `bytes`; page i goes from source slot S[i] to destination
+//! slot D[i], S and D shuffled choices of N distinct slots out of 2N,
+//! seeded); 1 warm-up, 3 timed runs, median; timing ends when the data is in
+//! the destination memory (prefill's room succeeds only after decode
+//! acknowledged every byte); every run verified outside the timing. Also the
+//! single 4 KiB transfer latency and abort → room released latency (median,
+//! p99), and for the same cases single-thread memcpy and raw loopback TCP
+//! (one stream, one write/read per page, payload only), each of ours printed
+//! as a ratio to them, plus CPU-seconds (both processes) per run.
+
+use std::io::{BufRead, Read, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use handoff_kv::{KvDtype, KvGeometry, KvLayout, KvPool, PageIndex, ShmRegion, ShmRegionHandle};
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvDtype as WireDtype, KvLayoutKind};
+use handoff_proto::receiver_room::Source;
+use handoff_proto::room::RoomState;
+use handoff_proto::{AbortOrigin, AuxSlot, Role, RoomId, TransferError};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use serde::Serialize;
+
+use crate::{
+    AuxData, KvReceiver, KvSender, ReceiverConfig, ReceiverPoll, SenderConfig, SenderPoll,
+    TransportKind,
+};
+
+/// One page-size case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageCase {
+    /// One contiguous buffer (placed as 256 KiB units, identity slots).
+    Contiguous,
+    /// Scattered pages of this many bytes.
+    Paged(usize),
+}
+
+impl PageCase {
+    /// The four cases of the workload.
+    pub const STANDARD: [PageCase; 4] = [
+        PageCase::Contiguous,
+        PageCase::Paged(4 << 10),
+        PageCase::Paged(64 << 10),
+        PageCase::Paged(256 << 10),
+    ];
+
+    fn page_bytes(self) -> usize {
+        match self {
+            PageCase::Contiguous => 256 << 10,
+            PageCase::Paged(b) => b,
+        }
+    }
+
+    /// Label used in reports.
+    pub fn label(self) -> String {
+        match self {
+            PageCase::Contiguous => "contiguous".into(),
+            PageCase::Paged(b) => format!("{}KiB", b >> 10),
+        }
+    }
+}
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// Bytes per transfer (1 GiB in the standard workload).
+    pub bytes: usize,
+    /// Page cases.
+    pub cases: Vec<PageCase>,
+    /// Transports.
+    pub transports: Vec<TransportKind>,
+    /// Untimed warm-up runs.
+    pub warmup: usize,
+    /// Timed runs.
+    pub runs: usize,
+    /// Placement seed.
+    pub seed: u64,
+    /// Iterations of the latency measurements.
+    pub latency_iters: usize,
+    /// Executable that runs `bench-peer` (the decode process).
+    pub peer_exe: PathBuf,
+}
+
+impl BenchConfig {
+    /// The standard workload; `peer_exe` must dispatch `bench-peer` to
+    /// [`peer_main`].
+    pub fn standard(peer_exe: PathBuf) -> Self {
+        Self {
+            bytes: 1 << 30,
+            cases: PageCase::STANDARD.to_vec(),
+            transports: TransportKind::ALL.to_vec(),
+            warmup: 1,
+            runs: 3,
+            seed: 42,
+            latency_iters: 200,
+            peer_exe,
+        }
+    }
+}
+
+/// One (transport or baseline, page case) result.
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseReport {
+    /// `shm`, `tcp`, or a baseline: `memcpy`, `raw_tcp`.
+    pub transport: String,
+    /// Page case label.
+    pub page: String,
+    /// Bytes per run.
+    pub bytes: u64,
+    /// GB/s (10^9 bytes per second) of each timed run.
+    pub gbps_runs: Vec<f64>,
+    /// Median of `gbps_runs`.
+    pub gbps_median: f64,
+    /// Every run (warm-up included) was byte-exact.
+    pub verified: bool,
+    /// CPU seconds (user + system, both processes) of each timed run.
+    pub cpu_s_runs: Vec<f64>,
+    /// Ours / the matching baseline (shm / memcpy, tcp / raw_tcp).
+    pub ratio: Option<f64>,
+}
+
+/// Median and 99th percentile in microseconds.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LatencyReport {
+    /// Median.
+    pub median_us: f64,
+    /// 99th percentile.
+    pub p99_us: f64,
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct BenchReport {
+    /// Bandwidth cases.
+    pub cases: Vec<CaseReport>,
+    /// Single 4 KiB transfer over tcp, open to data-in-decode-memory.
+    pub latency_4k: LatencyReport,
+    /// Single 4 KiB transfer over shm.
+    pub latency_4k_shm: LatencyReport,
+    /// Raw TCP ping-pong: 4 KiB one way, 1 byte back.
+    pub latency_4k_raw_tcp: LatencyReport,
+    /// Decode abort → its pages back in the free list.
+    pub abort_release: LatencyReport,
+}
+
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let i = ((v.len() - 1) as f64 * q).round() as usize;
+    v[i.min(v.len() - 1)]
+}
+
+fn latency(mut v: Vec<f64>) -> LatencyReport {
+    LatencyReport {
+        median_us: percentile(&mut v, 0.5),
+        p99_us: percentile(&mut v, 0.99),
+    }
+}
+
+/// Geometry whose (layer, page) span is `page_bytes`.
+fn geometry(page_bytes: usize) -> KvGeometry {
+    KvGeometry {
+        layers: 1,
+        kv_heads: 1,
+        head_dim: page_bytes / 8,
+        page_size: 1,
+        dtype: KvDtype::F32,
+    }
+}
+
+fn handshake(role: Role, g: &KvGeometry) -> HandshakeConfig {
+    let mut h = HandshakeConfig::new(
+        role,
+        Fingerprint {
+            model_id: "bench".into(),
+            model_hash: [0; 32],
+            layers: g.layers as u32,
+            kv_heads: g.kv_heads as u32,
+            head_dim: g.head_dim as u32,
+            page_size: g.page_size as u32,
+            dtype: WireDtype::F32,
+            layout: KvLayoutKind::LayerPageKv,
+            tp_rank: 0,
+            tp_size: 1,
+        },
+    );
+    // A destination of 2^18 pages is a 1 MiB frame.
+    h.max_frame_len = 4 << 20;
+    h
+}
+
+/// (S, D): source and destination slots of `n` pages out of `2n`.
+fn placement(seed: u64, n: usize, contiguous: bool) -> (Vec<PageIndex>, Vec<PageIndex>) {
+    if contiguous {
+        let v: Vec<PageIndex> = (0..n as u32).map(PageIndex).collect();
+        return (v.clone(), v);
+    }
+    let pick = |s: u64| {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(s);
+        let mut all: Vec<u32> = (0..2 * n as u32).collect();
+        all.shuffle(&mut rng);
+        all.truncate(n);
+        all.into_iter().map(PageIndex).collect::<Vec<_>>()
+    };
+    (pick(seed), pick(seed ^ 0x9e37_79b9_7f4a_7c15))
+}
+
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields overall, in clock ticks (100 per second on Linux).
+    let rest = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|x| x.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn fill(region: &ShmRegion, pages: &[PageIndex], page: usize, salt: u64) {
+    let mut buf = vec![0u8; page];
+    for (i, p) in pages.iter().enumerate() {
+        let mut x = salt ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        for c in buf.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            c.copy_from_slice(&x.to_le_bytes());
+        }
+        let _ = region.write_at(p.0 as usize * page, &buf);
+    }
+}
+
+fn zero(region: &ShmRegion, pages: &[PageIndex], page: usize) {
+    let z = vec![0u8; page];
+    for p in pages {
+        let _ = region.write_at(p.0 as usize * page, &z);
+    }
+}
+
+fn verify(src: &ShmRegion, s: &[PageIndex], dst: &ShmRegion, d: &[PageIndex], page: usize) -> bool {
+    s.iter().zip(d).all(|(a, b)| {
+        let ra = a.0 as usize * page..(a.0 as usize + 1) * page;
+        let rb = b.0 as usize * page..(b.0 as usize + 1) * page;
+        src.with_slices(std::slice::from_ref(&ra), |x| {
+            dst.with_slices(std::slice::from_ref(&rb), |y| x[0][..] == y[0][..])
+                .unwrap_or(false)
+        })
+        .unwrap_or(false)
+    })
+}
+
+fn gbps(bytes: usize, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+/// The decode process, driven over stdin/stdout.
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    lines: std::sync::mpsc::Receiver<String>,
+    region: ShmRegion,
+}
+
+impl Peer {
+    fn spawn(
+        exe: &PathBuf,
+        addr: SocketAddr,
+        kind: TransportKind,
+        page: usize,
+        pages: usize,
+        seed: u64,
+    ) -> Result<Peer, String> {
+        let mut child = Command::new(exe)
+            .args([
+                "bench-peer".to_string(),
+                addr.to_string(),
+                kind.name().to_string(),
+                page.to_string(),
+                pages.to_string(),
+                seed.to_string(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", exe.display()))?;
+        let stdin = child.stdin.take().ok_or("no stdin")?;
+        let out = child.stdout.take().ok_or("no stdout")?;
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let first = lines
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|_| "decode peer did not start".to_string())?;
+        let f: Vec<&str> = first.split_whitespace().collect();
+        let (pid, fd, len) = match f.as_slice() {
+            ["HANDLE", pid, fd, len] => (pid.parse(), fd.parse(), len.parse()),
+            _ => return Err(format!("decode peer said {first:?}")),
+        };
+        let handle = ShmRegionHandle {
+            pid: pid.map_err(|_| "pid")?,
+            fd: fd.map_err(|_| "fd")?,
+            len: len.map_err(|_| "len")?,
+        };
+        let region = ShmRegion::open(&handle).map_err(|e| e.to_string())?;
+        Ok(Peer {
+            child,
+            stdin,
+            lines,
+            region,
+        })
+    }
+
+    fn cmd(&mut self, line: &str) -> Result<String, String> {
+        writeln!(self.stdin, "{line}").map_err(|e| e.to_string())?;
+        self.stdin.flush().map_err(|e| e.to_string())?;
+        self.lines
+            .recv_timeout(Duration::from_secs(120))
+            .map_err(|_| format!("decode peer did not answer {line:?}"))
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "QUIT");
+        let _ = self.stdin.flush();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn wait_waiting(tx: &KvSender, room: RoomId) -> Result<(), String> {
+    let end = Instant::now() + Duration::from_secs(60);
+    loop {
+        match tx.poll(room).await.map_err(|e| e.to_string())? {
+            SenderPoll::Pending(RoomState::WaitingForInput) => return Ok(()),
+            SenderPoll::Pending(_) if Instant::now() < end => {
+                tokio::time::sleep(Duration::from_micros(100)).await
+            }
+            other => return Err(format!("room {}: {other:?}", room.get())),
+        }
+    }
+}
+
+struct Ctx {
+    next_room: u64,
+}
+
+impl Ctx {
+    fn room(&mut self) -> RoomId {
+        self.next_room += 1;
+        // Counts up from 1: never the reserved 0.
+        RoomId::new(self.next_room).expect("room ids start at 1")
+    }
+}
+
+/// Run the benchmark (this process is prefill; children are decode).
+pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
+    let mut report = BenchReport::default();
+    let mut ctx = Ctx { next_room: 0 };
+    for case in &cfg.cases {
+        let page = case.page_bytes();
+        let n = cfg.bytes / page;
+        let contiguous = matches!(case, PageCase::Contiguous);
+        let (s, d) = placement(cfg.seed, n, contiguous);
+        let g = geometry(page);
+        let (src_pool, _) = KvPool::new_shared(g, 2 * n).map_err(|e| e.to_string())?;
+        let src = src_pool.shared_region().ok_or("pool not shared")?.clone();
+        fill(&src, &s, page, cfg.seed);
+        let layout = *src_pool.layout();
+        let mut scfg = SenderConfig::new(handshake(Role::Prefill, &g));
+        scfg.max_segment_bytes = 4 << 20;
+        let tx = KvSender::start(scfg, src.clone(), layout)
+            .await
+            .map_err(|e| e.to_string())?;
+        let src_arc: Arc<[PageIndex]> = s.clone().into();
+        let mut ours: Vec<CaseReport> = Vec::new();
+        for kind in &cfg.transports {
+            let mut peer =
+                Peer::spawn(&cfg.peer_exe, tx.local_addr(), *kind, page, 2 * n, cfg.seed)?;
+            let mut rep = CaseReport {
+                transport: kind.name().into(),
+                page: case.label(),
+                bytes: (n * page) as u64,
+                gbps_runs: vec![],
+                gbps_median: 0.0,
+                verified: true,
+                cpu_s_runs: vec![],
+                ratio: None,
+            };
+            for run in 0..cfg.warmup + cfg.runs {
+                zero(&peer.region, &d, page);
+                let room = ctx.room();
+                tx.open(room).await.map_err(|e| e.to_string())?;
+                let ok = peer.cmd(&format!("ROOM {} {}", room.get(), u8::from(contiguous)))?;
+                if ok != "OK" {
+                    return Err(format!("decode peer: {ok}"));
+                }
+                wait_waiting(&tx, room).await?;
+                let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
+                let t0 = Instant::now();
+                tx.send(room, 0..1, 0..n, src_arc.clone())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                tx.finish(
+                    room,
+                    AuxData {
+                        first_token: 1,
+                        logprob: 0.0,
+                    },
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                let out = tx.wait(room).await.map_err(|e| e.to_string())?;
+                let dt = t0.elapsed();
+                let cpu = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid()) - cpu0;
+                if out != SenderPoll::Success {
+                    return Err(format!("{} {}: {out:?}", kind.name(), case.label()));
+                }
+                rep.verified &= verify(&src, &s, &peer.region, &d, page);
+                if run >= cfg.warmup {
+                    rep.gbps_runs.push(gbps(n * page, dt));
+                    rep.cpu_s_runs.push(cpu);
+                }
+            }
+            rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
+            if *kind == TransportKind::Tcp {
+                report
+                    .cases
+                    .push(raw_tcp(cfg, &mut peer, &src, &s, &d, page, case)?);
+            }
+            if *case == PageCase::Paged(4 << 10) {
+                let lat = latency_4k(cfg, &tx, &mut peer, &mut ctx, &src_arc).await?;
+                match kind {
+                    TransportKind::Tcp => report.latency_4k = lat,
+                    TransportKind::Shm => report.latency_4k_shm = lat,
+                }
+                if *kind == TransportKind::Tcp {
+                    report.latency_4k_raw_tcp = raw_ping(cfg, &mut peer)?;
+                    report.abort_release = abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
+                }
+            }
+            ours.push(rep);
+            drop(peer);
+        }
+        report.cases.push(memcpy(cfg, &src, &s, &d, page, case)?);
+        for mut rep in ours {
+            let base = if rep.transport == "shm" {
+                "memcpy"
+            } else {
+                "raw_tcp"
+            };
+            rep.ratio = report
+                .cases
+                .iter()
+                .find(|c| c.transport == base && c.page == rep.page)
+                .map(|b| rep.gbps_median / b.gbps_median);
+            report.cases.push(rep);
+        }
+        tx.shutdown();
+    }
+    Ok(report)
+}
+
+fn memcpy(
+    cfg: &BenchConfig,
+    src: &ShmRegion,
+    s: &[PageIndex],
+    d: &[PageIndex],
+    page: usize,
+    case: &PageCase,
+) -> Result<CaseReport, String> {
+    let dst = ShmRegion::create("bench-memcpy", src.len()).map_err(|e| e.to_string())?;
+    let mut rep = CaseReport {
+        transport: "memcpy".into(),
+        page: case.label(),
+        bytes: (s.len() * page) as u64,
+        gbps_runs: vec![],
+        gbps_median: 0.0,
+        verified: true,
+        cpu_s_runs: vec![],
+        ratio: None,
+    };
+    let contiguous = matches!(case, PageCase::Contiguous);
+    for run in 0..cfg.warmup + cfg.runs {
+        zero(&dst, d, page);
+        let cpu0 = cpu_seconds(std::process::id());
+        let t0 = Instant::now();
+        if contiguous {
+            dst.copy_from(0, src, 0, s.len() * page)
+                .map_err(|e| e.to_string())?;
+        } else {
+            for (a, b) in s.iter().zip(d) {
+                dst.copy_from(b.0 as usize * page, src, a.0 as usize * page, page)
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let dt = t0.elapsed();
+        let cpu = cpu_seconds(std::process::id()) - cpu0;
+        rep.verified &= verify(src, s, &dst, d, page);
+        if run >= cfg.warmup {
+            rep.gbps_runs.push(gbps(s.len() * page, dt));
+            rep.cpu_s_runs.push(cpu);
+        }
+    }
+    rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
+    Ok(rep)
+}
+
+fn raw_tcp(
+    cfg: &BenchConfig,
+    peer: &mut Peer,
+    src: &ShmRegion,
+    s: &[PageIndex],
+    d: &[PageIndex],
+    page: usize,
+    case: &PageCase,
+) -> Result<CaseReport, String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let contiguous = matches!(case, PageCase::Contiguous);
+    let mut rep = CaseReport {
+        transport: "raw_tcp".into(),
+        page: case.label(),
+        bytes: (s.len() * page) as u64,
+        gbps_runs: vec![],
+        gbps_median: 0.0,
+        verified: true,
+        cpu_s_runs: vec![],
+        ratio: None,
+    };
+    for run in 0..cfg.warmup + cfg.runs {
+        zero(&peer.region, d, page);
+        writeln!(peer.stdin, "RAW {addr} {}", u8::from(contiguous)).map_err(|e| e.to_string())?;
+        peer.stdin.flush().map_err(|e| e.to_string())?;
+        let (mut sock, _) = listener.accept().map_err(|e| e.to_string())?;
+        let _ = sock.set_nodelay(true);
+        let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
+        let t0 = Instant::now();
+        if contiguous {
+            let all = 0..s.len() * page;
+            src.with_slices(std::slice::from_ref(&all), |b| sock.write_all(&b[0]))
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+        } else {
+            for a in s {
+                let r = a.0 as usize * page..(a.0 as usize + 1) * page;
+                src.with_slices(std::slice::from_ref(&r), |b| sock.write_all(&b[0]))
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let done = peer
+            .lines
+            .recv_timeout(Duration::from_secs(120))
+            .map_err(|_| "raw tcp receiver did not finish")?;
+        let dt = t0.elapsed();
+        let cpu = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid()) - cpu0;
+        if done != "DONE" {
+            return Err(format!("raw tcp receiver: {done}"));
+        }
+        rep.verified &= verify(src, s, &peer.region, d, page);
+        if run >= cfg.warmup {
+            rep.gbps_runs.push(gbps(s.len() * page, dt));
+            rep.cpu_s_runs.push(cpu);
+        }
+    }
+    rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
+    Ok(rep)
+}
+
+fn raw_ping(cfg: &BenchConfig, peer: &mut Peer) -> Result<LatencyReport, String> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    writeln!(peer.stdin, "PING {addr} {}", cfg.latency_iters).map_err(|e| e.to_string())?;
+    peer.stdin.flush().map_err(|e| e.to_string())?;
+    let (mut sock, _) = listener.accept().map_err(|e| e.to_string())?;
+    let _ = sock.set_nodelay(true);
+    let buf = vec![7u8; 4096];
+    let mut one = [0u8; 1];
+    let mut v = Vec::new();
+    for _ in 0..cfg.latency_iters {
+        let t0 = Instant::now();
+        sock.write_all(&buf).map_err(|e| e.to_string())?;
+        sock.read_exact(&mut one).map_err(|e| e.to_string())?;
+        v.push(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    let done = peer
+        .lines
+        .recv_timeout(Duration::from_secs(30))
+        .map_err(|_| "ping peer did not finish")?;
+    if done != "DONE" {
+        return Err(format!("ping peer: {done}"));
+    }
+    Ok(latency(v))
+}
+
+async fn latency_4k(
+    cfg: &BenchConfig,
+    tx: &KvSender,
+    peer: &mut Peer,
+    ctx: &mut Ctx,
+    src: &Arc<[PageIndex]>,
+) -> Result<LatencyReport, String> {
+    let mut v = Vec::new();
+    for i in 0..cfg.latency_iters {
+        let room = ctx.room();
+        tx.open(room).await.map_err(|e| e.to_string())?;
+        let ok = peer.cmd(&format!("ONE {} {i}", room.get()))?;
+        if ok != "OK" {
+            return Err(format!("decode peer: {ok}"));
+        }
+        wait_waiting(tx, room).await?;
+        let t0 = Instant::now();
+        tx.send(room, 0..1, 0..1, src.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        tx.finish(
+            room,
+            AuxData {
+                first_token: 1,
+                logprob: 0.0,
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let out = tx.wait(room).await.map_err(|e| e.to_string())?;
+        v.push(t0.elapsed().as_secs_f64() * 1e6);
+        if out != SenderPoll::Success {
+            return Err(format!("latency room: {out:?}"));
+        }
+    }
+    Ok(latency(v))
+}
+
+async fn abort_release(
+    cfg: &BenchConfig,
+    tx: &KvSender,
+    peer: &mut Peer,
+    ctx: &mut Ctx,
+) -> Result<LatencyReport, String> {
+    let first = ctx.next_room + 1;
+    let rooms: Vec<RoomId> = (0..cfg.latency_iters).map(|_| ctx.room()).collect();
+    for r in &rooms {
+        tx.open(*r).await.map_err(|e| e.to_string())?;
+    }
+    let line = peer.cmd(&format!("ABORTS {first} {}", rooms.len()))?;
+    let v: Vec<f64> = line
+        .strip_prefix("ABORTS ")
+        .ok_or_else(|| format!("decode peer: {line}"))?
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    for r in &rooms {
+        let _ = tx.wait(*r).await;
+    }
+    Ok(latency(v))
+}
+
+/// The decode process: `bench-peer <prefill addr> <shm|tcp> <page bytes>
+/// <pool pages> <seed>`, then commands on stdin (`ROOM`, `ONE`, `ABORTS`,
+/// `RAW`, `PING`, `QUIT`), answers on stdout.
+pub async fn peer_main(args: &[String]) -> Result<(), String> {
+    let get = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
+    let addr: SocketAddr = get(0)?.parse().map_err(|e| format!("{e}"))?;
+    let kind = if get(1)? == "shm" {
+        TransportKind::Shm
+    } else {
+        TransportKind::Tcp
+    };
+    let page: usize = get(2)?.parse().map_err(|e| format!("{e}"))?;
+    let pages: usize = get(3)?.parse().map_err(|e| format!("{e}"))?;
+    let seed: u64 = get(4)?.parse().map_err(|e| format!("{e}"))?;
+    let g = geometry(page);
+    let (pool, handle) = KvPool::new_shared(g, pages).map_err(|e| e.to_string())?;
+    let region = pool.shared_region().ok_or("pool not shared")?.clone();
+    let layout: KvLayout = *pool.layout();
+    let rx = KvReceiver::start(
+        ReceiverConfig::new(handshake(Role::Decode, &g), kind),
+        region.clone(),
+        layout,
+    );
+    let rank = rx.connect(addr).await.map_err(|e| e.to_string())?;
+    let sources = vec![Source {
+        rank,
+        required_destinations: 1,
+    }];
+    println!("HANDLE {} {} {}", handle.pid, handle.fd, handle.len);
+    let (ltx, mut lrx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    std::thread::spawn(move || {
+        for l in std::io::stdin().lock().lines().map_while(Result::ok) {
+            if ltx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let alloc = pool.allocator().clone();
+    while let Some(line) = lrx.recv().await {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+        match f.first().copied() {
+            Some("ROOM") | Some("ONE") => {
+                let room = RoomId::new(num(1)).ok_or("room 0")?;
+                let dst: Vec<PageIndex> = if f[0] == "ROOM" {
+                    placement(seed, pages / 2, num(2) == 1).1
+                } else {
+                    vec![PageIndex(num(2) as u32)]
+                };
+                let lease = alloc.lease_exact(&dst).map_err(|e| e.to_string())?;
+                rx.open(room, sources.clone())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                rx.reserve(room, lease, AuxSlot(0))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let rx2 = rx.clone();
+                tokio::spawn(async move {
+                    // Success hands the lease back; dropping it frees the pages.
+                    let _ = rx2.wait(room).await;
+                });
+                println!("OK");
+            }
+            Some("ABORTS") => {
+                let mut out = Vec::new();
+                for i in 0..num(2) {
+                    let room = RoomId::new(num(1) + i).ok_or("room 0")?;
+                    let lease = alloc
+                        .lease_exact(&[PageIndex(i as u32)])
+                        .map_err(|e| e.to_string())?;
+                    let base = alloc.stats().leased - 1;
+                    rx.open(room, sources.clone())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    rx.reserve(room, lease, AuxSlot(0))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    // Let the destination reach prefill (WaitingForInput there).
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    let t0 = Instant::now();
+                    rx.abort(
+                        room,
+                        TransferError::Aborted {
+                            origin: AbortOrigin::Client,
+                            reason: "bench abort".into(),
+                            http_status: 499,
+                        },
+                    );
+                    while alloc.stats().leased > base {
+                        tokio::task::yield_now().await;
+                        if t0.elapsed() > Duration::from_secs(10) {
+                            return Err("pages never released".into());
+                        }
+                    }
+                    out.push(t0.elapsed().as_secs_f64() * 1e6);
+                    if let Ok(ReceiverPoll::Pending(_)) = rx.poll(room).await {
+                        let _ = rx.wait(room).await;
+                    }
+                }
+                let s: Vec<String> = out.iter().map(|x| format!("{x:.1}")).collect();
+                println!("ABORTS {}", s.join(" "));
+            }
+            Some("RAW") => {
+                let a: SocketAddr = f
+                    .get(1)
+                    .ok_or("addr")?
+                    .parse()
+                    .map_err(|e| format!("{e}"))?;
+                let contiguous = num(2) == 1;
+                let dst = placement(seed, pages / 2, contiguous).1;
+                let region = region.clone();
+                let r = tokio::task::spawn_blocking(move || -> Result<(), String> {
+                    let mut s = std::net::TcpStream::connect(a).map_err(|e| e.to_string())?;
+                    if contiguous {
+                        region
+                            .with_mut(0..dst.len() * page, |b| s.read_exact(b))
+                            .map_err(|e| e.to_string())?
+                            .map_err(|e| e.to_string())?;
+                    } else {
+                        for p in &dst {
+                            let r = p.0 as usize * page..(p.0 as usize + 1) * page;
+                            region
+                                .with_mut(r, |b| s.read_exact(b))
+                                .map_err(|e| e.to_string())?
+                                .map_err(|e| e.to_string())?;
+                        }
+                    }
+                    Ok(())
+                })
+                .await
+                .map_err(|e| e.to_string())?;
+                r?;
+                println!("DONE");
+            }
+            Some("PING") => {
+                let a: SocketAddr = f
+                    .get(1)
+                    .ok_or("addr")?
+                    .parse()
+                    .map_err(|e| format!("{e}"))?;
+                let iters = num(2);
+                tokio::task::spawn_blocking(move || -> Result<(), String> {
+                    let mut s = std::net::TcpStream::connect(a).map_err(|e| e.to_string())?;
+                    let _ = s.set_nodelay(true);
+                    let mut buf = vec![0u8; 4096];
+                    for _ in 0..iters {
+                        s.read_exact(&mut buf).map_err(|e| e.to_string())?;
+                        s.write_all(&[1]).map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                })
+                .await
+                .map_err(|e| e.to_string())??;
+                println!("DONE");
+            }
+            Some("QUIT") | None => break,
+            Some(other) => println!("ERR unknown command {other}"),
+        }
+    }
+    rx.shutdown();
+    Ok(())
+}
+
+/// Human-readable report: one line per case with ratios.
+pub fn render(r: &BenchReport) -> String {
+    let mut out = String::new();
+    out.push_str(&format!(
+        "{:<10} {:<11} {:>9} {:>26} {:>8} {:>9} {:>8}\n",
+        "transport", "page", "GB/s med", "GB/s runs", "ratio", "CPU s/run", "verified"
+    ));
+    for c in &r.cases {
+        let runs: Vec<String> = c.gbps_runs.iter().map(|x| format!("{x:.2}")).collect();
+        let cpu = if c.cpu_s_runs.is_empty() {
+            0.0
+        } else {
+            c.cpu_s_runs.iter().sum::<f64>() / c.cpu_s_runs.len() as f64
+        };
+        out.push_str(&format!(
+            "{:<10} {:<11} {:>9.2} {:>26} {:>8} {:>9.2} {:>8}\n",
+            c.transport,
+            c.page,
+            c.gbps_median,
+            runs.join(" / "),
+            c.ratio.map_or("-".to_string(), |x| format!("{x:.2}x")),
+            cpu,
+            c.verified
+        ));
+    }
+    let l = |name: &str, x: &LatencyReport| {
+        format!(
+            "{name:<26} median {:>8.1} us   p99 {:>8.1} us\n",
+            x.median_us, x.p99_us
+        )
+    };
+    out.push_str(&l("4 KiB latency tcp", &r.latency_4k));
+    out.push_str(&l("4 KiB latency shm", &r.latency_4k_shm));
+    out.push_str(&l("4 KiB raw TCP ping-pong", &r.latency_4k_raw_tcp));
+    out.push_str(&l("abort -> pages released", &r.abort_release));
+    out
+}

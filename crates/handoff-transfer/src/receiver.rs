@@ -94,6 +94,7 @@ enum Cmd {
     ),
     Abort(RoomId, TransferError),
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
+    Wait(RoomId, oneshot::Sender<ReceiverPoll>),
     AddLink(RankId, TcpStream),
     Stats(oneshot::Sender<EndpointStats>),
     Shutdown,
@@ -139,6 +140,7 @@ impl KvReceiver {
             leases: HashMap::new(),
             aux: HashMap::new(),
             outcomes: HashMap::new(),
+            waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
             pool: pool.clone(),
@@ -248,6 +250,12 @@ impl KvReceiver {
         self.ask(|r| Cmd::Poll(room, r)).await
     }
 
+    /// Wait until `room` commits or fails and return the outcome (taken,
+    /// like `poll`). Returns `Unknown` at once for an unknown room.
+    pub async fn wait(&self, room: RoomId) -> Result<ReceiverPoll, TransportError> {
+        self.ask(|r| Cmd::Wait(room, r)).await
+    }
+
     /// Counters and gauges.
     pub async fn stats(&self) -> Result<EndpointStats, TransportError> {
         let mut s = self.ask(Cmd::Stats).await?;
@@ -280,6 +288,7 @@ struct Driver {
     leases: HashMap<RoomId, (PageLease, Vec<RankId>)>,
     aux: HashMap<RoomId, (u64, AuxData)>,
     outcomes: HashMap<RoomId, ReceiverPoll>,
+    waiters: HashMap<RoomId, oneshot::Sender<ReceiverPoll>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     pool: Arc<ShmRegion>,
@@ -430,6 +439,17 @@ impl Driver {
                 };
                 let _ = reply.send(p);
             }
+            Cmd::Wait(room, reply) => match self.outcomes.remove(&room) {
+                Some(o) => {
+                    let _ = reply.send(o);
+                }
+                None if self.rooms.state(room).is_some_and(|s| !s.is_terminal()) => {
+                    self.waiters.insert(room, reply);
+                }
+                None => {
+                    let _ = reply.send(ReceiverPoll::Unknown);
+                }
+            },
             Cmd::AddLink(rank, stream) => self.add_link(rank, stream),
             Cmd::Stats(reply) => {
                 let _ = reply.send(EndpointStats {
@@ -494,6 +514,19 @@ impl Driver {
         }
     }
 
+    fn outcome(&mut self, room: RoomId, o: ReceiverPoll) {
+        match self.waiters.remove(&room) {
+            Some(w) => {
+                if let Err(o) = w.send(o) {
+                    self.outcomes.insert(room, o);
+                }
+            }
+            None => {
+                self.outcomes.insert(room, o);
+            }
+        }
+    }
+
     fn forget(&mut self, room: RoomId, ranks: &[RankId]) {
         for rank in ranks {
             if let Some(l) = self.links.get(rank) {
@@ -541,12 +574,11 @@ impl Driver {
                         first_token: 0,
                         logprob: 0.0,
                     });
-                    self.outcomes
-                        .insert(room, ReceiverPoll::Success { lease, aux });
+                    self.outcome(room, ReceiverPoll::Success { lease, aux });
                 }
             }
             ReceiverAction::FailRequest { room, error } => {
-                self.outcomes.insert(room, ReceiverPoll::Failed(error));
+                self.outcome(room, ReceiverPoll::Failed(error));
             }
             ReceiverAction::ReleasePages {
                 room,

@@ -90,6 +90,7 @@ enum Cmd {
     },
     Finish(RoomId, AuxData, oneshot::Sender<Result<(), TransferError>>),
     Poll(RoomId, oneshot::Sender<SenderPoll>),
+    Wait(RoomId, oneshot::Sender<SenderPoll>),
     Stats(oneshot::Sender<EndpointStats>),
     Shutdown,
 }
@@ -150,6 +151,7 @@ impl KvSender {
             links: HashMap::new(),
             io: HashMap::new(),
             outcomes: HashMap::new(),
+            waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
             next_link: 0,
@@ -213,6 +215,12 @@ impl KvSender {
     /// The room's state or outcome (an outcome is reported once).
     pub async fn poll(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
         self.ask(|r| Cmd::Poll(room, r)).await
+    }
+
+    /// Wait until `room` ends and return its outcome (taken, like `poll`).
+    /// Returns `Unknown` at once for a room that is neither live nor ended.
+    pub async fn wait(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
+        self.ask(|r| Cmd::Wait(room, r)).await
     }
 
     /// Counters and gauges.
@@ -323,6 +331,7 @@ struct Driver {
     links: HashMap<RankId, Link>,
     io: HashMap<RoomId, RoomIo>,
     outcomes: HashMap<RoomId, Result<(), TransferError>>,
+    waiters: HashMap<RoomId, Vec<oneshot::Sender<SenderPoll>>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
@@ -524,6 +533,20 @@ impl Driver {
                 };
                 let _ = reply.send(p);
             }
+            Cmd::Wait(room, reply) => match self.outcomes.remove(&room) {
+                Some(Ok(())) => {
+                    let _ = reply.send(SenderPoll::Success);
+                }
+                Some(Err(e)) => {
+                    let _ = reply.send(SenderPoll::Failed(e));
+                }
+                None if self.rooms.state(room).is_some_and(|s| !s.is_terminal()) => {
+                    self.waiters.entry(room).or_default().push(reply);
+                }
+                None => {
+                    let _ = reply.send(SenderPoll::Unknown);
+                }
+            },
             Cmd::Stats(reply) => {
                 let _ = reply.send(EndpointStats {
                     live_rooms: self.rooms.live_rooms(),
@@ -731,7 +754,20 @@ impl Driver {
             }
             SenderAction::Finished { room, result } => {
                 self.io.remove(&room);
-                self.outcomes.insert(room, result);
+                match self.waiters.remove(&room) {
+                    Some(waiters) => {
+                        let p = match result {
+                            Ok(()) => SenderPoll::Success,
+                            Err(e) => SenderPoll::Failed(e),
+                        };
+                        for w in waiters {
+                            let _ = w.send(p.clone());
+                        }
+                    }
+                    None => {
+                        self.outcomes.insert(room, result);
+                    }
+                }
             }
         }
     }
