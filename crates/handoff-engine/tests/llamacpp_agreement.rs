@@ -6,7 +6,7 @@
 //! Agreement required, and why not exact identity everywhere: llama.cpp
 //! multiplies Q4_1 weights by activations quantized to 8 bits; our default
 //! formats (BENCHMARKS.md) compute prefill in f32 and decode with Q8_0
-//! weights. Both are faithful to the same weights but round differently, so
+//! weights and 8-bit activations in blocks of 32. Both are faithful to the same weights but round differently, so
 //! logits differ by a few hundredths. Where llama.cpp's top-1/top-2 logit gap
 //! is smaller than that, either choice is a correct greedy answer and the
 //! continuations may part ways from there on. So we require token identity

@@ -2,8 +2,9 @@
 //! minijinja the way Hugging Face transformers renders it (DESIGN.md §6):
 //! `trim_blocks` and `lstrip_blocks` on, Python string methods available
 //! (`.strip()`, `.startswith()`, ...), `raise_exception(msg)` to reject a
-//! conversation, and `messages`, `add_generation_prompt`, `bos_token`,
-//! `eos_token` in the context.
+//! conversation, `strftime_now(fmt)` (UTC; Llama 3 templates print the
+//! date), and `messages`, `add_generation_prompt`, `bos_token`, `eos_token`
+//! in the context.
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use minijinja::{context, Environment, ErrorKind};
@@ -104,6 +105,91 @@ impl std::fmt::Display for Raised {
 
 impl std::error::Error for Raised {}
 
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const WEEKDAYS: [&str; 7] = [
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+];
+
+/// Format `secs` since the Unix epoch (UTC) with the common `strftime`
+/// directives (`%Y %y %m %d %e %H %M %S %b %B %a %A %j %%`); others are kept as written.
+pub fn format_utc(secs: u64, fmt: &str) -> String {
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    let (h, mi, se) = (rem / 3600, rem % 3600 / 60, rem % 60);
+    // Howard Hinnant's civil_from_days.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cum[(m - 1) as usize] + d + i64::from(leap && m > 2);
+    let month = MONTHS[(m - 1) as usize];
+    let weekday = WEEKDAYS[(days % 7) as usize];
+    let mut out = String::with_capacity(fmt.len() + 8);
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y.rem_euclid(100))),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('e') => out.push_str(&format!("{d:>2}")),
+            Some('H') => out.push_str(&format!("{h:02}")),
+            Some('M') => out.push_str(&format!("{mi:02}")),
+            Some('S') => out.push_str(&format!("{se:02}")),
+            Some('j') => out.push_str(&format!("{yday:03}")),
+            Some('b') => out.push_str(&month[..3]),
+            Some('B') => out.push_str(month),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+fn strftime_now(fmt: String) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format_utc(secs, &fmt)
+}
+
 fn token_text(content: &Content, id_key: &str) -> String {
     let id = content.metadata.get(id_key).and_then(|v| match v {
         Value::U32(x) => Some(*x as usize),
@@ -151,6 +237,7 @@ impl ChatTemplate {
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| ChatTemplateError::Syntax(e.to_string()))?;
         Ok(ChatTemplate {
@@ -249,6 +336,19 @@ mod tests {
             )
         );
         assert_eq!(err.http_status(), 400);
+    }
+
+    #[test]
+    fn dates_for_templates() {
+        assert_eq!(format_utc(0, "%d %b %Y"), "01 Jan 1970");
+        assert_eq!(
+            format_utc(1_700_000_000, "%A %d %B %Y %H:%M:%S %j %y %%"),
+            "Tuesday 14 November 2023 22:13:20 318 23 %"
+        );
+        assert_eq!(format_utc(951_782_400, "%Y-%m-%d %a"), "2000-02-29 Tue");
+        let t = ChatTemplate::new("{{ strftime_now('%Y') }}", "", "").unwrap();
+        let year: i32 = t.render(&[], false).unwrap().parse().unwrap();
+        assert!(year >= 2024);
     }
 
     #[test]

@@ -7,14 +7,22 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
 
+/// Inner-dimension multiple for Q8_0 matrices (see `Mat::build`).
+const Q8_PAD: usize = 256;
+
 /// How a weight matrix is stored for one phase.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
     /// Keep the GGUF's own quantization (e.g. Q4_1); activations are
     /// quantized on the fly as llama.cpp does.
     AsLoaded,
-    /// Re-quantize to Q8_0 (8-bit blocks of 32).
+    /// Re-quantize to Q8_0 (8-bit blocks of 32); activations are quantized
+    /// in blocks of 32 too, as llama.cpp does.
     Q8_0,
+    /// Q8_0 with the inner dimension zero-padded to a multiple of 256 so that
+    /// candle's AVX-512 VNNI kernel runs (3-4x faster on CPUs that have it);
+    /// that kernel quantizes activations in blocks of 256, which is coarser.
+    Q8_0Vnni,
     /// Dequantize to f32 and use a dense f32 GEMM.
     F32,
 }
@@ -25,9 +33,10 @@ impl std::str::FromStr for WeightFormat {
         match s {
             "as-loaded" | "native" => Ok(Self::AsLoaded),
             "q8_0" | "q8" => Ok(Self::Q8_0),
+            "q8_0-vnni" => Ok(Self::Q8_0Vnni),
             "f32" => Ok(Self::F32),
             other => Err(format!(
-                "unknown weight format {other:?}: expected as-loaded, q8_0 or f32"
+                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni or f32"
             )),
         }
     }
@@ -38,6 +47,7 @@ impl std::fmt::Display for WeightFormat {
         f.write_str(match self {
             Self::AsLoaded => "as-loaded",
             Self::Q8_0 => "q8_0",
+            Self::Q8_0Vnni => "q8_0-vnni",
             Self::F32 => "f32",
         })
     }
@@ -72,7 +82,8 @@ pub enum Phase {
 }
 
 enum Mat {
-    Quant(QMatMul),
+    /// Quantized weights; the input is zero-padded to `padded_in` columns.
+    Quant(QMatMul, usize),
     /// `[in, out]`, contiguous (pre-transposed for the GEMM).
     Dense(Tensor),
 }
@@ -85,25 +96,51 @@ impl Mat {
                 Mat::Dense(q.dequantize(&dev)?.t()?.contiguous()?)
             }
             (WeightFormat::AsLoaded, _) | (WeightFormat::Q8_0, GgmlDType::Q8_0) => {
-                Mat::Quant(QMatMul::QTensor(std::sync::Arc::new(QTensor::new(
-                    clone_storage(q)?,
-                    q.shape().clone(),
-                )?)))
+                let in_dim = q.shape().dims()[1];
+                Mat::Quant(
+                    QMatMul::QTensor(std::sync::Arc::new(QTensor::new(
+                        clone_storage(q)?,
+                        q.shape().clone(),
+                    )?)),
+                    in_dim,
+                )
             }
-            (WeightFormat::Q8_0, _) => {
+            // candle's AVX-512 VNNI kernel for Q8_0 needs the inner
+            // dimension to be a multiple of 256: zero-pad the columns (zeros
+            // quantize exactly) to get it.
+            (WeightFormat::Q8_0 | WeightFormat::Q8_0Vnni, _) => {
                 let t = q.dequantize(&dev)?;
-                Mat::Quant(QMatMul::QTensor(std::sync::Arc::new(QTensor::quantize(
-                    &t,
-                    GgmlDType::Q8_0,
-                )?)))
+                let (out, in_dim) = t.dims2()?;
+                let padded = match format {
+                    WeightFormat::Q8_0Vnni => in_dim.div_ceil(Q8_PAD) * Q8_PAD,
+                    _ => in_dim,
+                };
+                let t = if padded != in_dim {
+                    let zeros =
+                        Tensor::zeros((out, padded - in_dim), candle_core::DType::F32, &dev)?;
+                    Tensor::cat(&[&t, &zeros], 1)?
+                } else {
+                    t
+                };
+                Mat::Quant(
+                    QMatMul::QTensor(std::sync::Arc::new(QTensor::quantize(&t, GgmlDType::Q8_0)?)),
+                    padded,
+                )
             }
         })
     }
 
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> candle_core::Result<Tensor> {
         match self {
-            Mat::Quant(q) => q.forward(x),
-            Mat::Dense(w) => x.matmul(w),
+            Mat::Quant(q, padded) if *padded != in_dim => {
+                let mut xp = vec![0.0f32; n * padded];
+                for (dst, src) in xp.chunks_exact_mut(*padded).zip(x.chunks_exact(in_dim)) {
+                    dst[..in_dim].copy_from_slice(src);
+                }
+                q.forward(&Tensor::from_vec(xp, (n, *padded), &Device::Cpu)?)
+            }
+            Mat::Quant(q, _) => q.forward(&Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?),
+            Mat::Dense(w) => Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?.matmul(w),
         }
     }
 }
@@ -155,12 +192,11 @@ impl Linear {
     /// `x` is `[n, in]` row-major; returns `[n, out]`.
     pub fn forward(&self, x: &[f32], n: usize, phase: Phase) -> Result<Vec<f32>, ModelError> {
         debug_assert_eq!(x.len(), n * self.in_dim);
-        let xt = Tensor::from_slice(x, (n, self.in_dim), &Device::Cpu)?;
         let mat = match phase {
             Phase::Prefill => &self.prefill,
             Phase::Decode => &self.decode,
         };
-        let y = mat.forward(&xt)?;
+        let y = mat.forward(x, n, self.in_dim)?;
         Ok(y.flatten_all()?.to_vec1::<f32>()?)
     }
 }

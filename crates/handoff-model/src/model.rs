@@ -15,19 +15,19 @@ use crate::error::ModelError;
 use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
 use crate::ops::{add_assign, add_bias, rms_norm, silu_mul};
 use crate::rope::{Rope, RopeMode};
+use candle_core::quantized::QStorage;
 
 pub(crate) struct Block {
     pub(crate) attn_norm: Vec<f32>,
-    pub(crate) wq: Linear,
-    pub(crate) wk: Linear,
-    pub(crate) wv: Linear,
+    /// Q, K and V projections stacked: one matmul per layer.
+    pub(crate) wqkv: Linear,
     pub(crate) bq: Option<Vec<f32>>,
     pub(crate) bk: Option<Vec<f32>>,
     pub(crate) bv: Option<Vec<f32>>,
     pub(crate) wo: Linear,
     pub(crate) ffn_norm: Vec<f32>,
-    pub(crate) w_gate: Linear,
-    pub(crate) w_up: Linear,
+    /// Gate and up projections stacked: one matmul per layer.
+    pub(crate) w_gate_up: Linear,
     pub(crate) w_down: Linear,
 }
 
@@ -84,13 +84,7 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         Ok(v)
     }
 
-    fn linear(
-        &mut self,
-        name: &str,
-        out: usize,
-        inp: usize,
-        f: PhaseFormats,
-    ) -> Result<Linear, ModelError> {
+    fn checked(&mut self, name: &str, out: usize, inp: usize) -> Result<QTensor, ModelError> {
         let t = self.tensor(name)?;
         let dims = t.shape().dims().to_vec();
         if dims != [out, inp] {
@@ -98,7 +92,31 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
                 "tensor {name} has shape {dims:?}, expected [{out}, {inp}]"
             )));
         }
-        Linear::new(&t, f)
+        Ok(t)
+    }
+
+    fn linear(
+        &mut self,
+        name: &str,
+        out: usize,
+        inp: usize,
+        f: PhaseFormats,
+    ) -> Result<Linear, ModelError> {
+        Linear::new(&self.checked(name, out, inp)?, f)
+    }
+
+    /// Several `[out_i, inp]` matrices stacked into one `[sum out_i, inp]`.
+    fn stacked(
+        &mut self,
+        parts: &[(String, usize)],
+        inp: usize,
+        f: PhaseFormats,
+    ) -> Result<Linear, ModelError> {
+        let mut tensors = Vec::with_capacity(parts.len());
+        for (name, out) in parts {
+            tensors.push(self.checked(name, *out, inp)?);
+        }
+        Linear::new(&stack_rows(&tensors)?, f)
     }
 }
 
@@ -163,16 +181,28 @@ impl Llama {
             };
             blocks.push(Block {
                 attn_norm: ld.vector(&n("attn_norm.weight"), h)?,
-                wq: ld.linear(&n("attn_q.weight"), h, h, formats)?,
-                wk: ld.linear(&n("attn_k.weight"), kvw, h, formats)?,
-                wv: ld.linear(&n("attn_v.weight"), kvw, h, formats)?,
+                wqkv: ld.stacked(
+                    &[
+                        (n("attn_q.weight"), h),
+                        (n("attn_k.weight"), kvw),
+                        (n("attn_v.weight"), kvw),
+                    ],
+                    h,
+                    formats,
+                )?,
                 bq: bias(&mut ld, "attn_q.bias", h)?,
                 bk: bias(&mut ld, "attn_k.bias", kvw)?,
                 bv: bias(&mut ld, "attn_v.bias", kvw)?,
                 wo: ld.linear(&n("attn_output.weight"), h, h, formats)?,
                 ffn_norm: ld.vector(&n("ffn_norm.weight"), h)?,
-                w_gate: ld.linear(&n("ffn_gate.weight"), config.ffn_hidden, h, formats)?,
-                w_up: ld.linear(&n("ffn_up.weight"), config.ffn_hidden, h, formats)?,
+                w_gate_up: ld.stacked(
+                    &[
+                        (n("ffn_gate.weight"), config.ffn_hidden),
+                        (n("ffn_up.weight"), config.ffn_hidden),
+                    ],
+                    h,
+                    formats,
+                )?,
                 w_down: ld.linear(&n("ffn_down.weight"), h, config.ffn_hidden, formats)?,
             });
         }
@@ -290,9 +320,7 @@ impl Llama {
         let shape = self.attn_shape();
         for (layer, b) in self.blocks.iter().enumerate() {
             let xn = rms_norm(&hidden, &b.attn_norm, cfg.rms_eps);
-            let mut q = b.wq.forward(&xn, total, phase)?;
-            let mut k = b.wk.forward(&xn, total, phase)?;
-            let mut v = b.wv.forward(&xn, total, phase)?;
+            let (mut q, mut k, mut v) = split_qkv(&b.wqkv.forward(&xn, total, phase)?, h, kvw);
             for (x, bias) in [(&mut q, &b.bq), (&mut k, &b.bk), (&mut v, &b.bv)] {
                 if let Some(bias) = bias {
                     add_bias(x, bias);
@@ -353,9 +381,7 @@ impl Llama {
             let o = b.wo.forward(&attn, total, phase)?;
             add_assign(&mut hidden, &o);
             let xn = rms_norm(&hidden, &b.ffn_norm, cfg.rms_eps);
-            let gate = b.w_gate.forward(&xn, total, phase)?;
-            let up = b.w_up.forward(&xn, total, phase)?;
-            let act = silu_mul(&gate, &up);
+            let act = silu_mul_stacked(&b.w_gate_up.forward(&xn, total, phase)?, cfg.ffn_hidden);
             let down = b.w_down.forward(&act, total, phase)?;
             add_assign(&mut hidden, &down);
         }
@@ -370,4 +396,60 @@ impl Llama {
         let vocab = self.lm_head.out_dim();
         Ok(logits.chunks_exact(vocab).map(|c| c.to_vec()).collect())
     }
+}
+
+/// Stack `[out_i, in]` quantized matrices into one `[sum out_i, in]` of the
+/// same type. Rows are whole quantization blocks, so this is a byte concat
+/// and exact.
+fn stack_rows(parts: &[QTensor]) -> Result<QTensor, ModelError> {
+    let first = parts
+        .first()
+        .ok_or_else(|| ModelError::Malformed("nothing to stack".into()))?;
+    let (dtype, inp) = (first.dtype(), first.shape().dims()[1]);
+    let mut bytes = Vec::new();
+    let mut rows = 0;
+    for p in parts {
+        if p.dtype() != dtype || p.shape().dims()[1] != inp {
+            // Mixed types: fall back to f32 and let the format choice re-quantize.
+            let ts = parts
+                .iter()
+                .map(|p| p.dequantize(&Device::Cpu))
+                .collect::<Result<Vec<_>, _>>()?;
+            let t = candle_core::Tensor::cat(&ts, 0)?;
+            return Ok(QTensor::quantize(
+                &t,
+                candle_core::quantized::GgmlDType::F32,
+            )?);
+        }
+        bytes.extend_from_slice(&p.data()?);
+        rows += p.shape().dims()[0];
+    }
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &Device::Cpu, dtype)?;
+    Ok(QTensor::new(storage, (rows, inp))?)
+}
+
+/// Split rows of `[n, h + 2*kvw]` into Q `[n, h]`, K and V `[n, kvw]`.
+pub(crate) fn split_qkv(qkv: &[f32], h: usize, kvw: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let w = h + 2 * kvw;
+    let n = qkv.len() / w;
+    let (mut q, mut k, mut v) = (
+        Vec::with_capacity(n * h),
+        Vec::with_capacity(n * kvw),
+        Vec::with_capacity(n * kvw),
+    );
+    for row in qkv.chunks_exact(w) {
+        q.extend_from_slice(&row[..h]);
+        k.extend_from_slice(&row[h..h + kvw]);
+        v.extend_from_slice(&row[h + kvw..]);
+    }
+    (q, k, v)
+}
+
+/// `silu(gate) * up` for rows of `[n, 2*ffn]` holding gate then up.
+pub(crate) fn silu_mul_stacked(gate_up: &[f32], ffn: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(gate_up.len() / 2);
+    for row in gate_up.chunks_exact(2 * ffn) {
+        out.extend(silu_mul(&row[..ffn], &row[ffn..]));
+    }
+    out
 }

@@ -4,8 +4,8 @@
 
 use crate::error::ModelError;
 use crate::linear::Phase;
-use crate::model::Llama;
-use crate::ops::{add_assign, add_bias, dot, rms_norm, silu_mul, softmax};
+use crate::model::{silu_mul_stacked, split_qkv, Llama};
+use crate::ops::{add_assign, add_bias, dot, rms_norm, softmax};
 
 impl Llama {
     /// Logits at every position of `tokens` (`[len][vocab]`), computed
@@ -25,9 +25,7 @@ impl Llama {
         }
         for b in &self.blocks {
             let xn = rms_norm(&hidden, &b.attn_norm, cfg.rms_eps);
-            let mut q = b.wq.forward(&xn, n, phase)?;
-            let mut k = b.wk.forward(&xn, n, phase)?;
-            let mut v = b.wv.forward(&xn, n, phase)?;
+            let (mut q, mut k, mut v) = split_qkv(&b.wqkv.forward(&xn, n, phase)?, h, kvw);
             for (x, bias) in [(&mut q, &b.bq), (&mut k, &b.bk), (&mut v, &b.bv)] {
                 if let Some(bias) = bias {
                     add_bias(x, bias);
@@ -58,10 +56,7 @@ impl Llama {
             let o = b.wo.forward(&attn, n, phase)?;
             add_assign(&mut hidden, &o);
             let xn = rms_norm(&hidden, &b.ffn_norm, cfg.rms_eps);
-            let act = silu_mul(
-                &b.w_gate.forward(&xn, n, phase)?,
-                &b.w_up.forward(&xn, n, phase)?,
-            );
+            let act = silu_mul_stacked(&b.w_gate_up.forward(&xn, n, phase)?, cfg.ffn_hidden);
             add_assign(&mut hidden, &b.w_down.forward(&act, n, phase)?);
         }
         let last = rms_norm(&hidden, &self.norm, cfg.rms_eps);
