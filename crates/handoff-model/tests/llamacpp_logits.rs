@@ -124,7 +124,6 @@ fn logits_track_llamacpp_step_by_step() {
                 }
             }
             let ours = argmax(&logits);
-            let best = want[0].1;
             if ours == want[0].0 {
                 argmax_same += 1;
             } else {
