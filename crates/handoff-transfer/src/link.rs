@@ -376,10 +376,7 @@ struct Slot {
 }
 
 enum ReadState {
-    Header {
-        buf: [u8; RECORD_LEN],
-        filled: usize,
-    },
+    Header,
     Payload {
         room: RoomId,
         dst: std::ops::Range<usize>,
@@ -397,11 +394,18 @@ pub struct LinkReader {
     rooms: HashMap<RoomId, Slot>,
     state: ReadState,
     counters: Arc<LinkCounters>,
-    scratch: Vec<u8>,
+    /// Staging for headers and small payloads (`pos..len` unread).
+    buf: Vec<u8>,
+    pos: usize,
+    len: usize,
 }
 
 /// Most bytes a reader moves before it looks at its commands again.
 const READ_BUDGET: usize = 16 << 20;
+/// Staging buffer: headers and small payloads arrive many per `read()`.
+const STAGING_BYTES: usize = 256 << 10;
+/// A payload remainder at least this large is read straight into the pool.
+const DIRECT_MIN: usize = 64 << 10;
 
 impl LinkReader {
     /// A reader for an established link.
@@ -418,12 +422,11 @@ impl LinkReader {
             pool,
             layout,
             rooms: HashMap::new(),
-            state: ReadState::Header {
-                buf: [0; RECORD_LEN],
-                filled: 0,
-            },
+            state: ReadState::Header,
             counters,
-            scratch: vec![0; 64 * 1024],
+            buf: vec![0; STAGING_BYTES],
+            pos: 0,
+            len: 0,
         }
     }
 
@@ -524,22 +527,35 @@ impl LinkReader {
     {
         let mut budget = READ_BUDGET;
         while budget > 0 {
-            let res = match &mut self.state {
-                ReadState::Header { buf, filled } => self.stream.try_read(&mut buf[*filled..]),
+            self.drain_staging(send).await?;
+            // A large payload remainder goes straight into the pool (no
+            // copy); everything else through the staging buffer, so many
+            // small records cost one read() between them.
+            let direct = match &self.state {
                 ReadState::Payload {
                     dst, filled, keep, ..
-                } => {
-                    let want = dst.start + *filled..dst.end;
-                    if *keep {
-                        let stream = &self.stream;
-                        self.pool
-                            .with_mut(want, |b| stream.try_read(b))
-                            .map_err(|e| e.to_string())?
-                    } else {
-                        let n = want.len().min(self.scratch.len());
-                        self.stream.try_read(&mut self.scratch[..n])
-                    }
+                } => *keep && dst.len() - *filled >= DIRECT_MIN,
+                ReadState::Header => false,
+            };
+            let res = if direct {
+                let ReadState::Payload { dst, filled, .. } = &self.state else {
+                    return Err("reader state".into());
+                };
+                let want = dst.start + *filled..dst.end;
+                let stream = &self.stream;
+                self.pool
+                    .with_mut(want, |b| stream.try_read(b))
+                    .map_err(|e| e.to_string())?
+            } else {
+                if self.pos == self.len {
+                    self.pos = 0;
+                    self.len = 0;
+                } else if self.pos > 0 {
+                    self.buf.copy_within(self.pos..self.len, 0);
+                    self.len -= self.pos;
+                    self.pos = 0;
                 }
+                self.stream.try_read(&mut self.buf[self.len..])
             };
             let n = match res {
                 Ok(0) => return Ok(false),
@@ -548,37 +564,65 @@ impl LinkReader {
                 Err(e) => return Err(e.to_string()),
             };
             budget = budget.saturating_sub(n);
-            match &mut self.state {
-                ReadState::Header { buf, filled } => {
-                    *filled += n;
-                    if *filled == RECORD_LEN {
-                        let rec = Record::decode(buf).map_err(|e| e.to_string())?;
-                        self.state = ReadState::Header {
-                            buf: [0; RECORD_LEN],
-                            filled: 0,
-                        };
-                        self.record(rec, send).await?;
+            if direct {
+                self.advance_payload(n);
+            } else {
+                self.len += n;
+            }
+        }
+        self.drain_staging(send).await?;
+        Ok(true)
+    }
+
+    fn advance_payload(&mut self, n: usize) {
+        if let ReadState::Payload {
+            dst, filled, keep, ..
+        } = &mut self.state
+        {
+            *filled += n;
+            if *keep {
+                self.counters
+                    .bytes_landed
+                    .fetch_add(n as u64, Ordering::Relaxed);
+            }
+            if *filled == dst.len() {
+                self.state = ReadState::Header;
+            }
+        }
+    }
+
+    /// Act on every complete record and payload byte in the staging buffer.
+    async fn drain_staging<F>(&mut self, send: &F) -> Result<(), String>
+    where
+        F: Fn(ReaderEvent) -> bool,
+    {
+        while self.pos < self.len {
+            match &self.state {
+                ReadState::Header => {
+                    if self.len - self.pos < RECORD_LEN {
+                        return Ok(());
                     }
+                    let mut h = [0u8; RECORD_LEN];
+                    h.copy_from_slice(&self.buf[self.pos..self.pos + RECORD_LEN]);
+                    self.pos += RECORD_LEN;
+                    let rec = Record::decode(&h).map_err(|e| e.to_string())?;
+                    self.record(rec, send).await?;
                 }
                 ReadState::Payload {
                     dst, filled, keep, ..
                 } => {
-                    *filled += n;
+                    let n = (dst.len() - filled).min(self.len - self.pos);
                     if *keep {
-                        self.counters
-                            .bytes_landed
-                            .fetch_add(n as u64, Ordering::Relaxed);
+                        self.pool
+                            .write_at(dst.start + filled, &self.buf[self.pos..self.pos + n])
+                            .map_err(|e| e.to_string())?;
                     }
-                    if *filled == dst.len() {
-                        self.state = ReadState::Header {
-                            buf: [0; RECORD_LEN],
-                            filled: 0,
-                        };
-                    }
+                    self.pos += n;
+                    self.advance_payload(n);
                 }
             }
         }
-        Ok(true)
+        Ok(())
     }
 
     async fn record<F>(&mut self, rec: Record, send: &F) -> Result<(), String>

@@ -47,6 +47,7 @@ conformance!(
     version_and_fingerprint_mismatch_fail_at_handshake,
     bad_secret_is_refused,
     out_of_range_destination_page_is_rejected_and_nothing_written,
+    decode_rejects_segments_outside_the_room_and_writes_nothing,
     killed_decode_fails_prefill_room_in_each_state,
     killed_prefill_fails_decode_room_in_each_state,
     pages_are_not_reused_while_a_frozen_writer_may_write,
@@ -371,6 +372,14 @@ impl RawDecode {
     ) -> Result<RawDecode, HandshakeError> {
         let mut s = TcpStream::connect(addr).await.unwrap();
         s.write_all(b"C").await.unwrap();
+        Self::handshake(s, cfg).await
+    }
+
+    /// Handshake on an open socket (either role).
+    async fn handshake(
+        mut s: TcpStream,
+        cfg: HandshakeConfig,
+    ) -> Result<RawDecode, HandshakeError> {
         let mut conn = Connection::new(
             cfg,
             [9; 32],
@@ -976,6 +985,126 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
     assert!(t0.elapsed() >= testing::timers().abort_ack_fence);
     let _ = Command::new("kill").args(["-CONT", &pid]).status();
     drop(child);
+    rx.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        rx.live_tasks() == 0
+    })
+    .await;
+}
+
+/// A prefill that lies on the data link: segments for pages that are not the
+/// room's, beyond the pool, or in a layer that does not exist. Decode
+/// rejects each before a byte lands, and its ack says so.
+async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: TransportKind) {
+    use handoff_transfer::wire::{Record, SegmentHeader};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (d_pool, _) = testing::pool();
+    let rx = KvReceiver::start(
+        testing::receiver_config(kind),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rx2 = rx.clone();
+    let connecting = tokio::spawn(async move { rx2.connect(addr).await });
+    let prefill_hs = testing::sender_config().handshake;
+    let mut control = None;
+    let mut data = None;
+    while control.is_none() || data.is_none() {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut pre = [0u8; 1];
+        s.read_exact(&mut pre).await.unwrap();
+        if pre[0] == b'C' {
+            let hs = prefill_hs.clone();
+            control = Some(tokio::spawn(async move {
+                RawDecode::handshake(s, hs).await.unwrap()
+            }));
+        } else {
+            handoff_transfer::conn::handshake_exact(
+                &mut s,
+                prefill_hs.clone(),
+                Duration::from_secs(2),
+            )
+            .await
+            .unwrap();
+            let mut k = [0u8; 1];
+            s.read_exact(&mut k).await.unwrap();
+            let mut rest = vec![0u8; if k[0] == b'S' { 16 } else { 8 }];
+            s.read_exact(&mut rest).await.unwrap();
+            s.write_all(&[0]).await.unwrap();
+            data = Some(s);
+        }
+    }
+    let mut control = control.unwrap().await.unwrap();
+    let mut data = data.unwrap();
+    let rank = connecting.await.unwrap().unwrap();
+    let r = room(800);
+    rx.open(r, sources(rank)).await.unwrap();
+    let lease = d_pool.allocator().lease(2).unwrap();
+    let mine = lease.pages().to_vec();
+    rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+    let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
+        panic!("no destination")
+    };
+    assert_eq!(dest.pages.len(), 2);
+    let span = handoff_transfer::link::page_span(d_pool.layout());
+    let not_mine = (0..testing::TEST_PAGES as u32)
+        .find(|p| !mine.contains(&PageIndex(*p)))
+        .unwrap();
+    for (layer, dst_page) in [(0, not_mine), (0, 10_000), (7, mine[0].0)] {
+        let h = Record::Segment(SegmentHeader {
+            room: r,
+            layer,
+            dst_page,
+            n_pages: 1,
+        });
+        data.write_all(&h.encode()).await.unwrap();
+        data.write_all(&vec![0xAB; span]).await.unwrap();
+    }
+    data.write_all(
+        &Record::End {
+            room: r,
+            cancelled: false,
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
+    let mut ack = [0u8; handoff_transfer::wire::ACK_LEN];
+    data.read_exact(&mut ack).await.unwrap();
+    let ack = handoff_transfer::wire::Ack::decode(&ack).unwrap();
+    assert_eq!(
+        (ack.room, ack.ok),
+        (r, false),
+        "decode must not acknowledge bad writes"
+    );
+    let region = d_pool.shared_region().unwrap();
+    let mut all = vec![0u8; region.len()];
+    region.read_at(0, &mut all).unwrap();
+    assert!(all.iter().all(|b| *b == 0), "nothing written");
+    assert!(rx.stats().await.unwrap().rejected_segments >= 3);
+    // The lying prefill reports failure; decode fails the room and frees it.
+    control
+        .send(Message::Status(handoff_proto::message::Status {
+            room: r,
+            outcome: handoff_proto::message::Outcome::Failed {
+                kind: FailureKind::Internal,
+                reason: "gave up".into(),
+                http_status: Some(500),
+            },
+        }))
+        .await;
+    assert!(matches!(
+        receiver_outcome(&rx, r, Duration::from_secs(1)).await,
+        ReceiverPoll::Failed(_)
+    ));
+    eventually("pages back", Duration::from_secs(1), || async {
+        d_pool.allocator().stats().leased == 0
+    })
+    .await;
+    assert_eq!(rx.stats().await.unwrap().live_rooms, 0);
+    drop(control);
+    drop(data);
     rx.shutdown();
     eventually("no task left", Duration::from_secs(3), || async {
         rx.live_tasks() == 0
