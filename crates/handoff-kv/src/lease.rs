@@ -7,13 +7,15 @@
 //! in-flight write (FIELD-NOTES invariant 8).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use crate::error::KvError;
 use crate::layout::PageIndex;
 
 struct AllocInner {
     free: Mutex<Vec<PageIndex>>,
+    returned: Condvar,
     total: usize,
     leased: AtomicUsize,
     leases: AtomicUsize,
@@ -27,8 +29,11 @@ impl AllocInner {
 
     fn give_back(&self, pages: &mut Vec<PageIndex>) {
         let n = pages.len();
-        self.free_list().append(pages);
+        let mut free = self.free_list();
+        free.append(pages);
         self.leased.fetch_sub(n, Ordering::AcqRel);
+        drop(free);
+        self.returned.notify_all();
     }
 }
 
@@ -64,6 +69,7 @@ impl PageAllocator {
         Self {
             inner: Arc::new(AllocInner {
                 free: Mutex::new(free),
+                returned: Condvar::new(),
                 total: num_pages,
                 leased: AtomicUsize::new(0),
                 leases: AtomicUsize::new(0),
@@ -139,6 +145,27 @@ impl PageAllocator {
         pages.reverse();
         self.inner.leased.fetch_add(n, Ordering::AcqRel);
         Ok(pages)
+    }
+
+    /// Block until at most `leased` pages are leased, or `timeout` passes
+    /// (returns whether the condition holds). For drains and measurements of
+    /// when pages come back, without spinning.
+    pub fn wait_leased_at_most(&self, leased: usize, timeout: Duration) -> bool {
+        let end = Instant::now() + timeout;
+        let mut free = self.inner.free_list();
+        loop {
+            if self.inner.leased.load(Ordering::Acquire) <= leased {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= end {
+                return false;
+            }
+            free = match self.inner.returned.wait_timeout(free, end - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
     }
 
     /// Current counts.
@@ -290,6 +317,18 @@ mod tests {
         assert!(!rest.pages().contains(&PageIndex(6)));
         drop((a, rest));
         assert_eq!(alloc.stats().leased, 0);
+    }
+
+    #[test]
+    fn waiting_for_pages_wakes_when_they_return() {
+        let alloc = PageAllocator::new(4);
+        let lease = alloc.lease(3).unwrap();
+        assert!(!alloc.wait_leased_at_most(0, Duration::from_millis(5)));
+        let a2 = alloc.clone();
+        let t = std::thread::spawn(move || a2.wait_leased_at_most(0, Duration::from_secs(10)));
+        std::thread::sleep(Duration::from_millis(20));
+        drop(lease);
+        assert!(t.join().unwrap());
     }
 
     #[test]
