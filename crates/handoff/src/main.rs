@@ -2,6 +2,7 @@
 //! server: the engine on the given GGUF and the HTTP API in front of it.
 #![forbid(unsafe_code)]
 
+mod bench_model;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -18,6 +19,17 @@ struct Cli {
 enum Command {
     /// Serve a model with an OpenAI- and SGLang-compatible HTTP API (colocated).
     Serve(serve::ServeArgs),
+    /// Prefill and decode throughput of the model runner next to llama.cpp's
+    /// llama-bench on the same GGUF, printed as ratios.
+    BenchModel(bench_model::BenchModelArgs),
+}
+
+/// candle's CPU kernels run on a process-wide pool sized by this variable,
+/// read once at first use: set it from `--threads` before any model work.
+fn set_compute_threads(threads: u16) {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", threads.to_string());
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -30,6 +42,13 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => {
+            set_compute_threads(args.threads);
+            serve::run(args)
+        }
+        Command::BenchModel(args) => {
+            set_compute_threads(args.threads);
+            bench_model::run(args)
+        }
     }
 }

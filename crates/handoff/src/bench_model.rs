@@ -1,0 +1,205 @@
+//! `handoff bench-model`: prefill and decode throughput of the model runner
+//! next to llama.cpp's `llama-bench` on the same GGUF, in one run, printed as
+//! ratios (issue: colocated serving, BENCHMARKS.md).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use handoff_kv::{KvPool, PageIndex};
+use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk, WeightFormat};
+
+/// Flags of `handoff bench-model`.
+#[derive(Debug, clap::Args)]
+pub struct BenchModelArgs {
+    /// GGUF model file.
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    /// Compute threads (ours and llama.cpp's).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=256))]
+    pub(crate) threads: u16,
+    /// Timed repetitions per case (median reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
+    reps: u16,
+    /// Weight format for prefill (f32, q8_0, as-loaded).
+    #[arg(long, default_value = "f32")]
+    prefill_format: WeightFormat,
+    /// Weight format for decode (f32, q8_0, as-loaded).
+    #[arg(long, default_value = "q8_0")]
+    decode_format: WeightFormat,
+    /// Skip llama.cpp (print only our figures).
+    #[arg(long)]
+    no_llamacpp: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Tokens/s of prefilling `n` tokens, median of `reps`.
+fn prefill_rate(model: &Llama, n: usize, reps: usize) -> anyhow::Result<f64> {
+    let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + (i * 7919) % 40_000).collect();
+    let pages: Vec<PageIndex> = (0..n.div_ceil(16) as u32).map(PageIndex).collect();
+    let mut rates = Vec::new();
+    for _ in 0..reps + 1 {
+        let mut kv = KvPool::new(model.kv_geometry(16), pages.len())?;
+        let t = Instant::now();
+        model.forward(
+            &mut kv,
+            &[SeqChunk {
+                tokens: &tokens,
+                start_pos: 0,
+                pages: &pages,
+            }],
+            Phase::Prefill,
+        )?;
+        rates.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    rates.remove(0); // warm-up
+    Ok(median(rates))
+}
+
+/// Generated tokens/s of `batch` sequences decoding `steps` tokens each after a 32-token prompt.
+fn decode_rate(model: &Llama, batch: usize, steps: usize, reps: usize) -> anyhow::Result<f64> {
+    let per_seq = (32 + steps).div_ceil(16);
+    let tokens: Vec<u32> = (0..(32 + steps) as u32)
+        .map(|i| 100 + (i * 7919) % 40_000)
+        .collect();
+    let mut rates = Vec::new();
+    for _ in 0..reps + 1 {
+        let mut kv = KvPool::new(model.kv_geometry(16), per_seq * batch)?;
+        let pages: Vec<Vec<PageIndex>> = (0..batch)
+            .map(|b| {
+                (0..per_seq)
+                    .map(|p| PageIndex((b * per_seq + p) as u32))
+                    .collect()
+            })
+            .collect();
+        for p in &pages {
+            model.forward(
+                &mut kv,
+                &[SeqChunk {
+                    tokens: &tokens[..32],
+                    start_pos: 0,
+                    pages: p,
+                }],
+                Phase::Prefill,
+            )?;
+        }
+        let t = Instant::now();
+        for step in 0..steps {
+            let pos = 32 + step;
+            let chunks: Vec<SeqChunk<'_>> = pages
+                .iter()
+                .map(|p| SeqChunk {
+                    tokens: &tokens[pos..pos + 1],
+                    start_pos: pos,
+                    pages: p,
+                })
+                .collect();
+            model.forward(&mut kv, &chunks, Phase::Decode)?;
+        }
+        rates.push((batch * steps) as f64 / t.elapsed().as_secs_f64());
+    }
+    rates.remove(0);
+    Ok(median(rates))
+}
+
+/// llama-bench's tokens/s for (n_prompt, n_gen) pairs, via scripts/bench-llamacpp.sh.
+fn llamacpp(threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
+    let out = Command::new("scripts/bench-llamacpp.sh")
+        .env("THREADS", threads.to_string())
+        .env("REPS", reps.to_string())
+        .env("TG", "64")
+        .output()
+        .context("running scripts/bench-llamacpp.sh (run from the repository root)")?;
+    if !out.status.success() {
+        bail!(
+            "scripts/bench-llamacpp.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
+    let rows = v.as_array().context("llama-bench JSON is not an array")?;
+    Ok(rows
+        .iter()
+        .filter_map(|r| {
+            Some((
+                r["n_prompt"].as_u64()?,
+                r["n_gen"].as_u64()?,
+                r["avg_ts"].as_f64()?,
+            ))
+        })
+        .collect())
+}
+
+/// Run the benchmark and print the table.
+pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
+    let threads = args.threads as usize;
+    let reps = args.reps as usize;
+    let formats = PhaseFormats {
+        prefill: args.prefill_format,
+        decode: args.decode_format,
+    };
+    let (model, _) = Llama::load(&args.model, formats)
+        .with_context(|| format!("loading {}", args.model.display()))?;
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
+    println!(
+        "handoff bench-model: {} threads, formats prefill={} decode={}, loadavg {}",
+        threads,
+        formats.prefill,
+        formats.decode,
+        loadavg()
+    );
+    let ours = pool.install(|| -> anyhow::Result<[f64; 4]> {
+        Ok([
+            prefill_rate(&model, 128, reps)?,
+            prefill_rate(&model, 512, reps)?,
+            decode_rate(&model, 1, 64, reps)?,
+            decode_rate(&model, 8, 64, reps)?,
+        ])
+    })?;
+    let theirs = if args.no_llamacpp {
+        None
+    } else {
+        let rows = llamacpp(args.threads, args.reps)?;
+        let find = |p: u64, g: u64| rows.iter().find(|r| r.0 == p && r.1 == g).map(|r| r.2);
+        Some([find(128, 0), find(512, 0), find(0, 64)])
+    };
+    println!(
+        "{:<22} {:>12} {:>14} {:>8}",
+        "case", "handoff t/s", "llama.cpp t/s", "ratio"
+    );
+    let names = ["prefill 128", "prefill 512", "decode batch 1"];
+    for (i, name) in names.iter().enumerate() {
+        match theirs.and_then(|t| t[i]) {
+            Some(t) => println!(
+                "{name:<22} {:>12.1} {:>14.1} {:>8.2}",
+                ours[i],
+                t,
+                ours[i] / t
+            ),
+            None => println!("{name:<22} {:>12.1} {:>14} {:>8}", ours[i], "-", "-"),
+        }
+    }
+    println!(
+        "{:<22} {:>12.1} {:>14} {:>8.2}  (vs our batch 1)",
+        "decode batch 8",
+        ours[3],
+        "-",
+        ours[3] / ours[2]
+    );
+    println!("loadavg after: {}", loadavg());
+    Ok(())
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}

