@@ -26,7 +26,7 @@ pub struct ServeArgs {
     port: u16,
     /// Compute threads of the engine.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
-    threads: u16,
+    pub(crate) threads: u16,
     /// KV page size in tokens.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     page_size: u32,
