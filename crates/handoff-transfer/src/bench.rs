@@ -428,18 +428,18 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 wait_waiting(&tx, room).await?;
                 let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
                 let t0 = Instant::now();
-                tx.send(room, 0..1, 0..n, src_arc.clone())
-                    .await
-                    .map_err(|e| e.to_string())?;
-                tx.finish(
-                    room,
-                    AuxData {
-                        first_token: 1,
-                        logprob: 0.0,
-                    },
-                )
-                .await
-                .map_err(|e| e.to_string())?;
+                // Both commands are queued at once, in order.
+                let (a, b) = tokio::join!(
+                    tx.send(room, 0..1, 0..n, src_arc.clone()),
+                    tx.finish(
+                        room,
+                        AuxData {
+                            first_token: 1,
+                            logprob: 0.0
+                        }
+                    )
+                );
+                a.and(b).map_err(|e| e.to_string())?;
                 let out = tx.wait(room).await.map_err(|e| e.to_string())?;
                 let dt = t0.elapsed();
                 let cpu = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid()) - cpu0;
@@ -641,18 +641,18 @@ async fn latency_4k(
         }
         wait_waiting(tx, room).await?;
         let t0 = Instant::now();
-        tx.send(room, 0..1, 0..1, src.clone())
-            .await
-            .map_err(|e| e.to_string())?;
-        tx.finish(
-            room,
-            AuxData {
-                first_token: 1,
-                logprob: 0.0,
-            },
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+        // Both commands are queued at once, in order.
+        let (a, b) = tokio::join!(
+            tx.send(room, 0..1, 0..1, src.clone()),
+            tx.finish(
+                room,
+                AuxData {
+                    first_token: 1,
+                    logprob: 0.0
+                }
+            )
+        );
+        a.and(b).map_err(|e| e.to_string())?;
         let out = tx.wait(room).await.map_err(|e| e.to_string())?;
         v.push(t0.elapsed().as_secs_f64() * 1e6);
         if out != SenderPoll::Success {
@@ -774,13 +774,15 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
                             http_status: 499,
                         },
                     );
-                    while alloc.stats().leased > base {
-                        tokio::task::yield_now().await;
-                        if t0.elapsed() > Duration::from_secs(10) {
-                            return Err("pages never released".into());
-                        }
-                    }
-                    out.push(t0.elapsed().as_secs_f64() * 1e6);
+                    let a2 = alloc.clone();
+                    let released = tokio::task::spawn_blocking(move || {
+                        a2.wait_leased_at_most(base, Duration::from_secs(10))
+                            .then(Instant::now)
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or("pages never released")?;
+                    out.push((released - t0).as_secs_f64() * 1e6);
                     if let Ok(ReceiverPoll::Pending(_)) = rx.poll(room).await {
                         let _ = rx.wait(room).await;
                     }

@@ -398,6 +398,8 @@ pub struct LinkReader {
     buf: Vec<u8>,
     pos: usize,
     len: usize,
+    /// Size of the last segment payload (picks the next read's size).
+    last_payload: usize,
 }
 
 /// Most bytes a reader moves before it looks at its commands again.
@@ -427,6 +429,7 @@ impl LinkReader {
             buf: vec![0; STAGING_BYTES],
             pos: 0,
             len: 0,
+            last_payload: 0,
         }
     }
 
@@ -555,7 +558,18 @@ impl LinkReader {
                     self.len -= self.pos;
                     self.pos = 0;
                 }
-                self.stream.try_read(&mut self.buf[self.len..])
+                // After a large payload the next record is most likely
+                // another large one: read just its header, so its payload
+                // goes straight into the pool rather than through staging.
+                let want =
+                    if self.last_payload >= DIRECT_MIN && matches!(self.state, ReadState::Header) {
+                        // (Staging was compacted above: `pos` is 0.)
+                        RECORD_LEN.saturating_sub(self.len).max(1)
+                    } else {
+                        self.buf.len() - self.len
+                    };
+                let end = (self.len + want).min(self.buf.len());
+                self.stream.try_read(&mut self.buf[self.len..end])
             };
             let n = match res {
                 Ok(0) => return Ok(false),
@@ -635,6 +649,7 @@ impl LinkReader {
                     .checked_mul(page_span(&self.layout))
                     .filter(|l| *l <= self.pool.len())
                     .ok_or_else(|| format!("segment of {} pages", h.n_pages))?;
+                self.last_payload = len;
                 let (dst, keep) = match self.place(&h) {
                     Some(r) => (r, true),
                     None => (0..len, false),
