@@ -38,6 +38,7 @@ impl BootstrapServer {
         let ranks: Arc<Mutex<BTreeMap<RankId, SocketAddr>>> = Arc::default();
         let tasks = TaskCounter::default();
         let table = ranks.clone();
+        let per_conn = tasks.clone();
         let task = tasks.spawn(async move {
             loop {
                 let Ok((mut s, _)) = listener.accept().await else {
@@ -47,7 +48,7 @@ impl BootstrapServer {
                     let t = table.lock().unwrap_or_else(|e| e.into_inner());
                     t.iter().map(|(r, a)| format!("{} {a}\n", r.0)).collect()
                 };
-                tokio::spawn(async move {
+                per_conn.spawn(async move {
                     let mut req = [0u8; 4];
                     let ok = tokio::time::timeout(Duration::from_secs(2), async {
                         tokio::io::AsyncReadExt::read_exact(&mut s, &mut req).await

@@ -51,6 +51,7 @@ conformance!(
     killed_decode_fails_prefill_room_in_each_state,
     killed_prefill_fails_decode_room_in_each_state,
     pages_are_not_reused_while_a_frozen_writer_may_write,
+    frozen_peers_are_declared_dead_by_heartbeat,
 );
 
 fn room(n: u64) -> RoomId {
@@ -1108,6 +1109,107 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     rx.shutdown();
     eventually("no task left", Duration::from_secs(3), || async {
         rx.live_tasks() == 0
+    })
+    .await;
+}
+
+fn signal(child: &Child, sig: &str) {
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .unwrap()
+        .success());
+}
+
+/// A hung peer keeps its sockets open: only heartbeats can tell. Both
+/// directions: a frozen prefill fails decode's room, a frozen decode fails
+/// prefill's room, each with a peer-dead error within the miss bound.
+async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
+    let bound = testing::timers().heartbeat_miss + Duration::from_millis(300);
+    // Frozen prefill.
+    let mut child = ChildGuard(
+        Command::new(peer_bin())
+            .args(["prefill", kind.name(), "waiting"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let lines = Lines::of(&mut child.0);
+    let addr: std::net::SocketAddr = lines.next().parse().unwrap();
+    let (d_pool, _) = testing::pool();
+    let rx = KvReceiver::start(
+        testing::receiver_config(kind),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rank = rx.connect(addr).await.unwrap();
+    let r = room(77);
+    rx.open(r, sources(rank)).await.unwrap();
+    rx.reserve(r, d_pool.allocator().lease(4).unwrap(), AuxSlot(1))
+        .await
+        .unwrap();
+    assert_eq!(lines.next(), "READY");
+    signal(&child.0, "-STOP");
+    let t0 = Instant::now();
+    let ReceiverPoll::Failed(e) = rx.wait(r).await.unwrap() else {
+        panic!("decode room did not fail")
+    };
+    let took = t0.elapsed();
+    assert_eq!(e.kind(), FailureKind::PeerDead, "{e}");
+    assert!(took <= bound, "frozen prefill declared dead after {took:?}");
+    eventually(
+        "pages back after the fence",
+        Duration::from_secs(3),
+        || async { d_pool.allocator().stats().leased == 0 },
+    )
+    .await;
+    signal(&child.0, "-CONT");
+    drop(child);
+    rx.shutdown();
+    // Frozen decode.
+    let (p_pool, _) = testing::pool();
+    let tx = KvSender::start(
+        testing::sender_config(),
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let r = room(78);
+    tx.open(r).await.unwrap();
+    let mut child = ChildGuard(
+        Command::new(peer_bin())
+            .args([
+                "decode",
+                &tx.local_addr().to_string(),
+                kind.name(),
+                "waiting",
+                "78",
+            ])
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let lines = Lines::of(&mut child.0);
+    assert_eq!(lines.next(), "READY");
+    testing::wait_sender_state(&tx, r, RoomState::WaitingForInput)
+        .await
+        .unwrap();
+    signal(&child.0, "-STOP");
+    let t0 = Instant::now();
+    let SenderPoll::Failed(e) = tx.wait(r).await.unwrap() else {
+        panic!("prefill room did not fail")
+    };
+    let took = t0.elapsed();
+    assert_eq!(e.kind(), FailureKind::PeerDead, "{e}");
+    assert!(took <= bound, "frozen decode declared dead after {took:?}");
+    assert_eq!(tx.stats().await.unwrap().live_rooms, 0);
+    signal(&child.0, "-CONT");
+    drop(child);
+    tx.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        tx.live_tasks() == 0 && rx.live_tasks() == 0
     })
     .await;
 }
