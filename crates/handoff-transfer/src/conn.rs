@@ -123,12 +123,15 @@ async fn writer_task(
 }
 
 /// Run one control connection until it closes. `send` delivers events to
-/// the driver (mapped into its event type).
+/// the driver (mapped into its event type). Events name the peer `peer`
+/// (the endpoint's own id for it), or its TP rank when `None`.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_control<E, F>(
     stream: TcpStream,
     config: HandshakeConfig,
     handshake_timeout: Duration,
     conn_id: u64,
+    peer_id: Option<RankId>,
     tasks: TaskCounter,
     send: F,
 ) where
@@ -166,7 +169,7 @@ pub async fn run_control<E, F>(
                 while let Some(ev) = conn.poll_event() {
                     let sent = match ev {
                         ConnectionEvent::Established(n) => {
-                            let peer = n.peer_rank();
+                            let peer = peer_id.unwrap_or_else(|| n.peer_rank());
                             rank = Some(peer);
                             match mtx.take() {
                                 Some(tx) => send(CtlEvent::Established { conn: conn_id, rank: peer, tx }),

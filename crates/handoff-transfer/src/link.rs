@@ -68,9 +68,11 @@ async fn reply_setup(stream: &mut TcpStream, result: &Result<(), String>) {
 }
 
 /// Decode side: open a data link to `addr` for `kind`, offering `pool`
-/// (`num_pages` pages of `layout`). Returns the socket and the prefill rank.
+/// (`num_pages` pages of `layout`), as decode endpoint `endpoint`. Returns
+/// the socket and the prefill's TP rank.
 pub async fn connect_link(
     addr: std::net::SocketAddr,
+    endpoint: u64,
     config: HandshakeConfig,
     timeout: Duration,
     kind: TransportKind,
@@ -81,7 +83,9 @@ pub async fn connect_link(
         .await
         .map_err(TransportError::io("data link connect"))?;
     let _ = s.set_nodelay(true);
-    s.write_all(&[PREFACE_DATA])
+    let mut preface = vec![PREFACE_DATA];
+    preface.extend_from_slice(&endpoint.to_le_bytes());
+    s.write_all(&preface)
         .await
         .map_err(TransportError::io("data link preface"))?;
     let n = handshake_exact(&mut s, config, timeout).await?;
@@ -138,17 +142,19 @@ enum LinkWriter {
     Tcp(TcpTransport),
 }
 
-/// Prefill side: finish accepting a data link (preface already read).
+/// Prefill side: finish accepting a data link from the decode endpoint known
+/// here as `peer` (preface already read).
 pub async fn accept_link(
     mut s: TcpStream,
+    peer: RankId,
     config: HandshakeConfig,
     timeout: Duration,
     src: Arc<ShmRegion>,
     layout: &KvLayout,
 ) -> Result<AcceptedLink, TransportError> {
     let _ = s.set_nodelay(true);
-    let n = handshake_exact(&mut s, config, timeout).await?;
-    let rank = n.peer_rank();
+    handshake_exact(&mut s, config, timeout).await?;
+    let rank = peer;
     let per_page = page_span(layout) * layout.geometry.layers;
     let mut kind = [0u8; 1];
     let read = tokio::time::timeout(timeout, s.read_exact(&mut kind)).await;

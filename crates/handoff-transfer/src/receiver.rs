@@ -115,6 +115,8 @@ pub struct KvReceiver {
     layout: KvLayout,
     tasks: TaskCounter,
     conn_ids: Arc<std::sync::atomic::AtomicU64>,
+    next_peer: Arc<std::sync::atomic::AtomicU32>,
+    endpoint: u64,
 }
 
 impl std::fmt::Debug for KvReceiver {
@@ -157,6 +159,8 @@ impl KvReceiver {
             layout,
             tasks,
             conn_ids: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            next_peer: Arc::new(std::sync::atomic::AtomicU32::new(0)),
+            endpoint: rand::random(),
         }
     }
 
@@ -170,16 +174,23 @@ impl KvReceiver {
 
     /// Connect to the prefill rank listening at `addr`: a control
     /// connection and a data link, both authenticated by the handshake.
-    /// Returns the prefill rank once both are up; a version, fingerprint or
-    /// secret mismatch fails here, not at the first request.
+    /// Returns the peer id this endpoint gives that prefill rank (use it in
+    /// [`Source::rank`] of the rooms it serves) once both are up; a
+    /// version, fingerprint or secret mismatch fails here, not at the first
+    /// request.
     pub async fn connect(&self, addr: SocketAddr) -> Result<RankId, TransportError> {
         let mut s = TcpStream::connect(addr)
             .await
             .map_err(TransportError::io("control connect"))?;
-        s.write_all(&[PREFACE_CONTROL])
+        let mut preface = vec![PREFACE_CONTROL];
+        preface.extend_from_slice(&self.endpoint.to_le_bytes());
+        s.write_all(&preface)
             .await
             .map_err(TransportError::io("control preface"))?;
         let id = self.conn_ids.fetch_add(1, Ordering::Relaxed) + 1;
+        // Our own id for this prefill endpoint (two prefill workers of the
+        // same TP rank are different peers).
+        let rank = RankId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         let tx = self.tx.downgrade();
         let send = move |e: CtlEvent| match tx.upgrade() {
             Some(tx) => tx.send(Ev::Ctl(e)).map_err(|_| ()),
@@ -190,11 +201,13 @@ impl KvReceiver {
             self.config.handshake.clone(),
             self.config.handshake_timeout,
             id,
+            Some(rank),
             self.tasks.clone(),
             send,
         ));
-        let (stream, rank) = connect_link(
+        let (stream, _tp_rank) = connect_link(
             addr,
+            self.endpoint,
             self.config.handshake.clone(),
             self.config.handshake_timeout,
             self.config.transport,

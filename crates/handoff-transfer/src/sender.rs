@@ -34,7 +34,7 @@ use crate::link::{
     accept_link, page_span, span_offset, AcceptedLink, LinkCounters, LinkEvent, LinkJob,
 };
 use crate::transport::Segment;
-use crate::wire::{AuxData, SegmentHeader, PREFACE_CONTROL, PREFACE_DATA};
+use crate::wire::{AuxData, SegmentHeader, ENDPOINT_ID_LEN, PREFACE_CONTROL, PREFACE_DATA};
 use crate::EndpointStats;
 
 /// Settings of a prefill endpoint.
@@ -251,8 +251,9 @@ async fn accept_loop(
     counters: Arc<LinkCounters>,
 ) {
     let mut conn_id = 0u64;
+    let peers = Arc::new(PeerIds::default());
     loop {
-        let Ok((mut stream, _peer)) = listener.accept().await else {
+        let Ok((mut stream, _addr)) = listener.accept().await else {
             continue;
         };
         let Some(tx) = tx.upgrade() else { return };
@@ -262,14 +263,19 @@ async fn accept_loop(
         let pool = pool.clone();
         let counters = counters.clone();
         let t2 = tasks.clone();
+        let peers = peers.clone();
         tasks.spawn(async move {
-            let mut preface = [0u8; 1];
+            let mut preface = [0u8; 1 + ENDPOINT_ID_LEN];
             let got =
                 tokio::time::timeout(config.handshake_timeout, stream.read_exact(&mut preface))
                     .await;
             if !matches!(got, Ok(Ok(_))) {
+                counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
                 return;
             }
+            let mut endpoint = [0u8; ENDPOINT_ID_LEN];
+            endpoint.copy_from_slice(&preface[1..]);
+            let peer = peers.assign(u64::from_le_bytes(endpoint));
             match preface[0] {
                 PREFACE_CONTROL => {
                     let send = move |e: CtlEvent| tx.send(Ev::Ctl(e)).map_err(|_| ());
@@ -278,6 +284,7 @@ async fn accept_loop(
                         config.handshake.clone(),
                         config.handshake_timeout,
                         id,
+                        Some(peer),
                         t2,
                         send,
                     )
@@ -286,6 +293,7 @@ async fn accept_loop(
                 PREFACE_DATA => {
                     match accept_link(
                         stream,
+                        peer,
                         config.handshake.clone(),
                         config.handshake_timeout,
                         pool,
@@ -307,6 +315,39 @@ async fn accept_loop(
                 }
             }
         });
+    }
+}
+
+/// Decode endpoint id → the peer id the room table knows it by. Capped:
+/// the oldest ids are forgotten first (a reconnecting decode then simply
+/// gets a new peer id).
+#[derive(Default)]
+struct PeerIds {
+    inner: std::sync::Mutex<(HashMap<u64, RankId>, std::collections::VecDeque<u64>, u32)>,
+}
+
+const MAX_PEER_IDS: usize = 65_536;
+
+impl PeerIds {
+    fn assign(&self, endpoint: u64) -> RankId {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let (map, order, next) = &mut *g;
+        if let Some(r) = map.get(&endpoint) {
+            return *r;
+        }
+        let r = RankId(*next);
+        *next = next.wrapping_add(1);
+        map.insert(endpoint, r);
+        order.push_back(endpoint);
+        while map.len() > MAX_PEER_IDS {
+            match order.pop_front() {
+                Some(old) => {
+                    map.remove(&old);
+                }
+                None => break,
+            }
+        }
+        r
     }
 }
 

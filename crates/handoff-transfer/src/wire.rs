@@ -12,6 +12,12 @@ use handoff_proto::RoomId;
 pub const PREFACE_CONTROL: u8 = b'C';
 /// Preface byte of a data connection.
 pub const PREFACE_DATA: u8 = b'D';
+/// After the preface byte: the connecting (decode) endpoint's random id,
+/// little-endian. Prefill pairs a decode's control connection and data link
+/// by it and gives each decode endpoint its own peer id, so two decode
+/// workers of the same TP rank never collide. The handshake that follows
+/// authenticates the connection.
+pub const ENDPOINT_ID_LEN: usize = 8;
 
 /// Link setup: decode offers its pool in shared memory.
 pub const SETUP_SHM: u8 = b'S';

@@ -52,6 +52,7 @@ conformance!(
     killed_prefill_fails_decode_room_in_each_state,
     pages_are_not_reused_while_a_frozen_writer_may_write,
     frozen_peers_are_declared_dead_by_heartbeat,
+    peers_of_the_same_tp_rank_do_not_collide,
 );
 
 fn room(n: u64) -> RoomId {
@@ -364,6 +365,13 @@ async fn prefill_rejection_reaches_decode_with_reason_and_status(kind: Transport
 struct RawDecode {
     s: TcpStream,
     conn: Connection,
+    endpoint: u64,
+}
+
+fn rand_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0xdec0_de00);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl RawDecode {
@@ -372,8 +380,14 @@ impl RawDecode {
         cfg: HandshakeConfig,
     ) -> Result<RawDecode, HandshakeError> {
         let mut s = TcpStream::connect(addr).await.unwrap();
-        s.write_all(b"C").await.unwrap();
-        Self::handshake(s, cfg).await
+        // Preface: control, then this raw endpoint's id.
+        let endpoint = rand_id();
+        let mut preface = b"C".to_vec();
+        preface.extend_from_slice(&endpoint.to_le_bytes());
+        s.write_all(&preface).await.unwrap();
+        let mut raw = Self::handshake(s, cfg).await?;
+        raw.endpoint = endpoint;
+        Ok(raw)
     }
 
     /// Handshake on an open socket (either role).
@@ -392,7 +406,11 @@ impl RawDecode {
             let out = conn.take_output();
             s.write_all(&out).await.unwrap();
             if conn.negotiated().is_some() {
-                return Ok(RawDecode { s, conn });
+                return Ok(RawDecode {
+                    s,
+                    conn,
+                    endpoint: 0,
+                });
             }
             let n = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf))
                 .await
@@ -721,6 +739,7 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
         .unwrap();
     let (_link, _rank) = handoff_transfer::link::connect_link(
         p.tx.local_addr(),
+        raw.endpoint,
         decode_handshake(),
         Duration::from_secs(2),
         kind,
@@ -1013,7 +1032,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     let mut data = None;
     while control.is_none() || data.is_none() {
         let (mut s, _) = listener.accept().await.unwrap();
-        let mut pre = [0u8; 1];
+        let mut pre = [0u8; 9];
         s.read_exact(&mut pre).await.unwrap();
         if pre[0] == b'C' {
             let hs = prefill_hs.clone();
@@ -1212,4 +1231,94 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
         tx.live_tasks() == 0 && rx.live_tasks() == 0
     })
     .await;
+}
+
+/// Run one room from open to commit between `tx` and `rx` (peer `rank`),
+/// checking the bytes.
+async fn one_room(
+    tx: &KvSender,
+    rx: &KvReceiver,
+    rank: RankId,
+    d_pool: &KvPool,
+    p_pool: &KvPool,
+    r: RoomId,
+) {
+    tx.open(r).await.unwrap();
+    rx.open(r, sources(rank)).await.unwrap();
+    let lease = d_pool.allocator().lease(2).unwrap();
+    let dst = lease.pages().to_vec();
+    rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+    testing::wait_sender_state(tx, r, RoomState::WaitingForInput)
+        .await
+        .unwrap();
+    let src: Arc<[PageIndex]> = [30, 9]
+        .into_iter()
+        .map(PageIndex)
+        .collect::<Vec<_>>()
+        .into();
+    tx.send(r, 0..2, 0..2, src.clone()).await.unwrap();
+    tx.finish(
+        r,
+        AuxData {
+            first_token: r.get() as u32,
+            logprob: 0.0,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(tx.wait(r).await.unwrap(), SenderPoll::Success);
+    let ReceiverPoll::Success { lease, aux } = rx.wait(r).await.unwrap() else {
+        panic!("room {} did not commit", r.get())
+    };
+    assert_eq!(aux.first_token, r.get() as u32);
+    for layer in 0..2 {
+        for (s, d) in src.iter().zip(&dst) {
+            assert_eq!(span_bytes(p_pool, layer, *s), span_bytes(d_pool, layer, *d));
+        }
+    }
+    drop(lease);
+}
+
+/// Two decode workers, both TP rank 0, on one prefill; and one decode on two
+/// prefill workers, both TP rank 0: every pair is its own peer.
+async fn peers_of_the_same_tp_rank_do_not_collide(kind: TransportKind) {
+    let a = pair(kind).await;
+    // A second decode worker (same fingerprint, same TP rank) on a's prefill.
+    let (d2_pool, _) = testing::pool();
+    let rx2 = KvReceiver::start(
+        testing::receiver_config(kind),
+        d2_pool.shared_region().unwrap().clone(),
+        *d2_pool.layout(),
+    );
+    let rank2 = rx2.connect(a.tx.local_addr()).await.unwrap();
+    // A second prefill worker (same TP rank) that a's decode also talks to.
+    let (p2_pool, _) = testing::pool();
+    fill(&p2_pool);
+    let tx2 = KvSender::start(
+        testing::sender_config(),
+        p2_pool.shared_region().unwrap().clone(),
+        *p2_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let rank_p2 = a.rx.connect(tx2.local_addr()).await.unwrap();
+    assert_ne!(rank_p2, a.rank);
+    assert_eq!(a.tx.stats().await.unwrap().peers, 2);
+    one_room(&a.tx, &a.rx, a.rank, &a.d_pool, &a.p_pool, room(901)).await;
+    one_room(&a.tx, &rx2, rank2, &d2_pool, &a.p_pool, room(902)).await;
+    one_room(&tx2, &a.rx, rank_p2, &a.d_pool, &p2_pool, room(903)).await;
+    // Losing one decode fails nothing of the other.
+    rx2.shutdown();
+    eventually("second decode gone", Duration::from_secs(2), || async {
+        a.tx.stats().await.unwrap().peers == 1
+    })
+    .await;
+    one_room(&a.tx, &a.rx, a.rank, &a.d_pool, &a.p_pool, room(904)).await;
+    tx2.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        rx2.live_tasks() == 0 && tx2.live_tasks() == 0
+    })
+    .await;
+    assert_eq!(d2_pool.allocator().stats().leased, 0);
+    teardown(a).await;
 }
