@@ -23,7 +23,8 @@ use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::heartbeat::Liveness;
 use handoff_proto::message::Message;
 use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
-use handoff_proto::room::{RoomConfig, RoomState};
+use handoff_proto::room::{Expiring, RoomConfig, RoomState};
+use handoff_proto::timer::Timer;
 use handoff_proto::{AuxSlot, PageIndex, RankId, RoomId, TransferError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -96,6 +97,7 @@ enum Cmd {
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
     AddLink(RankId, TcpStream),
+    Abandon(RankId),
     Stats(oneshot::Sender<EndpointStats>),
     Shutdown,
 }
@@ -141,7 +143,9 @@ impl KvReceiver {
             links: HashMap::new(),
             leases: HashMap::new(),
             aux: HashMap::new(),
-            outcomes: HashMap::new(),
+            outcomes: Expiring::new(config.rooms.max_live_rooms),
+            ttl: config.rooms.timers.get(Timer::UnknownRoomTtl),
+            abandoned: std::collections::HashSet::new(),
             waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
@@ -205,7 +209,7 @@ impl KvReceiver {
             self.tasks.clone(),
             send,
         ));
-        let (stream, _tp_rank) = connect_link(
+        let link = connect_link(
             addr,
             self.endpoint,
             self.config.handshake.clone(),
@@ -214,7 +218,15 @@ impl KvReceiver {
             &self.pool,
             self.layout.num_pages,
         )
-        .await?;
+        .await;
+        let (stream, _tp_rank) = match link {
+            Ok(l) => l,
+            Err(e) => {
+                // Do not keep a control connection without its data link.
+                let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
+                return Err(e);
+            }
+        };
         self.tx
             .send(Ev::Cmd(Cmd::AddLink(rank, stream)))
             .map_err(|_| TransportError::Shutdown)?;
@@ -225,6 +237,7 @@ impl KvReceiver {
                 return Ok(rank);
             }
             if tokio::time::Instant::now() >= deadline {
+                let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
                 return Err(TransportError::Handshake(
                     handoff_proto::HandshakeError::TimedOut(self.config.handshake_timeout),
                 ));
@@ -300,7 +313,12 @@ struct Driver {
     links: HashMap<RankId, Link>,
     leases: HashMap<RoomId, (PageLease, Vec<RankId>)>,
     aux: HashMap<RoomId, (u64, AuxData)>,
-    outcomes: HashMap<RoomId, ReceiverPoll>,
+    /// Outcomes not yet polled; they expire with the unknown-room TTL (a
+    /// lease in an expired success goes back to the pool).
+    outcomes: Expiring<ReceiverPoll>,
+    ttl: Duration,
+    /// Peers whose `connect` failed: their control connection is dropped.
+    abandoned: std::collections::HashSet<RankId>,
     waiters: HashMap<RoomId, oneshot::Sender<ReceiverPoll>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
@@ -323,6 +341,7 @@ impl Driver {
                 .poll_timeout()
                 .into_iter()
                 .chain(self.liveness.poll_timeout())
+                .chain(self.outcomes.next_expiry())
                 .min();
             let sleep = async {
                 match deadline {
@@ -335,6 +354,7 @@ impl Driver {
                 _ = sleep => {
                     let t = now();
                     self.rooms.handle_timeout(t);
+                    self.outcomes.expire(t);
                     for dead in self.liveness.handle_timeout(t) {
                         tracing::warn!(rank = dead.0, "prefill peer missed heartbeats");
                         self.ctl.remove(&dead);
@@ -356,13 +376,16 @@ impl Driver {
         self.ctl.clear();
         self.links.clear();
         self.leases.clear();
-        self.outcomes.clear();
+        self.outcomes = Expiring::new(0);
     }
 
     fn control(&mut self, e: CtlEvent) {
         let t = now();
         match e {
             CtlEvent::Established { conn, rank, tx } => {
+                if self.abandoned.remove(&rank) {
+                    return; // dropping `tx` closes the connection
+                }
                 self.ctl.insert(rank, (conn, tx));
                 self.liveness.add_peer(rank, t);
             }
@@ -445,14 +468,14 @@ impl Driver {
             Cmd::Poll(room, reply) => {
                 // A failure is reported at once, even while the room's pages
                 // still wait for writers to drain (Draining).
-                let p = match (self.outcomes.remove(&room), self.rooms.state(room)) {
+                let p = match (self.outcomes.remove(room), self.rooms.state(room)) {
                     (Some(o), _) => o,
                     (None, Some(s)) if !s.is_terminal() => ReceiverPoll::Pending(s),
                     (None, _) => ReceiverPoll::Unknown,
                 };
                 let _ = reply.send(p);
             }
-            Cmd::Wait(room, reply) => match self.outcomes.remove(&room) {
+            Cmd::Wait(room, reply) => match self.outcomes.remove(room) {
                 Some(o) => {
                     let _ = reply.send(o);
                 }
@@ -464,6 +487,13 @@ impl Driver {
                 }
             },
             Cmd::AddLink(rank, stream) => self.add_link(rank, stream),
+            Cmd::Abandon(rank) => {
+                if self.ctl.remove(&rank).is_none() {
+                    self.abandoned.insert(rank);
+                }
+                self.liveness.remove_peer(rank);
+                self.links.remove(&rank);
+            }
             Cmd::Stats(reply) => {
                 let _ = reply.send(EndpointStats {
                     live_rooms: self.rooms.live_rooms(),
@@ -531,11 +561,11 @@ impl Driver {
         match self.waiters.remove(&room) {
             Some(w) => {
                 if let Err(o) = w.send(o) {
-                    self.outcomes.insert(room, o);
+                    self.outcomes.insert(room, o, now() + self.ttl);
                 }
             }
             None => {
-                self.outcomes.insert(room, o);
+                self.outcomes.insert(room, o, now() + self.ttl);
             }
         }
     }

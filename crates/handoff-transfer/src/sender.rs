@@ -21,8 +21,9 @@ use handoff_kv::{KvLayout, PageIndex, ShmRegion};
 use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::heartbeat::Liveness;
 use handoff_proto::message::{Destination, Message};
-use handoff_proto::room::{RoomConfig, RoomState};
+use handoff_proto::room::{Expiring, RoomConfig, RoomState};
 use handoff_proto::sender_room::{SenderAction, SenderRooms};
+use handoff_proto::timer::Timer;
 use handoff_proto::{RankId, RoomId, TransferError};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
@@ -143,6 +144,7 @@ impl KvSender {
             counters.clone(),
         ));
         let driver = Driver {
+            outcomes: Expiring::new(config.rooms.max_live_rooms),
             rooms: SenderRooms::new(config.rooms.clone()),
             liveness: Liveness::new(config.rooms.timers),
             config,
@@ -150,7 +152,6 @@ impl KvSender {
             ctl: HashMap::new(),
             links: HashMap::new(),
             io: HashMap::new(),
-            outcomes: HashMap::new(),
             waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
@@ -371,7 +372,8 @@ struct Driver {
     ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
     links: HashMap<RankId, Link>,
     io: HashMap<RoomId, RoomIo>,
-    outcomes: HashMap<RoomId, Result<(), TransferError>>,
+    /// Outcomes not yet polled; they expire with the unknown-room TTL.
+    outcomes: Expiring<Result<(), TransferError>>,
     waiters: HashMap<RoomId, Vec<oneshot::Sender<SenderPoll>>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
@@ -396,6 +398,7 @@ impl Driver {
                 .poll_timeout()
                 .into_iter()
                 .chain(self.liveness.poll_timeout())
+                .chain(self.outcomes.next_expiry())
                 .min();
             let sleep = async {
                 match deadline {
@@ -433,6 +436,7 @@ impl Driver {
     fn on_timeout(&mut self) {
         let t = now();
         self.rooms.handle_timeout(t);
+        self.outcomes.expire(t);
         for dead in self.liveness.handle_timeout(t) {
             tracing::warn!(rank = dead.0, "decode peer missed heartbeats");
             self.ctl.remove(&dead);
@@ -566,7 +570,7 @@ impl Driver {
             Cmd::Poll(room, reply) => {
                 let p = match self.rooms.state(room) {
                     Some(s) if !s.is_terminal() => SenderPoll::Pending(s),
-                    _ => match self.outcomes.remove(&room) {
+                    _ => match self.outcomes.remove(room) {
                         Some(Ok(())) => SenderPoll::Success,
                         Some(Err(e)) => SenderPoll::Failed(e),
                         None => SenderPoll::Unknown,
@@ -574,7 +578,7 @@ impl Driver {
                 };
                 let _ = reply.send(p);
             }
-            Cmd::Wait(room, reply) => match self.outcomes.remove(&room) {
+            Cmd::Wait(room, reply) => match self.outcomes.remove(room) {
                 Some(Ok(())) => {
                     let _ = reply.send(SenderPoll::Success);
                 }
@@ -806,7 +810,8 @@ impl Driver {
                         }
                     }
                     None => {
-                        self.outcomes.insert(room, result);
+                        let ttl = now() + self.config.rooms.timers.get(Timer::UnknownRoomTtl);
+                        self.outcomes.insert(room, result, ttl);
                     }
                 }
             }

@@ -652,6 +652,10 @@ async fn version_and_fingerprint_mismatch_fail_at_handshake(kind: TransportKind)
         msg.contains("layers: prefill has 2, decode has 30"),
         "{msg}"
     );
+    eventually("no half-connected peer", Duration::from_secs(2), || async {
+        rx.stats().await.unwrap().peers == 0
+    })
+    .await;
     rx.shutdown();
     let mut cfg = testing::receiver_config(kind);
     cfg.handshake.min_version = 9;
