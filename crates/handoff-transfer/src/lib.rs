@@ -12,6 +12,62 @@
 //!
 //! The protocol (rooms, deadlines, handshake, codec) lives in handoff-proto;
 //! this crate owns sockets, tasks and the clock, and does nothing clever.
+//!
+//! # What an engine does
+//!
+//! ```
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
+//! use handoff_proto::receiver_room::Source;
+//! use handoff_proto::room::RoomState;
+//! use handoff_proto::{AuxSlot, RoomId};
+//! use handoff_transfer::testing::{receiver_config, sender_config};
+//! use handoff_transfer::*;
+//!
+//! let g = handoff_transfer::testing::geometry();
+//! // Both pools in shared memory; the transport reads/writes their pages.
+//! let (prefill_pool, _) = KvPool::new_shared(g, 64)?;
+//! let (decode_pool, _) = KvPool::new_shared(g, 64)?;
+//! let prefill = KvSender::start(
+//!     sender_config(),
+//!     prefill_pool.shared_region().unwrap().clone(),
+//!     *prefill_pool.layout(),
+//! )
+//! .await?;
+//! let decode = KvReceiver::start(
+//!     receiver_config(TransportKind::Tcp),
+//!     decode_pool.shared_region().unwrap().clone(),
+//!     *decode_pool.layout(),
+//! );
+//! // Decode connects to each prefill rank (address from bootstrap).
+//! let peer = decode.connect(prefill.local_addr()).await?;
+//!
+//! let room = RoomId::new(7).unwrap();
+//! prefill.open(room).await?; // prefill accepted the request
+//! decode.open(room, vec![Source { rank: peer, required_destinations: 1 }]).await?;
+//! let lease = decode_pool.allocator().lease(2)?; // backpressure lives here
+//! decode.reserve(room, lease, AuxSlot(0)).await?;
+//! // Prefill computes once the destination arrived (WaitingForInput) ...
+//! while prefill.poll(room).await? != SenderPoll::Pending(RoomState::WaitingForInput) {
+//!     tokio::task::yield_now().await;
+//! }
+//! // ... and streams KV layer by layer, then the aux record.
+//! let src: Arc<[PageIndex]> = vec![PageIndex(10), PageIndex(11)].into();
+//! for layer in 0..g.layers {
+//!     prefill.send(room, layer..layer + 1, 0..2, src.clone()).await?;
+//! }
+//! prefill.finish(room, AuxData { first_token: 42, logprob: -0.1 }).await?;
+//! assert_eq!(prefill.wait(room).await?, SenderPoll::Success);
+//! let ReceiverPoll::Success { lease, aux } = decode.wait(room).await? else { panic!() };
+//! assert_eq!((lease.len(), aux.first_token), (2, 42)); // decode owns the pages now
+//! # drop(lease);
+//! # prefill.shutdown();
+//! # decode.shutdown();
+//! # Ok(())
+//! # }
+//! # tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(demo()).unwrap();
+//! ```
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
