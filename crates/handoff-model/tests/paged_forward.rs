@@ -190,3 +190,38 @@ fn bad_inputs_are_errors_not_panics() {
     );
     assert!(e.unwrap_err().to_string().contains("token id 99999"));
 }
+
+#[test]
+fn unsupported_architectures_are_named_in_the_error() {
+    use candle_core::quantized::gguf_file::{self, Value};
+    let dir = tempfile_dir();
+    let path = dir.join("gpt2.gguf");
+    let arch = Value::String("gpt2".into());
+    let mut f = std::fs::File::create(&path).unwrap();
+    gguf_file::write(&mut f, &[("general.architecture", &arch)], &[]).unwrap();
+    drop(f);
+    let err = Llama::load(&path, PhaseFormats::default()).err().unwrap();
+    assert_eq!(
+        err.to_string(),
+        "unsupported model architecture \"gpt2\": handoff runs Llama-family GGUFs (llama, qwen2, mistral)"
+    );
+    let garbage = dir.join("garbage.gguf");
+    std::fs::write(&garbage, b"not a gguf file at all").unwrap();
+    let err = Llama::load(&garbage, PhaseFormats::default())
+        .err()
+        .unwrap();
+    assert!(err.to_string().starts_with("invalid GGUF file"), "{err}");
+    let err = Llama::load(&dir.join("missing.gguf"), PhaseFormats::default())
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().starts_with("cannot read model file"),
+        "{err}"
+    );
+}
+
+fn tempfile_dir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("handoff-arch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
