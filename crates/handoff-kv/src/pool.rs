@@ -49,7 +49,7 @@ impl KvPool {
         num_pages: usize,
     ) -> Result<(Self, ShmRegionHandle), KvError> {
         let layout = KvLayout::new(geometry, num_pages)?;
-        let region = ShmRegion::create("handoff-kv-pool", layout.pool_bytes())?;
+        let region = ShmRegion::create(crate::shm::POOL_MEMFD_NAME, layout.pool_bytes())?;
         let handle = region.handle();
         Ok((
             Self {

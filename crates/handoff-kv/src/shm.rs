@@ -27,6 +27,11 @@ use memmap2::MmapRaw;
 
 use crate::error::KvError;
 
+/// The memfd name of KV pools ([`crate::KvPool::new_shared`]); a peer's
+/// `/proc/<pid>/fd/<fd>` reads as `/memfd:` followed by it, which lets a
+/// transport refuse to write into anything that is not a pool.
+pub const POOL_MEMFD_NAME: &str = "handoff-kv-pool";
+
 /// What another process on this host needs to map a region: our pid, the
 /// descriptor number and the length. Plain data; send it over any channel
 /// (the transfer layer sends it after an authenticated handshake).
