@@ -174,9 +174,20 @@ pub async fn accept_link(
                     handle.len
                 ))
             } else {
-                match ShmRegion::open(&handle) {
-                    Ok(r) => Ok((TransportKind::Shm, r.len() / per_page, Some(r))),
-                    Err(e) => Err(e.to_string()),
+                // Only a handoff KV pool may be the target of our writes: a
+                // peer must not point us at another file of this user's.
+                let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
+                let name = std::fs::read_link(&path)
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                let pool_link = format!("/memfd:{}", handoff_kv::shm::POOL_MEMFD_NAME);
+                if !name.starts_with(&pool_link) {
+                    Err(format!("{path} is {name:?}, not a handoff KV pool"))
+                } else {
+                    match ShmRegion::open(&handle) {
+                        Ok(r) => Ok((TransportKind::Shm, r.len() / per_page, Some(r))),
+                        Err(e) => Err(e.to_string()),
+                    }
                 }
             }
         }

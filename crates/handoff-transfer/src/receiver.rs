@@ -146,6 +146,7 @@ impl KvReceiver {
             outcomes: Expiring::new(config.rooms.max_live_rooms),
             ttl: config.rooms.timers.get(Timer::UnknownRoomTtl),
             abandoned: std::collections::HashSet::new(),
+            sources: HashMap::new(),
             waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
@@ -317,6 +318,8 @@ struct Driver {
     /// lease in an expired success goes back to the pool).
     outcomes: Expiring<ReceiverPoll>,
     ttl: Duration,
+    /// Sources of rooms still waiting for their pages.
+    sources: HashMap<RoomId, Vec<RankId>>,
     /// Peers whose `connect` failed: their control connection is dropped.
     abandoned: std::collections::HashSet<RankId>,
     waiters: HashMap<RoomId, oneshot::Sender<ReceiverPoll>>,
@@ -459,7 +462,12 @@ impl Driver {
         let t = now();
         match c {
             Cmd::Open(room, sources, reply) => {
-                let _ = reply.send(self.rooms.open(room, sources, t));
+                let ranks: Vec<RankId> = sources.iter().map(|s| s.rank).collect();
+                let r = self.rooms.open(room, sources, t);
+                if r.is_ok() {
+                    self.sources.insert(room, ranks);
+                }
+                let _ = reply.send(r);
             }
             Cmd::Reserve(room, lease, aux_slot, reply) => {
                 let _ = reply.send(self.reserve(room, lease, aux_slot));
@@ -523,9 +531,9 @@ impl Driver {
                 reason: "room is not waiting for pages".into(),
             });
         }
-        // Register the room with every link before its destination leaves:
-        // a write can only follow the destination.
-        let sources: Vec<RankId> = self.links.keys().copied().collect();
+        // Register the room with its sources' links (only they may write it)
+        // before its destination leaves: a write can only follow it.
+        let sources: Vec<RankId> = self.sources.remove(&room).unwrap_or_default();
         let mut sorted: Vec<u32> = pages.iter().map(|p| p.0).collect();
         sorted.sort_unstable();
         let mut registered = Vec::new();
@@ -621,6 +629,7 @@ impl Driver {
                 }
             }
             ReceiverAction::FailRequest { room, error } => {
+                self.sources.remove(&room);
                 self.outcome(room, ReceiverPoll::Failed(error));
             }
             ReceiverAction::ReleasePages {

@@ -1326,3 +1326,39 @@ async fn peers_of_the_same_tp_rank_do_not_collide(kind: TransportKind) {
     assert_eq!(d2_pool.allocator().stats().leased, 0);
     teardown(a).await;
 }
+
+/// A decode that offers a shared file that is not a KV pool (here another
+/// memfd of the same user) is refused before anything is mapped or written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_link_to_a_foreign_file_is_refused() {
+    let (p_pool, _) = testing::pool();
+    let tx = KvSender::start(
+        testing::sender_config(),
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let foreign = handoff_kv::ShmRegion::create("secrets", p_pool.layout().pool_bytes()).unwrap();
+    let e = handoff_transfer::link::connect_link(
+        tx.local_addr(),
+        rand_id(),
+        decode_handshake(),
+        Duration::from_secs(2),
+        TransportKind::Shm,
+        &foreign,
+        testing::TEST_PAGES,
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("not a handoff KV pool"), "{e}");
+    let mut all = vec![0u8; foreign.len()];
+    foreign.read_at(0, &mut all).unwrap();
+    assert!(all.iter().all(|b| *b == 0));
+    assert_eq!(tx.stats().await.unwrap().links, 0);
+    tx.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        tx.live_tasks() == 0
+    })
+    .await;
+}
