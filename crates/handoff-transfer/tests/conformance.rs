@@ -1127,6 +1127,28 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     })
     .await;
     assert_eq!(rx.stats().await.unwrap().live_rooms, 0);
+    // A late Success after the failure changes nothing and creates nothing.
+    control
+        .send(Message::Status(handoff_proto::message::Status {
+            room: r,
+            outcome: handoff_proto::message::Outcome::Success,
+        }))
+        .await;
+    // An abort for a room decode never had is acknowledged, nothing created.
+    let unknown = room(801);
+    control.send(abort_msg(unknown)).await;
+    match control.recv(Duration::from_secs(1)).await {
+        Some(Message::AbortAck(a)) => assert_eq!((a.room, a.drained), (unknown, true)),
+        other => panic!("expected AbortAck, got {other:?}"),
+    }
+    assert!(matches!(rx.poll(r).await.unwrap(), ReceiverPoll::Unknown));
+    assert!(matches!(
+        rx.poll(unknown).await.unwrap(),
+        ReceiverPoll::Unknown
+    ));
+    let st = rx.stats().await.unwrap();
+    assert_eq!(st.live_rooms, 0);
+    assert!(st.room_stats.unknown_room_events >= 2, "{st:?}");
     drop(control);
     drop(data);
     rx.shutdown();
