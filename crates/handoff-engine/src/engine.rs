@@ -36,59 +36,7 @@ pub(crate) struct Counters {
 
 impl Shared {
     pub fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
-        let p = &req.sampling;
-        if req.prompt_ids.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if let Some(&id) = req
-            .prompt_ids
-            .iter()
-            .find(|&&id| id as usize >= self.info.vocab_size)
-        {
-            return Err(EngineError::TokenOutOfRange {
-                id,
-                vocab_size: self.info.vocab_size,
-            });
-        }
-        if p.max_new_tokens == 0 {
-            return Err(EngineError::InvalidParams(
-                "max_tokens must be at least 1".into(),
-            ));
-        }
-        if !p.temperature.is_finite() || p.temperature < 0.0 {
-            return Err(EngineError::InvalidParams(format!(
-                "temperature must be a finite number >= 0, got {}",
-                p.temperature
-            )));
-        }
-        if !(p.top_p > 0.0 && p.top_p <= 1.0) {
-            return Err(EngineError::InvalidParams(format!(
-                "top_p must be in (0, 1], got {}",
-                p.top_p
-            )));
-        }
-        if p.stop.iter().any(|s| s.is_empty()) {
-            return Err(EngineError::InvalidParams(
-                "stop strings must not be empty".into(),
-            ));
-        }
-        let total = req.prompt_ids.len().saturating_add(p.max_new_tokens);
-        if total > self.info.context_length {
-            return Err(EngineError::ContextExceeded {
-                prompt_tokens: req.prompt_ids.len(),
-                max_new_tokens: p.max_new_tokens,
-                context_length: self.info.context_length,
-            });
-        }
-        let needed_pages = total.div_ceil(self.info.page_size);
-        let total_pages = self.allocator.stats().total;
-        if needed_pages > total_pages {
-            return Err(EngineError::ExceedsKvCapacity {
-                needed_pages,
-                total_pages,
-            });
-        }
-        Ok(())
+        validate(&self.info, self.allocator.stats().total, req)
     }
 
     pub fn submit(
@@ -112,6 +60,145 @@ impl Shared {
     }
 }
 
+/// Every limit a request must pass before it enters any queue (colocated,
+/// prefill and decode engines alike): prompt, sampling parameters, context,
+/// KV capacity of a pool of `total_pages` pages.
+pub(crate) fn validate(
+    info: &ModelInfo,
+    total_pages: usize,
+    req: &GenerateRequest,
+) -> Result<(), EngineError> {
+    let p = &req.sampling;
+    if req.prompt_ids.is_empty() {
+        return Err(EngineError::EmptyPrompt);
+    }
+    if let Some(&id) = req
+        .prompt_ids
+        .iter()
+        .find(|&&id| id as usize >= info.vocab_size)
+    {
+        return Err(EngineError::TokenOutOfRange {
+            id,
+            vocab_size: info.vocab_size,
+        });
+    }
+    if p.max_new_tokens == 0 {
+        return Err(EngineError::InvalidParams(
+            "max_tokens must be at least 1".into(),
+        ));
+    }
+    if !p.temperature.is_finite() || p.temperature < 0.0 {
+        return Err(EngineError::InvalidParams(format!(
+            "temperature must be a finite number >= 0, got {}",
+            p.temperature
+        )));
+    }
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        return Err(EngineError::InvalidParams(format!(
+            "top_p must be in (0, 1], got {}",
+            p.top_p
+        )));
+    }
+    if p.stop.iter().any(|s| s.is_empty()) {
+        return Err(EngineError::InvalidParams(
+            "stop strings must not be empty".into(),
+        ));
+    }
+    let total = req.prompt_ids.len().saturating_add(p.max_new_tokens);
+    if total > info.context_length {
+        return Err(EngineError::ContextExceeded {
+            prompt_tokens: req.prompt_ids.len(),
+            max_new_tokens: p.max_new_tokens,
+            context_length: info.context_length,
+        });
+    }
+    let needed_pages = total.div_ceil(info.page_size);
+    if needed_pages > total_pages {
+        return Err(EngineError::ExceedsKvCapacity {
+            needed_pages,
+            total_pages,
+        });
+    }
+    Ok(())
+}
+
+/// A loaded model with its tokenizer, KV pool and compute threads: what
+/// every engine (colocated, prefill, decode) starts from.
+pub(crate) struct Loaded {
+    pub model: Arc<Llama>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub chat_template: Option<ChatTemplate>,
+    pub pool: KvPool,
+    pub info: ModelInfo,
+    pub threads: rayon::ThreadPool,
+}
+
+/// Check `config`, load the model, build the KV pool (in shared memory when
+/// `shared_pool`, as the transfer layer needs) and the compute threads.
+pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, EngineError> {
+    if config.threads == 0
+        || config.page_size == 0
+        || config.kv_pages == 0
+        || config.max_batch == 0
+        || config.prefill_chunk == 0
+    {
+        return Err(EngineError::InvalidParams(
+            "threads, page size, KV pages, max batch and prefill chunk must all be at least 1"
+                .into(),
+        ));
+    }
+    let (model, content) = Llama::load(&config.model_path, config.formats)
+        .map_err(|e| EngineError::Model(e.to_string()))?;
+    let tokenizer =
+        Tokenizer::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
+    let chat_template =
+        ChatTemplate::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
+    let model_ctx = model.config().context_length;
+    let context_length = match config.max_context {
+        Some(c) if c == 0 || c > model_ctx => {
+            return Err(EngineError::InvalidParams(format!(
+                "context length must be in 1..={model_ctx} (the model's), got {c}"
+            )))
+        }
+        Some(c) => c,
+        None => model_ctx,
+    };
+    let geometry = model.kv_geometry(config.page_size);
+    let pool = if shared_pool {
+        KvPool::new_shared(geometry, config.kv_pages).map(|(p, _)| p)
+    } else {
+        KvPool::new(geometry, config.kv_pages)
+    }
+    .map_err(|e| EngineError::InvalidParams(e.to_string()))?;
+    let served_name = config.served_name.clone().unwrap_or_else(|| {
+        config
+            .model_path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".into())
+    });
+    let info = ModelInfo {
+        served_name,
+        model_path: config.model_path.display().to_string(),
+        context_length,
+        vocab_size: model.config().vocab_size,
+        page_size: config.page_size,
+    };
+    let threads = rayon::ThreadPoolBuilder::new()
+        .num_threads(config.threads)
+        .thread_name(|i| format!("handoff-compute-{i}"))
+        .build()
+        .map_err(|e| EngineError::Model(format!("cannot start compute threads: {e}")))?;
+    Ok(Loaded {
+        model: Arc::new(model),
+        tokenizer: Arc::new(tokenizer),
+        chat_template,
+        pool,
+        info,
+        threads,
+    })
+}
+
 /// The colocated engine.
 pub struct Engine;
 
@@ -119,65 +206,25 @@ impl Engine {
     /// Load the model and start the scheduler thread. Returns once the model
     /// is loaded and the engine accepts requests.
     pub fn start(config: EngineConfig) -> Result<EngineHandle, EngineError> {
-        if config.threads == 0
-            || config.page_size == 0
-            || config.kv_pages == 0
-            || config.max_batch == 0
-            || config.prefill_chunk == 0
-        {
-            return Err(EngineError::InvalidParams(
-                "threads, page size, KV pages, max batch and prefill chunk must all be at least 1"
-                    .into(),
-            ));
-        }
-        let (model, content) = Llama::load(&config.model_path, config.formats)
-            .map_err(|e| EngineError::Model(e.to_string()))?;
-        let tokenizer =
-            Tokenizer::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
-        let chat_template =
-            ChatTemplate::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
-        let model_ctx = model.config().context_length;
-        let context_length = match config.max_context {
-            Some(c) if c == 0 || c > model_ctx => {
-                return Err(EngineError::InvalidParams(format!(
-                    "context length must be in 1..={model_ctx} (the model's), got {c}"
-                )))
-            }
-            Some(c) => c,
-            None => model_ctx,
-        };
-        let pool = KvPool::new(model.kv_geometry(config.page_size), config.kv_pages)
-            .map_err(|e| EngineError::InvalidParams(e.to_string()))?;
-        let served_name = config.served_name.clone().unwrap_or_else(|| {
-            config
-                .model_path
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| "model".into())
-        });
-        let info = ModelInfo {
-            served_name,
-            model_path: config.model_path.display().to_string(),
-            context_length,
-            vocab_size: model.config().vocab_size,
-            page_size: config.page_size,
-        };
-        let threads = rayon::ThreadPoolBuilder::new()
-            .num_threads(config.threads)
-            .thread_name(|i| format!("handoff-compute-{i}"))
-            .build()
-            .map_err(|e| EngineError::Model(format!("cannot start compute threads: {e}")))?;
+        let Loaded {
+            model,
+            tokenizer,
+            chat_template,
+            pool,
+            info,
+            threads,
+        } = load(&config, false)?;
         let (tx, rx) = std_mpsc::channel();
         let shared = Arc::new(Shared {
             info,
-            tokenizer: Arc::new(tokenizer),
+            tokenizer,
             chat_template,
             commands: tx,
             allocator: pool.allocator().clone(),
             counters: Arc::new(Counters::default()),
         });
         let scheduler = Scheduler {
-            model: Arc::new(model),
+            model,
             pool,
             tokenizer: shared.tokenizer.clone(),
             counters: shared.counters.clone(),

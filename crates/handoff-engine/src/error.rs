@@ -42,6 +42,44 @@ pub enum EngineError {
     /// The forward pass failed.
     #[error("model execution failed: {0}")]
     Model(String),
+    /// Disaggregated serving: the KV transfer or the peer worker failed the
+    /// request (prefill rejected it, a peer died, a deadline passed, the
+    /// client aborted). Status, kind and reason are exactly as the side that
+    /// saw the failure reported them, so a prefill's 400 reaches the client
+    /// as a 400 with the prefill's message (seed 004).
+    #[error("{reason}")]
+    Transfer {
+        /// HTTP status as reported by the side that failed.
+        status: u16,
+        /// The transfer layer's failure kind (`rejected`, `peer_dead`,
+        /// `timeout`, `aborted` ...).
+        kind: String,
+        /// The human reason, as the peer sent it.
+        reason: String,
+    },
+}
+
+impl From<handoff_proto::TransferError> for EngineError {
+    fn from(e: handoff_proto::TransferError) -> Self {
+        EngineError::Transfer {
+            status: e.http_status(),
+            kind: e.error_type().to_string(),
+            reason: e.reason(),
+        }
+    }
+}
+
+impl From<handoff_transfer::TransportError> for EngineError {
+    fn from(e: handoff_transfer::TransportError) -> Self {
+        match e {
+            handoff_transfer::TransportError::Room(e) => e.into(),
+            other => EngineError::Transfer {
+                status: other.http_status(),
+                kind: other.error_type().to_string(),
+                reason: other.to_string(),
+            },
+        }
+    }
 }
 
 impl EngineError {
@@ -55,6 +93,7 @@ impl EngineError {
             | EngineError::TokenOutOfRange { .. } => 400,
             EngineError::ShuttingDown => 503,
             EngineError::Model(_) => 500,
+            EngineError::Transfer { status, .. } => *status,
         }
     }
 
@@ -68,6 +107,11 @@ impl EngineError {
             EngineError::TokenOutOfRange { .. } => "invalid_token_id",
             EngineError::ShuttingDown => "shutting_down",
             EngineError::Model(_) => "model_error",
+            EngineError::Transfer { kind, .. } => handoff_proto::FailureKind::ALL
+                .iter()
+                .map(|k| k.name())
+                .find(|n| *n == kind.as_str())
+                .unwrap_or("transfer_error"),
         }
     }
 }

@@ -90,6 +90,10 @@ pub struct RequestStream {
 }
 
 impl RequestStream {
+    pub(crate) fn new(rx: mpsc::UnboundedReceiver<StreamEvent>) -> Self {
+        Self { rx }
+    }
+
     /// Next event; `None` after `Finished`/`Error` has been yielded.
     pub async fn next(&mut self) -> Option<StreamEvent> {
         self.rx.recv().await

@@ -1,6 +1,8 @@
-//! Schedulers (DESIGN.md §2 `handoff-engine`). Today: the colocated engine —
+//! Schedulers (DESIGN.md §2 `handoff-engine`): the colocated engine —
 //! continuous batching over one paged KV pool, chunked prefill interleaved
-//! with decode, admission by free pages, cancellation by dropping a stream.
+//! with decode, admission by free pages, cancellation by dropping a stream —
+//! and the disaggregated prefill and decode engines ([`pd`]), which run the
+//! same forward calls with the KV moved between them by `handoff-transfer`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -8,6 +10,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod handle;
+pub mod pd;
 pub mod request;
 mod scheduler;
 mod stop;

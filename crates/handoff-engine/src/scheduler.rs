@@ -22,6 +22,22 @@ use crate::stop::TextTracker;
 pub(crate) enum Command {
     /// A validated request and where its events go.
     Submit(Box<GenerateRequest>, mpsc::UnboundedSender<StreamEvent>),
+    /// Disaggregated decode: a request whose prompt KV already sits in its
+    /// pages (written by a prefill worker) joins the running batch with the
+    /// first token the prefill sampled.
+    Resume(Box<Resumed>),
+}
+
+/// A request prefilled elsewhere, ready to decode.
+pub(crate) struct Resumed {
+    pub req: GenerateRequest,
+    pub tx: mpsc::UnboundedSender<StreamEvent>,
+    /// Pages for prompt + max_new_tokens; the prompt's KV is in them.
+    pub lease: PageLease,
+    /// The first token and its logprob, as the prefill sampled them.
+    pub first: (u32, f32),
+    /// Seed of the request's sampler (the prefill used the same one).
+    pub seed: u64,
 }
 
 pub(crate) struct Waiting {
@@ -84,6 +100,7 @@ impl Scheduler {
             {
                 match cmd {
                     Command::Submit(req, tx) => self.waiting.push_back(Waiting { req, tx }),
+                    Command::Resume(r) => self.resume(*r),
                 }
             }
             self.drop_cancelled();
@@ -159,6 +176,40 @@ impl Scheduler {
                 tokens: w.req.prompt_ids,
                 tx: w.tx,
             });
+        }
+    }
+
+    /// Join a request prefilled elsewhere to the batch and emit its first
+    /// token exactly as if it had been sampled here. Its pages are already
+    /// reserved, so it is not subject to admission.
+    fn resume(&mut self, r: Resumed) {
+        let s = &r.req.sampling;
+        let mut sampler = Sampler::new(SamplerConfig {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            seed: r.seed,
+        });
+        // The prefill drew the first token from the same seed: advance the
+        // RNG past that draw (one draw per non-greedy sample).
+        if s.temperature > 0.0 && s.top_k != 1 {
+            sampler.sample(&[0.0, 0.0]);
+        }
+        self.active.push(Active {
+            prompt_len: r.req.prompt_ids.len(),
+            cached: r.req.prompt_ids.len(),
+            lease: r.lease,
+            sampler,
+            text: TextTracker::new(s.stop.clone()),
+            max_new: s.max_new_tokens,
+            stop_ids: s.stop_token_ids.clone(),
+            ignore_eos: s.ignore_eos,
+            tokens: r.req.prompt_ids,
+            tx: r.tx,
+        });
+        let i = self.active.len() - 1;
+        if let Some(last) = self.emit_token(i, r.first.0, r.first.1) {
+            self.finish(i, last);
         }
     }
 
@@ -240,9 +291,14 @@ impl Scheduler {
     /// the request is finished, with the final event to send once its pages
     /// are released (`None` inside when the client is gone).
     fn emit(&mut self, i: usize, logits: &[f32]) -> Option<Option<StreamEvent>> {
+        let (id, logprob) = self.active[i].sampler.sample(logits);
+        self.emit_token(i, id, logprob)
+    }
+
+    /// Append token `id` to request `i` and send it; see [`Self::emit`].
+    fn emit_token(&mut self, i: usize, id: u32, logprob: f32) -> Option<Option<StreamEvent>> {
         let eos = self.tokenizer.eog_ids().to_vec();
         let a = &mut self.active[i];
-        let (id, logprob) = a.sampler.sample(logits);
         a.tokens.push(id);
         let is_eos = (!a.ignore_eos && eos.contains(&id)) || a.stop_ids.contains(&id);
         let pushed = if is_eos {

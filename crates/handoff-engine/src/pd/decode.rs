@@ -1,0 +1,360 @@
+//! The decode engine (DESIGN.md §3 steps 3 and 5): validate before any
+//! queue, open the room, reserve pages for prompt + max_new_tokens (waiting
+//! in the prealloc queue while the pool is full: decode memory is the
+//! backpressure), send the destination to the prefill, wait for the
+//! transfer, and commit only on Success with the aux slot carrying this room
+//! id (the transfer layer checks it). The request then joins the colocated
+//! scheduler's continuous batch with the prefill's first token, and streams
+//! exactly the events the colocated engine would.
+//!
+//! Failures reach the stream as [`EngineError::Transfer`] with the status
+//! and reason of the side that saw them (a prefill rejection stays a 400 with
+//! the prefill's message). Dropping the stream aborts the room through the
+//! protocol (seed 000); the transfer layer returns the pages once the
+//! prefill's writer drained.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc};
+
+use handoff_kv::PageLease;
+use handoff_model::chat_template::ChatTemplate;
+use handoff_model::tokenizer::Tokenizer;
+use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::receiver_room::Source;
+use handoff_proto::{AbortOrigin, AuxSlot, FailureKind, RankId, Role, RoomId, TransferError};
+use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig, ReceiverPoll};
+use tokio::sync::mpsc;
+
+use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig};
+use crate::config::EngineConfig;
+use crate::engine::{load, Counters, Loaded, Shared};
+use crate::error::EngineError;
+use crate::handle::{LoadSnapshot, ModelInfo, RequestStream};
+use crate::request::{GenerateRequest, StreamEvent};
+use crate::scheduler::{Command, Resumed, Scheduler};
+
+/// Starts decode engines.
+pub struct DecodeEngine;
+
+impl DecodeEngine {
+    /// Load the model (KV pool in shared memory), start the decode scheduler
+    /// thread and the transfer endpoint.
+    pub fn start(config: EngineConfig, pd: PdConfig) -> Result<DecodeHandle, EngineError> {
+        let loaded = load(&config, true)?;
+        let fp = fingerprint(&loaded, &config)?;
+        let Loaded {
+            model,
+            tokenizer,
+            chat_template,
+            pool,
+            info,
+            threads,
+        } = loaded;
+        let region = pool
+            .shared_region()
+            .cloned()
+            .ok_or_else(|| EngineError::Model("the decode KV pool is not shared".into()))?;
+        let rt = runtime(pd.io_threads, "handoff-decode-io")?;
+        let mut hs = HandshakeConfig::new(Role::Decode, fp);
+        hs.secret = pd.secret.clone();
+        let mut rc = ReceiverConfig::new(hs, pd.transport);
+        rc.rooms = pd.rooms.clone();
+        rc.handshake_timeout = pd.handshake_timeout;
+        let receiver = {
+            let _enter = rt.enter();
+            KvReceiver::start(rc, region, *pool.layout())
+        };
+        let (tx, rx) = std_mpsc::channel();
+        let shared = Shared {
+            info,
+            tokenizer,
+            chat_template,
+            commands: tx,
+            allocator: pool.allocator().clone(),
+            counters: Arc::new(Counters::default()),
+        };
+        let scheduler = Scheduler {
+            model,
+            pool,
+            tokenizer: shared.tokenizer.clone(),
+            counters: shared.counters.clone(),
+            threads,
+            max_batch: config.max_batch,
+            prefill_chunk: config.prefill_chunk,
+            waiting: Default::default(),
+            active: Vec::new(),
+        };
+        std::thread::Builder::new()
+            .name("handoff-decode".into())
+            .spawn(move || scheduler.run(rx))
+            .map_err(|e| EngineError::Model(format!("cannot start the decode thread: {e}")))?;
+        tracing::info!(
+            model = %shared.info.model_path,
+            transport = pd.transport.name(),
+            page_size = shared.info.page_size,
+            kv_pages = config.kv_pages,
+            "decode engine started"
+        );
+        Ok(DecodeHandle {
+            inner: Arc::new(Inner {
+                ctx: Arc::new(Ctx {
+                    shared,
+                    receiver,
+                    peers: tokio::sync::Mutex::new(HashMap::new()),
+                    turn: tokio::sync::Mutex::new(()),
+                    pending: AtomicUsize::new(0),
+                    next_slot: AtomicU32::new(0),
+                }),
+                runtime: Some(rt),
+            }),
+        })
+    }
+}
+
+/// Cheap, cloneable handle to a running decode engine. The engine stops
+/// when the last handle is dropped.
+#[derive(Clone)]
+pub struct DecodeHandle {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ctx: Arc<Ctx>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.ctx.receiver.shutdown();
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// What the request tasks share.
+struct Ctx {
+    shared: Shared,
+    receiver: KvReceiver,
+    /// Prefill bootstrap address → the peer id of its connection.
+    peers: tokio::sync::Mutex<HashMap<SocketAddr, RankId>>,
+    /// Head of the prealloc queue.
+    turn: tokio::sync::Mutex<()>,
+    /// Requests between submit and joining the batch.
+    pending: AtomicUsize,
+    next_slot: AtomicU32,
+}
+
+impl DecodeHandle {
+    /// The loaded model.
+    pub fn model(&self) -> &ModelInfo {
+        &self.inner.ctx.shared.info
+    }
+
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.inner.ctx.shared.tokenizer
+    }
+
+    /// The model's chat template, if the GGUF has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.inner.ctx.shared.chat_template.as_ref()
+    }
+
+    /// Check a request against every limit without queueing it.
+    pub fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        self.inner.ctx.shared.validate(req)
+    }
+
+    /// Accept the decode half of `room`, whose prefill listens at `prefill`
+    /// ([`super::PrefillHandle::bootstrap_addr`]). The stream yields the
+    /// first token (sampled by the prefill) and every later one, then
+    /// `Finished` — or an `Error` carrying the status and reason of the side
+    /// that failed. Dropping the stream aborts the room on both sides.
+    ///
+    /// A request that fails validation is refused here, before any queue,
+    /// and the prefill is told through the protocol (an abort with the same
+    /// status and reason) so it does not compute for nothing.
+    pub fn submit(
+        &self,
+        req: GenerateRequest,
+        room: RoomId,
+        prefill: SocketAddr,
+    ) -> Result<RequestStream, EngineError> {
+        let Some(rt) = self.inner.runtime.as_ref() else {
+            return Err(EngineError::ShuttingDown);
+        };
+        let ctx = self.inner.ctx.clone();
+        if let Err(e) = ctx.shared.validate(&req) {
+            let error = TransferError::Rejected {
+                http_status: e.http_status(),
+                reason: e.to_string(),
+            };
+            rt.spawn(async move {
+                if let Ok(rank) = ctx.peer(prefill).await {
+                    if ctx.receiver.open(room, sources(rank)).await.is_ok() {
+                        ctx.receiver.abort(room, error);
+                    }
+                }
+            });
+            return Err(e);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        ctx.pending.fetch_add(1, Ordering::AcqRel);
+        rt.spawn(async move { decode_room(&ctx, req, room, prefill, tx).await });
+        Ok(RequestStream::new(rx))
+    }
+
+    /// Current load: `waiting` counts requests in the prealloc queue or in
+    /// transfer; `pages_used` includes pages reserved for transfers.
+    pub fn load(&self) -> LoadSnapshot {
+        let ctx = &self.inner.ctx;
+        let mut l = ctx.shared.load();
+        l.waiting += ctx.pending.load(Ordering::Acquire);
+        l
+    }
+
+    /// Live rooms of the transfer endpoint (a leak shows here).
+    pub fn live_rooms(&self) -> usize {
+        let Some(rt) = self.inner.runtime.as_ref() else {
+            return 0;
+        };
+        let r = self.inner.ctx.receiver.clone();
+        rt.block_on(async move { r.stats().await.map(|s| s.live_rooms).unwrap_or(0) })
+    }
+}
+
+fn sources(rank: RankId) -> Vec<Source> {
+    vec![Source {
+        rank,
+        required_destinations: 1,
+    }]
+}
+
+impl Ctx {
+    /// The connection to the prefill at `addr`, made once and reused.
+    async fn peer(&self, addr: SocketAddr) -> Result<RankId, EngineError> {
+        let mut peers = self.peers.lock().await;
+        if let Some(r) = peers.get(&addr) {
+            return Ok(*r);
+        }
+        let rank = self.receiver.connect(addr).await?;
+        peers.insert(addr, rank);
+        Ok(rank)
+    }
+
+    /// Forget a dead prefill's connection: the next request reconnects.
+    async fn forget_peer(&self, addr: SocketAddr, rank: RankId) {
+        let mut peers = self.peers.lock().await;
+        if peers.get(&addr) == Some(&rank) {
+            peers.remove(&addr);
+        }
+    }
+}
+
+/// One request, from submit until it joins the batch (or fails).
+async fn decode_room(
+    ctx: &Ctx,
+    req: GenerateRequest,
+    room: RoomId,
+    prefill: SocketAddr,
+    tx: mpsc::UnboundedSender<StreamEvent>,
+) {
+    let pending = Gauge(&ctx.pending); // counted up in `submit`
+    let opened = AtomicBool::new(false);
+    let outcome = tokio::select! {
+        r = transfer(ctx, &req, room, prefill, &opened) => Some(r),
+        _ = tx.closed() => None,
+    };
+    let (lease, aux) = match outcome {
+        None => {
+            // The client went away: abort through the protocol; the pages
+            // come back when the prefill's writer drained.
+            if opened.load(Ordering::Acquire) {
+                ctx.receiver.abort(
+                    room,
+                    TransferError::Aborted {
+                        origin: AbortOrigin::Client,
+                        reason: "the client went away".into(),
+                        http_status: 499,
+                    },
+                );
+            }
+            tracing::debug!(room = room.get(), "decode request cancelled before joining");
+            return;
+        }
+        Some(Err(e)) => {
+            tracing::debug!(room = room.get(), error = %e, "decode room failed");
+            drop(pending);
+            let _ = tx.send(StreamEvent::Error(e));
+            return;
+        }
+        Some(Ok(x)) => x,
+    };
+    if aux.first_token as usize >= ctx.shared.info.vocab_size {
+        drop(lease);
+        drop(pending);
+        let e = EngineError::from(TransferError::PeerMisbehaved {
+            detail: format!(
+                "prefill sent first token {} outside the vocabulary of {}",
+                aux.first_token, ctx.shared.info.vocab_size
+            ),
+        });
+        let _ = tx.send(StreamEvent::Error(e));
+        return;
+    }
+    let seed = req.sampling.seed.unwrap_or_else(rand::random);
+    let resumed = Resumed {
+        req,
+        tx,
+        lease,
+        first: (aux.first_token, aux.logprob),
+        seed,
+    };
+    drop(pending);
+    if let Err(std_mpsc::SendError(Command::Resume(r))) =
+        ctx.shared.commands.send(Command::Resume(Box::new(resumed)))
+    {
+        let _ = r.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
+    }
+}
+
+/// Open, reserve, send the destination, wait for the KV: the committed
+/// pages and the aux data, or the failure as the side that saw it reported.
+async fn transfer(
+    ctx: &Ctx,
+    req: &GenerateRequest,
+    room: RoomId,
+    prefill: SocketAddr,
+    opened: &AtomicBool,
+) -> Result<(PageLease, AuxData), EngineError> {
+    let rank = ctx.peer(prefill).await?;
+    ctx.receiver.open(room, sources(rank)).await?;
+    opened.store(true, Ordering::Release);
+    let need =
+        (req.prompt_ids.len() + req.sampling.max_new_tokens).div_ceil(ctx.shared.info.page_size);
+    let lease = lease_pages(&ctx.shared.allocator, &ctx.turn, need).await;
+    let slot = AuxSlot(ctx.next_slot.fetch_add(1, Ordering::Relaxed));
+    if let Err(e) = ctx.receiver.reserve(room, lease, slot).await {
+        // The room failed while waiting for pages (timeout, dead peer):
+        // report that failure, not the refused reservation.
+        return Err(match ctx.receiver.poll(room).await {
+            Ok(ReceiverPoll::Failed(f)) => f.into(),
+            _ => e.into(),
+        });
+    }
+    match ctx.receiver.wait(room).await? {
+        ReceiverPoll::Success { lease, aux } => Ok((lease, aux)),
+        ReceiverPoll::Failed(e) => {
+            if e.kind() == FailureKind::PeerDead {
+                ctx.forget_peer(prefill, rank).await;
+            }
+            Err(e.into())
+        }
+        other => Err(EngineError::from(TransferError::Internal {
+            reason: format!("room {} ended without an outcome: {other:?}", room.get()),
+        })),
+    }
+}

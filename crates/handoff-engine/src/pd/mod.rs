@@ -1,0 +1,181 @@
+//! Disaggregated serving engines (DESIGN.md §3): a [`PrefillEngine`] computes
+//! a prompt's KV and writes it into pages a [`DecodeEngine`] reserved; the
+//! decode engine then generates in its continuous batch.
+//!
+//! Both run exactly the forward calls of the colocated engine (chunked
+//! prefill from position 0 with `Phase::Prefill`, then `Phase::Decode` steps),
+//! so greedy output is token for token the colocated output. Each engine owns
+//! a small tokio runtime for its transfer endpoint (`handoff-transfer`); the
+//! compute stays on its own thread, as in the colocated engine.
+//!
+//! Pairing: the caller (router or test) gives both engines the same
+//! [`RoomId`]; the decode engine also gets the prefill's bootstrap address
+//! ([`PrefillHandle::bootstrap_addr`]).
+//!
+//! Sampling: the prefill samples the first token with the request's seed and
+//! the decode engine continues from the same seed, so a *seeded* request gives
+//! the colocated output. An unseeded, non-greedy request draws independent
+//! seeds on each side and is not reproducible (it is not in colocated mode
+//! either).
+
+pub mod decode;
+pub mod prefill;
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use handoff_kv::{KvDtype, PageAllocator, PageLease};
+use handoff_proto::handshake::{Fingerprint, KvDtype as WireDtype, KvLayoutKind};
+use handoff_proto::room::RoomConfig;
+use handoff_transfer::TransportKind;
+
+use crate::config::EngineConfig;
+use crate::engine::Loaded;
+use crate::error::EngineError;
+
+pub use decode::{DecodeEngine, DecodeHandle};
+pub use handoff_proto::RoomId;
+pub use prefill::{PrefillDone, PrefillEngine, PrefillHandle, PrefillTicket};
+
+/// Transfer settings of a prefill or decode engine.
+#[derive(Debug, Clone)]
+pub struct PdConfig {
+    /// Prefill: where decode peers connect (the bootstrap address; port 0
+    /// picks one). Ignored by decode.
+    pub listen: SocketAddr,
+    /// Decode: transport of its data links (prefill follows decode's choice).
+    pub transport: TransportKind,
+    /// Room deadlines (bootstrap, waiting, transfer, abort fence, heartbeat)
+    /// and limits.
+    pub rooms: RoomConfig,
+    /// Handshake deadline.
+    pub handshake_timeout: Duration,
+    /// Optional shared secret authenticating the handshake.
+    pub secret: Option<Vec<u8>>,
+    /// Threads of the engine's I/O runtime.
+    pub io_threads: usize,
+}
+
+impl PdConfig {
+    /// Defaults: listen on 127.0.0.1 (any port), `transport`, protocol
+    /// default timers, 1 I/O thread.
+    pub fn new(transport: TransportKind) -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            transport,
+            rooms: RoomConfig::default(),
+            handshake_timeout: Duration::from_secs(5),
+            secret: None,
+            io_threads: 1,
+        }
+    }
+}
+
+/// The engine's I/O runtime (transfer endpoint and per-request tasks).
+fn runtime(threads: usize, name: &str) -> Result<tokio::runtime::Runtime, EngineError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.max(1))
+        .thread_name(name)
+        .enable_all()
+        .build()
+        .map_err(|e| EngineError::Model(format!("cannot start the I/O runtime: {e}")))
+}
+
+/// What prefill and decode must agree on before they pair (DESIGN.md §4
+/// handshake): model identity and weights, weight formats, KV geometry.
+fn fingerprint(loaded: &Loaded, config: &EngineConfig) -> Result<Fingerprint, EngineError> {
+    let g = loaded.pool.geometry();
+    let cfg = loaded.model.config();
+    let model_id = cfg.name.clone().unwrap_or_else(|| cfg.architecture.clone());
+    Ok(Fingerprint {
+        model_id,
+        model_hash: model_hash(&config.model_path, &format!("{:?}", config.formats))?,
+        layers: g.layers as u32,
+        kv_heads: g.kv_heads as u32,
+        head_dim: g.head_dim as u32,
+        page_size: g.page_size as u32,
+        dtype: match g.dtype {
+            KvDtype::F32 => WireDtype::F32,
+            other => {
+                return Err(EngineError::InvalidParams(format!(
+                    "KV dtype {} has no wire name",
+                    other.name()
+                )))
+            }
+        },
+        layout: KvLayoutKind::LayerPageKv,
+        tp_rank: 0,
+        tp_size: 1,
+    })
+}
+
+/// A 64-bit FNV-1a hash of the GGUF file and the weight formats (not
+/// cryptographic: it only keeps two different models from pairing), in the
+/// first 8 bytes; the file length in the next 8.
+fn model_hash(path: &Path, formats: &str) -> Result<[u8; 32], EngineError> {
+    let io = |e: std::io::Error| EngineError::Model(format!("{}: {e}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(formats.as_bytes());
+    let mut buf = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        let n = f.read(&mut buf).map_err(io)?;
+        if n == 0 {
+            break;
+        }
+        len += n as u64;
+        eat(&buf[..n]);
+    }
+    let mut out = [0u8; 32];
+    out[..8].copy_from_slice(&h.to_le_bytes());
+    out[8..16].copy_from_slice(&len.to_le_bytes());
+    Ok(out)
+}
+
+/// Lease `n` pages, waiting in FIFO order behind earlier requests while the
+/// pool is full (the prealloc queue: pool memory is the backpressure). Never
+/// spins: it sleeps on the allocator's condition variable.
+async fn lease_pages(
+    allocator: &PageAllocator,
+    turn: &tokio::sync::Mutex<()>,
+    n: usize,
+) -> PageLease {
+    let _turn = turn.lock().await;
+    loop {
+        if let Ok(lease) = allocator.lease(n) {
+            return lease;
+        }
+        let a = allocator.clone();
+        let at_most = a.stats().total.saturating_sub(n);
+        let _ = tokio::task::spawn_blocking(move || {
+            a.wait_leased_at_most(at_most, Duration::from_millis(20))
+        })
+        .await;
+    }
+}
+
+/// A gauge held up for as long as the guard lives.
+struct Gauge<'a>(&'a AtomicUsize);
+
+impl<'a> Gauge<'a> {
+    fn enter(g: &'a AtomicUsize) -> Self {
+        g.fetch_add(1, Ordering::AcqRel);
+        Gauge(g)
+    }
+}
+
+impl Drop for Gauge<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}

@@ -1,0 +1,504 @@
+//! The prefill engine (DESIGN.md §3 steps 2 and 4): validate before any
+//! queue (a rejection fails the room through the protocol, so decode learns
+//! the status and reason at once — seed 004), wait until decode's
+//! destination arrived (the handshake gates compute), lease source pages,
+//! run the chunked prefill exactly as the colocated engine does, sample the
+//! first token, write the KV layer by layer into decode's pages, then the aux
+//! record (first token, logprob; the transport adds the room id), then wait
+//! for the room's status. A decode-side abort (seed 000) stops the compute at
+//! the next chunk and releases the pages.
+//!
+//! One compute thread owns the model and the pool and runs one prefill job
+//! at a time, in arrival order; each request is driven by a task on the
+//! engine's I/O runtime.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc};
+use std::time::Duration;
+
+use handoff_kv::{KvPool, PageAllocator, PageIndex, PageLease};
+use handoff_model::sampling::{Sampler, SamplerConfig};
+use handoff_model::tokenizer::Tokenizer;
+use handoff_model::{Llama, Phase, SeqChunk};
+use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::room::RoomState;
+use handoff_proto::{Role, RoomId, TransferError};
+use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderPoll};
+use tokio::sync::oneshot;
+
+use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig};
+use crate::config::EngineConfig;
+use crate::engine::{load, validate, Loaded};
+use crate::error::EngineError;
+use crate::handle::{LoadSnapshot, ModelInfo};
+use crate::request::GenerateRequest;
+
+/// How often a waiting request looks at its room (destination arrived,
+/// decode aborted).
+const ROOM_POLL: Duration = Duration::from_millis(1);
+
+/// A prefill that completed: decode holds the prompt's KV and the first token.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefillDone {
+    /// The first generated token.
+    pub first_token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+}
+
+/// The outcome of one prefill request. Dropping it does not cancel the
+/// request: decode owns cancellation (it aborts the room).
+#[derive(Debug)]
+pub struct PrefillTicket {
+    rx: oneshot::Receiver<Result<PrefillDone, EngineError>>,
+}
+
+impl PrefillTicket {
+    /// Wait until the room succeeded (KV and aux landed at decode) or failed.
+    pub async fn wait(self) -> Result<PrefillDone, EngineError> {
+        self.rx.await.unwrap_or(Err(EngineError::ShuttingDown))
+    }
+
+    /// Blocking variant of [`PrefillTicket::wait`] for non-async callers.
+    pub fn blocking_wait(self) -> Result<PrefillDone, EngineError> {
+        self.rx
+            .blocking_recv()
+            .unwrap_or(Err(EngineError::ShuttingDown))
+    }
+}
+
+/// Starts prefill engines.
+pub struct PrefillEngine;
+
+impl PrefillEngine {
+    /// Load the model (KV pool in shared memory), start the compute thread
+    /// and the transfer endpoint listening at `pd.listen`.
+    pub fn start(config: EngineConfig, pd: PdConfig) -> Result<PrefillHandle, EngineError> {
+        let loaded = load(&config, true)?;
+        let fp = fingerprint(&loaded, &config)?;
+        let Loaded {
+            model,
+            tokenizer,
+            pool,
+            info,
+            threads,
+            ..
+        } = loaded;
+        let region = pool
+            .shared_region()
+            .cloned()
+            .ok_or_else(|| EngineError::Model("the prefill KV pool is not shared".into()))?;
+        let layout = *pool.layout();
+        let rt = runtime(pd.io_threads, "handoff-prefill-io")?;
+        let mut hs = HandshakeConfig::new(Role::Prefill, fp);
+        hs.secret = pd.secret.clone();
+        let mut sc = SenderConfig::new(hs);
+        sc.listen = pd.listen;
+        sc.rooms = pd.rooms.clone();
+        sc.handshake_timeout = pd.handshake_timeout;
+        let sender = rt.block_on(KvSender::start(sc, region, layout))?;
+        let (jobs, jobs_rx) = std_mpsc::channel();
+        let ctx = Arc::new(Ctx {
+            sender,
+            jobs,
+            allocator: pool.allocator().clone(),
+            layers: layout.geometry.layers,
+            page_size: info.page_size,
+            turn: tokio::sync::Mutex::new(()),
+            running: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+        });
+        let compute = Compute {
+            model,
+            pool,
+            threads,
+            prefill_chunk: config.prefill_chunk,
+        };
+        std::thread::Builder::new()
+            .name("handoff-prefill".into())
+            .spawn(move || compute.run(jobs_rx))
+            .map_err(|e| EngineError::Model(format!("cannot start the prefill thread: {e}")))?;
+        tracing::info!(
+            model = %info.model_path,
+            bootstrap = %ctx.sender.local_addr(),
+            page_size = info.page_size,
+            kv_pages = config.kv_pages,
+            "prefill engine started"
+        );
+        Ok(PrefillHandle {
+            inner: Arc::new(Inner {
+                ctx,
+                info,
+                tokenizer,
+                runtime: Some(rt),
+            }),
+        })
+    }
+}
+
+/// Cheap, cloneable handle to a running prefill engine. The engine stops
+/// when the last handle is dropped.
+#[derive(Clone)]
+pub struct PrefillHandle {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ctx: Arc<Ctx>,
+    info: ModelInfo,
+    tokenizer: Arc<Tokenizer>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.ctx.sender.shutdown();
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl PrefillHandle {
+    /// The loaded model.
+    pub fn model(&self) -> &ModelInfo {
+        &self.inner.info
+    }
+
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.inner.tokenizer
+    }
+
+    /// Where decode engines connect (give it to [`super::DecodeHandle::submit`]).
+    pub fn bootstrap_addr(&self) -> SocketAddr {
+        self.inner.ctx.sender.local_addr()
+    }
+
+    /// Check a request against every limit without queueing it.
+    pub fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        validate(
+            &self.inner.info,
+            self.inner.ctx.allocator.stats().total,
+            req,
+        )
+    }
+
+    /// Accept the prefill half of `room`. A request that fails validation is
+    /// refused here, before any queue, and the room is failed through the
+    /// protocol with the same status and reason, so decode releases its pages
+    /// and reports the original error at once (seed 004).
+    pub fn submit(&self, req: GenerateRequest, room: RoomId) -> Result<PrefillTicket, EngineError> {
+        let Some(rt) = self.inner.runtime.as_ref() else {
+            return Err(EngineError::ShuttingDown);
+        };
+        let ctx = self.inner.ctx.clone();
+        if let Err(e) = self.validate(&req) {
+            let error = TransferError::Rejected {
+                http_status: e.http_status(),
+                reason: e.to_string(),
+            };
+            tracing::debug!(room = room.get(), error = %e, "prefill rejected the request");
+            rt.spawn(async move {
+                // A room decode already aborted refuses to open: nothing to tell.
+                if ctx.sender.open(room).await.is_ok() {
+                    ctx.sender.fail(room, error);
+                }
+            });
+            return Err(e);
+        }
+        let (tx, rx) = oneshot::channel();
+        ctx.waiting.fetch_add(1, Ordering::AcqRel);
+        rt.spawn(async move {
+            let r = prefill_room(&ctx, req, room).await;
+            if let Err(e) = &r {
+                tracing::debug!(room = room.get(), error = %e, "prefill room failed");
+            }
+            let _ = tx.send(r);
+        });
+        Ok(PrefillTicket { rx })
+    }
+
+    /// Current load: `running` is requests computing or transferring,
+    /// `waiting` those waiting for decode's destination or for pages.
+    pub fn load(&self) -> LoadSnapshot {
+        let ctx = &self.inner.ctx;
+        let pages = ctx.allocator.stats();
+        LoadSnapshot {
+            running: ctx.running.load(Ordering::Acquire),
+            waiting: ctx.waiting.load(Ordering::Acquire),
+            pages_total: pages.total,
+            pages_used: pages.leased,
+        }
+    }
+
+    /// Live rooms of the transfer endpoint (a leak shows here).
+    pub fn live_rooms(&self) -> usize {
+        let Some(rt) = self.inner.runtime.as_ref() else {
+            return 0;
+        };
+        let s = self.inner.ctx.sender.clone();
+        rt.block_on(async move { s.stats().await.map(|s| s.live_rooms).unwrap_or(0) })
+    }
+}
+
+/// What the request tasks share.
+struct Ctx {
+    sender: KvSender,
+    jobs: std_mpsc::Sender<Job>,
+    allocator: PageAllocator,
+    layers: usize,
+    page_size: usize,
+    /// Head of the prealloc queue.
+    turn: tokio::sync::Mutex<()>,
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+}
+
+/// Fails the room if the request task ends without an outcome (engine
+/// shutdown drops it mid-way), so decode never waits for a timeout.
+struct RoomGuard<'a> {
+    sender: &'a KvSender,
+    room: RoomId,
+    armed: bool,
+}
+
+impl Drop for RoomGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.sender.fail(
+                self.room,
+                TransferError::Aborted {
+                    origin: handoff_proto::AbortOrigin::Shutdown,
+                    reason: "the prefill worker stopped the request".into(),
+                    http_status: 503,
+                },
+            );
+        }
+    }
+}
+
+/// One request, from open to the room's outcome. Every page it leases is
+/// released only once nothing may still read it.
+async fn prefill_room(
+    ctx: &Ctx,
+    req: GenerateRequest,
+    room: RoomId,
+) -> Result<PrefillDone, EngineError> {
+    let waiting = Gauge(&ctx.waiting); // counted up in `submit`
+    ctx.sender.open(room).await?;
+    let mut guard = RoomGuard {
+        sender: &ctx.sender,
+        room,
+        armed: true,
+    };
+    // The handshake gates compute: every destination must have arrived.
+    wait_for_input(&ctx.sender, room).await?;
+    let need = req.prompt_ids.len().div_ceil(ctx.page_size);
+    let lease = tokio::select! {
+        l = lease_pages(&ctx.allocator, &ctx.turn, need) => l,
+        e = room_failed(&ctx.sender, room) => {
+            guard.armed = false;
+            return Err(e.into());
+        }
+    };
+    drop(waiting);
+    let _running = Gauge::enter(&ctx.running);
+    let s = &req.sampling;
+    let cancel = Arc::new(AtomicBool::new(false));
+    let (reply, mut done) = oneshot::channel();
+    ctx.jobs
+        .send(Job {
+            tokens: req.prompt_ids.clone(),
+            lease,
+            sampler: SamplerConfig {
+                temperature: s.temperature,
+                top_k: s.top_k,
+                top_p: s.top_p,
+                seed: s.seed.unwrap_or_else(rand::random),
+            },
+            cancel: cancel.clone(),
+            reply,
+        })
+        .map_err(|_| EngineError::ShuttingDown)?;
+    let outcome = tokio::select! {
+        r = &mut done => Ok(r),
+        e = room_failed(&ctx.sender, room) => Err(e),
+    };
+    let (result, lease) = match outcome {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => return Err(EngineError::ShuttingDown),
+        Err(e) => {
+            // Decode aborted (or a timer fired): stop at the next chunk and
+            // release the pages once the compute thread let go of them.
+            guard.armed = false;
+            cancel.store(true, Ordering::Release);
+            drop(done.await);
+            return Err(e.into());
+        }
+    };
+    let (first_token, logprob) = match result {
+        Ok(Some(t)) => t,
+        Ok(None) => {
+            return Err(EngineError::Model("prefill cancelled".into()));
+        }
+        Err(e) => {
+            guard.armed = false;
+            ctx.sender.fail(
+                room,
+                TransferError::Internal {
+                    reason: e.to_string(),
+                },
+            );
+            return Err(e);
+        }
+    };
+    // KV layer by layer, then the aux record; then the room's status.
+    let src: Arc<[PageIndex]> = lease.pages().into();
+    let mut queued = Ok(());
+    for layer in 0..ctx.layers {
+        queued = ctx
+            .sender
+            .send(room, layer..layer + 1, 0..src.len(), src.clone())
+            .await;
+        if queued.is_err() {
+            break;
+        }
+    }
+    if queued.is_ok() {
+        queued = ctx
+            .sender
+            .finish(
+                room,
+                AuxData {
+                    first_token,
+                    logprob,
+                },
+            )
+            .await;
+    }
+    // `wait` returns once nothing is in flight: then the pages may go.
+    let end = ctx.sender.wait(room).await;
+    guard.armed = false;
+    drop(lease);
+    match end? {
+        SenderPoll::Success => Ok(PrefillDone {
+            first_token,
+            logprob,
+            prompt_tokens: req.prompt_ids.len(),
+        }),
+        SenderPoll::Failed(e) => Err(e.into()),
+        other => {
+            queued?;
+            Err(EngineError::Model(format!(
+                "room {} ended without an outcome: {other:?}",
+                room.get()
+            )))
+        }
+    }
+}
+
+/// Wait until every destination of `room` arrived (compute may start).
+async fn wait_for_input(sender: &KvSender, room: RoomId) -> Result<(), TransferError> {
+    loop {
+        match sender.poll(room).await {
+            Ok(SenderPoll::Pending(RoomState::WaitingForInput)) => return Ok(()),
+            Ok(SenderPoll::Pending(_)) => tokio::time::sleep(ROOM_POLL).await,
+            Ok(SenderPoll::Failed(e)) => return Err(e),
+            Ok(other) => {
+                return Err(TransferError::Internal {
+                    reason: format!("room ended before compute: {other:?}"),
+                })
+            }
+            Err(e) => {
+                return Err(TransferError::Internal {
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
+}
+
+/// Resolves when `room` fails before its writes started (decode abort,
+/// timeout, dead peer) with the failure; pending forever otherwise.
+async fn room_failed(sender: &KvSender, room: RoomId) -> TransferError {
+    loop {
+        match sender.poll(room).await {
+            Ok(SenderPoll::Pending(_)) => tokio::time::sleep(ROOM_POLL * 2).await,
+            Ok(SenderPoll::Failed(e)) => return e,
+            Ok(other) => {
+                return TransferError::Internal {
+                    reason: format!("room ended during compute: {other:?}"),
+                }
+            }
+            Err(e) => {
+                return TransferError::Internal {
+                    reason: e.to_string(),
+                }
+            }
+        }
+    }
+}
+
+type JobResult = (Result<Option<(u32, f32)>, EngineError>, PageLease);
+
+/// One prompt to prefill into `lease`.
+struct Job {
+    tokens: Vec<u32>,
+    lease: PageLease,
+    sampler: SamplerConfig,
+    /// Set when the room failed: stop at the next chunk.
+    cancel: Arc<AtomicBool>,
+    /// The first token (None when cancelled) and the pages back.
+    reply: oneshot::Sender<JobResult>,
+}
+
+/// The compute thread: owns the model and the pool.
+struct Compute {
+    model: Arc<Llama>,
+    pool: KvPool,
+    threads: rayon::ThreadPool,
+    prefill_chunk: usize,
+}
+
+impl Compute {
+    fn run(mut self, jobs: std_mpsc::Receiver<Job>) {
+        while let Ok(job) = jobs.recv() {
+            let r = self.prefill(&job);
+            let _ = job.reply.send((r, job.lease));
+        }
+    }
+
+    /// The colocated engine's prefill: chunks of `prefill_chunk` from
+    /// position 0, one sequence per forward call, the first token sampled
+    /// from the last chunk's logits.
+    fn prefill(&mut self, job: &Job) -> Result<Option<(u32, f32)>, EngineError> {
+        let model = self.model.clone();
+        let len = job.tokens.len();
+        let mut cached = 0;
+        let mut last = None;
+        while cached < len {
+            if job.cancel.load(Ordering::Acquire) {
+                return Ok(None);
+            }
+            let end = (cached + self.prefill_chunk).min(len);
+            let chunk = SeqChunk {
+                tokens: &job.tokens[cached..end],
+                start_pos: cached,
+                pages: job.lease.pages(),
+            };
+            let pool = &mut self.pool;
+            let logits = self
+                .threads
+                .install(|| model.forward(pool, &[chunk], Phase::Prefill))
+                .map_err(|e| EngineError::Model(e.to_string()))?;
+            cached = end;
+            last = logits.into_iter().next();
+        }
+        let logits = last.ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
+        Ok(Some(Sampler::new(job.sampler).sample(&logits)))
+    }
+}

@@ -1,0 +1,381 @@
+//! Disaggregated serving on the tiny seeded model, prefill and decode engines
+//! in one process with real transfer over loopback, every test once per
+//! transport (shm, tcp):
+//!
+//! * output identity: greedy PD output equals colocated output token for
+//!   token, for page sizes 1, 16 and 64, at concurrency 1 and 16;
+//! * seed 004: a request the prefill rejects fails on decode with the
+//!   prefill's 400 and message, and decode's pages return at once;
+//! * seed 000: a decode stream dropped mid-prefill and mid-decode releases
+//!   the pages on both sides within 100 ms.
+//!
+//! After every test: zero pages used and zero live rooms on both sides.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use handoff_engine::pd::{DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle};
+use handoff_engine::{
+    Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestStream,
+    SamplingParams, StreamEvent,
+};
+use handoff_model::tiny::write_tiny_gguf;
+use handoff_proto::room::RoomConfig;
+use handoff_proto::RoomId;
+use handoff_transfer::TransportKind;
+
+macro_rules! per_transport {
+    ($($name:ident),* $(,)?) => {
+        mod shm {
+            $(#[test]
+            fn $name() { super::$name(handoff_transfer::TransportKind::Shm) }) *
+        }
+        mod tcp {
+            $(#[test]
+            fn $name() { super::$name(handoff_transfer::TransportKind::Tcp) }) *
+        }
+    };
+}
+
+per_transport!(
+    greedy_output_is_colocated_output_page_size_1,
+    greedy_output_is_colocated_output_page_size_16,
+    greedy_output_is_colocated_output_page_size_64,
+    seeded_sampling_is_colocated_sampling,
+    prefill_rejection_reaches_decode_with_status_and_reason,
+    dropped_stream_mid_prefill_releases_both_sides,
+    dropped_stream_mid_decode_releases_both_sides,
+);
+
+/// Prefill chunk of every engine here (prompts span several chunks).
+const CHUNK: usize = 16;
+
+struct Setup {
+    prefill: PrefillHandle,
+    decode: DecodeHandle,
+    colocated: EngineHandle,
+    _dir: tempfile::TempDir,
+}
+
+struct Opts {
+    page_size: usize,
+    kv_pages: usize,
+    prefill_chunk: usize,
+    prefill_max_context: Option<usize>,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts {
+            page_size: 16,
+            kv_pages: 512,
+            prefill_chunk: CHUNK,
+            prefill_max_context: None,
+        }
+    }
+}
+
+fn pd_config(kind: TransportKind) -> PdConfig {
+    let mut c = PdConfig::new(kind);
+    c.rooms = RoomConfig {
+        timers: handoff_transfer::testing::timers(),
+        ..RoomConfig::default()
+    };
+    c.handshake_timeout = Duration::from_secs(2);
+    c
+}
+
+fn setup(kind: TransportKind, o: Opts) -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tiny.gguf");
+    write_tiny_gguf(&path, 11).unwrap();
+    let mut cfg = EngineConfig::new(&path);
+    cfg.page_size = o.page_size;
+    cfg.kv_pages = o.kv_pages;
+    cfg.prefill_chunk = o.prefill_chunk;
+    cfg.threads = 1;
+    let colocated = Engine::start(cfg.clone()).unwrap();
+    let decode = DecodeEngine::start(cfg.clone(), pd_config(kind)).unwrap();
+    let mut pcfg = cfg;
+    pcfg.max_context = o.prefill_max_context;
+    let prefill = PrefillEngine::start(pcfg, pd_config(kind)).unwrap();
+    Setup {
+        prefill,
+        decode,
+        colocated,
+        _dir: dir,
+    }
+}
+
+fn room() -> RoomId {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    RoomId::new(((std::process::id() as u64) << 32) | (n + 1)).unwrap()
+}
+
+fn req(prompt: Vec<u32>, max_new: usize) -> GenerateRequest {
+    GenerateRequest {
+        prompt_ids: prompt,
+        sampling: SamplingParams {
+            max_new_tokens: max_new,
+            ignore_eos: true,
+            ..Default::default()
+        },
+        arrived: Instant::now(),
+    }
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| 3 + (i * 31 + salt * 17) % 250)
+        .collect()
+}
+
+type Output = (Vec<u32>, String, FinishReason);
+
+fn drain(mut s: RequestStream) -> Result<Output, EngineError> {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    loop {
+        match s.blocking_next() {
+            Some(StreamEvent::Token(t)) => {
+                ids.push(t.id);
+                text.push_str(&t.text);
+            }
+            Some(StreamEvent::Finished(f)) => {
+                assert_eq!(f.completion_tokens, ids.len());
+                return Ok((ids, text, f.reason));
+            }
+            Some(StreamEvent::Error(e)) => return Err(e),
+            None => panic!("stream ended without Finished or Error"),
+        }
+    }
+}
+
+fn colocated(s: &Setup, r: &GenerateRequest) -> Output {
+    drain(s.colocated.submit(r.clone()).unwrap()).unwrap()
+}
+
+/// One request through prefill and decode; the prefill's first token must
+/// be the stream's first token.
+fn pd(s: &Setup, r: &GenerateRequest) -> Output {
+    let room = room();
+    let ticket = s.prefill.submit(r.clone(), room).unwrap();
+    let stream = s
+        .decode
+        .submit(r.clone(), room, s.prefill.bootstrap_addr())
+        .unwrap();
+    let out = drain(stream).unwrap_or_else(|e| panic!("PD request failed: {e}"));
+    let done = ticket.blocking_wait().unwrap();
+    assert_eq!(done.first_token, out.0[0]);
+    assert_eq!(done.prompt_tokens, r.prompt_ids.len());
+    out
+}
+
+fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < within, "not within {within:?}: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    t.elapsed()
+}
+
+/// Nothing left behind on either side.
+fn assert_clean(s: &Setup) {
+    eventually("pages and rooms released", Duration::from_secs(5), || {
+        let (p, d) = (s.prefill.load(), s.decode.load());
+        p.pages_used == 0
+            && d.pages_used == 0
+            && p.running + p.waiting + d.running + d.waiting == 0
+            && s.prefill.live_rooms() == 0
+            && s.decode.live_rooms() == 0
+    });
+    assert_eq!(s.colocated.load().pages_used, 0);
+}
+
+fn identity(kind: TransportKind, page_size: usize) {
+    let s = setup(
+        kind,
+        Opts {
+            page_size,
+            kv_pages: 8192 / page_size,
+            ..Opts::default()
+        },
+    );
+    // Short and long prompts (the longest spans 150 pages of 1 token,
+    // 10 of 16, 3 of 64, and 10 prefill chunks).
+    let reqs: Vec<GenerateRequest> = (0..16)
+        .map(|i| {
+            let len = [3, 17, 64, 150][i % 4] + i;
+            req(prompt(len, i as u32), 6 + i % 4)
+        })
+        .collect();
+    let want: Vec<Output> = reqs.iter().map(|r| colocated(&s, r)).collect();
+    // Concurrency 1.
+    for (i, r) in reqs.iter().enumerate().take(8) {
+        assert_eq!(pd(&s, r), want[i], "request {i}, page size {page_size}");
+    }
+    assert_clean(&s);
+    // Concurrency 16: all at once from 16 threads.
+    let got: Vec<Output> = std::thread::scope(|sc| {
+        let hs: Vec<_> = reqs.iter().map(|r| sc.spawn(|| pd(&s, r))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "concurrent request {i}, page size {page_size}");
+        assert_eq!(g.2, FinishReason::Length);
+    }
+    assert_clean(&s);
+}
+
+fn greedy_output_is_colocated_output_page_size_1(kind: TransportKind) {
+    identity(kind, 1);
+}
+
+fn greedy_output_is_colocated_output_page_size_16(kind: TransportKind) {
+    identity(kind, 16);
+}
+
+fn greedy_output_is_colocated_output_page_size_64(kind: TransportKind) {
+    identity(kind, 64);
+}
+
+fn seeded_sampling_is_colocated_sampling(kind: TransportKind) {
+    let s = setup(kind, Opts::default());
+    let mut r = req(prompt(30, 9), 12);
+    r.sampling.temperature = 1.0;
+    r.sampling.top_k = 20;
+    r.sampling.seed = Some(42);
+    assert_eq!(pd(&s, &r), colocated(&s, &r));
+    r.sampling.seed = Some(43);
+    assert_eq!(pd(&s, &r), colocated(&s, &r));
+    assert_clean(&s);
+}
+
+fn prefill_rejection_reaches_decode_with_status_and_reason(kind: TransportKind) {
+    // The prefill's context is shorter than decode's: decode accepts a
+    // request that the prefill must reject.
+    let s = setup(
+        kind,
+        Opts {
+            prefill_max_context: Some(32),
+            ..Opts::default()
+        },
+    );
+    let r = req(prompt(40, 1), 4);
+    assert!(s.decode.validate(&r).is_ok());
+    // Rejected before decode's destination arrived, and after.
+    for prefill_first in [true, false] {
+        let room = room();
+        let (rejected, stream) = if prefill_first {
+            let rejected = s.prefill.submit(r.clone(), room).unwrap_err();
+            let stream = s.decode.submit(r.clone(), room, s.prefill.bootstrap_addr());
+            (rejected, stream.unwrap())
+        } else {
+            let stream = s.decode.submit(r.clone(), room, s.prefill.bootstrap_addr());
+            let stream = stream.unwrap();
+            eventually("decode reserved its pages", Duration::from_secs(2), || {
+                s.decode.load().pages_used > 0
+            });
+            (s.prefill.submit(r.clone(), room).unwrap_err(), stream)
+        };
+        assert_eq!(
+            rejected,
+            EngineError::ContextExceeded {
+                prompt_tokens: 40,
+                max_new_tokens: 4,
+                context_length: 32
+            }
+        );
+        let t0 = Instant::now();
+        let e = drain(stream).unwrap_err();
+        assert!(
+            t0.elapsed() < Duration::from_millis(500),
+            "decode learned of the rejection only after {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(e.http_status(), 400, "{e:?}");
+        assert_eq!(e.error_type(), "rejected");
+        assert_eq!(e.to_string(), rejected.to_string());
+        assert!(matches!(
+            &e,
+            EngineError::Transfer { status: 400, kind, reason }
+                if kind == "rejected" && reason.contains("exceeds the context length of 32 tokens")
+        ));
+        let took = eventually("decode pages back", Duration::from_millis(100), || {
+            s.decode.load().pages_used == 0
+        });
+        eprintln!("prefill_first={prefill_first}: decode pages back {took:?} after the error");
+        // The prefill never leased a page: no KV was computed or written.
+        assert_eq!(s.prefill.load().pages_used, 0);
+    }
+    assert_clean(&s);
+}
+
+fn dropped_stream_mid_prefill_releases_both_sides(kind: TransportKind) {
+    // One token per prefill chunk: a long prompt keeps the prefill busy.
+    let s = setup(
+        kind,
+        Opts {
+            prefill_chunk: 1,
+            ..Opts::default()
+        },
+    );
+    let r = req(prompt(600, 2), 8);
+    let room = room();
+    let ticket = s.prefill.submit(r.clone(), room).unwrap();
+    let stream = s
+        .decode
+        .submit(r.clone(), room, s.prefill.bootstrap_addr())
+        .unwrap();
+    eventually("prefill computing", Duration::from_secs(3), || {
+        s.prefill.load().running == 1 && s.prefill.load().pages_used > 0
+    });
+    assert!(s.decode.load().pages_used > 0);
+    let t0 = Instant::now();
+    drop(stream);
+    eventually("both sides' pages back", Duration::from_millis(100), || {
+        s.decode.load().pages_used == 0 && s.prefill.load().pages_used == 0
+    });
+    eprintln!(
+        "mid-prefill drop: pages back on both sides after {:?}",
+        t0.elapsed()
+    );
+    let e = ticket.blocking_wait().unwrap_err();
+    assert_eq!(e.error_type(), "aborted", "{e:?}");
+    assert_eq!(e.http_status(), 499);
+    assert_clean(&s);
+    // The pair still serves.
+    let r = req(prompt(20, 3), 5);
+    assert_eq!(pd(&s, &r), colocated(&s, &r));
+    assert_clean(&s);
+}
+
+fn dropped_stream_mid_decode_releases_both_sides(kind: TransportKind) {
+    let s = setup(kind, Opts::default());
+    let r = req(prompt(50, 4), 900);
+    let room = room();
+    let ticket = s.prefill.submit(r.clone(), room).unwrap();
+    let mut stream = s
+        .decode
+        .submit(r.clone(), room, s.prefill.bootstrap_addr())
+        .unwrap();
+    for _ in 0..3 {
+        assert!(matches!(
+            stream.blocking_next(),
+            Some(StreamEvent::Token(_))
+        ));
+    }
+    assert!(ticket.blocking_wait().is_ok());
+    assert!(s.decode.load().pages_used > 0);
+    let t0 = Instant::now();
+    drop(stream);
+    eventually("both sides' pages back", Duration::from_millis(100), || {
+        s.decode.load().pages_used == 0 && s.prefill.load().pages_used == 0
+    });
+    eprintln!(
+        "mid-decode drop: pages back on both sides after {:?}",
+        t0.elapsed()
+    );
+    assert_clean(&s);
+}
