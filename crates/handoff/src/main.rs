@@ -3,6 +3,7 @@
 #![forbid(unsafe_code)]
 
 mod bench_model;
+mod bench_transfer;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -22,6 +23,12 @@ enum Command {
     /// Prefill and decode throughput of the model runner next to llama.cpp's
     /// llama-bench on the same GGUF, printed as ratios.
     BenchModel(bench_model::BenchModelArgs),
+    /// KV transfer bandwidth and latency (shm, tcp) next to memcpy and raw
+    /// loopback TCP, measured in one run.
+    BenchTransfer(bench_transfer::BenchTransferArgs),
+    /// The decode-side process of bench-transfer (started by it).
+    #[command(hide = true)]
+    BenchPeer(bench_transfer::BenchPeerArgs),
 }
 
 /// candle's CPU kernels run on a process-wide pool sized by this variable,
@@ -46,6 +53,8 @@ fn main() -> anyhow::Result<()> {
             set_compute_threads(args.threads);
             serve::run(args)
         }
+        Command::BenchTransfer(args) => bench_transfer::run(args),
+        Command::BenchPeer(args) => bench_transfer::peer(args),
         Command::BenchModel(args) => {
             set_compute_threads(args.threads);
             bench_model::run(args)

@@ -1,0 +1,59 @@
+//! `handoff bench-transfer`: KV transfer bandwidth and latency per transport
+//! and page size, with memcpy and raw loopback TCP measured in the same run
+//! (`handoff_transfer::bench`). The decode side is this same executable,
+//! started as `handoff bench-peer ...`.
+
+use anyhow::Context;
+use handoff_transfer::bench::{self, BenchConfig};
+
+/// Flags of `handoff bench-transfer`.
+#[derive(Debug, clap::Args)]
+pub struct BenchTransferArgs {
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Bytes per transfer (the standard workload is 1 GiB).
+    #[arg(long, default_value_t = 1 << 30)]
+    bytes: usize,
+    /// Timed runs per case (median reported).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    runs: u32,
+}
+
+/// Arguments of the hidden decode-side process.
+#[derive(Debug, clap::Args)]
+pub struct BenchPeerArgs {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<String>,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+/// Run the benchmark and print its report.
+pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe().context("locating the handoff executable")?;
+    let mut cfg = BenchConfig::standard(exe);
+    cfg.bytes = args.bytes;
+    cfg.runs = args.runs as usize;
+    let report = runtime()?
+        .block_on(bench::run(&cfg))
+        .map_err(|e| anyhow::anyhow!("bench-transfer failed: {e}"))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", bench::render(&report));
+    }
+    Ok(())
+}
+
+/// The decode side of the benchmark.
+pub fn peer(args: BenchPeerArgs) -> anyhow::Result<()> {
+    runtime()?
+        .block_on(bench::peer_main(&args.args))
+        .map_err(|e| anyhow::anyhow!("bench peer failed: {e}"))
+}
