@@ -26,6 +26,7 @@ cargo test --workspace --no-fail-fast 2>&1 | tee /tmp/handoff-cargo-test.log
 # (set -o pipefail makes a failing cargo test fail this script.)
 
 step "python: openai client against handoff serve"
-cargo build -p handoff
+# `cargo test` above built target/debug/handoff (its integration tests run it).
+[ -x target/debug/handoff ] || cargo build -p handoff
 HANDOFF_BIN="$ROOT/target/debug/handoff" tests/python/run.sh --model "$MODEL"
 echo "all test steps passed"
