@@ -45,6 +45,8 @@ per_transport!(
     prefill_rejection_reaches_decode_with_status_and_reason,
     dropped_stream_mid_prefill_releases_both_sides,
     dropped_stream_mid_decode_releases_both_sides,
+    decode_rejection_reaches_prefill_with_status_and_reason,
+    prefill_death_fails_decode_with_a_typed_error_and_pages_return,
 );
 
 /// Prefill chunk of every engine here (prompts span several chunks).
@@ -54,6 +56,8 @@ struct Setup {
     prefill: PrefillHandle,
     decode: DecodeHandle,
     colocated: EngineHandle,
+    prefill_cfg: EngineConfig,
+    kind: TransportKind,
     _dir: tempfile::TempDir,
 }
 
@@ -62,6 +66,7 @@ struct Opts {
     kv_pages: usize,
     prefill_chunk: usize,
     prefill_max_context: Option<usize>,
+    decode_max_context: Option<usize>,
 }
 
 impl Default for Opts {
@@ -71,6 +76,7 @@ impl Default for Opts {
             kv_pages: 512,
             prefill_chunk: CHUNK,
             prefill_max_context: None,
+            decode_max_context: None,
         }
     }
 }
@@ -95,14 +101,18 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     cfg.prefill_chunk = o.prefill_chunk;
     cfg.threads = 1;
     let colocated = Engine::start(cfg.clone()).unwrap();
-    let decode = DecodeEngine::start(cfg.clone(), pd_config(kind)).unwrap();
+    let mut dcfg = cfg.clone();
+    dcfg.max_context = o.decode_max_context;
+    let decode = DecodeEngine::start(dcfg, pd_config(kind)).unwrap();
     let mut pcfg = cfg;
     pcfg.max_context = o.prefill_max_context;
-    let prefill = PrefillEngine::start(pcfg, pd_config(kind)).unwrap();
+    let prefill = PrefillEngine::start(pcfg.clone(), pd_config(kind)).unwrap();
     Setup {
         prefill,
         decode,
         colocated,
+        prefill_cfg: pcfg,
+        kind,
         _dir: dir,
     }
 }
@@ -377,5 +387,73 @@ fn dropped_stream_mid_decode_releases_both_sides(kind: TransportKind) {
         "mid-decode drop: pages back on both sides after {:?}",
         t0.elapsed()
     );
+    assert_clean(&s);
+}
+
+fn decode_rejection_reaches_prefill_with_status_and_reason(kind: TransportKind) {
+    // Decode's context is shorter than the prefill's: the prefill accepts
+    // a request that decode rejects, and must not wait for a timeout.
+    let s = setup(
+        kind,
+        Opts {
+            decode_max_context: Some(32),
+            ..Opts::default()
+        },
+    );
+    let r = req(prompt(40, 1), 4);
+    let room = room();
+    let ticket = s.prefill.submit(r.clone(), room).unwrap();
+    let rejected = s
+        .decode
+        .submit(r.clone(), room, s.prefill.bootstrap_addr())
+        .unwrap_err();
+    assert_eq!(rejected.http_status(), 400);
+    let t0 = Instant::now();
+    let e = ticket.blocking_wait().unwrap_err();
+    assert!(
+        t0.elapsed() < Duration::from_millis(500),
+        "prefill learned of the rejection only after {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(e.http_status(), 400, "{e:?}");
+    assert_eq!(e.to_string(), rejected.to_string());
+    assert_eq!(s.prefill.load().pages_used, 0);
+    assert_clean(&s);
+}
+
+fn prefill_death_fails_decode_with_a_typed_error_and_pages_return(kind: TransportKind) {
+    let mut s = setup(
+        kind,
+        Opts {
+            prefill_chunk: 1,
+            ..Opts::default()
+        },
+    );
+    let r = req(prompt(600, 5), 8);
+    let room = room();
+    let ticket = s.prefill.submit(r.clone(), room).unwrap();
+    let stream = s
+        .decode
+        .submit(r.clone(), room, s.prefill.bootstrap_addr())
+        .unwrap();
+    eventually("prefill computing", Duration::from_secs(3), || {
+        s.prefill.load().running == 1
+    });
+    // The prefill worker goes away mid-prefill.
+    let fresh = PrefillEngine::start(s.prefill_cfg.clone(), pd_config(s.kind)).unwrap();
+    drop(std::mem::replace(&mut s.prefill, fresh));
+    let t0 = Instant::now();
+    let e = drain(stream).unwrap_err();
+    eprintln!("prefill death: decode failed after {:?}: {e}", t0.elapsed());
+    assert_eq!(e.error_type(), "peer_dead", "{e:?}");
+    assert_eq!(e.http_status(), 503);
+    assert!(ticket.blocking_wait().is_err());
+    // Pages come back (at the latest when the abort fence passes).
+    eventually("decode pages back", Duration::from_secs(2), || {
+        s.decode.load().pages_used == 0
+    });
+    // Decode serves the next request through another prefill.
+    let r = req(prompt(20, 6), 5);
+    assert_eq!(pd(&s, &r), colocated(&s, &r));
     assert_clean(&s);
 }
