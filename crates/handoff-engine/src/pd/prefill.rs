@@ -3,10 +3,13 @@
 //! the status and reason at once — seed 004), wait until decode's
 //! destination arrived (the handshake gates compute), lease source pages,
 //! run the chunked prefill exactly as the colocated engine does, sample the
-//! first token, write the KV layer by layer into decode's pages, then the aux
-//! record (first token, logprob; the transport adds the room id), then wait
-//! for the room's status. A decode-side abort (seed 000) stops the compute at
-//! the next chunk and releases the pages.
+//! first token, then the aux record (first token, logprob; the transport
+//! adds the room id), then wait for the room's status. KV pages are written
+//! into decode's pages while the prefill computes: each page, all its layers,
+//! as soon as the chunks covering it are done (the model's forward computes
+//! every layer of a chunk in one call, so a chunk is the unit of overlap).
+//! A decode-side abort (seed 000) cancels the writes, stops the compute at
+//! the next chunk and releases the pages once nothing reads them.
 //!
 //! One compute thread owns the model and the pool and runs one prefill job
 //! at a time, in arrival order; each request is driven by a task on the
@@ -24,7 +27,7 @@ use handoff_model::{Llama, Phase, SeqChunk};
 use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::room::RoomState;
 use handoff_proto::{Role, RoomId, TransferError};
-use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderPoll};
+use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderPoll, TransportError};
 use tokio::sync::oneshot;
 
 use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig};
@@ -310,6 +313,8 @@ async fn prefill_room(
     let s = &req.sampling;
     let cancel = Arc::new(AtomicBool::new(false));
     let (reply, mut done) = oneshot::channel();
+    let (progress_tx, mut progress) = tokio::sync::mpsc::unbounded_channel();
+    let src: Arc<[PageIndex]> = lease.pages().into();
     ctx.jobs
         .send(Job {
             tokens: req.prompt_ids.clone(),
@@ -321,19 +326,40 @@ async fn prefill_room(
                 seed: s.seed.unwrap_or_else(rand::random),
             },
             cancel: cancel.clone(),
+            progress: progress_tx,
             reply,
         })
         .map_err(|_| EngineError::ShuttingDown)?;
-    let outcome = tokio::select! {
-        r = &mut done => Ok(r),
-        e = room_failed(&ctx.sender, room) => Err(e),
+    // Stream each page as soon as the chunks covering it are computed (its
+    // K/V never change afterwards), every layer of it, while later chunks
+    // compute; the rest goes once the compute is done.
+    let failed = room_failed(&ctx.sender, room);
+    tokio::pin!(failed);
+    let mut sent = 0usize;
+    let mut queued: Result<(), TransportError> = Ok(());
+    let outcome = loop {
+        tokio::select! {
+            r = &mut done => break Ok(r),
+            Some(cached) = progress.recv(), if queued.is_ok() => {
+                let upto = (cached / ctx.page_size).min(src.len());
+                if upto > sent {
+                    queued = ctx
+                        .sender
+                        .send(room, 0..ctx.layers, sent..upto, src.clone())
+                        .await;
+                    sent = upto;
+                }
+            }
+            e = &mut failed => break Err(e),
+        }
     };
     let (result, lease) = match outcome {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => return Err(EngineError::ShuttingDown),
         Err(e) => {
-            // Decode aborted (or a timer fired): stop at the next chunk and
-            // release the pages once the compute thread let go of them.
+            // Decode aborted (or a timer fired). The room reports a failure
+            // only once no write is in flight; stop the compute at the next
+            // chunk and release the pages once it let go of them.
             guard.armed = false;
             cancel.store(true, Ordering::Release);
             drop(done.await);
@@ -353,20 +379,18 @@ async fn prefill_room(
                     reason: e.to_string(),
                 },
             );
+            // Pages streamed so far may still be in flight: drain first.
+            let _ = ctx.sender.wait(room).await;
+            drop(lease);
             return Err(e);
         }
     };
-    // KV layer by layer, then the aux record; then the room's status.
-    let src: Arc<[PageIndex]> = lease.pages().into();
-    let mut queued = Ok(());
-    for layer in 0..ctx.layers {
+    // The remaining pages, then the aux record; then the room's status.
+    if queued.is_ok() && sent < src.len() {
         queued = ctx
             .sender
-            .send(room, layer..layer + 1, 0..src.len(), src.clone())
+            .send(room, 0..ctx.layers, sent..src.len(), src.clone())
             .await;
-        if queued.is_err() {
-            break;
-        }
     }
     if queued.is_ok() {
         queued = ctx
@@ -452,6 +476,8 @@ struct Job {
     sampler: SamplerConfig,
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
+    /// Prompt tokens computed so far, after each chunk.
+    progress: tokio::sync::mpsc::UnboundedSender<usize>,
     /// The first token (None when cancelled) and the pages back.
     reply: oneshot::Sender<JobResult>,
 }
@@ -496,6 +522,7 @@ impl Compute {
                 .install(|| model.forward(pool, &[chunk], Phase::Prefill))
                 .map_err(|e| EngineError::Model(e.to_string()))?;
             cached = end;
+            let _ = job.progress.send(cached);
             last = logits.into_iter().next();
         }
         let logits = last.ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
