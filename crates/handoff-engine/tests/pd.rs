@@ -47,6 +47,7 @@ per_transport!(
     dropped_stream_mid_decode_releases_both_sides,
     decode_rejection_reaches_prefill_with_status_and_reason,
     prefill_death_fails_decode_with_a_typed_error_and_pages_return,
+    dropped_stream_before_prefill_accepts_fails_the_prefill_at_once,
 );
 
 /// Prefill chunk of every engine here (prompts span several chunks).
@@ -455,5 +456,41 @@ fn prefill_death_fails_decode_with_a_typed_error_and_pages_return(kind: Transpor
     // Decode serves the next request through another prefill.
     let r = req(prompt(20, 6), 5);
     assert_eq!(pd(&s, &r), colocated(&s, &r));
+    assert_clean(&s);
+}
+
+fn dropped_stream_before_prefill_accepts_fails_the_prefill_at_once(kind: TransportKind) {
+    let s = setup(kind, Opts::default());
+    let r = req(prompt(30, 7), 4);
+    // Dropped at once (the room may not even be open at decode yet), and
+    // after decode reserved its pages and sent its destination.
+    for immediate in [true, false] {
+        let room = room();
+        let stream = s
+            .decode
+            .submit(r.clone(), room, s.prefill.bootstrap_addr())
+            .unwrap();
+        if !immediate {
+            eventually("decode reserved its pages", Duration::from_secs(2), || {
+                s.decode.load().pages_used > 0
+            });
+        }
+        drop(stream);
+        eventually("decode pages back", Duration::from_millis(500), || {
+            s.decode.load().pages_used == 0 && s.decode.load().waiting == 0
+        });
+        // The prefill hears of the request only now: it must not compute.
+        let t0 = Instant::now();
+        let e = s.prefill.submit(r.clone(), room).unwrap().blocking_wait();
+        let e = e.unwrap_err();
+        assert!(
+            t0.elapsed() < Duration::from_millis(500),
+            "immediate={immediate}: prefill failed only after {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(e.error_type(), "aborted", "immediate={immediate}: {e:?}");
+        assert_eq!(e.http_status(), 499);
+        assert_eq!(s.prefill.load().pages_used, 0);
+    }
     assert_clean(&s);
 }

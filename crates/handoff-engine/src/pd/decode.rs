@@ -234,15 +234,22 @@ fn sources(rank: RankId) -> Vec<Source> {
 }
 
 impl Ctx {
-    /// The connection to the prefill at `addr`, made once and reused.
-    async fn peer(&self, addr: SocketAddr) -> Result<RankId, EngineError> {
-        let mut peers = self.peers.lock().await;
-        if let Some(r) = peers.get(&addr) {
-            return Ok(*r);
-        }
-        let rank = self.receiver.connect(addr).await?;
-        peers.insert(addr, rank);
-        Ok(rank)
+    /// The connection to the prefill at `addr`, made once and reused. The
+    /// connect runs in its own task, so a request cancelled meanwhile never
+    /// leaves a half-made connection.
+    async fn peer(self: &Arc<Self>, addr: SocketAddr) -> Result<RankId, EngineError> {
+        let ctx = self.clone();
+        tokio::spawn(async move {
+            let mut peers = ctx.peers.lock().await;
+            if let Some(r) = peers.get(&addr) {
+                return Ok(*r);
+            }
+            let rank = ctx.receiver.connect(addr).await?;
+            peers.insert(addr, rank);
+            Ok(rank)
+        })
+        .await
+        .unwrap_or(Err(EngineError::ShuttingDown))
     }
 
     /// Forget a dead prefill's connection: the next request reconnects.
@@ -256,7 +263,7 @@ impl Ctx {
 
 /// One request, from submit until it joins the batch (or fails).
 async fn decode_room(
-    ctx: &Ctx,
+    ctx: &Arc<Ctx>,
     req: GenerateRequest,
     room: RoomId,
     prefill: SocketAddr,
@@ -271,17 +278,24 @@ async fn decode_room(
     let (lease, aux) = match outcome {
         None => {
             // The client went away: abort through the protocol; the pages
-            // come back when the prefill's writer drained.
-            if opened.load(Ordering::Acquire) {
-                ctx.receiver.abort(
-                    room,
-                    TransferError::Aborted {
-                        origin: AbortOrigin::Client,
-                        reason: "the client went away".into(),
-                        http_status: 499,
-                    },
-                );
+            // come back when the prefill's writer drained. A room not yet
+            // opened here is opened first, so the abort reaches the prefill
+            // (an open cut short may have happened anyway: then it is a
+            // duplicate, and the abort applies to it).
+            drop(pending);
+            if !opened.load(Ordering::Acquire) {
+                if let Ok(rank) = ctx.peer(prefill).await {
+                    let _ = ctx.receiver.open(room, sources(rank)).await;
+                }
             }
+            ctx.receiver.abort(
+                room,
+                TransferError::Aborted {
+                    origin: AbortOrigin::Client,
+                    reason: "the client went away".into(),
+                    http_status: 499,
+                },
+            );
             tracing::debug!(room = room.get(), "decode request cancelled before joining");
             return;
         }
@@ -324,13 +338,31 @@ async fn decode_room(
 /// Open, reserve, send the destination, wait for the KV: the committed
 /// pages and the aux data, or the failure as the side that saw it reported.
 async fn transfer(
-    ctx: &Ctx,
+    ctx: &Arc<Ctx>,
     req: &GenerateRequest,
     room: RoomId,
     prefill: SocketAddr,
     opened: &AtomicBool,
 ) -> Result<(PageLease, AuxData), EngineError> {
     let rank = ctx.peer(prefill).await?;
+    let r = joined(ctx, room, rank, req, opened).await;
+    if let Err(EngineError::Transfer { kind, .. }) = &r {
+        if kind == FailureKind::PeerDead.name() {
+            // The next request to this address reconnects.
+            ctx.forget_peer(prefill, rank).await;
+        }
+    }
+    r
+}
+
+/// [`transfer`] once connected to the prefill as peer `rank`.
+async fn joined(
+    ctx: &Ctx,
+    room: RoomId,
+    rank: RankId,
+    req: &GenerateRequest,
+    opened: &AtomicBool,
+) -> Result<(PageLease, AuxData), EngineError> {
     ctx.receiver.open(room, sources(rank)).await?;
     opened.store(true, Ordering::Release);
     let need =
@@ -347,12 +379,7 @@ async fn transfer(
     }
     match ctx.receiver.wait(room).await? {
         ReceiverPoll::Success { lease, aux } => Ok((lease, aux)),
-        ReceiverPoll::Failed(e) => {
-            if e.kind() == FailureKind::PeerDead {
-                ctx.forget_peer(prefill, rank).await;
-            }
-            Err(e.into())
-        }
+        ReceiverPoll::Failed(e) => Err(e.into()),
         other => Err(EngineError::from(TransferError::Internal {
             reason: format!("room {} ended without an outcome: {other:?}", room.get()),
         })),
