@@ -233,6 +233,7 @@ impl Engine {
             prefill_chunk: config.prefill_chunk,
             waiting: Default::default(),
             active: Vec::new(),
+            resumed: Default::default(),
         };
         std::thread::Builder::new()
             .name("handoff-scheduler".into())

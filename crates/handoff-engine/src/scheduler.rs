@@ -80,12 +80,15 @@ pub(crate) struct Scheduler {
     pub prefill_chunk: usize,
     pub waiting: VecDeque<Waiting>,
     pub active: Vec<Active>,
+    /// Requests prefilled elsewhere, waiting for a batch slot (their pages
+    /// are already held, so they go before `waiting`).
+    pub resumed: VecDeque<Resumed>,
 }
 
 impl Scheduler {
     pub fn run(mut self, rx: std_mpsc::Receiver<Command>) {
         loop {
-            let idle = self.active.is_empty() && self.waiting.is_empty();
+            let idle = self.active.is_empty() && self.waiting.is_empty() && self.resumed.is_empty();
             let first = if idle {
                 match rx.recv() {
                     Ok(c) => Some(c),
@@ -100,10 +103,16 @@ impl Scheduler {
             {
                 match cmd {
                     Command::Submit(req, tx) => self.waiting.push_back(Waiting { req, tx }),
-                    Command::Resume(r) => self.resume(*r),
+                    Command::Resume(r) => self.resumed.push_back(*r),
                 }
             }
             self.drop_cancelled();
+            while self.active.len() < self.max_batch {
+                let Some(r) = self.resumed.pop_front() else {
+                    break;
+                };
+                self.resume(r);
+            }
             self.admit();
             self.publish();
             if let Err(e) = self.step() {
@@ -117,6 +126,9 @@ impl Scheduler {
         for w in self.waiting.drain(..) {
             let _ = w.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
         }
+        for r in self.resumed.drain(..) {
+            let _ = r.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
+        }
         for a in self.active.drain(..) {
             let _ = a.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
         }
@@ -129,15 +141,16 @@ impl Scheduler {
             .store(self.active.len(), Ordering::Release);
         self.counters
             .waiting
-            .store(self.waiting.len(), Ordering::Release);
+            .store(self.waiting.len() + self.resumed.len(), Ordering::Release);
     }
 
     /// A client that went away frees its pages here (dropping the lease).
     fn drop_cancelled(&mut self) {
-        let before = self.active.len() + self.waiting.len();
+        let before = self.active.len() + self.waiting.len() + self.resumed.len();
         self.waiting.retain(|w| !w.tx.is_closed());
+        self.resumed.retain(|r| !r.tx.is_closed());
         self.active.retain(|a| !a.tx.is_closed());
-        let dropped = before - self.active.len() - self.waiting.len();
+        let dropped = before - self.active.len() - self.waiting.len() - self.resumed.len();
         if dropped > 0 {
             tracing::debug!(dropped, "cancelled requests released");
         }
@@ -181,7 +194,7 @@ impl Scheduler {
 
     /// Join a request prefilled elsewhere to the batch and emit its first
     /// token exactly as if it had been sampled here. Its pages are already
-    /// reserved, so it is not subject to admission.
+    /// reserved: it waits only for a batch slot.
     fn resume(&mut self, r: Resumed) {
         let s = &r.req.sampling;
         let mut sampler = Sampler::new(SamplerConfig {

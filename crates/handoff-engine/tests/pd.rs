@@ -48,6 +48,7 @@ per_transport!(
     decode_rejection_reaches_prefill_with_status_and_reason,
     prefill_death_fails_decode_with_a_typed_error_and_pages_return,
     dropped_stream_before_prefill_accepts_fails_the_prefill_at_once,
+    decode_batch_limit_queues_prefilled_requests,
 );
 
 /// Prefill chunk of every engine here (prompts span several chunks).
@@ -68,6 +69,7 @@ struct Opts {
     prefill_chunk: usize,
     prefill_max_context: Option<usize>,
     decode_max_context: Option<usize>,
+    decode_max_batch: usize,
 }
 
 impl Default for Opts {
@@ -78,6 +80,7 @@ impl Default for Opts {
             prefill_chunk: CHUNK,
             prefill_max_context: None,
             decode_max_context: None,
+            decode_max_batch: 32,
         }
     }
 }
@@ -104,6 +107,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     let colocated = Engine::start(cfg.clone()).unwrap();
     let mut dcfg = cfg.clone();
     dcfg.max_context = o.decode_max_context;
+    dcfg.max_batch = o.decode_max_batch;
     let decode = DecodeEngine::start(dcfg, pd_config(kind)).unwrap();
     let mut pcfg = cfg;
     pcfg.max_context = o.prefill_max_context;
@@ -492,5 +496,27 @@ fn dropped_stream_before_prefill_accepts_fails_the_prefill_at_once(kind: Transpo
         assert_eq!(e.http_status(), 499);
         assert_eq!(s.prefill.load().pages_used, 0);
     }
+    assert_clean(&s);
+}
+
+fn decode_batch_limit_queues_prefilled_requests(kind: TransportKind) {
+    // Two decode slots for eight requests: prefilled requests wait for a
+    // slot (their pages held) and still get their colocated output.
+    let s = setup(
+        kind,
+        Opts {
+            decode_max_batch: 2,
+            ..Opts::default()
+        },
+    );
+    let reqs: Vec<GenerateRequest> = (0..8)
+        .map(|i| req(prompt(10 + 7 * i, i as u32), 20))
+        .collect();
+    let want: Vec<Output> = reqs.iter().map(|r| colocated(&s, r)).collect();
+    let got: Vec<Output> = std::thread::scope(|sc| {
+        let hs: Vec<_> = reqs.iter().map(|r| sc.spawn(|| pd(&s, r))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
     assert_clean(&s);
 }

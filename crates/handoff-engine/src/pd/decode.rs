@@ -85,6 +85,7 @@ impl DecodeEngine {
             prefill_chunk: config.prefill_chunk,
             waiting: Default::default(),
             active: Vec::new(),
+            resumed: Default::default(),
         };
         std::thread::Builder::new()
             .name("handoff-decode".into())
