@@ -12,6 +12,38 @@
 //! [`RoomId`]; the decode engine also gets the prefill's bootstrap address
 //! ([`PrefillHandle::bootstrap_addr`]).
 //!
+//! ```no_run
+//! # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use handoff_engine::pd::{DecodeEngine, PdConfig, PrefillEngine, RoomId};
+//! use handoff_engine::{EngineConfig, GenerateRequest, StreamEvent};
+//! use handoff_transfer::TransportKind;
+//!
+//! let cfg = EngineConfig::new("model.gguf");
+//! let prefill = PrefillEngine::start(cfg.clone(), PdConfig::new(TransportKind::Shm))?;
+//! let decode = DecodeEngine::start(cfg, PdConfig::new(TransportKind::Shm))?;
+//! let req = GenerateRequest {
+//!     prompt_ids: vec![1, 2, 3],
+//!     sampling: Default::default(),
+//!     arrived: std::time::Instant::now(),
+//! };
+//! let room = RoomId::new(42).expect("non-zero");
+//! // Both halves at once, as a router does; either may refuse (400 ...),
+//! // and the other side then learns the same status and reason.
+//! let ticket = prefill.submit(req.clone(), room)?;
+//! let mut stream = decode.submit(req, room, prefill.bootstrap_addr())?;
+//! while let Some(ev) = stream.blocking_next() {
+//!     match ev {
+//!         StreamEvent::Token(t) => print!("{}", t.text),
+//!         StreamEvent::Finished(_) => break,
+//!         StreamEvent::Error(e) => return Err(e.into()),
+//!     }
+//! }
+//! let done = ticket.blocking_wait()?; // the prefill's view: KV landed
+//! # let _ = done;
+//! # Ok(())
+//! # }
+//! ```
+//!
 //! Sampling: the prefill samples the first token with the request's seed and
 //! the decode engine continues from the same seed, so a *seeded* request gives
 //! the colocated output. An unseeded, non-greedy request draws independent
