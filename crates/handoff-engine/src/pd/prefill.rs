@@ -298,14 +298,27 @@ async fn prefill_room(
         room,
         armed: true,
     };
+    // The room's outcome, whenever it comes (decode abort, timeout, dead
+    // peer, or the end of the transfer): one waiter for the room's life, so
+    // no outcome is ever taken and lost.
+    let mut outcome = tokio::spawn({
+        let sender = ctx.sender.clone();
+        async move { sender.wait(room).await }
+    });
     // The handshake gates compute: every destination must have arrived.
-    wait_for_input(&ctx.sender, room).await?;
+    tokio::select! {
+        () = wait_for_input(&ctx.sender, room) => {}
+        o = &mut outcome => {
+            guard.armed = false;
+            return Err(ended(o).err().unwrap_or_else(before_compute));
+        }
+    }
     let need = req.prompt_ids.len().div_ceil(ctx.page_size);
     let lease = tokio::select! {
         l = lease_pages(&ctx.allocator, &ctx.turn, need) => l,
-        e = room_failed(&ctx.sender, room) => {
+        o = &mut outcome => {
             guard.armed = false;
-            return Err(e.into());
+            return Err(ended(o).err().unwrap_or_else(before_compute));
         }
     };
     drop(waiting);
@@ -333,11 +346,9 @@ async fn prefill_room(
     // Stream each page as soon as the chunks covering it are computed (its
     // K/V never change afterwards), every layer of it, while later chunks
     // compute; the rest goes once the compute is done.
-    let failed = room_failed(&ctx.sender, room);
-    tokio::pin!(failed);
     let mut sent = 0usize;
     let mut queued: Result<(), TransportError> = Ok(());
-    let outcome = loop {
+    let computed = loop {
         tokio::select! {
             r = &mut done => break Ok(r),
             Some(cached) = progress.recv(), if queued.is_ok() => {
@@ -350,10 +361,10 @@ async fn prefill_room(
                     sent = upto;
                 }
             }
-            e = &mut failed => break Err(e),
+            o = &mut outcome => break Err(ended(o).err().unwrap_or_else(before_compute)),
         }
     };
-    let (result, lease) = match outcome {
+    let (result, lease) = match computed {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => return Err(EngineError::ShuttingDown),
         Err(e) => {
@@ -363,7 +374,7 @@ async fn prefill_room(
             guard.armed = false;
             cancel.store(true, Ordering::Release);
             drop(done.await);
-            return Err(e.into());
+            return Err(e);
         }
     };
     let (first_token, logprob) = match result {
@@ -380,7 +391,7 @@ async fn prefill_room(
                 },
             );
             // Pages streamed so far may still be in flight: drain first.
-            let _ = ctx.sender.wait(room).await;
+            let _ = outcome.await;
             drop(lease);
             return Err(e);
         }
@@ -404,66 +415,51 @@ async fn prefill_room(
             )
             .await;
     }
-    // `wait` returns once nothing is in flight: then the pages may go.
-    let end = ctx.sender.wait(room).await;
+    // The outcome comes once nothing is in flight: then the pages may go.
+    let end = ended(outcome.await);
     guard.armed = false;
     drop(lease);
-    match end? {
-        SenderPoll::Success => Ok(PrefillDone {
-            first_token,
-            logprob,
-            prompt_tokens: req.prompt_ids.len(),
-        }),
-        SenderPoll::Failed(e) => Err(e.into()),
-        other => {
-            queued?;
-            Err(EngineError::Model(format!(
-                "room {} ended without an outcome: {other:?}",
-                room.get()
-            )))
-        }
+    if end.is_err() {
+        queued?;
     }
+    end.map(|()| PrefillDone {
+        first_token,
+        logprob,
+        prompt_tokens: req.prompt_ids.len(),
+    })
+}
+
+/// The room's outcome as the engine reports it.
+fn ended(
+    o: Result<Result<SenderPoll, TransportError>, tokio::task::JoinError>,
+) -> Result<(), EngineError> {
+    match o {
+        Ok(Ok(SenderPoll::Success)) => Ok(()),
+        Ok(Ok(SenderPoll::Failed(e))) => Err(e.into()),
+        Ok(Ok(other)) => Err(EngineError::from(TransferError::Internal {
+            reason: format!("the room ended without an outcome: {other:?}"),
+        })),
+        Ok(Err(e)) => Err(e.into()),
+        Err(_) => Err(EngineError::ShuttingDown),
+    }
+}
+
+/// A room that "succeeded" before its KV was computed: the peer broke the
+/// protocol.
+fn before_compute() -> EngineError {
+    EngineError::from(TransferError::Internal {
+        reason: "the room ended before its KV was computed".into(),
+    })
 }
 
 /// Wait until every destination of `room` arrived (compute may start).
-async fn wait_for_input(sender: &KvSender, room: RoomId) -> Result<(), TransferError> {
+/// Pending forever once the room ended: its outcome says why.
+async fn wait_for_input(sender: &KvSender, room: RoomId) {
     loop {
-        match sender.poll(room).await {
-            Ok(SenderPoll::Pending(RoomState::WaitingForInput)) => return Ok(()),
-            Ok(SenderPoll::Pending(_)) => tokio::time::sleep(ROOM_POLL).await,
-            Ok(SenderPoll::Failed(e)) => return Err(e),
-            Ok(other) => {
-                return Err(TransferError::Internal {
-                    reason: format!("room ended before compute: {other:?}"),
-                })
-            }
-            Err(e) => {
-                return Err(TransferError::Internal {
-                    reason: e.to_string(),
-                })
-            }
+        if let Ok(SenderPoll::Pending(RoomState::WaitingForInput)) = sender.poll(room).await {
+            return;
         }
-    }
-}
-
-/// Resolves when `room` fails before its writes started (decode abort,
-/// timeout, dead peer) with the failure; pending forever otherwise.
-async fn room_failed(sender: &KvSender, room: RoomId) -> TransferError {
-    loop {
-        match sender.poll(room).await {
-            Ok(SenderPoll::Pending(_)) => tokio::time::sleep(ROOM_POLL * 2).await,
-            Ok(SenderPoll::Failed(e)) => return e,
-            Ok(other) => {
-                return TransferError::Internal {
-                    reason: format!("room ended during compute: {other:?}"),
-                }
-            }
-            Err(e) => {
-                return TransferError::Internal {
-                    reason: e.to_string(),
-                }
-            }
-        }
+        tokio::time::sleep(ROOM_POLL).await;
     }
 }
 
