@@ -369,6 +369,7 @@ async fn joined(
     let need =
         (req.prompt_ids.len() + req.sampling.max_new_tokens).div_ceil(ctx.shared.info.page_size);
     let lease = lease_pages(&ctx.shared.allocator, &ctx.turn, need).await;
+    tracing::debug!(room = room.get(), pages = need, "decode pages reserved");
     let slot = AuxSlot(ctx.next_slot.fetch_add(1, Ordering::Relaxed));
     if let Err(e) = ctx.receiver.reserve(room, lease, slot).await {
         // The room failed while waiting for pages (timeout, dead peer):
@@ -379,7 +380,14 @@ async fn joined(
         });
     }
     match ctx.receiver.wait(room).await? {
-        ReceiverPoll::Success { lease, aux } => Ok((lease, aux)),
+        ReceiverPoll::Success { lease, aux } => {
+            tracing::debug!(
+                room = room.get(),
+                first_token = aux.first_token,
+                "KV landed"
+            );
+            Ok((lease, aux))
+        }
         ReceiverPoll::Failed(e) => Err(e.into()),
         other => Err(EngineError::from(TransferError::Internal {
             reason: format!("room {} ended without an outcome: {other:?}", room.get()),

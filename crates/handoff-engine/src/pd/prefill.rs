@@ -313,6 +313,7 @@ async fn prefill_room(
             return Err(ended(o).err().unwrap_or_else(before_compute));
         }
     }
+    tracing::debug!(room = room.get(), "destination arrived");
     let need = req.prompt_ids.len().div_ceil(ctx.page_size);
     let lease = tokio::select! {
         l = lease_pages(&ctx.allocator, &ctx.turn, need) => l,
@@ -396,6 +397,7 @@ async fn prefill_room(
             return Err(e);
         }
     };
+    tracing::debug!(room = room.get(), first_token, "prefill computed");
     // The remaining pages, then the aux record; then the room's status.
     if queued.is_ok() && sent < src.len() {
         queued = ctx
@@ -417,6 +419,7 @@ async fn prefill_room(
     }
     // The outcome comes once nothing is in flight: then the pages may go.
     let end = ended(outcome.await);
+    tracing::debug!(room = room.get(), ok = end.is_ok(), "prefill room ended");
     guard.armed = false;
     drop(lease);
     if end.is_err() {
