@@ -238,13 +238,24 @@ impl PrefillHandle {
         }
     }
 
-    /// Live rooms of the transfer endpoint (a leak shows here).
+    /// Counters and gauges of the transfer endpoint (live rooms, peers,
+    /// links, malformed frames ...). Works from any async runtime.
+    pub async fn transfer_stats(&self) -> Result<handoff_transfer::EndpointStats, EngineError> {
+        Ok(self.inner.ctx.sender.stats().await?)
+    }
+
+    /// Live rooms of the transfer endpoint (a leak shows here). Blocking:
+    /// from async code use [`Self::transfer_stats`].
     pub fn live_rooms(&self) -> usize {
         let Some(rt) = self.inner.runtime.as_ref() else {
             return 0;
         };
-        let s = self.inner.ctx.sender.clone();
-        rt.block_on(async move { s.stats().await.map(|s| s.live_rooms).unwrap_or(0) })
+        let endpoint = self.inner.ctx.sender.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            let _ = tx.send(endpoint.stats().await.map(|s| s.live_rooms).unwrap_or(0));
+        });
+        rx.recv().unwrap_or(0)
     }
 }
 
