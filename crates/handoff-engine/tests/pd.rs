@@ -49,6 +49,7 @@ per_transport!(
     prefill_death_fails_decode_with_a_typed_error_and_pages_return,
     dropped_stream_before_prefill_accepts_fails_the_prefill_at_once,
     decode_batch_limit_queues_prefilled_requests,
+    engines_start_and_serve_from_async_code,
 );
 
 /// Prefill chunk of every engine here (prompts span several chunks).
@@ -519,4 +520,41 @@ fn decode_batch_limit_queues_prefilled_requests(kind: TransportKind) {
     });
     assert_eq!(got, want);
     assert_clean(&s);
+}
+
+fn engines_start_and_serve_from_async_code(kind: TransportKind) {
+    // What a server does: start the engines inside its own runtime and
+    // await streams and tickets there.
+    let server = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let want = {
+        let s = setup(kind, Opts::default());
+        colocated(&s, &req(prompt(25, 8), 6))
+    };
+    server.block_on(async move {
+        let s = setup(kind, Opts::default());
+        let r = req(prompt(25, 8), 6);
+        let room = room();
+        let ticket = s.prefill.submit(r.clone(), room).unwrap();
+        let mut stream = s
+            .decode
+            .submit(r.clone(), room, s.prefill.bootstrap_addr())
+            .unwrap();
+        let mut ids = Vec::new();
+        loop {
+            match stream.next().await {
+                Some(StreamEvent::Token(t)) => ids.push(t.id),
+                Some(StreamEvent::Finished(_)) => break,
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(ids, want.0);
+        assert_eq!(ticket.wait().await.unwrap().first_token, ids[0]);
+        assert_eq!(s.decode.transfer_stats().await.unwrap().live_rooms, 0);
+        assert_eq!(s.prefill.transfer_stats().await.unwrap().peers, 1);
+        drop(s); // engines stop inside the runtime without panicking
+    });
 }

@@ -102,7 +102,12 @@ impl PrefillEngine {
         sc.listen = pd.listen;
         sc.rooms = pd.rooms.clone();
         sc.handshake_timeout = pd.handshake_timeout;
-        let sender = rt.block_on(KvSender::start(sc, region, layout))?;
+        // Not `block_on`: the caller may itself be inside a runtime.
+        let (tx, rx) = std_mpsc::channel();
+        rt.spawn(async move {
+            let _ = tx.send(KvSender::start(sc, region, layout).await);
+        });
+        let sender = rx.recv().map_err(|_| EngineError::ShuttingDown)??;
         let (jobs, jobs_rx) = std_mpsc::channel();
         let ctx = Arc::new(Ctx {
             sender,
