@@ -21,6 +21,7 @@ use handoff_engine::{
 };
 use handoff_model::tiny::write_tiny_gguf;
 use handoff_proto::room::RoomConfig;
+use handoff_proto::timer::TimerConfig;
 use handoff_proto::RoomId;
 use handoff_transfer::TransportKind;
 
@@ -50,6 +51,7 @@ per_transport!(
     dropped_stream_before_prefill_accepts_fails_the_prefill_at_once,
     decode_batch_limit_queues_prefilled_requests,
     engines_start_and_serve_from_async_code,
+    half_pairs_are_cleaned_up_by_their_timers,
 );
 
 /// Prefill chunk of every engine here (prompts span several chunks).
@@ -71,6 +73,7 @@ struct Opts {
     prefill_max_context: Option<usize>,
     decode_max_context: Option<usize>,
     decode_max_batch: usize,
+    timers: Option<TimerConfig>,
 }
 
 impl Default for Opts {
@@ -82,14 +85,19 @@ impl Default for Opts {
             prefill_max_context: None,
             decode_max_context: None,
             decode_max_batch: 32,
+            timers: None,
         }
     }
 }
 
 fn pd_config(kind: TransportKind) -> PdConfig {
+    pd_config_with(kind, handoff_transfer::testing::timers())
+}
+
+fn pd_config_with(kind: TransportKind, timers: TimerConfig) -> PdConfig {
     let mut c = PdConfig::new(kind);
     c.rooms = RoomConfig {
-        timers: handoff_transfer::testing::timers(),
+        timers,
         ..RoomConfig::default()
     };
     c.handshake_timeout = Duration::from_secs(2);
@@ -109,10 +117,11 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     let mut dcfg = cfg.clone();
     dcfg.max_context = o.decode_max_context;
     dcfg.max_batch = o.decode_max_batch;
-    let decode = DecodeEngine::start(dcfg, pd_config(kind)).unwrap();
+    let timers = o.timers.unwrap_or_else(handoff_transfer::testing::timers);
+    let decode = DecodeEngine::start(dcfg, pd_config_with(kind, timers)).unwrap();
     let mut pcfg = cfg;
     pcfg.max_context = o.prefill_max_context;
-    let prefill = PrefillEngine::start(pcfg.clone(), pd_config(kind)).unwrap();
+    let prefill = PrefillEngine::start(pcfg.clone(), pd_config_with(kind, timers)).unwrap();
     Setup {
         prefill,
         decode,
@@ -557,4 +566,48 @@ fn engines_start_and_serve_from_async_code(kind: TransportKind) {
         assert_eq!(s.prefill.transfer_stats().await.unwrap().peers, 1);
         drop(s); // engines stop inside the runtime without panicking
     });
+}
+
+fn half_pairs_are_cleaned_up_by_their_timers(kind: TransportKind) {
+    // A router that retries with a new room leaves half pairs behind: a
+    // request only the prefill got, and one only decode got.
+    let timers = TimerConfig {
+        bootstrap: Duration::from_millis(300),
+        waiting_for_input: Duration::from_millis(300),
+        transfer: Duration::from_millis(300),
+        ..handoff_transfer::testing::timers()
+    };
+    let s = setup(
+        kind,
+        Opts {
+            timers: Some(timers),
+            ..Opts::default()
+        },
+    );
+    let r = req(prompt(30, 9), 4);
+    // Prefill only: no destination ever comes; no compute, a timeout.
+    let t0 = Instant::now();
+    let e = s.prefill.submit(r.clone(), room()).unwrap().blocking_wait();
+    let e = e.unwrap_err();
+    eprintln!("prefill-only half: {e} after {:?}", t0.elapsed());
+    assert_eq!((e.error_type(), e.http_status()), ("timeout", 504), "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    assert_eq!(s.prefill.load().pages_used, 0);
+    // Decode only: its pages are reserved, then released by a timeout.
+    let t0 = Instant::now();
+    let stream = s
+        .decode
+        .submit(r.clone(), room(), s.prefill.bootstrap_addr())
+        .unwrap();
+    let e = drain(stream).unwrap_err();
+    eprintln!("decode-only half: {e} after {:?}", t0.elapsed());
+    assert_eq!(e.http_status(), 504, "{e:?}");
+    assert!(t0.elapsed() < Duration::from_secs(2));
+    eventually("decode pages back", Duration::from_secs(1), || {
+        s.decode.load().pages_used == 0
+    });
+    assert_clean(&s);
+    // The pair still serves.
+    assert_eq!(pd(&s, &r), colocated(&s, &r));
+    assert_clean(&s);
 }
