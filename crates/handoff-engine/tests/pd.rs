@@ -52,6 +52,7 @@ per_transport!(
     decode_batch_limit_queues_prefilled_requests,
     engines_start_and_serve_from_async_code,
     half_pairs_are_cleaned_up_by_their_timers,
+    full_decode_pool_queues_requests_and_prefill_waits,
 );
 
 /// Prefill chunk of every engine here (prompts span several chunks).
@@ -74,6 +75,7 @@ struct Opts {
     decode_max_context: Option<usize>,
     decode_max_batch: usize,
     timers: Option<TimerConfig>,
+    decode_kv_pages: Option<usize>,
 }
 
 impl Default for Opts {
@@ -86,6 +88,7 @@ impl Default for Opts {
             decode_max_context: None,
             decode_max_batch: 32,
             timers: None,
+            decode_kv_pages: None,
         }
     }
 }
@@ -117,6 +120,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     let mut dcfg = cfg.clone();
     dcfg.max_context = o.decode_max_context;
     dcfg.max_batch = o.decode_max_batch;
+    dcfg.kv_pages = o.decode_kv_pages.unwrap_or(o.kv_pages);
     let timers = o.timers.unwrap_or_else(handoff_transfer::testing::timers);
     let decode = DecodeEngine::start(dcfg, pd_config_with(kind, timers)).unwrap();
     let mut pcfg = cfg;
@@ -609,5 +613,36 @@ fn half_pairs_are_cleaned_up_by_their_timers(kind: TransportKind) {
     assert_clean(&s);
     // The pair still serves.
     assert_eq!(pd(&s, &r), colocated(&s, &r));
+    assert_clean(&s);
+}
+
+fn full_decode_pool_queues_requests_and_prefill_waits(kind: TransportKind) {
+    // Decode holds 3 pages of 16 tokens; each request needs 2: one at a
+    // time. The others wait in decode's prealloc queue, and the prefill
+    // does not compute for them until their pages are reserved.
+    let s = setup(
+        kind,
+        Opts {
+            decode_kv_pages: Some(3),
+            ..Opts::default()
+        },
+    );
+    let reqs: Vec<GenerateRequest> = (0..4).map(|i| req(prompt(20, 20 + i), 12)).collect();
+    let want: Vec<Output> = reqs.iter().map(|r| colocated(&s, r)).collect();
+    let mut peak_waiting = 0;
+    let got: Vec<Output> = std::thread::scope(|sc| {
+        let hs: Vec<_> = reqs.iter().map(|r| sc.spawn(|| pd(&s, r))).collect();
+        while !hs.iter().all(|h| h.is_finished()) {
+            let (d, p) = (s.decode.load(), s.prefill.load());
+            assert!(d.pages_used <= 2, "{d:?}");
+            // Only the request holding decode pages may be computing.
+            assert!(p.running <= 1, "{p:?}");
+            peak_waiting = peak_waiting.max(d.waiting);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+    eprintln!("peak decode waiting: {peak_waiting}");
     assert_clean(&s);
 }
