@@ -53,6 +53,7 @@ per_transport!(
     engines_start_and_serve_from_async_code,
     half_pairs_are_cleaned_up_by_their_timers,
     full_decode_pool_queues_requests_and_prefill_waits,
+    streams_dropped_at_any_moment_leave_nothing_behind,
 );
 
 /// Prefill chunk of every engine here (prompts span several chunks).
@@ -644,5 +645,43 @@ fn full_decode_pool_queues_requests_and_prefill_waits(kind: TransportKind) {
     });
     assert_eq!(got, want);
     eprintln!("peak decode waiting: {peak_waiting}");
+    assert_clean(&s);
+}
+
+fn streams_dropped_at_any_moment_leave_nothing_behind(kind: TransportKind) {
+    // Clients walking away at every moment of a request's life (before the
+    // room opens, while waiting, computing, transferring, committing,
+    // decoding): all pages come back well before any room timer or TTL.
+    let s = setup(kind, Opts::default());
+    std::thread::scope(|sc| {
+        for i in 0..24u32 {
+            let s = &s;
+            sc.spawn(move || {
+                let r = req(prompt(20 + 9 * i as usize, i), 30);
+                let room = room();
+                let ticket = s.prefill.submit(r.clone(), room).unwrap();
+                let mut stream = s
+                    .decode
+                    .submit(r, room, s.prefill.bootstrap_addr())
+                    .unwrap();
+                if i % 3 == 0 {
+                    // Until some number of tokens arrived.
+                    for _ in 0..i / 3 {
+                        let _ = stream.blocking_next();
+                    }
+                } else {
+                    std::thread::sleep(Duration::from_micros(150 * u64::from(i)));
+                }
+                drop(stream);
+                let _ = ticket.blocking_wait();
+            });
+        }
+    });
+    let took = eventually(
+        "pages back on both sides",
+        Duration::from_millis(500),
+        || s.decode.load().pages_used == 0 && s.prefill.load().pages_used == 0,
+    );
+    eprintln!("all pages back {took:?} after the last ticket");
     assert_clean(&s);
 }

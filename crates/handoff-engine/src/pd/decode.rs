@@ -308,6 +308,12 @@ async fn decode_room(
                     http_status: 499,
                 },
             );
+            // Had the room just committed, its outcome (and lease) waits to
+            // be taken: take it, so the pages come back now, not at the
+            // unknown-room TTL.
+            if let Ok(ReceiverPoll::Success { lease, .. }) = ctx.receiver.poll(room).await {
+                drop(lease);
+            }
             tracing::debug!(room = room.get(), "decode request cancelled before joining");
             return;
         }
