@@ -394,11 +394,10 @@ async fn prefill_room(
             return Err(e);
         }
     };
-    let (first_token, logprob) = match result {
-        Ok(Some(t)) => t,
-        Ok(None) => {
-            return Err(EngineError::Model("prefill cancelled".into()));
-        }
+    let (first_token, logprob) = match result.and_then(|t| {
+        t.ok_or_else(|| EngineError::Model("prefill cancelled without a failure".into()))
+    }) {
+        Ok(t) => t,
         Err(e) => {
             guard.armed = false;
             ctx.sender.fail(
@@ -438,8 +437,9 @@ async fn prefill_room(
     tracing::debug!(room = room.get(), ok = end.is_ok(), "prefill room ended");
     guard.armed = false;
     drop(lease);
-    if end.is_err() {
-        queued?;
+    if let Err(e) = &queued {
+        // The room's own failure explains a refused write best.
+        tracing::debug!(room = room.get(), error = %e, "a KV write was refused");
     }
     end.map(|()| PrefillDone {
         first_token,
