@@ -115,3 +115,46 @@ impl EngineError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_proto::{AbortOrigin, FailureKind, Role, TransferError};
+
+    #[test]
+    fn transfer_failures_keep_status_kind_and_reason() {
+        let rejected = TransferError::Rejected {
+            http_status: 400,
+            reason: "prompt too long".into(),
+        };
+        let e = EngineError::from(rejected);
+        assert_eq!(e.http_status(), 400);
+        assert_eq!(e.error_type(), "rejected");
+        assert_eq!(e.to_string(), "prompt too long");
+        // A failure the peer reported keeps the peer's kind and status.
+        let remote = TransferError::Remote {
+            kind: FailureKind::Timeout,
+            reason: "timed out in transferring".into(),
+            http_status: 504,
+            peer: Role::Prefill,
+        };
+        let e = EngineError::from(remote);
+        assert_eq!((e.http_status(), e.error_type()), (504, "timeout"));
+        let aborted = TransferError::Aborted {
+            origin: AbortOrigin::Client,
+            reason: "gone".into(),
+            http_status: 499,
+        };
+        assert_eq!(EngineError::from(aborted).http_status(), 499);
+        // An unknown kind string still has a stable label.
+        let odd = EngineError::Transfer {
+            status: 502,
+            kind: "something new".into(),
+            reason: "?".into(),
+        };
+        assert_eq!(odd.error_type(), "transfer_error");
+        // Transport-level errors map through their own status and label.
+        let e = EngineError::from(handoff_transfer::TransportError::Shutdown);
+        assert_eq!((e.http_status(), e.error_type()), (503, "transfer_error"));
+    }
+}
