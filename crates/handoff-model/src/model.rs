@@ -12,7 +12,7 @@ use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
 use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
 use crate::config::LlamaConfig;
 use crate::error::ModelError;
-use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
+use crate::linear::{Linear, Phase, PhaseFormats};
 use crate::ops::{add_assign, add_bias, rms_norm, silu_mul};
 use crate::rope::{Rope, RopeMode};
 use candle_core::quantized::QStorage;
@@ -155,9 +155,11 @@ impl Llama {
                 "token_embd.weight does not match the hidden size".into(),
             ));
         }
+        // The output matrix runs once per sequence per step: it uses the decode
+        // format in both phases (a Q8_0 tensor stays as it is under `q8_0`).
         let head_formats = PhaseFormats {
-            prefill: WeightFormat::AsLoaded,
-            decode: WeightFormat::AsLoaded,
+            prefill: formats.decode,
+            decode: formats.decode,
         };
         let lm_head = if ld.has("output.weight") {
             ld.linear("output.weight", config.vocab_size, h, head_formats)?

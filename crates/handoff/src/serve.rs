@@ -7,6 +7,7 @@ use std::process::Command;
 use anyhow::{bail, Context};
 use clap::Args;
 use handoff_engine::{Engine, EngineConfig};
+use handoff_model::{PhaseFormats, WeightFormat};
 
 /// The default model, relative to the repository root.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -48,6 +49,13 @@ pub struct ServeArgs {
     /// Model name served in /v1/models and responses [default: the file name].
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Weight format for prefill: f32, q8_0, q8_0-vnni or as-loaded (BENCHMARKS.md).
+    #[arg(long, default_value = "f32")]
+    prefill_format: WeightFormat,
+    /// Weight format for decode: q8_0, q8_0-vnni (faster on AVX-512 VNNI CPUs,
+    /// coarser activation rounding), f32 or as-loaded.
+    #[arg(long, default_value = "q8_0")]
+    decode_format: WeightFormat,
 }
 
 /// The repository root: `$HANDOFF_REPO`, else the current directory.
@@ -152,6 +160,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         prefill_chunk: args.prefill_chunk as usize,
         max_context: args.context_length.map(|c| c as usize),
         served_name: Some(served_name(&args, &model)),
+        formats: PhaseFormats {
+            prefill: args.prefill_format,
+            decode: args.decode_format,
+        },
         ..defaults
     };
     tracing::info!(model = %model.display(), threads = args.threads, page_size = args.page_size, "loading model");
