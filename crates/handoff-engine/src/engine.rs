@@ -133,6 +133,43 @@ pub(crate) struct Loaded {
     pub threads: rayon::ThreadPool,
 }
 
+impl Loaded {
+    /// Move the model and pool into a scheduler thread named `name`; return
+    /// the state the handle shares with it.
+    pub(crate) fn spawn_scheduler(
+        self,
+        config: &EngineConfig,
+        name: &str,
+    ) -> Result<Shared, EngineError> {
+        let (tx, rx) = std_mpsc::channel();
+        let shared = Shared {
+            info: self.info,
+            tokenizer: self.tokenizer,
+            chat_template: self.chat_template,
+            commands: tx,
+            allocator: self.pool.allocator().clone(),
+            counters: Arc::new(Counters::default()),
+        };
+        let scheduler = Scheduler {
+            model: self.model,
+            pool: self.pool,
+            tokenizer: shared.tokenizer.clone(),
+            counters: shared.counters.clone(),
+            threads: self.threads,
+            max_batch: config.max_batch,
+            prefill_chunk: config.prefill_chunk,
+            waiting: Default::default(),
+            active: Vec::new(),
+            resumed: Default::default(),
+        };
+        std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || scheduler.run(rx))
+            .map_err(|e| EngineError::Model(format!("cannot start the {name} thread: {e}")))?;
+        Ok(shared)
+    }
+}
+
 /// Check `config`, load the model, build the KV pool (in shared memory when
 /// `shared_pool`, as the transfer layer needs) and the compute threads.
 pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, EngineError> {
@@ -206,39 +243,7 @@ impl Engine {
     /// Load the model and start the scheduler thread. Returns once the model
     /// is loaded and the engine accepts requests.
     pub fn start(config: EngineConfig) -> Result<EngineHandle, EngineError> {
-        let Loaded {
-            model,
-            tokenizer,
-            chat_template,
-            pool,
-            info,
-            threads,
-        } = load(&config, false)?;
-        let (tx, rx) = std_mpsc::channel();
-        let shared = Arc::new(Shared {
-            info,
-            tokenizer,
-            chat_template,
-            commands: tx,
-            allocator: pool.allocator().clone(),
-            counters: Arc::new(Counters::default()),
-        });
-        let scheduler = Scheduler {
-            model,
-            pool,
-            tokenizer: shared.tokenizer.clone(),
-            counters: shared.counters.clone(),
-            threads,
-            max_batch: config.max_batch,
-            prefill_chunk: config.prefill_chunk,
-            waiting: Default::default(),
-            active: Vec::new(),
-            resumed: Default::default(),
-        };
-        std::thread::Builder::new()
-            .name("handoff-scheduler".into())
-            .spawn(move || scheduler.run(rx))
-            .map_err(|e| EngineError::Model(format!("cannot start the scheduler thread: {e}")))?;
+        let shared = Arc::new(load(&config, false)?.spawn_scheduler(&config, "handoff-scheduler")?);
         tracing::info!(
             model = %shared.info.model_path,
             context = shared.info.context_length,

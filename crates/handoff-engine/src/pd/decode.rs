@@ -29,11 +29,11 @@ use tokio::sync::mpsc;
 
 use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig};
 use crate::config::EngineConfig;
-use crate::engine::{load, Counters, Loaded, Shared};
+use crate::engine::{load, Shared};
 use crate::error::EngineError;
 use crate::handle::{LoadSnapshot, ModelInfo, RequestStream};
 use crate::request::{GenerateRequest, StreamEvent};
-use crate::scheduler::{Command, Resumed, Scheduler};
+use crate::scheduler::{Command, Resumed};
 
 /// Starts decode engines.
 pub struct DecodeEngine;
@@ -44,18 +44,12 @@ impl DecodeEngine {
     pub fn start(config: EngineConfig, pd: PdConfig) -> Result<DecodeHandle, EngineError> {
         let loaded = load(&config, true)?;
         let fp = fingerprint(&loaded, &config)?;
-        let Loaded {
-            model,
-            tokenizer,
-            chat_template,
-            pool,
-            info,
-            threads,
-        } = loaded;
-        let region = pool
+        let region = loaded
+            .pool
             .shared_region()
             .cloned()
             .ok_or_else(|| EngineError::Model("the decode KV pool is not shared".into()))?;
+        let layout = *loaded.pool.layout();
         let rt = runtime(pd.io_threads, "handoff-decode-io")?;
         let mut hs = HandshakeConfig::new(Role::Decode, fp);
         hs.secret = pd.secret.clone();
@@ -64,33 +58,9 @@ impl DecodeEngine {
         rc.handshake_timeout = pd.handshake_timeout;
         let receiver = {
             let _enter = rt.enter();
-            KvReceiver::start(rc, region, *pool.layout())
+            KvReceiver::start(rc, region, layout)
         };
-        let (tx, rx) = std_mpsc::channel();
-        let shared = Shared {
-            info,
-            tokenizer,
-            chat_template,
-            commands: tx,
-            allocator: pool.allocator().clone(),
-            counters: Arc::new(Counters::default()),
-        };
-        let scheduler = Scheduler {
-            model,
-            pool,
-            tokenizer: shared.tokenizer.clone(),
-            counters: shared.counters.clone(),
-            threads,
-            max_batch: config.max_batch,
-            prefill_chunk: config.prefill_chunk,
-            waiting: Default::default(),
-            active: Vec::new(),
-            resumed: Default::default(),
-        };
-        std::thread::Builder::new()
-            .name("handoff-decode".into())
-            .spawn(move || scheduler.run(rx))
-            .map_err(|e| EngineError::Model(format!("cannot start the decode thread: {e}")))?;
+        let shared = loaded.spawn_scheduler(&config, "handoff-decode")?;
         tracing::info!(
             model = %shared.info.model_path,
             transport = pd.transport.name(),
