@@ -220,6 +220,7 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
         context_length,
         vocab_size: model.config().vocab_size,
         page_size: config.page_size,
+        architecture: model.config().architecture.clone(),
     };
     let threads = rayon::ThreadPoolBuilder::new()
         .num_threads(config.threads)

@@ -24,6 +24,8 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// KV page size in tokens.
     pub page_size: usize,
+    /// The GGUF's `general.architecture` (llama, mistral, qwen2).
+    pub architecture: String,
 }
 
 /// A point-in-time view of the engine's load (for `/get_load`, `/metrics`).

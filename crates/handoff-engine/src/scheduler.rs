@@ -40,6 +40,18 @@ pub(crate) struct Resumed {
     pub seed: u64,
 }
 
+/// Send `e` to each request after dropping what it holds (its page lease):
+/// a client that sees the end of its stream never sees its pages still held.
+fn fail_all<T>(
+    items: impl Iterator<Item = (mpsc::UnboundedSender<StreamEvent>, T)>,
+    e: &EngineError,
+) {
+    for (tx, held) in items {
+        drop(held);
+        let _ = tx.send(StreamEvent::Error(e.clone()));
+    }
+}
+
 pub(crate) struct Waiting {
     req: Box<GenerateRequest>,
     tx: mpsc::UnboundedSender<StreamEvent>,
@@ -117,21 +129,14 @@ impl Scheduler {
             self.publish();
             if let Err(e) = self.step() {
                 tracing::error!(error = %e, "forward pass failed; failing the running batch");
-                for a in self.active.drain(..) {
-                    let _ = a.tx.send(StreamEvent::Error(e.clone()));
-                }
+                fail_all(self.active.drain(..).map(|a| (a.tx.clone(), a)), &e);
             }
             self.publish();
         }
-        for w in self.waiting.drain(..) {
-            let _ = w.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
-        }
-        for r in self.resumed.drain(..) {
-            let _ = r.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
-        }
-        for a in self.active.drain(..) {
-            let _ = a.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
-        }
+        let e = EngineError::ShuttingDown;
+        fail_all(self.waiting.drain(..).map(|w| (w.tx.clone(), ())), &e);
+        fail_all(self.resumed.drain(..).map(|r| (r.tx.clone(), r)), &e);
+        fail_all(self.active.drain(..).map(|a| (a.tx.clone(), a)), &e);
         self.publish();
     }
 

@@ -17,6 +17,10 @@ pub struct SamplerConfig {
     pub seed: u64,
 }
 
+/// Below this temperature sampling is greedy (dividing logits by a smaller
+/// number overflows f32).
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
 /// A request's sampler; owns its RNG.
 pub struct Sampler {
     cfg: SamplerConfig,
@@ -53,7 +57,8 @@ impl Sampler {
     /// Pick the next token; returns it with its log-probability under the
     /// model (before temperature and filters).
     pub fn sample(&mut self, logits: &[f32]) -> (u32, f32) {
-        let id = if self.cfg.temperature <= 0.0 || self.cfg.top_k == 1 {
+        // Temperatures this small would overflow `logit / t`: they mean greedy.
+        let id = if self.cfg.temperature < MIN_TEMPERATURE || self.cfg.top_k == 1 {
             argmax(logits)
         } else {
             self.sample_filtered(logits)
@@ -151,6 +156,15 @@ mod tests {
         let mut s = Sampler::new(cfg(1.0, 0, 1e-6, 9));
         for _ in 0..50 {
             assert_eq!(s.sample(&logits).0 as usize, best[0]);
+        }
+    }
+
+    #[test]
+    fn tiny_temperatures_are_greedy() {
+        let logits = [0.5f32, 3.0, -2.0, 2.9];
+        for t in [1e-40f32, 1e-7, 0.0] {
+            let mut s = Sampler::new(cfg(t, 0, 1.0, 3));
+            assert_eq!(s.sample(&logits).0, 1, "temperature {t}");
         }
     }
 

@@ -96,6 +96,12 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
 /// which routers read when a worker registers.
 pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
     let info = state.engine.model();
+    // Hugging Face's class names for the GGUF architectures we run.
+    let class = match info.architecture.as_str() {
+        "qwen2" => "Qwen2ForCausalLM",
+        "mistral" => "MistralForCausalLM",
+        _ => "LlamaForCausalLM",
+    };
     Json(json!({
         "model_path": info.model_path,
         "tokenizer_path": info.model_path,
@@ -104,14 +110,15 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
         "weight_version": "default",
         "has_image_understanding": false,
         "has_audio_understanding": false,
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": info.architecture,
+        "architectures": [class],
     }))
 }
 
-/// `POST`/`GET /flush_cache`: there is no prefix cache yet, so nothing to flush.
+/// `POST`/`GET /flush_cache`: handoff keeps no prefix cache, so flushing
+/// always succeeds and says so.
 pub async fn flush_cache() -> &'static str {
-    "Cache flushed.\n"
+    "Cache flushed (handoff keeps no prefix cache).\n"
 }
 
 /// `GET /get_load`: one object per data-parallel rank (one rank here).
