@@ -67,6 +67,22 @@ async fn reply_setup(stream: &mut TcpStream, result: &Result<(), String>) {
     let _ = stream.write_all(&out).await;
 }
 
+/// `read_exact` bounded by `timeout`: a peer that stalls in the middle of
+/// link setup cannot hold the task forever.
+async fn read_setup(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    timeout: Duration,
+    what: &'static str,
+) -> Result<(), TransportError> {
+    match tokio::time::timeout(timeout, s.read_exact(buf)).await {
+        Ok(r) => r.map(|_| ()).map_err(TransportError::io(what)),
+        Err(_) => Err(TransportError::PeerMisbehaved(format!(
+            "{what}: no answer within {timeout:?}"
+        ))),
+    }
+}
+
 /// Decode side: open a data link to `addr` for `kind`, offering `pool`
 /// (`num_pages` pages of `layout`), as decode endpoint `endpoint`. Returns
 /// the socket and the prefill's TP rank.
@@ -104,18 +120,12 @@ pub async fn connect_link(
         .await
         .map_err(TransportError::io("data link setup"))?;
     let mut status = [0u8; 1];
-    s.read_exact(&mut status)
-        .await
-        .map_err(TransportError::io("data link setup reply"))?;
+    read_setup(&mut s, &mut status, timeout, "data link setup reply").await?;
     if status[0] != 0 {
         let mut len = [0u8; 2];
-        s.read_exact(&mut len)
-            .await
-            .map_err(TransportError::io("data link setup reply"))?;
+        read_setup(&mut s, &mut len, timeout, "data link setup reply").await?;
         let mut msg = vec![0u8; u16::from_le_bytes(len) as usize];
-        s.read_exact(&mut msg)
-            .await
-            .map_err(TransportError::io("data link setup reply"))?;
+        read_setup(&mut s, &mut msg, timeout, "data link setup reply").await?;
         return Err(TransportError::PeerMisbehaved(format!(
             "prefill refused the {} link: {}",
             kind.name(),
@@ -164,9 +174,7 @@ pub async fn accept_link(
     let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match kind[0] {
         SETUP_SHM => {
             let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
-            s.read_exact(&mut h)
-                .await
-                .map_err(TransportError::io("shm link setup"))?;
+            read_setup(&mut s, &mut h, timeout, "shm link setup").await?;
             let handle = ShmRegionHandle::from_bytes(&h);
             if handle.len == 0 || handle.len % per_page as u64 != 0 {
                 Err(format!(
@@ -193,9 +201,7 @@ pub async fn accept_link(
         }
         SETUP_TCP => {
             let mut b = [0u8; 8];
-            s.read_exact(&mut b)
-                .await
-                .map_err(TransportError::io("tcp link setup"))?;
+            read_setup(&mut s, &mut b, timeout, "tcp link setup").await?;
             let pages = u64::from_le_bytes(b);
             if pages == 0 || pages > u64::from(u32::MAX) {
                 Err(format!("pool of {pages} pages"))
