@@ -18,7 +18,7 @@ pub struct TestServer {
 }
 
 /// KV pool of the test server.
-pub const KV_PAGES: usize = 512;
+pub const KV_PAGES: usize = 2048;
 /// Page size of the test server.
 pub const PAGE_SIZE: usize = 16;
 
@@ -26,7 +26,13 @@ fn model_path() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("handoff-server-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join("tiny.gguf");
-    handoff_model::tiny::write_tiny_gguf(&path, 7).expect("write tiny GGUF");
+    // A long context so that a request generating up to it takes seconds:
+    // the disconnect tests must give up long before it could finish.
+    let cfg = handoff_model::tiny::TinyConfig {
+        context_length: 16384,
+        ..Default::default()
+    };
+    handoff_model::tiny::write_tiny_gguf_with(&path, 7, cfg).expect("write tiny GGUF");
     path
 }
 
