@@ -17,6 +17,9 @@ pub struct EngineConfig {
     pub kv_pages: usize,
     /// Most requests in the running batch.
     pub max_batch: usize,
+    /// Most requests waiting for admission; beyond it a request is refused
+    /// with 503 (overloaded) instead of queueing without bound.
+    pub max_waiting: usize,
     /// Most prompt tokens one prefill step computes (longer prompts are chunked
     /// so running requests keep decoding in between).
     pub prefill_chunk: usize,
@@ -37,6 +40,7 @@ impl EngineConfig {
             page_size: 16,
             kv_pages: 2048,
             max_batch: 32,
+            max_waiting: 4096,
             prefill_chunk: 256,
             max_context: None,
             served_name: None,

@@ -25,6 +25,8 @@ pub(crate) struct Shared {
     pub commands: std_mpsc::Sender<Command>,
     pub allocator: PageAllocator,
     pub counters: Arc<Counters>,
+    /// Refuse new requests once this many wait (`EngineConfig::max_waiting`).
+    pub max_waiting: usize,
 }
 
 /// Load counters the scheduler publishes after every step.
@@ -44,6 +46,15 @@ impl Shared {
         req: GenerateRequest,
         tx: mpsc::UnboundedSender<StreamEvent>,
     ) -> Result<(), EngineError> {
+        // The count is the scheduler's last published one, so a burst within
+        // one step may overshoot the limit by that burst: a bound, not a quota.
+        let waiting = self.counters.waiting.load(Ordering::Acquire);
+        if waiting >= self.max_waiting {
+            return Err(EngineError::Overloaded {
+                waiting,
+                limit: self.max_waiting,
+            });
+        }
         self.commands
             .send(Command::Submit(Box::new(req), tx))
             .map_err(|_| EngineError::ShuttingDown)
@@ -149,6 +160,7 @@ impl Loaded {
             commands: tx,
             allocator: self.pool.allocator().clone(),
             counters: Arc::new(Counters::default()),
+            max_waiting: config.max_waiting,
         };
         let scheduler = Scheduler {
             model: self.model,

@@ -36,6 +36,14 @@ pub enum EngineError {
         /// Vocabulary size.
         vocab_size: usize,
     },
+    /// Too many requests are already waiting; try again later.
+    #[error("server overloaded: {waiting} requests are already waiting (limit {limit})")]
+    Overloaded {
+        /// Requests waiting when this one arrived.
+        waiting: usize,
+        /// The configured limit.
+        limit: usize,
+    },
     /// The engine is shutting down or its thread is gone.
     #[error("the engine is shutting down")]
     ShuttingDown,
@@ -91,7 +99,7 @@ impl EngineError {
             | EngineError::ExceedsKvCapacity { .. }
             | EngineError::InvalidParams(_)
             | EngineError::TokenOutOfRange { .. } => 400,
-            EngineError::ShuttingDown => 503,
+            EngineError::ShuttingDown | EngineError::Overloaded { .. } => 503,
             EngineError::Model(_) => 500,
             EngineError::Transfer { status, .. } => *status,
         }
@@ -106,6 +114,7 @@ impl EngineError {
             EngineError::InvalidParams(_) => "invalid_request_error",
             EngineError::TokenOutOfRange { .. } => "invalid_token_id",
             EngineError::ShuttingDown => "shutting_down",
+            EngineError::Overloaded { .. } => "overloaded",
             EngineError::Model(_) => "model_error",
             EngineError::Transfer { kind, .. } => handoff_proto::FailureKind::ALL
                 .iter()

@@ -11,6 +11,15 @@ use handoff_engine::{
 use handoff_model::tiny::write_tiny_gguf;
 
 fn engine(page_size: usize, kv_pages: usize, chunk: usize) -> (EngineHandle, tempfile::TempDir) {
+    engine_with(page_size, kv_pages, chunk, |_| {})
+}
+
+fn engine_with(
+    page_size: usize,
+    kv_pages: usize,
+    chunk: usize,
+    tweak: impl FnOnce(&mut EngineConfig),
+) -> (EngineHandle, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("tiny.gguf");
     write_tiny_gguf(&path, 11).unwrap();
@@ -19,6 +28,7 @@ fn engine(page_size: usize, kv_pages: usize, chunk: usize) -> (EngineHandle, tem
     cfg.kv_pages = kv_pages;
     cfg.prefill_chunk = chunk;
     cfg.threads = 1;
+    tweak(&mut cfg);
     (Engine::start(cfg).unwrap(), dir)
 }
 
@@ -220,4 +230,29 @@ fn same_seed_same_sampled_output() {
     assert_eq!(a, b);
     r.sampling.seed = Some(43);
     assert_ne!(a, collect(&h, r).0);
+}
+
+#[test]
+fn a_full_waiting_queue_refuses_with_503() {
+    // 60 pages of 4 tokens; each request needs 55: one runs, the rest wait.
+    let (h, _d) = engine_with(4, 60, 16, |c| c.max_waiting = 2);
+    let mut streams = Vec::new();
+    let t = Instant::now();
+    let err = loop {
+        match h.submit(req(prompt(20, 1), 200)) {
+            Ok(s) => streams.push(s),
+            Err(e) => break e,
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "never refused");
+    };
+    assert!(
+        matches!(err, EngineError::Overloaded { limit: 2, waiting } if waiting >= 2),
+        "{err:?}"
+    );
+    assert_eq!(err.http_status(), 503);
+    assert_eq!(err.error_type(), "overloaded");
+    drop(streams);
+    wait_for_pages_free(&h);
+    // Once the queue drained, requests are taken again.
+    assert_eq!(collect(&h, req(prompt(5, 2), 3)).0.len(), 3);
 }

@@ -40,6 +40,9 @@ pub struct ServeArgs {
     /// Most requests in the running batch.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     max_batch: u32,
+    /// Most requests waiting for admission; more are refused with 503.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    max_waiting: u32,
     /// Most prompt tokens computed per request per step (chunked prefill).
     #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     prefill_chunk: u32,
@@ -157,6 +160,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         page_size,
         kv_pages,
         max_batch: args.max_batch as usize,
+        max_waiting: args.max_waiting as usize,
         prefill_chunk: args.prefill_chunk as usize,
         max_context: args.context_length.map(|c| c as usize),
         served_name: Some(served_name(&args, &model)),
