@@ -9,7 +9,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
-use handoff_engine::handle::EngineHandle;
+
+use crate::backend::Backend;
 
 use crate::errors::ApiError;
 use crate::extract::MAX_BODY_BYTES;
@@ -19,8 +20,8 @@ use crate::{generate_api, info_api, openai_api};
 /// What every handler shares.
 #[derive(Clone)]
 pub struct AppState {
-    /// The engine.
-    pub engine: EngineHandle,
+    /// The engine: colocated, or one side of a PD pair.
+    pub engine: Backend,
     /// The metrics registry.
     pub metrics: Arc<Metrics>,
     /// Server start, seconds since the Unix epoch.
@@ -38,7 +39,8 @@ impl std::fmt::Debug for AppState {
 
 impl AppState {
     /// State around a running engine.
-    pub fn new(engine: EngineHandle) -> Self {
+    pub fn new(engine: impl Into<Backend>) -> Self {
+        let engine = engine.into();
         let started_unix = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -63,8 +65,9 @@ impl AppState {
     }
 }
 
-/// The HTTP API around `engine`.
-pub fn app(engine: EngineHandle) -> Router {
+/// The HTTP API around `engine` (an `EngineHandle`, `PrefillHandle`,
+/// `DecodeHandle` or [`Backend`]).
+pub fn app(engine: impl Into<Backend>) -> Router {
     app_with_state(AppState::new(engine))
 }
 

@@ -2,8 +2,8 @@
 //! (`text` or `input_ids`, `sampling_params`, `stream`; `text`,
 //! `output_ids`, `meta_info`). Streaming sends cumulative objects, as SGLang
 //! does, then `data: [DONE]`. The PD fields `bootstrap_host`,
-//! `bootstrap_port` and `bootstrap_room` are validated and otherwise unused
-//! in colocated serving.
+//! `bootstrap_port` and `bootstrap_room` pair a prefill and a decode worker
+//! (a colocated worker checks and ignores them).
 
 use std::time::Instant;
 
@@ -15,6 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::app::AppState;
+use crate::backend::Bootstrap;
 use crate::errors::ApiError;
 use crate::extract::JsonBody;
 use crate::generation::{sglang_finish_reason, Generation, Step};
@@ -114,27 +115,6 @@ pub struct GenerateBody {
     pub bootstrap_room: Option<Value>,
 }
 
-/// A non-negative integer of at most `max`, or a 400 naming the field.
-pub fn bounded_integer(field: &str, v: &Value, max: u64) -> Result<u64, ApiError> {
-    match v.as_u64() {
-        Some(n) if n <= max => Ok(n),
-        _ => Err(ApiError::invalid_param(
-            field,
-            format!("{field} must be an integer between 0 and {max}, got {v}"),
-        )),
-    }
-}
-
-fn check_bootstrap(body: &GenerateBody) -> Result<(), ApiError> {
-    if let Some(v) = body.bootstrap_room.as_ref().filter(|v| !v.is_null()) {
-        bounded_integer("bootstrap_room", v, i64::MAX as u64)?;
-    }
-    if let Some(v) = body.bootstrap_port.as_ref().filter(|v| !v.is_null()) {
-        bounded_integer("bootstrap_port", v, u64::from(u16::MAX))?;
-    }
-    Ok(())
-}
-
 fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<Vec<u32>, ApiError> {
     let batch = || {
         ApiError::bad_request(
@@ -165,42 +145,23 @@ pub async fn generate(
     JsonBody(body): JsonBody<GenerateBody>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    check_bootstrap(&body)?;
-    let sp = body.sampling_params.clone().unwrap_or_default();
-    if let Some(n) = sp.n.filter(|&n| n != 1) {
-        return Err(ApiError::invalid_param(
-            "sampling_params.n",
-            format!("sampling_params.n must be 1 (one output per request), got {n}"),
-        ));
-    }
-    let raw = RawSampling {
-        max_tokens_field: "max_new_tokens",
-        max_tokens: sp.max_new_tokens,
-        temperature: sp.temperature,
-        top_p: sp.top_p,
-        top_k: sp.top_k,
-        seed: sp.seed.or(sp.sampling_seed),
-        stop: sp.stop,
-        stop_token_ids: sp.stop_token_ids,
-        ignore_eos: sp.ignore_eos,
-    };
-    let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
-    let prompt_ids = prompt_ids(&state, &body)?;
-    let prompt_tokens = prompt_ids.len();
-    let body_wants_logprobs = body.return_logprob.unwrap_or(false);
-    let rid = body
-        .rid
-        .clone()
-        .unwrap_or_else(|| state.next_request_id("gen"));
-    let gen = Generation::submit(
-        &state,
-        GenerateRequest {
-            prompt_ids,
-            sampling,
-            arrived,
-        },
-        ENDPOINT,
+    let pd = Bootstrap::parse(
+        body.bootstrap_host.as_ref(),
+        body.bootstrap_port.as_ref(),
+        body.bootstrap_room.as_ref(),
     )?;
+    state.engine.check_bootstrap(&pd)?;
+    let (req, rid) = match prepare(&state, &body, arrived) {
+        Ok(x) => x,
+        Err(e) => {
+            // Refused before the engine saw it: the PD peer learns now.
+            state.engine.reject(&pd, &e).await;
+            return Err(e);
+        }
+    };
+    let prompt_tokens = req.prompt_ids.len();
+    let body_wants_logprobs = body.return_logprob.unwrap_or(false);
+    let gen = Generation::submit(&state, req, ENDPOINT, &pd).await?;
     if body.stream.unwrap_or(false) {
         return Ok(sse_response(move |tx| stream(gen, tx, rid, prompt_tokens)));
     }
@@ -226,6 +187,46 @@ pub async fn generate(
             .collect();
     }
     Ok(Json(body).into_response())
+}
+
+/// The engine request and the response id of a `/generate` body.
+fn prepare(
+    state: &AppState,
+    body: &GenerateBody,
+    arrived: Instant,
+) -> Result<(GenerateRequest, String), ApiError> {
+    let sp = body.sampling_params.clone().unwrap_or_default();
+    if let Some(n) = sp.n.filter(|&n| n != 1) {
+        return Err(ApiError::invalid_param(
+            "sampling_params.n",
+            format!("sampling_params.n must be 1 (one output per request), got {n}"),
+        ));
+    }
+    let raw = RawSampling {
+        max_tokens_field: "max_new_tokens",
+        max_tokens: sp.max_new_tokens,
+        temperature: sp.temperature,
+        top_p: sp.top_p,
+        top_k: sp.top_k,
+        seed: sp.seed.or(sp.sampling_seed),
+        stop: sp.stop,
+        stop_token_ids: sp.stop_token_ids,
+        ignore_eos: sp.ignore_eos,
+    };
+    let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
+    let prompt_ids = prompt_ids(state, body)?;
+    let rid = body
+        .rid
+        .clone()
+        .unwrap_or_else(|| state.next_request_id("gen"));
+    Ok((
+        GenerateRequest {
+            prompt_ids,
+            sampling,
+            arrived,
+        },
+        rid,
+    ))
 }
 
 async fn stream(
@@ -279,6 +280,7 @@ async fn stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::bounded_integer;
 
     #[test]
     fn bootstrap_room_bounds() {

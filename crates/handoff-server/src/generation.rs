@@ -6,16 +6,71 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use handoff_engine::handle::RequestStream;
+use handoff_engine::pd::PrefillTicket;
 use handoff_engine::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
+use handoff_model::tokenizer::Tokenizer;
 
 use crate::app::AppState;
+use crate::backend::{Bootstrap, Submitted};
 use crate::errors::ApiError;
 use crate::metrics::Metrics;
+
+/// Where a generation's events come from.
+#[derive(Debug)]
+enum Source {
+    /// An engine's token stream (colocated or decode).
+    Stream(RequestStream),
+    /// A prefill: one event pair once the KV landed at decode — the first
+    /// token, then `Finished` with reason `Length` (the prefill's answer is
+    /// the first token; the decode worker streams the rest).
+    Prefill {
+        ticket: Option<PrefillTicket>,
+        tokenizer: Arc<Tokenizer>,
+        done: Option<Finished>,
+    },
+}
+
+impl Source {
+    async fn next(&mut self) -> Option<StreamEvent> {
+        match self {
+            Source::Stream(s) => s.next().await,
+            Source::Prefill {
+                ticket,
+                tokenizer,
+                done,
+            } => {
+                if let Some(t) = ticket.take() {
+                    return Some(match t.wait().await {
+                        Ok(d) => {
+                            *done = Some(Finished {
+                                reason: FinishReason::Length,
+                                prompt_tokens: d.prompt_tokens,
+                                completion_tokens: 1,
+                            });
+                            let text = tokenizer
+                                .token_bytes(d.first_token, false)
+                                .map(|b| String::from_utf8_lossy(b).into_owned())
+                                .unwrap_or_default();
+                            StreamEvent::Token(TokenOut {
+                                id: d.first_token,
+                                logprob: d.logprob,
+                                text,
+                            })
+                        }
+                        Err(e) => StreamEvent::Error(e),
+                    });
+                }
+                done.take().map(StreamEvent::Finished)
+            }
+        }
+    }
+}
 
 /// A submitted request whose events are being read.
 #[derive(Debug)]
 pub struct Generation {
-    stream: handoff_engine::handle::RequestStream,
+    stream: Source,
     metrics: Arc<Metrics>,
     endpoint: &'static str,
     arrived: Instant,
@@ -46,17 +101,27 @@ pub enum Step {
 }
 
 impl Generation {
-    /// Validate and submit `req`; errors are the engine's, as HTTP errors.
-    pub fn submit(
+    /// Validate and submit `req` (with its PD fields `pd`); errors are the
+    /// engine's, as HTTP errors.
+    pub async fn submit(
         state: &AppState,
         req: GenerateRequest,
         endpoint: &'static str,
+        pd: &Bootstrap,
     ) -> Result<Generation, ApiError> {
         let arrived = req.arrived;
-        let stream = state.engine.submit(req).map_err(|e| {
-            state.metrics.count_error(endpoint, e.error_type());
-            ApiError::from(e)
-        })?;
+        let stream = match state.engine.submit(req, pd).await {
+            Ok(Submitted::Stream(s)) => Source::Stream(s),
+            Ok(Submitted::Prefill(ticket)) => Source::Prefill {
+                ticket: Some(ticket),
+                tokenizer: state.engine.tokenizer().clone(),
+                done: None,
+            },
+            Err(e) => {
+                state.metrics.count_error(endpoint, e.code);
+                return Err(e);
+            }
+        };
         Ok(Generation {
             stream,
             metrics: state.metrics.clone(),

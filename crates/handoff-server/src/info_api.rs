@@ -38,8 +38,13 @@ pub async fn health() -> &'static str {
     ""
 }
 
-/// `GET /health_generate`: generate one token end to end.
+/// `GET /health_generate`: generate one token end to end. A PD worker
+/// cannot generate alone (it needs its peer and a router): it answers as
+/// `/health` does.
 pub async fn health_generate(State(state): State<AppState>) -> Result<&'static str, ApiError> {
+    if state.engine.mode() != "null" {
+        return Ok("");
+    }
     let tok = state.engine.tokenizer();
     let first = tok.bos_id().or(tok.eos_id()).unwrap_or(0);
     let req = GenerateRequest {
@@ -51,7 +56,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<&'static s
         },
         arrived: Instant::now(),
     };
-    let gen = Generation::submit(&state, req, "/health_generate")?;
+    let gen = Generation::submit(&state, req, "/health_generate", &Default::default()).await?;
     match tokio::time::timeout(HEALTH_GENERATE_TIMEOUT, gen.collect()).await {
         Ok(Ok(_)) => Ok(""),
         Ok(Err(e)) => Err(ApiError::new(
@@ -82,7 +87,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
         "vocab_size": info.vocab_size,
         "kv_pages_total": load.pages_total,
         "max_total_num_tokens": load.pages_total * info.page_size,
-        "disaggregation_mode": "null",
+        "disaggregation_mode": state.engine.mode(),
         "version": env!("CARGO_PKG_VERSION"),
         "internal_states": [{
             "num_running_reqs": load.running,

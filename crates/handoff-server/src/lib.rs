@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod backend;
 pub mod errors;
 pub mod extract;
 pub mod generate_api;
@@ -18,4 +19,5 @@ pub mod prompt;
 pub mod sse;
 
 pub use app::{app, app_with_state, AppState};
+pub use backend::{Backend, Bootstrap};
 pub use errors::ApiError;

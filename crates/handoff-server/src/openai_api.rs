@@ -10,6 +10,7 @@ use handoff_engine::request::{Finished, GenerateRequest, TokenOut};
 use serde_json::{json, Value};
 
 use crate::app::AppState;
+use crate::backend::Bootstrap;
 use crate::errors::ApiError;
 use crate::extract::JsonBody;
 use crate::generation::{Generation, Step};
@@ -204,14 +205,32 @@ fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-async fn run(
-    state: AppState,
+/// What a handler prepared before submitting.
+struct Prepared {
     answer: Answer,
     req: GenerateRequest,
     stream: bool,
+}
+
+async fn run(
+    state: AppState,
+    pd: Bootstrap,
+    prepared: Result<Prepared, ApiError>,
     endpoint: &'static str,
 ) -> Result<Response, ApiError> {
-    let gen = Generation::submit(&state, req, endpoint)?;
+    let Prepared {
+        answer,
+        req,
+        stream,
+    } = match prepared {
+        Ok(p) => p,
+        Err(e) => {
+            // Refused before the engine saw it: the PD peer learns now.
+            state.engine.reject(&pd, &e).await;
+            return Err(e);
+        }
+    };
+    let gen = Generation::submit(&state, req, endpoint, &pd).await?;
     if stream {
         return Ok(sse_response(move |tx| answer.stream(state, gen, tx)));
     }
@@ -225,6 +244,17 @@ pub async fn chat_completions(
     JsonBody(req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
+    let pd = req.bootstrap()?;
+    state.engine.check_bootstrap(&pd)?;
+    let prepared = prepare_chat(&state, req, arrived);
+    run(state, pd, prepared, CHAT_ENDPOINT).await
+}
+
+fn prepare_chat(
+    state: &AppState,
+    req: ChatCompletionRequest,
+    arrived: Instant,
+) -> Result<Prepared, ApiError> {
     check_n(req.n, "n")?;
     match req.top_logprobs {
         None | Some(0) => {}
@@ -254,19 +284,15 @@ pub async fn chat_completions(
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
     };
-    let gen_req = GenerateRequest {
-        prompt_ids,
-        sampling,
-        arrived,
-    };
-    run(
-        state,
+    Ok(Prepared {
         answer,
-        gen_req,
-        req.stream.unwrap_or(false),
-        CHAT_ENDPOINT,
-    )
-    .await
+        req: GenerateRequest {
+            prompt_ids,
+            sampling,
+            arrived,
+        },
+        stream: req.stream.unwrap_or(false),
+    })
 }
 
 /// `POST /v1/completions`.
@@ -275,6 +301,17 @@ pub async fn completions(
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
+    let pd = req.bootstrap()?;
+    state.engine.check_bootstrap(&pd)?;
+    let prepared = prepare_completion(&state, req, arrived);
+    run(state, pd, prepared, COMPLETIONS_ENDPOINT).await
+}
+
+fn prepare_completion(
+    state: &AppState,
+    req: CompletionRequest,
+    arrived: Instant,
+) -> Result<Prepared, ApiError> {
     check_n(req.n, "n")?;
     check_n(req.best_of, "best_of")?;
     if req.echo == Some(true) {
@@ -312,10 +349,13 @@ pub async fn completions(
         logprobs,
         include_usage,
     };
-    let gen_req = GenerateRequest {
-        prompt_ids,
-        sampling,
-        arrived,
-    };
-    run(state, answer, gen_req, stream, COMPLETIONS_ENDPOINT).await
+    Ok(Prepared {
+        answer,
+        req: GenerateRequest {
+            prompt_ids,
+            sampling,
+            arrived,
+        },
+        stream,
+    })
 }

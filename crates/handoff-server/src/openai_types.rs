@@ -5,6 +5,8 @@
 
 use serde::Deserialize;
 
+use crate::backend::Bootstrap;
+use crate::errors::ApiError;
 use crate::params::{RawSampling, StopInput};
 
 /// `stream_options`.
@@ -96,9 +98,27 @@ pub struct ChatCompletionRequest {
     /// Alternatives per position (only 0 is supported).
     #[serde(default)]
     pub top_logprobs: Option<i64>,
+    /// PD: the prefill's host (set by the router).
+    #[serde(default)]
+    pub bootstrap_host: Option<String>,
+    /// PD: the prefill's bootstrap port (set by the router).
+    #[serde(default)]
+    pub bootstrap_port: Option<serde_json::Value>,
+    /// PD: the room pairing prefill and decode (set by the router).
+    #[serde(default)]
+    pub bootstrap_room: Option<serde_json::Value>,
 }
 
 impl ChatCompletionRequest {
+    /// The PD fields, checked.
+    pub fn bootstrap(&self) -> Result<Bootstrap, ApiError> {
+        Bootstrap::parse(
+            self.bootstrap_host.as_ref(),
+            self.bootstrap_port.as_ref(),
+            self.bootstrap_room.as_ref(),
+        )
+    }
+
     /// The sampling fields.
     pub fn sampling(&self) -> RawSampling {
         let (field, max) = match (self.max_completion_tokens, self.max_tokens) {
@@ -190,9 +210,27 @@ pub struct CompletionRequest {
     /// Suffix (not supported).
     #[serde(default)]
     pub suffix: Option<String>,
+    /// PD: the prefill's host (set by the router).
+    #[serde(default)]
+    pub bootstrap_host: Option<String>,
+    /// PD: the prefill's bootstrap port (set by the router).
+    #[serde(default)]
+    pub bootstrap_port: Option<serde_json::Value>,
+    /// PD: the room pairing prefill and decode (set by the router).
+    #[serde(default)]
+    pub bootstrap_room: Option<serde_json::Value>,
 }
 
 impl CompletionRequest {
+    /// The PD fields, checked.
+    pub fn bootstrap(&self) -> Result<Bootstrap, ApiError> {
+        Bootstrap::parse(
+            self.bootstrap_host.as_ref(),
+            self.bootstrap_port.as_ref(),
+            self.bootstrap_room.as_ref(),
+        )
+    }
+
     /// The sampling fields.
     pub fn sampling(&self) -> RawSampling {
         RawSampling {

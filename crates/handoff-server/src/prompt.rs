@@ -2,7 +2,7 @@
 //! model's chat template, texts through the tokenizer (special tokens parsed,
 //! BOS only if the GGUF asks for it), token ids checked against the vocabulary.
 
-use handoff_engine::handle::EngineHandle;
+use crate::backend::Backend;
 use handoff_model::chat_template::ChatMessage;
 
 use crate::errors::ApiError;
@@ -12,7 +12,7 @@ use crate::openai_types::{ContentInput, MessageInput, PromptInput};
 pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
 
 /// Check the messages and render them with the chat template.
-pub fn chat_prompt(engine: &EngineHandle, messages: &[MessageInput]) -> Result<Vec<u32>, ApiError> {
+pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -74,7 +74,7 @@ pub fn chat_prompt(engine: &EngineHandle, messages: &[MessageInput]) -> Result<V
 }
 
 /// Tokenize a text prompt (special tokens parsed; BOS if the model wants one).
-pub fn text_prompt(engine: &EngineHandle, text: &str) -> Result<Vec<u32>, ApiError> {
+pub fn text_prompt(engine: &Backend, text: &str) -> Result<Vec<u32>, ApiError> {
     let tok = engine.tokenizer();
     let ids = tok.encode(text, true)?;
     let mut out = Vec::with_capacity(ids.len() + 1);
@@ -90,7 +90,7 @@ pub fn text_prompt(engine: &EngineHandle, text: &str) -> Result<Vec<u32>, ApiErr
 }
 
 /// Check token ids given directly by the client.
-pub fn id_prompt(engine: &EngineHandle, ids: Vec<u32>, field: &str) -> Result<Vec<u32>, ApiError> {
+pub fn id_prompt(engine: &Backend, ids: Vec<u32>, field: &str) -> Result<Vec<u32>, ApiError> {
     let vocab = engine.tokenizer().vocab_size();
     if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
         return Err(ApiError::invalid_param(
@@ -102,7 +102,7 @@ pub fn id_prompt(engine: &EngineHandle, ids: Vec<u32>, field: &str) -> Result<Ve
 }
 
 /// The prompt of `/v1/completions`.
-pub fn completion_prompt(engine: &EngineHandle, prompt: PromptInput) -> Result<Vec<u32>, ApiError> {
+pub fn completion_prompt(engine: &Backend, prompt: PromptInput) -> Result<Vec<u32>, ApiError> {
     let one = |n: usize| {
         if n == 1 {
             Ok(())

@@ -184,6 +184,16 @@ impl KvReceiver {
     /// version, fingerprint or secret mismatch fails here, not at the first
     /// request.
     pub async fn connect(&self, addr: SocketAddr) -> Result<RankId, TransportError> {
+        self.connect_with(addr, self.config.transport).await
+    }
+
+    /// [`Self::connect`] with the data link over `transport` instead of the
+    /// configured default.
+    pub async fn connect_with(
+        &self,
+        addr: SocketAddr,
+        transport: TransportKind,
+    ) -> Result<RankId, TransportError> {
         let mut s = TcpStream::connect(addr)
             .await
             .map_err(TransportError::io("control connect"))?;
@@ -215,7 +225,7 @@ impl KvReceiver {
             self.endpoint,
             self.config.handshake.clone(),
             self.config.handshake_timeout,
-            self.config.transport,
+            transport,
             &self.pool,
             self.layout.num_pages,
         )

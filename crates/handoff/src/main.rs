@@ -4,7 +4,10 @@
 
 mod bench_model;
 mod bench_transfer;
+mod engine_args;
 mod serve;
+mod signal;
+mod worker;
 
 use clap::{Parser, Subcommand};
 
@@ -20,6 +23,12 @@ struct Cli {
 enum Command {
     /// Serve a model with an OpenAI- and SGLang-compatible HTTP API (colocated).
     Serve(serve::ServeArgs),
+    /// Run a prefill worker: computes prompts' KV and writes it into the
+    /// pages a decode worker reserved (pair them with `handoff router`).
+    Prefill(worker::WorkerArgs),
+    /// Run a decode worker: reserves KV pages, receives a prefill's KV and
+    /// generates (pair them with `handoff router`).
+    Decode(worker::WorkerArgs),
     /// Prefill and decode throughput of the model runner next to llama.cpp's
     /// llama-bench on the same GGUF, printed as ratios.
     BenchModel(bench_model::BenchModelArgs),
@@ -50,8 +59,16 @@ fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Command::Serve(args) => {
-            set_compute_threads(args.threads);
+            set_compute_threads(args.engine.threads);
             serve::run(args)
+        }
+        Command::Prefill(args) => {
+            set_compute_threads(args.engine.threads);
+            worker::run(worker::Mode::Prefill, args)
+        }
+        Command::Decode(args) => {
+            set_compute_threads(args.engine.threads);
+            worker::run(worker::Mode::Decode, args)
         }
         Command::BenchTransfer(args) => bench_transfer::run(args),
         Command::BenchPeer(args) => bench_transfer::peer(args),

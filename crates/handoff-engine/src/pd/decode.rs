@@ -27,7 +27,7 @@ use handoff_proto::{AbortOrigin, AuxSlot, FailureKind, RankId, Role, RoomId, Tra
 use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig, ReceiverPoll};
 use tokio::sync::mpsc;
 
-use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig};
+use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig, TransportChoice};
 use crate::config::EngineConfig;
 use crate::engine::{load, Shared};
 use crate::error::EngineError;
@@ -53,7 +53,11 @@ impl DecodeEngine {
         let rt = runtime(pd.io_threads, "handoff-decode-io")?;
         let mut hs = HandshakeConfig::new(Role::Decode, fp);
         hs.secret = pd.secret.clone();
-        let mut rc = ReceiverConfig::new(hs, pd.transport);
+        let default_kind = match pd.transport_choice {
+            TransportChoice::Fixed(k) => k,
+            TransportChoice::Auto => handoff_transfer::TransportKind::Tcp,
+        };
+        let mut rc = ReceiverConfig::new(hs, default_kind);
         rc.rooms = pd.rooms.clone();
         rc.handshake_timeout = pd.handshake_timeout;
         let receiver = {
@@ -63,7 +67,7 @@ impl DecodeEngine {
         let shared = loaded.spawn_scheduler(&config, "handoff-decode")?;
         tracing::info!(
             model = %shared.info.model_path,
-            transport = pd.transport.name(),
+            transport = %pd.transport_choice,
             page_size = shared.info.page_size,
             kv_pages = config.kv_pages,
             "decode engine started"
@@ -77,6 +81,7 @@ impl DecodeEngine {
                     turn: tokio::sync::Mutex::new(()),
                     pending: AtomicUsize::new(0),
                     next_slot: AtomicU32::new(0),
+                    transport: pd.transport_choice,
                 }),
                 runtime: Some(rt),
             }),
@@ -116,6 +121,7 @@ struct Ctx {
     /// Requests between submit and joining the batch.
     pending: AtomicUsize,
     next_slot: AtomicU32,
+    transport: TransportChoice,
 }
 
 impl DecodeHandle {
@@ -159,23 +165,36 @@ impl DecodeHandle {
         };
         let ctx = self.inner.ctx.clone();
         if let Err(e) = ctx.shared.validate(&req) {
-            let error = TransferError::Rejected {
-                http_status: e.http_status(),
-                reason: e.to_string(),
-            };
-            rt.spawn(async move {
-                if let Ok(rank) = ctx.peer(prefill).await {
-                    if ctx.receiver.open(room, sources(rank)).await.is_ok() {
-                        ctx.receiver.abort(room, error);
-                    }
-                }
-            });
+            self.reject(room, prefill, e.http_status(), &e.to_string());
             return Err(e);
         }
         let (tx, rx) = mpsc::unbounded_channel();
         ctx.pending.fetch_add(1, Ordering::AcqRel);
         rt.spawn(async move { decode_room(&ctx, req, room, prefill, tx).await });
         Ok(RequestStream::new(rx))
+    }
+
+    /// Refuse the decode half of `room` with `http_status` and `reason` (found before
+    /// [`Self::submit`] could be called: a malformed field, say): the
+    /// prefill at `prefill` is told through the protocol, with the same
+    /// status and reason, so it never computes for this room (seed 004).
+    pub fn reject(&self, room: RoomId, prefill: SocketAddr, http_status: u16, reason: &str) {
+        let Some(rt) = self.inner.runtime.as_ref() else {
+            return;
+        };
+        let ctx = self.inner.ctx.clone();
+        let error = TransferError::Rejected {
+            http_status,
+            reason: reason.to_owned(),
+        };
+        tracing::debug!(room = room.get(), error = %error, "decode rejected the request");
+        rt.spawn(async move {
+            if let Ok(rank) = ctx.peer(prefill).await {
+                if ctx.receiver.open(room, sources(rank)).await.is_ok() {
+                    ctx.receiver.abort(room, error);
+                }
+            }
+        });
     }
 
     /// Current load: `waiting` counts requests in the prealloc queue or in
@@ -226,7 +245,8 @@ impl Ctx {
             if let Some(r) = peers.get(&addr) {
                 return Ok(*r);
             }
-            let rank = ctx.receiver.connect(addr).await?;
+            let kind = ctx.transport.for_peer(addr);
+            let rank = ctx.receiver.connect_with(addr, kind).await?;
             peers.insert(addr, rank);
             Ok(rank)
         })

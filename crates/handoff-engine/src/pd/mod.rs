@@ -62,7 +62,6 @@ use std::time::Duration;
 use handoff_kv::{KvDtype, PageAllocator, PageLease};
 use handoff_proto::handshake::{Fingerprint, KvDtype as WireDtype, KvLayoutKind};
 use handoff_proto::room::RoomConfig;
-use handoff_transfer::TransportKind;
 
 use crate::config::EngineConfig;
 use crate::engine::Loaded;
@@ -70,6 +69,7 @@ use crate::error::EngineError;
 
 pub use decode::{DecodeEngine, DecodeHandle};
 pub use handoff_proto::RoomId;
+pub use handoff_transfer::TransportKind;
 pub use prefill::{PrefillDone, PrefillEngine, PrefillHandle, PrefillTicket};
 
 /// Transfer settings of a prefill or decode engine.
@@ -79,7 +79,7 @@ pub struct PdConfig {
     /// picks one). Ignored by decode.
     pub listen: SocketAddr,
     /// Decode: transport of its data links (prefill follows decode's choice).
-    pub transport: TransportKind,
+    pub transport_choice: TransportChoice,
     /// Room deadlines (bootstrap, waiting, transfer, abort fence, heartbeat)
     /// and limits.
     pub rooms: RoomConfig,
@@ -92,16 +92,61 @@ pub struct PdConfig {
 }
 
 impl PdConfig {
-    /// Defaults: listen on 127.0.0.1 (any port), `transport`, protocol
-    /// default timers, 1 I/O thread.
+    /// Defaults: listen on 127.0.0.1 (any port), always `transport`,
+    /// protocol default timers, 1 I/O thread.
     pub fn new(transport: TransportKind) -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
-            transport,
+            transport_choice: TransportChoice::Fixed(transport),
             rooms: RoomConfig::default(),
             handshake_timeout: Duration::from_secs(5),
             secret: None,
             io_threads: 1,
+        }
+    }
+}
+
+/// Which transport a decode engine uses for the data link to a prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory for a prefill on a loopback address (same host), TCP
+    /// otherwise.
+    Auto,
+    /// Always this transport (shm fails at link setup if the prefill is on
+    /// another host).
+    Fixed(TransportKind),
+}
+
+impl TransportChoice {
+    /// The transport for a prefill listening at `addr`.
+    pub fn for_peer(self, addr: SocketAddr) -> TransportKind {
+        match self {
+            TransportChoice::Fixed(k) => k,
+            TransportChoice::Auto if addr.ip().is_loopback() => TransportKind::Shm,
+            TransportChoice::Auto => TransportKind::Tcp,
+        }
+    }
+}
+
+impl std::fmt::Display for TransportChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TransportChoice::Auto => f.write_str("auto"),
+            TransportChoice::Fixed(k) => f.write_str(k.name()),
+        }
+    }
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(TransportChoice::Auto),
+            "shm" => Ok(TransportChoice::Fixed(TransportKind::Shm)),
+            "tcp" => Ok(TransportChoice::Fixed(TransportKind::Tcp)),
+            other => Err(format!(
+                "unknown transport `{other}`: expected auto, shm or tcp"
+            )),
         }
     }
 }

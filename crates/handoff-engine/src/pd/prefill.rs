@@ -21,6 +21,7 @@ use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
 use handoff_kv::{KvPool, PageAllocator, PageIndex, PageLease};
+use handoff_model::chat_template::ChatTemplate;
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
@@ -85,6 +86,7 @@ impl PrefillEngine {
         let Loaded {
             model,
             tokenizer,
+            chat_template,
             pool,
             info,
             threads,
@@ -141,6 +143,7 @@ impl PrefillEngine {
                 ctx,
                 info,
                 tokenizer,
+                chat_template,
                 runtime: Some(rt),
             }),
         })
@@ -158,6 +161,7 @@ struct Inner {
     ctx: Arc<Ctx>,
     info: ModelInfo,
     tokenizer: Arc<Tokenizer>,
+    chat_template: Option<ChatTemplate>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -179,6 +183,11 @@ impl PrefillHandle {
     /// The model's tokenizer.
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.inner.tokenizer
+    }
+
+    /// The model's chat template, if the GGUF has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.inner.chat_template.as_ref()
     }
 
     /// Where decode engines connect (give it to [`super::DecodeHandle::submit`]).
@@ -205,17 +214,7 @@ impl PrefillHandle {
         };
         let ctx = self.inner.ctx.clone();
         if let Err(e) = self.validate(&req) {
-            let error = TransferError::Rejected {
-                http_status: e.http_status(),
-                reason: e.to_string(),
-            };
-            tracing::debug!(room = room.get(), error = %e, "prefill rejected the request");
-            rt.spawn(async move {
-                // A room decode already aborted refuses to open: nothing to tell.
-                if ctx.sender.open(room).await.is_ok() {
-                    ctx.sender.fail(room, error);
-                }
-            });
+            self.reject(room, e.http_status(), &e.to_string());
             return Err(e);
         }
         let (tx, rx) = oneshot::channel();
@@ -228,6 +227,28 @@ impl PrefillHandle {
             let _ = tx.send(r);
         });
         Ok(PrefillTicket { rx })
+    }
+
+    /// Refuse the prefill half of `room` with `http_status` and `reason` (found before
+    /// [`Self::submit`] could be called: a malformed field, say): the room
+    /// is failed through the protocol with the same status and reason, so
+    /// decode releases its pages and reports the original error (seed 004).
+    pub fn reject(&self, room: RoomId, http_status: u16, reason: &str) {
+        let Some(rt) = self.inner.runtime.as_ref() else {
+            return;
+        };
+        let ctx = self.inner.ctx.clone();
+        let error = TransferError::Rejected {
+            http_status,
+            reason: reason.to_owned(),
+        };
+        tracing::debug!(room = room.get(), error = %error, "prefill rejected the request");
+        rt.spawn(async move {
+            // A room decode already aborted refuses to open: nothing to tell.
+            if ctx.sender.open(room).await.is_ok() {
+                ctx.sender.fail(room, error);
+            }
+        });
     }
 
     /// Current load: `running` is requests computing or transferring,

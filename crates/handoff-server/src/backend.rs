@@ -1,0 +1,245 @@
+//! What a worker serves (DESIGN.md §1, §3): the colocated engine, or one
+//! side of a prefill/decode pair. A PD worker takes SGLang's bootstrap
+//! fields from each request: the prefill needs `bootstrap_room`, the decode
+//! needs `bootstrap_host`, `bootstrap_port` and `bootstrap_room` to find the
+//! prefill's transfer endpoint.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use handoff_engine::handle::{EngineHandle, LoadSnapshot, ModelInfo, RequestStream};
+use handoff_engine::pd::{DecodeHandle, PrefillHandle, PrefillTicket, RoomId};
+use handoff_engine::request::GenerateRequest;
+use handoff_model::chat_template::ChatTemplate;
+use handoff_model::tokenizer::Tokenizer;
+use serde_json::Value;
+
+use crate::errors::ApiError;
+
+/// The engine behind a worker.
+#[derive(Clone)]
+pub enum Backend {
+    /// Prefill and decode in one engine (no transfer): the baseline.
+    Colocated(EngineHandle),
+    /// The prefill side of PD serving.
+    Prefill(PrefillHandle),
+    /// The decode side of PD serving.
+    Decode(DecodeHandle),
+}
+
+/// A request's PD fields (SGLang's names), range-checked.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bootstrap {
+    /// The prefill's host.
+    pub host: Option<String>,
+    /// The prefill's bootstrap (transfer) port.
+    pub port: Option<u16>,
+    /// The room pairing the two halves.
+    pub room: Option<u64>,
+}
+
+/// A non-negative integer of at most `max`, or a 400 naming the field.
+pub fn bounded_integer(field: &str, v: &Value, max: u64) -> Result<u64, ApiError> {
+    match v.as_u64() {
+        Some(n) if n <= max => Ok(n),
+        _ => Err(ApiError::invalid_param(
+            field,
+            format!("{field} must be an integer between 0 and {max}, got {v}"),
+        )),
+    }
+}
+
+impl Bootstrap {
+    /// Check the raw fields: the room an integer in 0..=2^63-1, the port in
+    /// 0..=65535, `null` meaning absent.
+    pub fn parse(
+        host: Option<&String>,
+        port: Option<&Value>,
+        room: Option<&Value>,
+    ) -> Result<Self, ApiError> {
+        let room = match room.filter(|v| !v.is_null()) {
+            Some(v) => Some(bounded_integer("bootstrap_room", v, i64::MAX as u64)?),
+            None => None,
+        };
+        let port = match port.filter(|v| !v.is_null()) {
+            Some(v) => Some(bounded_integer("bootstrap_port", v, u64::from(u16::MAX))? as u16),
+            None => None,
+        };
+        Ok(Bootstrap {
+            host: host.filter(|h| !h.is_empty()).cloned(),
+            port,
+            room,
+        })
+    }
+
+    fn room_id(&self, role: &str, needs: &str) -> Result<RoomId, ApiError> {
+        let Some(room) = self.room else {
+            return Err(missing(role, needs));
+        };
+        RoomId::new(room).ok_or_else(|| {
+            ApiError::invalid_param(
+                "bootstrap_room",
+                "bootstrap_room must be non-zero (0 names no room)",
+            )
+        })
+    }
+
+    /// The prefill's transfer endpoint: `host:port` resolved.
+    async fn prefill_addr(&self) -> Result<SocketAddr, ApiError> {
+        let (Some(host), Some(port)) = (self.host.as_deref(), self.port) else {
+            return Err(missing("decode", DECODE_NEEDS));
+        };
+        let bad = |why: String| {
+            ApiError::invalid_param(
+                "bootstrap_host",
+                format!("bootstrap_host `{host}` (port {port}) cannot be resolved: {why}"),
+            )
+        };
+        let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
+            .await
+            .map_err(|e| bad(e.to_string()))?
+            .collect();
+        addrs
+            .iter()
+            .find(|a| a.is_ipv4())
+            .or(addrs.first())
+            .copied()
+            .ok_or_else(|| bad("no address".into()))
+    }
+}
+
+const PREFILL_NEEDS: &str = "bootstrap_room";
+const DECODE_NEEDS: &str = "bootstrap_host, bootstrap_port and bootstrap_room";
+
+fn missing(role: &str, needs: &str) -> ApiError {
+    ApiError::bad_request(
+        "missing_bootstrap",
+        format!(
+            "this is a {role} worker: a request needs {needs} (send requests through a PD router such as `handoff router`)"
+        ),
+    )
+}
+
+/// A request accepted by the backend.
+#[derive(Debug)]
+pub enum Submitted {
+    /// Tokens streamed by an engine (colocated or decode).
+    Stream(RequestStream),
+    /// A prefill: resolves once the KV landed at decode.
+    Prefill(PrefillTicket),
+}
+
+impl Backend {
+    /// `null`, `prefill` or `decode` (SGLang's `disaggregation_mode`).
+    pub fn mode(&self) -> &'static str {
+        match self {
+            Backend::Colocated(_) => "null",
+            Backend::Prefill(_) => "prefill",
+            Backend::Decode(_) => "decode",
+        }
+    }
+
+    /// The loaded model.
+    pub fn model(&self) -> &ModelInfo {
+        match self {
+            Backend::Colocated(e) => e.model(),
+            Backend::Prefill(p) => p.model(),
+            Backend::Decode(d) => d.model(),
+        }
+    }
+
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        match self {
+            Backend::Colocated(e) => e.tokenizer(),
+            Backend::Prefill(p) => p.tokenizer(),
+            Backend::Decode(d) => d.tokenizer(),
+        }
+    }
+
+    /// The model's chat template, if the GGUF has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        match self {
+            Backend::Colocated(e) => e.chat_template(),
+            Backend::Prefill(p) => p.chat_template(),
+            Backend::Decode(d) => d.chat_template(),
+        }
+    }
+
+    /// Current load.
+    pub fn load(&self) -> LoadSnapshot {
+        match self {
+            Backend::Colocated(e) => e.load(),
+            Backend::Prefill(p) => p.load(),
+            Backend::Decode(d) => d.load(),
+        }
+    }
+
+    /// Check the PD fields this backend needs before any other work, so a
+    /// request without them fails fast (and names them).
+    pub fn check_bootstrap(&self, b: &Bootstrap) -> Result<(), ApiError> {
+        match self {
+            Backend::Colocated(_) => Ok(()),
+            Backend::Prefill(_) => b.room_id("prefill", PREFILL_NEEDS).map(|_| ()),
+            Backend::Decode(_) => {
+                if b.host.is_none() || b.port.is_none() {
+                    return Err(missing("decode", DECODE_NEEDS));
+                }
+                b.room_id("decode", DECODE_NEEDS).map(|_| ())
+            }
+        }
+    }
+
+    /// Validate and submit. A PD engine that refuses the request tells its
+    /// peer through the transfer protocol (seed 004).
+    pub async fn submit(&self, req: GenerateRequest, b: &Bootstrap) -> Result<Submitted, ApiError> {
+        match self {
+            Backend::Colocated(e) => Ok(Submitted::Stream(e.submit(req)?)),
+            Backend::Prefill(p) => {
+                let room = b.room_id("prefill", PREFILL_NEEDS)?;
+                Ok(Submitted::Prefill(p.submit(req, room)?))
+            }
+            Backend::Decode(d) => {
+                let room = b.room_id("decode", DECODE_NEEDS)?;
+                let addr = b.prefill_addr().await?;
+                Ok(Submitted::Stream(d.submit(req, room, addr)?))
+            }
+        }
+    }
+
+    /// The request was refused before [`Self::submit`] (a bad field, say):
+    /// tell the peer, with the same status and reason, so it releases its
+    /// half of the room at once instead of at a timeout (seed 004).
+    pub async fn reject(&self, b: &Bootstrap, error: &ApiError) {
+        let Some(room) = b.room.and_then(RoomId::new) else {
+            return;
+        };
+        match self {
+            Backend::Colocated(_) => {}
+            Backend::Prefill(p) => p.reject(room, error.status, &error.message),
+            Backend::Decode(d) => {
+                if let Ok(addr) = b.prefill_addr().await {
+                    d.reject(room, addr, error.status, &error.message);
+                }
+            }
+        }
+    }
+}
+
+impl From<EngineHandle> for Backend {
+    fn from(e: EngineHandle) -> Self {
+        Backend::Colocated(e)
+    }
+}
+
+impl From<PrefillHandle> for Backend {
+    fn from(p: PrefillHandle) -> Self {
+        Backend::Prefill(p)
+    }
+}
+
+impl From<DecodeHandle> for Backend {
+    fn from(d: DecodeHandle) -> Self {
+        Backend::Decode(d)
+    }
+}

@@ -1,0 +1,168 @@
+//! `handoff prefill` and `handoff decode` (also `handoff serve
+//! --disaggregation-mode prefill|decode`): one side of a PD pair, serving
+//! the worker HTTP API. Requests carry SGLang's bootstrap fields, set by a
+//! PD router (`handoff router`, or SGLang's).
+
+use std::io::Read;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use handoff_engine::pd::{DecodeEngine, PdConfig, PrefillEngine, TransportChoice};
+use handoff_engine::Engine;
+use handoff_server::Backend;
+
+use crate::engine_args::{EngineArgs, HttpArgs};
+
+/// SGLang's default bootstrap port.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// Transfer flags of a PD worker.
+#[derive(Debug, Clone, Args)]
+pub struct PdArgs {
+    /// Prefill: port of the KV transfer endpoint that decode workers connect
+    /// to (give it to the router: `--prefill URL PORT`). 0 picks a free port.
+    #[arg(long, default_value_t = DEFAULT_BOOTSTRAP_PORT)]
+    pub disaggregation_bootstrap_port: u16,
+    /// Decode: KV transport: auto (shm for a prefill on a loopback address,
+    /// tcp otherwise), shm or tcp.
+    #[arg(long, alias = "transfer", default_value = "auto")]
+    pub disaggregation_transfer_backend: TransportChoice,
+    /// A file holding a shared secret; prefill and decode then authenticate
+    /// each other at the transfer handshake (the secret never crosses the
+    /// wire). Both sides must use the same file content.
+    #[arg(long, value_name = "PATH")]
+    pub transfer_secret_file: Option<PathBuf>,
+    /// Exit when standard input closes (set by `handoff serve` for its
+    /// worker processes, so they never outlive it).
+    #[arg(long, hide = true)]
+    pub exit_with_parent: bool,
+}
+
+/// Flags of `handoff prefill` / `handoff decode`.
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    #[command(flatten)]
+    pub http: HttpArgs,
+    #[command(flatten)]
+    pub pd: PdArgs,
+}
+
+/// Which engine a worker process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Colocated: prefill and decode in one engine (SGLang's `null`).
+    Null,
+    /// The prefill side of PD serving.
+    Prefill,
+    /// The decode side of PD serving.
+    Decode,
+}
+
+impl PdArgs {
+    fn config(&self, host: &str) -> anyhow::Result<PdConfig> {
+        let mut pd = PdConfig::new(handoff_engine::pd::TransportKind::Tcp);
+        pd.transport_choice = self.disaggregation_transfer_backend;
+        let ip: std::net::IpAddr = match host {
+            "localhost" => [127, 0, 0, 1].into(),
+            h => h.parse().with_context(|| {
+                format!("--host {h} is not an IP address (the transfer endpoint binds it)")
+            })?,
+        };
+        pd.listen = SocketAddr::new(ip, self.disaggregation_bootstrap_port);
+        if let Some(path) = &self.transfer_secret_file {
+            let secret = std::fs::read(path)
+                .with_context(|| format!("reading --transfer-secret-file {}", path.display()))?;
+            if secret.is_empty() {
+                bail!("--transfer-secret-file {} is empty", path.display());
+            }
+            pd.secret = Some(secret);
+        }
+        Ok(pd)
+    }
+}
+
+/// Start the engine for `mode` (loads the model).
+pub fn start_backend(mode: Mode, args: &WorkerArgs) -> anyhow::Result<Backend> {
+    let config = args.engine.config()?;
+    let model = config.model_path.display().to_string();
+    tracing::info!(model = %model, mode = ?mode, threads = config.threads, page_size = config.page_size, "loading model");
+    let backend = match mode {
+        Mode::Null => Backend::from(
+            Engine::start(config).with_context(|| format!("starting the engine on {model}"))?,
+        ),
+        Mode::Prefill => {
+            let pd = args.pd.config(&args.http.host)?;
+            let listen = pd.listen;
+            let p = PrefillEngine::start(config, pd).with_context(|| {
+                format!("starting the prefill engine on {model} (transfer endpoint {listen})")
+            })?;
+            tracing::info!(bootstrap = %p.bootstrap_addr(), "prefill transfer endpoint listening");
+            Backend::from(p)
+        }
+        Mode::Decode => {
+            let pd = args.pd.config(&args.http.host)?;
+            Backend::from(
+                DecodeEngine::start(config, pd)
+                    .with_context(|| format!("starting the decode engine on {model}"))?,
+            )
+        }
+    };
+    let info = backend.model();
+    tracing::info!(
+        served_model_name = %info.served_name,
+        context_length = info.context_length,
+        kv_pages = backend.load().pages_total,
+        mode = backend.mode(),
+        "engine ready"
+    );
+    Ok(backend)
+}
+
+/// Run a worker of `mode` until SIGTERM / ctrl-c (or, with
+/// `--exit-with-parent`, until standard input closes).
+pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
+    let backend = start_backend(mode, &args)?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")?;
+    let exit_with_parent = args.pd.exit_with_parent;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.http.host.as_str(), args.http.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.http.host, args.http.port))?;
+        let addr = listener.local_addr()?;
+        tracing::info!("listening on http://{addr}");
+        let stop = async move {
+            if exit_with_parent {
+                tokio::select! {
+                    _ = crate::signal::shutdown_signal() => {}
+                    _ = stdin_closed() => tracing::info!("parent went away: draining"),
+                }
+            } else {
+                crate::signal::shutdown_signal().await
+            }
+        };
+        axum::serve(listener, handoff_server::app(backend))
+            .with_graceful_shutdown(stop)
+            .await
+            .context("serving HTTP")?;
+        tracing::info!("shut down");
+        Ok::<_, anyhow::Error>(())
+    })
+}
+
+/// Resolves when standard input reaches end of file.
+async fn stdin_closed() {
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut buf = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
+    })
+    .await;
+}
