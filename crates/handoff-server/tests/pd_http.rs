@@ -1,0 +1,422 @@
+//! PD workers over HTTP (DESIGN.md §3): a prefill and a decode worker, each
+//! behind the worker API, paired per request by SGLang's bootstrap fields,
+//! over shm and tcp. Greedy output equals the colocated worker's on every
+//! endpoint, streamed or not; a request the prefill refuses comes back from
+//! decode with the prefill's status and reason at once (seed 004); a client
+//! that leaves mid-stream frees the room and the pages on both sides
+//! (seed 000); requests without bootstrap fields get a 400 naming them.
+
+mod common;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use common::sse_data;
+use handoff_engine::handle::EngineHandle;
+use handoff_engine::pd::{
+    DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle, TransportKind,
+};
+use handoff_engine::{Engine, EngineConfig};
+use serde_json::{json, Value};
+
+const PAGE_SIZE: usize = 16;
+const KV_PAGES: usize = 512;
+/// The context of the "small" prefill: longer prompts are refused by it
+/// and accepted by decode.
+const SMALL_CONTEXT: usize = 256;
+
+struct Workers {
+    colocated: (String, EngineHandle),
+    prefill: (String, PrefillHandle),
+    small_prefill: (String, PrefillHandle),
+    decode_shm: (String, DecodeHandle),
+    decode_tcp: (String, DecodeHandle),
+}
+
+fn config(model: &std::path::Path) -> EngineConfig {
+    EngineConfig {
+        threads: 2,
+        page_size: PAGE_SIZE,
+        kv_pages: KV_PAGES,
+        max_batch: 16,
+        prefill_chunk: 64,
+        served_name: Some("tiny-pd".to_string()),
+        ..EngineConfig::new(model)
+    }
+}
+
+/// Serve `backend` on an ephemeral port; returns `http://addr`.
+fn serve(backend: impl Into<handoff_server::Backend>) -> String {
+    let backend = backend.into();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            tx.send(listener.local_addr().expect("addr")).expect("addr");
+            axum::serve(listener, handoff_server::app(backend))
+                .await
+                .expect("serve");
+        });
+    });
+    format!("http://{}", rx.recv().expect("server address"))
+}
+
+fn workers() -> &'static Workers {
+    static W: OnceLock<Workers> = OnceLock::new();
+    W.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("handoff-pd-http-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let model = dir.join("tiny.gguf");
+        let tiny = handoff_model::tiny::TinyConfig {
+            context_length: 4096,
+            ..Default::default()
+        };
+        handoff_model::tiny::write_tiny_gguf_with(&model, 11, tiny).expect("tiny GGUF");
+        let colocated = Engine::start(config(&model)).expect("colocated engine");
+        let prefill = PrefillEngine::start(config(&model), PdConfig::new(TransportKind::Tcp))
+            .expect("prefill engine");
+        let small = EngineConfig {
+            max_context: Some(SMALL_CONTEXT),
+            ..config(&model)
+        };
+        let small_prefill =
+            PrefillEngine::start(small, PdConfig::new(TransportKind::Tcp)).expect("small prefill");
+        let decode_shm = DecodeEngine::start(config(&model), PdConfig::new(TransportKind::Shm))
+            .expect("decode engine (shm)");
+        let decode_tcp = DecodeEngine::start(config(&model), PdConfig::new(TransportKind::Tcp))
+            .expect("decode engine (tcp)");
+        Workers {
+            colocated: (serve(colocated.clone()), colocated),
+            prefill: (serve(prefill.clone()), prefill),
+            small_prefill: (serve(small_prefill.clone()), small_prefill),
+            decode_shm: (serve(decode_shm.clone()), decode_shm),
+            decode_tcp: (serve(decode_tcp.clone()), decode_tcp),
+        }
+    })
+}
+
+fn next_room() -> u64 {
+    static ROOM: AtomicU64 = AtomicU64::new(1000);
+    ROOM.fetch_add(1, Ordering::Relaxed)
+}
+
+/// `body` with the bootstrap fields of `prefill` and a fresh room.
+fn paired(body: &Value, prefill: &PrefillHandle) -> Value {
+    let mut b = body.clone();
+    let addr = prefill.bootstrap_addr();
+    b["bootstrap_host"] = json!(addr.ip().to_string());
+    b["bootstrap_port"] = json!(addr.port());
+    b["bootstrap_room"] = json!(next_room());
+    b
+}
+
+async fn post_text(base: &str, path: &str, body: &Value) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.expect("body"))
+}
+
+/// Send `body` to the prefill and the decode worker at once, as a router
+/// does; returns (decode status, decode body, prefill status, prefill body).
+async fn pd_post(
+    prefill: &(String, PrefillHandle),
+    decode: &str,
+    path: &str,
+    body: &Value,
+) -> (u16, String, u16, String) {
+    let b = paired(body, &prefill.1);
+    let (p, d) = tokio::join!(post_text(&prefill.0, path, &b), post_text(decode, path, &b));
+    (d.0, d.1, p.0, p.1)
+}
+
+fn json_of(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// The generated text of a response (whole or SSE) of `path`.
+fn output_text(path: &str, stream: bool, body: &str) -> String {
+    let pick = |v: &Value| -> String {
+        match path {
+            "/generate" => v["text"].as_str().unwrap_or_default().to_string(),
+            "/v1/completions" => v["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            _ if stream => v["choices"][0]["delta"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            _ => v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        }
+    };
+    if !stream {
+        return pick(&json_of(body));
+    }
+    let events = sse_data(body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let values: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect();
+    for v in &values {
+        assert!(v.get("error").is_none(), "error event: {v}");
+    }
+    if path == "/generate" {
+        // Cumulative objects: the last one holds the whole text.
+        values.last().map(pick).unwrap_or_default()
+    } else {
+        values.iter().map(pick).collect()
+    }
+}
+
+fn request(path: &str, i: usize, stream: bool) -> Value {
+    let words = "the quick brown fox jumps over a lazy dog ".repeat(1 + i * 7);
+    let max = 6 + i * 5;
+    match path {
+        "/generate" => json!({
+            "text": words,
+            "sampling_params": {"max_new_tokens": max, "temperature": 0, "ignore_eos": true},
+            "stream": stream,
+        }),
+        "/v1/completions" => json!({
+            "prompt": words, "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": stream,
+        }),
+        _ => json!({
+            "messages": [{"role": "user", "content": words}],
+            "max_tokens": max, "temperature": 0, "ignore_eos": true, "stream": stream,
+        }),
+    }
+}
+
+async fn wait_decode_idle(d: &DecodeHandle) -> handoff_engine::handle::LoadSnapshot {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let load = d.load();
+        let idle = load.pages_used == 0 && load.running == 0 && load.waiting == 0;
+        if idle || Instant::now() > deadline {
+            return load;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn rooms(p: &PrefillHandle, d: &DecodeHandle) -> (usize, usize) {
+    let pr = p.transfer_stats().await.expect("prefill stats").live_rooms;
+    let dr = d.transfer_stats().await.expect("decode stats").live_rooms;
+    (pr, dr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_http_workers() {
+    let w = workers();
+    greedy_pd_equals_colocated(w).await;
+    prefill_refusal_reaches_the_client_with_its_status(w).await;
+    missing_or_bad_bootstrap_fields_are_named(w).await;
+    client_leaving_mid_stream_frees_both_sides(w).await;
+    server_info_reports_the_mode(w).await;
+}
+
+async fn greedy_pd_equals_colocated(w: &Workers) {
+    for (decode, label) in [(&w.decode_shm, "shm"), (&w.decode_tcp, "tcp")] {
+        for path in ["/generate", "/v1/completions", "/v1/chat/completions"] {
+            for stream in [false, true] {
+                for i in 0..2 {
+                    let body = request(path, i, stream);
+                    let (cs, colocated) = post_text(&w.colocated.0, path, &body).await;
+                    assert_eq!(cs, 200, "{colocated}");
+                    let (ds, dbody, ps, pbody) = pd_post(&w.prefill, &decode.0, path, &body).await;
+                    assert_eq!(ds, 200, "{label} {path}: decode said {dbody}");
+                    assert_eq!(ps, 200, "{label} {path}: prefill said {pbody}");
+                    let want = output_text(path, stream, &colocated);
+                    let got = output_text(path, stream, &dbody);
+                    assert!(!want.is_empty(), "{path}: empty colocated output");
+                    assert_eq!(got, want, "{label} {path} stream={stream} prompt {i}");
+                    // The prefill's own answer is the first token.
+                    let first = output_text(path, stream, &pbody);
+                    assert!(
+                        want.starts_with(&first),
+                        "prefill said {first:?}, output {want:?}"
+                    );
+                }
+            }
+        }
+        let load = wait_decode_idle(&decode.1).await;
+        assert_eq!(load.pages_used, 0, "{label}: {load:?}");
+        assert_eq!(w.prefill.1.load().pages_used, 0);
+    }
+}
+
+/// Seed 004: the small prefill refuses a prompt the decode accepts; decode
+/// answers with the prefill's 400 and reason at once, and its pages return.
+async fn prefill_refusal_reaches_the_client_with_its_status(w: &Workers) {
+    let body = json!({
+        "prompt": "lorem ipsum ".repeat(SMALL_CONTEXT),
+        "max_tokens": 4,
+        "temperature": 0,
+    });
+    for decode in [&w.decode_shm, &w.decode_tcp] {
+        let t = Instant::now();
+        let (ds, dbody, ps, pbody) =
+            pd_post(&w.small_prefill, &decode.0, "/v1/completions", &body).await;
+        let took = t.elapsed();
+        assert_eq!(ps, 400, "{pbody}");
+        let perr = json_of(&pbody);
+        let pmsg = perr["error"]["message"].as_str().expect("message");
+        assert!(pmsg.contains("exceeds the context length of 256"), "{pmsg}");
+        assert_eq!(ds, 400, "decode must keep the prefill's status: {dbody}");
+        let dmsg = json_of(&dbody)["error"]["message"]
+            .as_str()
+            .expect("message")
+            .to_string();
+        assert!(
+            dmsg.contains(pmsg),
+            "decode said {dmsg:?}, prefill {pmsg:?}"
+        );
+        assert!(
+            took < Duration::from_secs(2),
+            "took {took:?}: a timeout, not the protocol"
+        );
+        let load = wait_decode_idle(&decode.1).await;
+        assert_eq!(load.pages_used, 0, "{load:?}");
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while rooms(&w.small_prefill.1, &decode.1).await != (0, 0) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(rooms(&w.small_prefill.1, &decode.1).await, (0, 0));
+    }
+}
+
+async fn missing_or_bad_bootstrap_fields_are_named(w: &Workers) {
+    let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 2}});
+    let (s, b) = post_text(&w.decode_tcp.0, "/generate", &body).await;
+    assert_eq!(s, 400, "{b}");
+    let e = json_of(&b);
+    assert_eq!(e["error"]["code"], "missing_bootstrap");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("this is a decode worker: a request needs bootstrap_host, bootstrap_port and bootstrap_room"),
+        "{b}"
+    );
+    let (s, b) = post_text(&w.prefill.0, "/v1/completions", &json!({"prompt": "hi"})).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(
+        b.contains("this is a prefill worker: a request needs bootstrap_room"),
+        "{b}"
+    );
+    let mut bad = paired(&body, &w.prefill.1);
+    bad["bootstrap_room"] = json!("12");
+    let (s, b) = post_text(&w.decode_tcp.0, "/generate", &bad).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(
+        b.contains(
+            "bootstrap_room must be an integer between 0 and 9223372036854775807, got \\\"12\\\""
+        ),
+        "{b}"
+    );
+    bad["bootstrap_room"] = json!(0);
+    let (s, b) = post_text(&w.prefill.0, "/generate", &bad).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(b.contains("bootstrap_room must be non-zero"), "{b}");
+    let mut bad = paired(&body, &w.prefill.1);
+    bad["bootstrap_host"] = json!("no-such-host.invalid");
+    let (s, b) = post_text(&w.decode_tcp.0, "/generate", &bad).await;
+    assert_eq!(s, 400, "{b}");
+    assert!(b.contains("bootstrap_host `no-such-host.invalid`"), "{b}");
+    // A colocated worker accepts and ignores the fields.
+    let (s, b) = post_text(&w.colocated.0, "/generate", &paired(&body, &w.prefill.1)).await;
+    assert_eq!(s, 200, "{b}");
+}
+
+/// Seed 000 over HTTP: the client of the decode worker goes away mid-stream;
+/// both workers drop the room and every page.
+async fn client_leaving_mid_stream_frees_both_sides(w: &Workers) {
+    for decode in [&w.decode_shm, &w.decode_tcp] {
+        let body = paired(
+            &json!({
+                "text": "keep going",
+                "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": true},
+                "stream": true,
+            }),
+            &w.prefill.1,
+        );
+        let client = reqwest::Client::new();
+        let p = tokio::spawn(
+            client
+                .post(format!("{}/generate", w.prefill.0))
+                .json(&body)
+                .send(),
+        );
+        let mut resp = client
+            .post(format!("{}/generate", decode.0))
+            .json(&body)
+            .send()
+            .await
+            .expect("decode answers");
+        assert_eq!(resp.status(), 200);
+        // Two events: the request is decoding.
+        let mut seen = 0;
+        while seen < 2 {
+            let chunk = resp.chunk().await.expect("chunk").expect("more data");
+            seen += String::from_utf8_lossy(&chunk).matches("data:").count();
+        }
+        assert!(decode.1.load().pages_used > 0);
+        let left = Instant::now();
+        drop(resp);
+        let load = wait_decode_idle(&decode.1).await;
+        let freed = left.elapsed();
+        assert_eq!(load.pages_used, 0, "{load:?}");
+        assert!(
+            freed < Duration::from_millis(500),
+            "pages came back after {freed:?}"
+        );
+        let (ps, _) = {
+            let r = p.await.expect("join").expect("prefill answers");
+            (r.status().as_u16(), ())
+        };
+        assert_eq!(ps, 200, "the prefill finished its part");
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while rooms(&w.prefill.1, &decode.1).await != (0, 0) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(rooms(&w.prefill.1, &decode.1).await, (0, 0));
+        assert_eq!(w.prefill.1.load().pages_used, 0);
+    }
+}
+
+async fn server_info_reports_the_mode(w: &Workers) {
+    for (base, mode) in [
+        (&w.colocated.0, "null"),
+        (&w.prefill.0, "prefill"),
+        (&w.decode_tcp.0, "decode"),
+    ] {
+        let text = reqwest::get(format!("{base}/server_info"))
+            .await
+            .expect("server_info")
+            .text()
+            .await
+            .expect("body");
+        assert_eq!(json_of(&text)["disaggregation_mode"], mode, "{text}");
+        let health = reqwest::get(format!("{base}/health_generate"))
+            .await
+            .expect("health_generate");
+        assert_eq!(health.status(), 200, "{mode}");
+    }
+}
