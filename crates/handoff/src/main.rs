@@ -1,7 +1,9 @@
 //! `handoff`: the binary (DESIGN.md §1). `handoff serve` runs the colocated
-//! server: the engine on the given GGUF and the HTTP API in front of it.
+//! server: the engine on the given GGUF and the HTTP API in front of it;
+//! `handoff bench` loads any OpenAI-compatible endpoint.
 #![forbid(unsafe_code)]
 
+mod bench;
 mod bench_model;
 mod bench_transfer;
 mod serve;
@@ -20,6 +22,9 @@ struct Cli {
 enum Command {
     /// Serve a model with an OpenAI- and SGLang-compatible HTTP API (colocated).
     Serve(serve::ServeArgs),
+    /// Load generator against an OpenAI-compatible endpoint: TTFT, ITL,
+    /// latency, throughput, goodput.
+    Bench(bench::BenchArgs),
     /// Prefill and decode throughput of the model runner next to llama.cpp's
     /// llama-bench on the same GGUF, printed as ratios.
     BenchModel(bench_model::BenchModelArgs),
@@ -53,6 +58,7 @@ fn main() -> anyhow::Result<()> {
             set_compute_threads(args.threads);
             serve::run(args)
         }
+        Command::Bench(args) => bench::run(args),
         Command::BenchTransfer(args) => bench_transfer::run(args),
         Command::BenchPeer(args) => bench_transfer::peer(args),
         Command::BenchModel(args) => {
