@@ -59,6 +59,26 @@ fn bad_flags_are_precise() {
         .expect("run handoff");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    let out = handoff()
+        .args([
+            "bench",
+            "--url",
+            "http://x",
+            "--mix",
+            "1:8/4",
+            "--output-len",
+            "3",
+        ])
+        .output()
+        .expect("run handoff");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    let out = handoff()
+        .args(["bench", "--url", "http://x", "--mix", "8/4"])
+        .output()
+        .expect("run handoff");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a mix class is WEIGHT:PROMPT/OUTPUT"));
 }
 
 #[cfg(unix)]
@@ -123,5 +143,37 @@ fn bench_against_serve_counts_every_request_and_token() {
     }
     assert_eq!(run["requests"].as_array().map(Vec::len), Some(6));
     assert!(run["request_throughput"].as_f64().unwrap() > 0.0);
+
+    // Two classes: every request gets its class's exact output length.
+    let out = handoff()
+        .args(["bench", "--url", &format!("http://{addr}")])
+        .args(["--requests", "8", "--concurrency", "2", "--seed", "3"])
+        .args(["--mix", "1:8/2", "--mix", "1:24/5"])
+        .args(["--min-token-id", "3", "--max-token-id", "200"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("[1] TTFT p50 (ms)"), "{stdout}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let run = &doc["runs"][0];
+    assert_eq!(run["ok"], 8, "{run:#}");
+    let reqs = run["requests"].as_array().unwrap();
+    let mut per_class = [0, 0];
+    for r in reqs {
+        let (class, prompt, output) = match r["class"].as_u64() {
+            Some(0) => (0, 8, 2),
+            Some(1) => (1, 24, 5),
+            other => panic!("class {other:?}"),
+        };
+        per_class[class] += 1;
+        assert_eq!(r["prompt_tokens"], prompt, "{r}");
+        assert_eq!(r["output_tokens"], output, "{r}");
+    }
+    assert!(per_class[0] > 0 && per_class[1] > 0, "{per_class:?}");
+    assert_eq!(run["per_class"][1]["ok"], per_class[1]);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -155,6 +155,8 @@ pub struct Outcome {
     pub output_tokens: u64,
     /// Prompt length sent.
     pub prompt_tokens: u32,
+    /// Workload class of the request.
+    pub class: usize,
     /// Set if the request failed.
     pub failure: Option<Failure>,
 }
@@ -210,17 +212,18 @@ fn transport_failure(e: &reqwest::Error) -> Failure {
     }
 }
 
-/// Send one request and time its stream.
+/// Send one request (`body`, made from `spec`) and time its stream.
 pub async fn send(
     client: &reqwest::Client,
     url: &str,
     body: &Value,
-    prompt_tokens: u32,
+    spec: &RequestSpec,
     timeout: Duration,
 ) -> Outcome {
     let t0 = Instant::now();
     let mut out = Outcome {
-        prompt_tokens,
+        prompt_tokens: spec.prompt_len,
+        class: spec.class,
         ..Outcome::default()
     };
     let fail = |mut out: Outcome, f: Failure| {
@@ -426,6 +429,7 @@ mod tests {
     fn bodies_follow_the_openai_shape() {
         let spec = RequestSpec {
             prompt: Prompt::Ids(vec![101, 102]),
+            class: 0,
             prompt_len: 2,
             max_tokens: 5,
         };
@@ -437,6 +441,7 @@ mod tests {
         assert_eq!(b["model"], "m");
         let spec = RequestSpec {
             prompt: Prompt::Text("a b".into()),
+            class: 0,
             prompt_len: 2,
             max_tokens: 5,
         };

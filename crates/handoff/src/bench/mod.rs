@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use client::Outcome;
 use report::{RunReport, Slo};
-use workload::{Endpoint, LenDist, WorkloadSpec};
+use workload::{Class, Endpoint, LenDist, WorkloadSpec};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -88,6 +88,12 @@ pub struct BenchArgs {
     /// or normal:MEAN,SD.
     #[arg(long, default_value = "32")]
     output_len: LenDist,
+    /// A workload class WEIGHT:PROMPT/OUTPUT (lengths as in --prompt-len),
+    /// repeatable: each request draws its class by weight, and the report
+    /// adds per-class latencies. E.g. --mix 0.8:32/128 --mix
+    /// 0.2:uniform:512-1024/16 makes long prompts arrive while others decode.
+    #[arg(long, value_name = "WEIGHT:PROMPT/OUTPUT", conflicts_with_all = ["prompt_len", "output_len"])]
+    mix: Vec<Class>,
     /// Smallest prompt token id (skips special tokens at low ids).
     #[arg(long, default_value_t = 100)]
     min_token_id: u32,
@@ -147,6 +153,7 @@ struct Plan {
     measured: Arc<[workload::RequestSpec]>,
     timeout: Duration,
     slo: Slo,
+    class_names: Vec<String>,
 }
 
 /// Check that `base` answers and find its model name: `GET /v1/models`.
@@ -175,7 +182,7 @@ async fn run_one(plan: &Plan, target: &Target) -> anyhow::Result<RunReport> {
         .collect();
     for spec in &plan.warmup {
         let body = client::body(spec, plan.endpoint, model.as_deref());
-        let o = client::send(&plan.client, &url, &body, spec.prompt_len, plan.timeout).await;
+        let o = client::send(&plan.client, &url, &body, spec, plan.timeout).await;
         if let Some(f) = o.failure {
             eprintln!(
                 "warning: {} warm-up request failed: {}",
@@ -205,9 +212,7 @@ async fn run_one(plan: &Plan, target: &Target) -> anyhow::Result<RunReport> {
                         if i >= bodies.len() {
                             return mine;
                         }
-                        let o =
-                            client::send(&client, &url, &bodies[i], specs[i].prompt_len, timeout)
-                                .await;
+                        let o = client::send(&client, &url, &bodies[i], &specs[i], timeout).await;
                         mine.push((i, o));
                     }
                 });
@@ -227,9 +232,9 @@ async fn run_one(plan: &Plan, target: &Target) -> anyhow::Result<RunReport> {
                 tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
                 let permit = permits.clone().acquire_owned().await?;
                 let (bodies, client, url) = (bodies.clone(), plan.client.clone(), url.clone());
-                let (prompt_len, timeout) = (plan.measured[i].prompt_len, plan.timeout);
+                let (specs, timeout) = (plan.measured.clone(), plan.timeout);
                 tasks.spawn(async move {
-                    let o = client::send(&client, &url, &bodies[i], prompt_len, timeout).await;
+                    let o = client::send(&client, &url, &bodies[i], &specs[i], timeout).await;
                     drop(permit);
                     (i, o)
                 });
@@ -248,6 +253,7 @@ async fn run_one(plan: &Plan, target: &Target) -> anyhow::Result<RunReport> {
         &outcomes,
         duration,
         plan.slo,
+        &plan.class_names,
     ))
 }
 
@@ -269,11 +275,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             concurrency: args.concurrency.unwrap_or(1) as usize,
         },
     };
+    let classes = if args.mix.is_empty() {
+        vec![Class {
+            weight: 1.0,
+            prompt_len: args.prompt_len,
+            output_len: args.output_len,
+        }]
+    } else {
+        args.mix.clone()
+    };
+    let class_names: Vec<String> = classes.iter().map(Class::to_string).collect();
     let spec = WorkloadSpec {
         seed: args.seed,
         requests: (args.warmup + args.requests) as usize,
-        prompt_len: args.prompt_len,
-        output_len: args.output_len,
+        classes,
         min_token_id: args.min_token_id,
         max_token_id: args.max_token_id,
         endpoint: args.endpoint,
@@ -296,6 +311,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             ttft_ms: args.slo_ttft_ms,
             itl_ms: args.slo_itl_ms,
         },
+        class_names: class_names.clone(),
+    };
+    let shape = if args.mix.is_empty() {
+        format!(
+            "prompt {} tokens, output {} tokens",
+            args.prompt_len, args.output_len
+        )
+    } else {
+        format!("mix {}", class_names.join(" "))
     };
     let mut targets = vec![Target {
         label: args.label.clone(),
@@ -310,13 +334,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         });
     }
     println!(
-        "handoff bench: {} {} requests (+{} warm-up), {}, prompt {} tokens, output {} tokens, seed {}",
+        "handoff bench: {} {} requests (+{} warm-up), {}, {}, seed {}",
         args.endpoint.path(),
         args.requests,
         args.warmup,
         load,
-        args.prompt_len,
-        args.output_len,
+        shape,
         args.seed
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -337,8 +360,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "requests": args.requests,
                 "warmup": args.warmup,
                 "seed": args.seed,
-                "prompt_len": args.prompt_len.to_string(),
-                "output_len": args.output_len.to_string(),
+                "classes": class_names,
                 "min_token_id": args.min_token_id,
                 "max_token_id": args.max_token_id,
             },

@@ -73,6 +73,8 @@ pub fn meets(o: &Outcome, slo: Slo) -> bool {
 /// One request in the JSON report.
 #[derive(Debug, Clone, Serialize)]
 pub struct RequestRecord {
+    /// Index of its workload class.
+    pub class: usize,
     /// Prompt tokens sent.
     pub prompt_tokens: u32,
     /// Output tokens received.
@@ -85,6 +87,37 @@ pub struct RequestRecord {
     pub itl_p99_ms: Option<f64>,
     /// Failure message, if it failed.
     pub error: Option<String>,
+}
+
+/// Latencies of the successful requests of one workload class.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClassReport {
+    /// The class, as given to `--mix` (or the single class).
+    pub class: String,
+    /// Requests of this class that succeeded.
+    pub ok: usize,
+    /// Time to first token, ms.
+    pub ttft_ms: Percentiles,
+    /// Inter-token latency, ms.
+    pub itl_ms: Percentiles,
+    /// End-to-end latency, ms.
+    pub e2e_ms: Percentiles,
+}
+
+impl ClassReport {
+    fn of(class: &str, good: &[&Outcome]) -> Self {
+        ClassReport {
+            class: class.into(),
+            ok: good.len(),
+            ttft_ms: Percentiles::of(good.iter().filter_map(|o| o.ttft).map(ms).collect()),
+            itl_ms: Percentiles::of(
+                good.iter()
+                    .flat_map(|o| o.itl.iter().copied().map(ms))
+                    .collect(),
+            ),
+            e2e_ms: Percentiles::of(good.iter().map(|o| ms(o.e2e)).collect()),
+        }
+    }
 }
 
 /// Everything measured in one run against one endpoint.
@@ -118,6 +151,8 @@ pub struct RunReport {
     pub itl_ms: Percentiles,
     /// End-to-end latency, ms.
     pub e2e_ms: Percentiles,
+    /// The same latencies per workload class.
+    pub per_class: Vec<ClassReport>,
     /// The SLO goodput is measured against.
     pub slo: Slo,
     /// Requests that met the SLO.
@@ -129,8 +164,16 @@ pub struct RunReport {
 }
 
 impl RunReport {
-    /// Summarise a run's outcomes (workload order) over `duration`.
-    pub fn new(label: &str, url: &str, outcomes: &[Outcome], duration: Duration, slo: Slo) -> Self {
+    /// Summarise a run's outcomes (workload order) over `duration`;
+    /// `classes` names the workload classes the outcomes' `class` indexes.
+    pub fn new(
+        label: &str,
+        url: &str,
+        outcomes: &[Outcome],
+        duration: Duration,
+        slo: Slo,
+        classes: &[String],
+    ) -> Self {
         let secs = duration.as_secs_f64().max(1e-9);
         let good: Vec<&Outcome> = outcomes.iter().filter(|o| o.failure.is_none()).collect();
         let mut errors_by_kind = BTreeMap::new();
@@ -143,6 +186,15 @@ impl RunReport {
         }
         let total_output_tokens: u64 = good.iter().map(|o| o.output_tokens).sum();
         let slo_met = outcomes.iter().filter(|o| meets(o, slo)).count();
+        let all = ClassReport::of("all", &good);
+        let per_class = classes
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let mine: Vec<&Outcome> = good.iter().copied().filter(|o| o.class == i).collect();
+                ClassReport::of(name, &mine)
+            })
+            .collect();
         RunReport {
             label: label.into(),
             url: url.into(),
@@ -155,19 +207,17 @@ impl RunReport {
             output_token_throughput: total_output_tokens as f64 / secs,
             total_prompt_tokens: good.iter().map(|o| u64::from(o.prompt_tokens)).sum(),
             total_output_tokens,
-            ttft_ms: Percentiles::of(good.iter().filter_map(|o| o.ttft).map(ms).collect()),
-            itl_ms: Percentiles::of(
-                good.iter()
-                    .flat_map(|o| o.itl.iter().copied().map(ms))
-                    .collect(),
-            ),
-            e2e_ms: Percentiles::of(good.iter().map(|o| ms(o.e2e)).collect()),
+            ttft_ms: all.ttft_ms,
+            itl_ms: all.itl_ms,
+            e2e_ms: all.e2e_ms,
+            per_class,
             slo,
             slo_met,
             goodput: slo_met as f64 / secs,
             requests: outcomes
                 .iter()
                 .map(|o| RequestRecord {
+                    class: o.class,
                     prompt_tokens: o.prompt_tokens,
                     output_tokens: o.output_tokens,
                     ttft_ms: o.ttft.map(ms),
@@ -223,10 +273,44 @@ pub fn ratio(ours: Option<f64>, base: Option<f64>) -> Option<f64> {
     }
 }
 
+type ClassGetter = fn(&ClassReport) -> Option<f64>;
+
+/// Per-class rows: name, value, decimals.
+const CLASS_ROWS: &[(&str, ClassGetter, usize)] = &[
+    ("TTFT p50 (ms)", |c| c.ttft_ms.p50, 1),
+    ("TTFT p99 (ms)", |c| c.ttft_ms.p99, 1),
+    ("ITL p50 (ms)", |c| c.itl_ms.p50, 2),
+    ("ITL p99 (ms)", |c| c.itl_ms.p99, 2),
+    ("e2e p50 (ms)", |c| c.e2e_ms.p50, 1),
+];
+
+/// Every row of the report: name, one value per run, decimals. Per-class
+/// rows (`[i] ...`) follow when the workload has several classes.
+fn rows(runs: &[RunReport]) -> Vec<(String, Vec<Option<f64>>, usize)> {
+    let mut out: Vec<_> = ROWS
+        .iter()
+        .map(|(name, get, d)| (name.to_string(), runs.iter().map(get).collect(), *d))
+        .collect();
+    let classes = runs.first().map_or(0, |r| r.per_class.len());
+    if classes > 1 {
+        for k in 0..classes {
+            for (name, get, d) in CLASS_ROWS {
+                let vals = runs
+                    .iter()
+                    .map(|r| r.per_class.get(k).and_then(get))
+                    .collect();
+                out.push((format!("[{k}] {name}"), vals, *d));
+            }
+        }
+    }
+    out
+}
+
 /// The ratio (first run / second run) of every row, keyed by row name.
-pub fn ratios(ours: &RunReport, base: &RunReport) -> BTreeMap<&'static str, Option<f64>> {
-    ROWS.iter()
-        .map(|(name, get, _)| (*name, ratio(get(ours), get(base))))
+pub fn ratios(ours: &RunReport, base: &RunReport) -> BTreeMap<String, Option<f64>> {
+    rows(&[ours.clone(), base.clone()])
+        .into_iter()
+        .map(|(name, v, _)| (name, ratio(v[0], v[1])))
         .collect()
 }
 
@@ -243,18 +327,27 @@ pub fn table(runs: &[RunReport]) -> String {
     }
     out += line.trim_end();
     out.push('\n');
-    for (name, get, decimals) in ROWS {
+    for (name, vals, decimals) in rows(runs) {
         let mut line = format!("{name:<28}");
-        for r in runs {
-            line += &format!(" {:>12}", cell(get(r), *decimals));
+        for v in &vals {
+            line += &format!(" {:>12}", cell(*v, decimals));
         }
-        if let [a, b] = runs {
-            line += &format!(" {:>9}", cell(ratio(get(a), get(b)), 3));
+        if let [a, b] = vals[..] {
+            line += &format!(" {:>9}", cell(ratio(a, b), 3));
         }
         out += &line;
         out.push('\n');
     }
     if let Some(r) = runs.first() {
+        if r.per_class.len() > 1 {
+            let names: Vec<String> = r
+                .per_class
+                .iter()
+                .enumerate()
+                .map(|(k, c)| format!("[{k}] {}", c.class))
+                .collect();
+            out += &format!("classes (WEIGHT:PROMPT/OUTPUT): {}\n", names.join("  "));
+        }
         out += &format!(
             "SLO: TTFT <= {} ms and per-request ITL p99 <= {} ms\n",
             r.slo.ttft_ms, r.slo.itl_ms
@@ -302,6 +395,7 @@ mod tests {
 
     fn outcome(ttft_ms: u64, gaps_ms: &[u64], tokens: u64, failed: bool) -> Outcome {
         Outcome {
+            class: 0,
             ttft: Some(Duration::from_millis(ttft_ms)),
             itl: gaps_ms.iter().map(|&g| Duration::from_millis(g)).collect(),
             e2e: Duration::from_millis(ttft_ms + gaps_ms.iter().sum::<u64>()),
@@ -320,7 +414,7 @@ mod tests {
             ttft_ms: 100.0,
             itl_ms: 20.0,
         };
-        let outcomes = [
+        let mut outcomes = [
             outcome(50, &[10, 10], 3, false),  // meets
             outcome(150, &[10, 10], 3, false), // TTFT too slow
             outcome(50, &[10, 30], 3, false),  // ITL p99 too slow
@@ -328,7 +422,10 @@ mod tests {
             outcome(50, &[10], 2, true),       // failed
             outcome(50, &[10], 2, true),       // failed, same message
         ];
-        let r = RunReport::new("t", "u", &outcomes, Duration::from_secs(2), slo);
+        outcomes[1].class = 1;
+        outcomes[2].class = 1;
+        let classes = ["1:8/4".to_string(), "1:64/4".to_string()];
+        let r = RunReport::new("t", "u", &outcomes, Duration::from_secs(2), slo, &classes);
         assert_eq!((r.ok, r.failed, r.slo_met), (4, 2, 2));
         assert_eq!(r.goodput, 1.0);
         assert_eq!(r.request_throughput, 2.0);
@@ -341,7 +438,15 @@ mod tests {
         let text = table(&[r.clone(), r.clone()]);
         assert!(text.contains("goodput (req/s)"), "{text}");
         assert!(text.lines().nth(1).unwrap().ends_with("1.000"), "{text}");
+        assert_eq!(r.per_class[0].ok, 2);
+        assert_eq!(r.per_class[0].ttft_ms.p50, Some(50.0));
+        assert_eq!(r.per_class[1].ok, 2);
+        assert_eq!(r.per_class[1].ttft_ms.p50, Some(100.0));
+        assert_eq!(r.requests[1].class, 1);
+        assert!(text.contains("[1] TTFT p50 (ms)"), "{text}");
+        assert!(text.contains("[1] 1:64/4"), "{text}");
         let ratios = ratios(&r, &r);
+        assert_eq!(ratios["[0] ITL p99 (ms)"], Some(1.0));
         assert_eq!(ratios["TTFT p50 (ms)"], Some(1.0));
         assert_eq!(ratios["requests failed"], Some(1.0));
         assert_eq!(ratio(Some(1.0), Some(0.0)), None);

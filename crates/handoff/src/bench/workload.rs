@@ -118,13 +118,50 @@ impl LenDist {
     }
 }
 
+/// One workload class of `--mix WEIGHT:PROMPT/OUTPUT`: requests of this
+/// class are drawn with probability weight / (sum of weights).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Class {
+    /// Relative weight (> 0).
+    pub weight: f64,
+    /// Prompt lengths.
+    pub prompt_len: LenDist,
+    /// Output lengths.
+    pub output_len: LenDist,
+}
+
+impl FromStr for Class {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let form = || format!("a mix class is WEIGHT:PROMPT/OUTPUT (e.g. 0.8:32/128), got '{s}'");
+        let (w, lens) = s.split_once(':').ok_or_else(form)?;
+        let (p, o) = lens.rsplit_once('/').ok_or_else(form)?;
+        let weight: f64 = w.trim().parse().map_err(|_| form())?;
+        if !(weight.is_finite() && weight > 0.0) {
+            return Err(format!("a mix class weight must be > 0, got '{w}'"));
+        }
+        Ok(Class {
+            weight,
+            prompt_len: p.parse().map_err(|e| format!("prompt length '{p}': {e}"))?,
+            output_len: o.parse().map_err(|e| format!("output length '{o}': {e}"))?,
+        })
+    }
+}
+
+impl fmt::Display for Class {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}/{}", self.weight, self.prompt_len, self.output_len)
+    }
+}
+
 /// Which OpenAI endpoint the requests go to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Endpoint {
-    /// `POST /v1/completions` with `prompt` as token ids (exact lengths).
+    /// POST /v1/completions with the prompt as token ids (exact lengths).
     Completions,
-    /// `POST /v1/chat/completions` with random words (approximate lengths).
+    /// POST /v1/chat/completions with random words (approximate lengths).
     Chat,
 }
 
@@ -145,10 +182,8 @@ pub struct WorkloadSpec {
     pub seed: u64,
     /// Number of requests (warm-up ones included).
     pub requests: usize,
-    /// Prompt lengths in tokens.
-    pub prompt_len: LenDist,
-    /// `max_tokens` of each request.
-    pub output_len: LenDist,
+    /// Workload classes (prompt and output lengths); one or more.
+    pub classes: Vec<Class>,
     /// Prompt token ids are drawn from `min_token_id..max_token_id`.
     pub min_token_id: u32,
     /// Exclusive upper bound of the prompt token ids.
@@ -171,6 +206,8 @@ pub enum Prompt {
 pub struct RequestSpec {
     /// The prompt.
     pub prompt: Prompt,
+    /// Index of its class in `WorkloadSpec::classes`.
+    pub class: usize,
     /// Its intended length in tokens (exact for ids).
     pub prompt_len: u32,
     /// `max_tokens` (with `ignore_eos`, the exact output length).
@@ -190,13 +227,31 @@ const WORDS: &[&str] = &[
 ];
 
 impl WorkloadSpec {
+    /// A class index, by weight (no draw with a single class).
+    fn pick_class(&self, rng: &mut StdRng) -> usize {
+        if self.classes.len() < 2 {
+            return 0;
+        }
+        let total: f64 = self.classes.iter().map(|c| c.weight).sum();
+        let mut x = rng.random::<f64>() * total;
+        for (i, c) in self.classes.iter().enumerate() {
+            if x < c.weight {
+                return i;
+            }
+            x -= c.weight;
+        }
+        self.classes.len() - 1
+    }
+
     /// The request list: the same spec gives the same list.
     pub fn generate(&self) -> Vec<RequestSpec> {
         let mut rng = StdRng::seed_from_u64(self.seed);
         (0..self.requests)
             .map(|_| {
-                let prompt_len = self.prompt_len.sample(&mut rng);
-                let max_tokens = self.output_len.sample(&mut rng);
+                let class = self.pick_class(&mut rng);
+                let c = &self.classes[class];
+                let prompt_len = c.prompt_len.sample(&mut rng);
+                let max_tokens = c.output_len.sample(&mut rng);
                 let prompt = match self.endpoint {
                     Endpoint::Completions => Prompt::Ids(
                         (0..prompt_len)
@@ -212,6 +267,7 @@ impl WorkloadSpec {
                 };
                 RequestSpec {
                     prompt,
+                    class,
                     prompt_len,
                     max_tokens,
                 }
@@ -320,11 +376,14 @@ mod tests {
         WorkloadSpec {
             seed,
             requests: 20,
-            prompt_len: LenDist::Uniform(16, 64),
-            output_len: LenDist::Normal {
-                mean: 20.0,
-                sd: 5.0,
-            },
+            classes: vec![Class {
+                weight: 1.0,
+                prompt_len: LenDist::Uniform(16, 64),
+                output_len: LenDist::Normal {
+                    mean: 20.0,
+                    sd: 5.0,
+                },
+            }],
             min_token_id: 100,
             max_token_id: 10_000,
             endpoint,
@@ -355,6 +414,54 @@ mod tests {
             panic!("chat prompts are text")
         };
         assert_eq!(t.split(' ').count(), chat[0].prompt_len as usize);
+    }
+
+    #[test]
+    fn mix_classes_parse_and_are_drawn_by_weight() {
+        let c: Class = "0.2:uniform:512-1024/16".parse().unwrap();
+        assert_eq!(
+            c,
+            Class {
+                weight: 0.2,
+                prompt_len: LenDist::Uniform(512, 1024),
+                output_len: LenDist::Fixed(16)
+            }
+        );
+        assert_eq!(c.to_string(), "0.2:uniform:512-1024/16");
+        assert_eq!(
+            "3:normal:100,10/normal:8,2"
+                .parse::<Class>()
+                .unwrap()
+                .output_len,
+            LenDist::Normal { mean: 8.0, sd: 2.0 }
+        );
+        assert_eq!(
+            "32/128".parse::<Class>().unwrap_err(),
+            "a mix class is WEIGHT:PROMPT/OUTPUT (e.g. 0.8:32/128), got '32/128'"
+        );
+        assert_eq!(
+            "0:32/128".parse::<Class>().unwrap_err(),
+            "a mix class weight must be > 0, got '0'"
+        );
+        assert_eq!(
+            "1:uniform:9-3/4".parse::<Class>().unwrap_err(),
+            "prompt length 'uniform:9-3': uniform:A-B needs A <= B, got 9-3"
+        );
+        assert!("1:4/x"
+            .parse::<Class>()
+            .unwrap_err()
+            .starts_with("output length 'x': "));
+
+        let mut spec = spec(1, Endpoint::Completions);
+        spec.requests = 4000;
+        spec.classes = vec!["3:8/1".parse().unwrap(), "1:100/2".parse().unwrap()];
+        let reqs = spec.generate();
+        let long = reqs.iter().filter(|r| r.class == 1).count();
+        assert!((900..1100).contains(&long), "{long} of 4000");
+        for r in &reqs {
+            let expect = if r.class == 0 { (8, 1) } else { (100, 2) };
+            assert_eq!((r.prompt_len, r.max_tokens), expect);
+        }
     }
 
     #[test]
