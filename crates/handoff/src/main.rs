@@ -1,7 +1,9 @@
 //! `handoff`: the binary (DESIGN.md §1). `handoff serve` runs the colocated
-//! server: the engine on the given GGUF and the HTTP API in front of it.
+//! server: the engine on the given GGUF and the HTTP API in front of it;
+//! `handoff bench` loads any OpenAI-compatible endpoint.
 #![forbid(unsafe_code)]
 
+mod bench;
 mod bench_model;
 mod bench_transfer;
 mod engine_args;
@@ -29,6 +31,9 @@ enum Command {
     /// Run a decode worker: reserves KV pages, receives a prefill's KV and
     /// generates (pair them with `handoff router`).
     Decode(worker::WorkerArgs),
+    /// Load generator against an OpenAI-compatible endpoint: TTFT, ITL,
+    /// latency, throughput, goodput.
+    Bench(bench::BenchArgs),
     /// Prefill and decode throughput of the model runner next to llama.cpp's
     /// llama-bench on the same GGUF, printed as ratios.
     BenchModel(bench_model::BenchModelArgs),
@@ -70,6 +75,7 @@ fn main() -> anyhow::Result<()> {
             set_compute_threads(args.engine.threads);
             worker::run(worker::Mode::Decode, args)
         }
+        Command::Bench(args) => bench::run(args),
         Command::BenchTransfer(args) => bench_transfer::run(args),
         Command::BenchPeer(args) => bench_transfer::peer(args),
         Command::BenchModel(args) => {

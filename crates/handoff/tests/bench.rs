@@ -1,0 +1,179 @@
+//! `handoff bench` against `handoff serve` on the tiny model: exact request
+//! and token counts in the JSON report, and a precise error for an
+//! unreachable URL.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+fn handoff() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_handoff"))
+}
+
+/// Kills the server when the test ends, pass or fail.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn unreachable_url_is_one_precise_line() {
+    let out = handoff()
+        .args(["bench", "--url", "http://127.0.0.1:1", "--requests", "1"])
+        .output()
+        .expect("run handoff");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot reach http://127.0.0.1:1 : connection refused"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_flags_are_precise() {
+    let out = handoff()
+        .args(["bench", "--url", "http://x", "--prompt-len", "uniform:9-3"])
+        .output()
+        .expect("run handoff");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("uniform:A-B needs A <= B, got 9-3"),
+        "{stderr}"
+    );
+    let out = handoff()
+        .args([
+            "bench",
+            "--url",
+            "http://x",
+            "--rate",
+            "2",
+            "--concurrency",
+            "2",
+        ])
+        .output()
+        .expect("run handoff");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    let out = handoff()
+        .args([
+            "bench",
+            "--url",
+            "http://x",
+            "--mix",
+            "1:8/4",
+            "--output-len",
+            "3",
+        ])
+        .output()
+        .expect("run handoff");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    let out = handoff()
+        .args(["bench", "--url", "http://x", "--mix", "8/4"])
+        .output()
+        .expect("run handoff");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("a mix class is WEIGHT:PROMPT/OUTPUT"));
+}
+
+#[cfg(unix)]
+#[test]
+fn bench_against_serve_counts_every_request_and_token() {
+    let dir = std::env::temp_dir().join(format!("handoff-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    handoff_model::tiny::write_tiny_gguf(&model, 3).expect("tiny GGUF");
+    let mut child = handoff()
+        .args(["serve", "--port", "0", "--kv-pages", "64"])
+        .arg("--model")
+        .arg(&model)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let stderr = child.stderr.take().unwrap();
+    let _server = Server(child);
+    let mut lines = BufReader::new(stderr).lines();
+    let mut addr = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(i) = line.find("listening on http://") {
+            addr = Some(line[i + "listening on http://".len()..].trim().to_string());
+            break;
+        }
+    }
+    let addr = addr.expect("server logs its address");
+    // Keep draining the server's log so it never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+
+    let json = dir.join("out.json");
+    let out = handoff()
+        .args(["bench", "--url", &format!("http://{addr}")])
+        .args(["--requests", "6", "--concurrency", "2"])
+        .args(["--prompt-len", "32", "--output-len", "8"])
+        // The tiny vocabulary is small: stay inside it.
+        .args(["--min-token-id", "3", "--max-token-id", "200"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("TTFT p99 (ms)"), "{stdout}");
+
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let run = &doc["runs"][0];
+    assert_eq!(run["ok"], 6, "{run:#}");
+    assert_eq!(run["failed"], 0, "{run:#}");
+    assert_eq!(run["total_output_tokens"], 48, "{run:#}");
+    assert_eq!(run["total_prompt_tokens"], 6 * 32, "{run:#}");
+    for metric in ["ttft_ms", "itl_ms", "e2e_ms"] {
+        for p in ["p50", "p90", "p99"] {
+            let v = run[metric][p].as_f64();
+            assert!(v.is_some_and(|v| v > 0.0), "{metric}.{p} = {v:?}");
+        }
+    }
+    assert_eq!(run["requests"].as_array().map(Vec::len), Some(6));
+    assert!(run["request_throughput"].as_f64().unwrap() > 0.0);
+
+    // Two classes: every request gets its class's exact output length.
+    let out = handoff()
+        .args(["bench", "--url", &format!("http://{addr}")])
+        .args(["--requests", "8", "--concurrency", "2", "--seed", "3"])
+        .args(["--mix", "1:8/2", "--mix", "1:24/5"])
+        .args(["--min-token-id", "3", "--max-token-id", "200"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .expect("run bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(stdout.contains("[1] TTFT p50 (ms)"), "{stdout}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let run = &doc["runs"][0];
+    assert_eq!(run["ok"], 8, "{run:#}");
+    let reqs = run["requests"].as_array().unwrap();
+    let mut per_class = [0, 0];
+    for r in reqs {
+        let (class, prompt, output) = match r["class"].as_u64() {
+            Some(0) => (0, 8, 2),
+            Some(1) => (1, 24, 5),
+            other => panic!("class {other:?}"),
+        };
+        per_class[class] += 1;
+        assert_eq!(r["prompt_tokens"], prompt, "{r}");
+        assert_eq!(r["output_tokens"], output, "{r}");
+    }
+    assert!(per_class[0] > 0 && per_class[1] > 0, "{per_class:?}");
+    assert_eq!(run["per_class"][1]["ok"], per_class[1]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
