@@ -1,12 +1,15 @@
 //! `handoff`: the binary (DESIGN.md §1). `handoff serve` runs the colocated
-//! server: the engine on the given GGUF and the HTTP API in front of it.
+//! server: the engine on the given GGUF and the HTTP API in front of it;
+//! `handoff router` runs the PD router in front of prefill and decode workers.
 #![forbid(unsafe_code)]
 
 mod bench_model;
 mod bench_transfer;
+mod router_cmd;
 mod serve;
+mod signal;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Prefill/decode disaggregated LLM serving.
 #[derive(Debug, Parser)]
@@ -20,6 +23,9 @@ struct Cli {
 enum Command {
     /// Serve a model with an OpenAI- and SGLang-compatible HTTP API (colocated).
     Serve(serve::ServeArgs),
+    /// Route requests to prefill/decode worker pairs (PD disaggregation),
+    /// relaying decode's answer as it is generated.
+    Router(router_cmd::RouterArgs),
     /// Prefill and decode throughput of the model runner next to llama.cpp's
     /// llama-bench on the same GGUF, printed as ratios.
     BenchModel(bench_model::BenchModelArgs),
@@ -40,7 +46,8 @@ fn set_compute_threads(threads: u16) {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -53,6 +60,7 @@ fn main() -> anyhow::Result<()> {
             set_compute_threads(args.threads);
             serve::run(args)
         }
+        Command::Router(args) => router_cmd::run(args, matches.subcommand_matches("router")),
         Command::BenchTransfer(args) => bench_transfer::run(args),
         Command::BenchPeer(args) => bench_transfer::peer(args),
         Command::BenchModel(args) => {

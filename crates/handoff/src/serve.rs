@@ -192,37 +192,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let addr = listener.local_addr()?;
         tracing::info!("listening on http://{addr}");
         axum::serve(listener, handoff_server::app(engine))
-            .with_graceful_shutdown(shutdown_signal())
+            .with_graceful_shutdown(crate::signal::shutdown_signal())
             .await
             .context("serving HTTP")?;
         tracing::info!("shut down");
         Ok::<_, anyhow::Error>(())
     })
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if let Err(e) = tokio::signal::ctrl_c().await {
-            tracing::warn!("cannot listen for ctrl-c: {e}");
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::warn!("cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => tracing::info!("ctrl-c received: draining"),
-        _ = term => tracing::info!("SIGTERM received: draining"),
-    }
 }
