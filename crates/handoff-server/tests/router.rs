@@ -274,12 +274,16 @@ async fn worker_errors_keep_status_and_body() {
         !metrics.contains("handoff_router_retries_total{"),
         "a 400 is never retried: {metrics}"
     );
-    assert!(
-        metrics.contains(
-            "handoff_router_worker_failures_total{side=\"decode\",kind=\"status_400\"} 2"
-        ),
-        "{metrics}"
-    );
+    // Whichever side answered first is counted: one 400 per request.
+    let counted: u64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("handoff_router_worker_failures_total{")
+                && l.contains("kind=\"status_400\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(counted, 2, "{metrics}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -309,6 +313,12 @@ async fn stream_is_incremental_and_a_disconnect_cancels_both_sides() {
     );
     assert_eq!(r.handle.live_rooms(), 1);
     drop(resp);
+    both_sides_idle_within_1s(&r).await;
+}
+
+/// Both workers' engines and the router's rooms are idle within 1 s.
+async fn both_sides_idle_within_1s(r: &TestRouter) {
+    let w = workers();
     let t0 = Instant::now();
     loop {
         let (d, p) = (w.decode_engine.load(), w.prefill_engine.load());
@@ -330,6 +340,45 @@ async fn stream_is_incremental_and_a_disconnect_cancels_both_sides() {
         assert!(t0.elapsed() < Duration::from_secs(1), "room still live");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_disconnect_cancels_both_sides() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    let ctx = w.decode_engine.model().context_length;
+    let body = json!({
+        "text": "Go on forever",
+        "sampling_params": {"max_new_tokens": ctx / 2, "temperature": 0, "ignore_eos": true},
+    });
+    let err = reqwest::Client::new()
+        .post(format!("{}/generate", r.base))
+        .json(&body)
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await
+        .expect_err("the client gives up first");
+    assert!(err.is_timeout(), "{err}");
+    both_sides_idle_within_1s(&r).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_timeout_is_a_504() {
+    let p = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
+    let d = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
+    let mut c = config(&[&p], &[&d]);
+    c.request_timeout = Duration::from_millis(300);
+    let r = start_router(c).await;
+    let (s, v) = post(&r.base, "/generate", &json!({"text": "hi", "stream": true})).await;
+    assert_eq!(s, 504, "{v}");
+    assert_eq!(v["error"]["code"], "request_timeout");
+    assert!(v["error"]["message"].as_str().unwrap().contains(&d), "{v}");
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        !metrics.contains("handoff_router_retries_total{"),
+        "a timeout is not retried"
+    );
 }
 
 fn closed_port_url() -> String {
@@ -498,7 +547,8 @@ async fn bad_bodies_are_400_with_precise_messages() {
 /// A fake worker for failure paths the real ones do not produce on demand.
 #[derive(Clone, Copy)]
 enum Fake {
-    /// `/generate` answers 429 with a JSON error at once.
+    /// `/generate` answers 429 with a JSON error after 200 ms (so the
+    /// decode request of the same attempt has surely started).
     Reject,
     /// `/generate` answers 200 at once, its first byte after 3 s; sets the
     /// flag when the body is dropped.
@@ -518,12 +568,15 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
         let dropped = Arc::clone(&dropped);
         async move {
             match kind {
-                Fake::Reject => (
-                    axum::http::StatusCode::TOO_MANY_REQUESTS,
-                    axum::Json(json!({"error": {"message": "prefill says no",
+                Fake::Reject => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    (
+                        axum::http::StatusCode::TOO_MANY_REQUESTS,
+                        axum::Json(json!({"error": {"message": "prefill says no",
                         "type": "invalid_request_error", "code": "rate_limited"}})),
-                )
-                    .into_response(),
+                    )
+                        .into_response()
+                }
                 Fake::SlowFirstByte => {
                     let guard = SetOnDrop(dropped);
                     let s = futures_util::stream::once(async move {
