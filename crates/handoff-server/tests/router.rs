@@ -555,6 +555,8 @@ enum Fake {
     SlowFirstByte,
     /// `/generate` streams one event, then the connection breaks.
     BreaksMidStream,
+    /// `/generate` answers 200 with the JSON body it received.
+    Echo,
 }
 
 async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
@@ -564,10 +566,11 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
             self.0.store(true, Ordering::SeqCst);
         }
     }
-    let handler = move || {
+    let handler = move |received: Bytes| {
         let dropped = Arc::clone(&dropped);
         async move {
             match kind {
+                Fake::Echo => ([("content-type", "application/json")], received).into_response(),
                 Fake::Reject => {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     (
@@ -663,4 +666,28 @@ async fn a_broken_decode_stream_ends_with_a_json_error_event() {
     assert_eq!(err["error"]["code"], "decode_stream_broken");
     assert_eq!(err["error"]["type"], "server_error");
     assert!(err["error"]["message"].as_str().unwrap().contains(&d));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_workers_get_the_body_with_the_bootstrap_fields() {
+    let p = fake_worker(Fake::Echo, Arc::new(AtomicBool::new(false))).await;
+    let d = fake_worker(Fake::Echo, Arc::new(AtomicBool::new(false))).await;
+    let mut c = config(&[&p], &[&d]);
+    c.prefill[0].bootstrap_port = Some(9123);
+    let r = start_router(c).await;
+    let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 3},
+        "bootstrap_room": "client's", "bootstrap_port": -1, "bootstrap_host": "evil"});
+    let mut rooms = std::collections::HashSet::new();
+    for _ in 0..3 {
+        let (s, got) = post(&r.base, "/generate", &body).await;
+        assert_eq!(s, 200, "{got}");
+        assert_eq!(got["text"], "hi");
+        assert_eq!(got["sampling_params"], json!({"max_new_tokens": 3}));
+        assert_eq!(got["bootstrap_host"], "127.0.0.1", "the prefill's host");
+        assert_eq!(got["bootstrap_port"], 9123);
+        let room = got["bootstrap_room"].as_u64().expect("an integer room");
+        assert!(room >= 1 && room <= i64::MAX as u64, "{room}");
+        rooms.insert(room);
+    }
+    assert_eq!(rooms.len(), 3, "a fresh room per request");
 }
