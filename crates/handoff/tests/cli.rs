@@ -74,7 +74,7 @@ fn router_cli_errors_are_precise() {
             "--decode",
             "http://y",
         ],
-        "worker URL `localhost:30001` is invalid: it has no http:// or https:// scheme",
+        "worker URL `localhost:30001` is invalid: it has no http:// scheme",
     );
     fails_with(
         &[

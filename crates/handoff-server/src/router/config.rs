@@ -96,7 +96,7 @@ pub enum RouterConfigError {
     /// No decode worker was given.
     #[error("at least one decode worker is required (--decode URL)")]
     NoDecode,
-    /// A worker URL is not an absolute http(s) URL with a host.
+    /// A worker URL is not an absolute `http://` URL with a host.
     #[error("worker URL `{url}` is invalid: {reason}")]
     BadUrl {
         /// The URL as given.
@@ -106,16 +106,22 @@ pub enum RouterConfigError {
     },
 }
 
-/// The host of an `http://` or `https://` worker URL (the `bootstrap_host`
-/// sent for a prefill worker).
+/// The host of an `http://` worker URL (the `bootstrap_host` sent for a
+/// prefill worker). The router talks plain HTTP to workers (no TLS client is
+/// built in), so `https://` is refused here rather than at the first request.
 pub fn worker_host(url: &str) -> Result<String, RouterConfigError> {
     let bad = |reason: &str| RouterConfigError::BadUrl {
         url: url.to_string(),
         reason: reason.to_string(),
     };
-    if !(url.starts_with("http://") || url.starts_with("https://")) {
+    if url.starts_with("https://") {
         return Err(bad(
-            "it has no http:// or https:// scheme (write e.g. http://127.0.0.1:30001)",
+            "https:// is not supported: the router talks plain HTTP to its workers",
+        ));
+    }
+    if !url.starts_with("http://") {
+        return Err(bad(
+            "it has no http:// scheme (write e.g. http://127.0.0.1:30001)",
         ));
     }
     let parsed = reqwest::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
@@ -137,6 +143,8 @@ mod tests {
         assert!(e.to_string().contains("`localhost:30001`"), "{e}");
         assert!(e.to_string().contains("no http://"), "{e}");
         assert!(worker_host("http://").is_err());
+        let e = worker_host("https://a:1").unwrap_err();
+        assert!(e.to_string().contains("https:// is not supported"), "{e}");
     }
 
     #[test]
