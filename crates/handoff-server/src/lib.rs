@@ -1,6 +1,7 @@
 //! handoff-server: the HTTP worker API (DESIGN.md §1, §8) — OpenAI chat and
 //! completions, SGLang's `/generate`, health, load, server info and
-//! Prometheus metrics — around a running engine.
+//! Prometheus metrics — around a running engine; and the PD router in front
+//! of prefill and decode workers ([`router`]).
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
@@ -16,8 +17,10 @@ pub mod openai_api;
 pub mod openai_types;
 pub mod params;
 pub mod prompt;
+pub mod router;
 pub mod sse;
 
 pub use app::{app, app_with_state, AppState};
 pub use backend::{Backend, Bootstrap};
 pub use errors::ApiError;
+pub use router::{router_app, run_router, RouterConfig, RouterHandle};

@@ -1,17 +1,20 @@
-//! `handoff`: the binary (DESIGN.md §1). `handoff serve` runs the colocated
-//! server: the engine on the given GGUF and the HTTP API in front of it;
-//! `handoff bench` loads any OpenAI-compatible endpoint.
+//! `handoff`: the binary (DESIGN.md §1). `handoff serve` serves a GGUF
+//! disaggregated on one host (router + prefill + decode; `--colocated` for
+//! the baseline); `handoff prefill`, `handoff decode` and `handoff router`
+//! run the roles as separate processes on any hosts; `handoff bench` loads
+//! any OpenAI-compatible endpoint.
 #![forbid(unsafe_code)]
 
 mod bench;
 mod bench_model;
 mod bench_transfer;
 mod engine_args;
+mod router_cmd;
 mod serve;
 mod signal;
 mod worker;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Prefill/decode disaggregated LLM serving.
 #[derive(Debug, Parser)]
@@ -34,6 +37,9 @@ enum Command {
     /// Load generator against an OpenAI-compatible endpoint: TTFT, ITL,
     /// latency, throughput, goodput.
     Bench(bench::BenchArgs),
+    /// Route requests to prefill/decode worker pairs (PD disaggregation),
+    /// relaying decode's answer as it is generated.
+    Router(router_cmd::RouterArgs),
     /// Prefill and decode throughput of the model runner next to llama.cpp's
     /// llama-bench on the same GGUF, printed as ratios.
     BenchModel(bench_model::BenchModelArgs),
@@ -54,7 +60,8 @@ fn set_compute_threads(threads: u16) {
 }
 
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -76,6 +83,7 @@ fn main() -> anyhow::Result<()> {
             worker::run(worker::Mode::Decode, args)
         }
         Command::Bench(args) => bench::run(args),
+        Command::Router(args) => router_cmd::run(args, matches.subcommand_matches("router")),
         Command::BenchTransfer(args) => bench_transfer::run(args),
         Command::BenchPeer(args) => bench_transfer::peer(args),
         Command::BenchModel(args) => {

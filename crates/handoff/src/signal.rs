@@ -1,6 +1,7 @@
-//! Graceful shutdown: SIGTERM or ctrl-c.
+//! Graceful shutdown: the future that resolves on SIGTERM or ctrl-c, shared
+//! by `handoff serve` and `handoff router`.
 
-/// Resolves on the first SIGTERM or ctrl-c.
+/// Resolves on the first SIGTERM or ctrl-c (logging which).
 pub async fn shutdown_signal() {
     let ctrl_c = async {
         if let Err(e) = tokio::signal::ctrl_c().await {

@@ -41,6 +41,126 @@ fn cli_errors_are_precise() {
     fails_with(&["frobnicate"], "unrecognized subcommand 'frobnicate'");
 }
 
+#[test]
+fn router_cli_errors_are_precise() {
+    fails_with(
+        &["router", "--prefill", "http://x", "99999", "--decode", "http://y"],
+        "invalid bootstrap port '99999' for '--prefill http://x': expected an integer from 1 to 65535",
+    );
+    fails_with(
+        &[
+            "router",
+            "--prefill",
+            "http://x",
+            "0",
+            "--decode",
+            "http://y",
+        ],
+        "invalid bootstrap port '0'",
+    );
+    fails_with(
+        &["router", "--prefill", "http://x"],
+        "the following required arguments were not provided:\n  --decode <URL>",
+    );
+    fails_with(
+        &["router", "--decode", "http://y"],
+        "--prefill <URL> [BOOTSTRAP_PORT]",
+    );
+    fails_with(
+        &[
+            "router",
+            "--prefill",
+            "localhost:30001",
+            "--decode",
+            "http://y",
+        ],
+        "worker URL `localhost:30001` is invalid: it has no http:// scheme",
+    );
+    fails_with(
+        &[
+            "router",
+            "--prefill",
+            "http://x",
+            "--decode",
+            "http://y",
+            "--policy",
+            "random",
+        ],
+        "unknown policy `random` (expected round_robin, least_load or power_of_two)",
+    );
+    fails_with(
+        &[
+            "router",
+            "--prefill",
+            "http://x",
+            "1",
+            "2",
+            "--decode",
+            "http://y",
+        ],
+        "unexpected argument '2'",
+    );
+}
+
+#[cfg(unix)]
+#[test]
+fn router_answers_and_stops_on_sigterm() {
+    // Workers on closed ports: the router runs, is alive and not ready.
+    let closed = || {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let (p, d) = (closed(), closed());
+    let mut child = handoff()
+        .args([
+            "router",
+            "--port",
+            "0",
+            "--prefill",
+            &p,
+            "9000",
+            "--decode",
+            &d,
+        ])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut addr = None;
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if let Some(i) = line.find("listening on http://") {
+            addr = Some(line[i + "listening on http://".len()..].trim().to_string());
+            break;
+        }
+    }
+    let addr = addr.expect("router logs its address");
+    assert!(http_get(&addr, "/health").starts_with("HTTP/1.1 200"));
+    let ready = http_get(&addr, "/readiness");
+    assert!(ready.starts_with("HTTP/1.1 503"), "{ready}");
+    assert!(
+        ready.contains("no prefill and no decode worker is healthy"),
+        "{ready}"
+    );
+    let workers = http_get(&addr, "/workers");
+    assert!(workers.contains("\"bootstrap_port\":9000"), "{workers}");
+
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let exit = child.wait().unwrap();
+    assert!(exit.success(), "exit status {exit:?}; log tail {rest:?}");
+    assert!(
+        rest.iter().any(|l| l.contains("SIGTERM received")),
+        "{rest:?}"
+    );
+}
+
 fn http_get(addr: &str, path: &str) -> String {
     let mut s = TcpStream::connect(addr).expect("connect");
     write!(

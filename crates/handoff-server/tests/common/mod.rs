@@ -23,55 +23,70 @@ pub const KV_PAGES: usize = 2048;
 pub const PAGE_SIZE: usize = 16;
 
 fn model_path() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("handoff-server-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join("tiny.gguf");
-    // A long context so that a request generating up to it takes seconds:
-    // the disconnect tests must give up long before it could finish.
-    let cfg = handoff_model::tiny::TinyConfig {
-        context_length: 16384,
-        ..Default::default()
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("handoff-server-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("tiny.gguf");
+        // A long context so that a request generating up to it takes seconds:
+        // the disconnect tests must give up long before it could finish.
+        let cfg = handoff_model::tiny::TinyConfig {
+            context_length: 16384,
+            ..Default::default()
+        };
+        handoff_model::tiny::write_tiny_gguf_with(&path, 7, cfg).expect("write tiny GGUF");
+        path
+    })
+    .clone()
+}
+
+/// A fresh engine on the tiny test model.
+pub fn start_engine() -> EngineHandle {
+    let config = EngineConfig {
+        threads: 2,
+        page_size: PAGE_SIZE,
+        kv_pages: KV_PAGES,
+        max_batch: 16,
+        prefill_chunk: 64,
+        served_name: Some("tiny-test".to_string()),
+        ..EngineConfig::new(model_path())
     };
-    handoff_model::tiny::write_tiny_gguf_with(&path, 7, cfg).expect("write tiny GGUF");
-    path
+    Engine::start(config).expect("engine starts")
+}
+
+/// Serve the worker API around `engine` on an ephemeral port, on a runtime
+/// of its own thread (it outlives any one test's runtime); returns
+/// `http://127.0.0.1:PORT`.
+pub fn serve_worker(engine: EngineHandle) -> String {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            tx.send(listener.local_addr().expect("addr"))
+                .expect("send addr");
+            axum::serve(listener, handoff_server::app(engine))
+                .await
+                .expect("serve");
+        });
+    });
+    let addr = rx.recv().expect("server address");
+    format!("http://{addr}")
 }
 
 /// Start (once) and return the shared server.
 pub fn server() -> &'static TestServer {
     static SERVER: OnceLock<TestServer> = OnceLock::new();
     SERVER.get_or_init(|| {
-        let config = EngineConfig {
-            threads: 2,
-            page_size: PAGE_SIZE,
-            kv_pages: KV_PAGES,
-            max_batch: 16,
-            prefill_chunk: 64,
-            served_name: Some("tiny-test".to_string()),
-            ..EngineConfig::new(model_path())
-        };
-        let engine = Engine::start(config).expect("engine starts");
-        let (tx, rx) = std::sync::mpsc::channel();
-        let app_engine = engine.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                    .await
-                    .expect("bind");
-                tx.send(listener.local_addr().expect("addr"))
-                    .expect("send addr");
-                axum::serve(listener, handoff_server::app(app_engine))
-                    .await
-                    .expect("serve");
-            });
-        });
-        let addr = rx.recv().expect("server address");
+        let engine = start_engine();
         TestServer {
-            base: format!("http://{addr}"),
+            base: serve_worker(engine.clone()),
             engine,
         }
     })

@@ -1,0 +1,163 @@
+//! The router's configuration (DESIGN.md §7): the prefill and decode workers,
+//! the pairing policies and every timer of the router, with its default.
+
+use std::time::Duration;
+
+use crate::router::policy::PolicyKind;
+
+/// SGLang's default bootstrap port of a prefill worker, used when
+/// `--prefill URL` names none.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
+/// One prefill worker: its HTTP URL and the port of its KV bootstrap server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefillSpec {
+    /// `http://host:port` of the worker's HTTP API.
+    pub url: String,
+    /// The bootstrap port sent to decode workers ([`DEFAULT_BOOTSTRAP_PORT`] when `None`).
+    pub bootstrap_port: Option<u16>,
+}
+
+/// Everything the router needs; build with [`RouterConfig::new`] and adjust fields.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// Prefill workers (at least one).
+    pub prefill: Vec<PrefillSpec>,
+    /// Decode workers' HTTP URLs (at least one).
+    pub decode: Vec<String>,
+    /// How a prefill worker is picked.
+    pub prefill_policy: PolicyKind,
+    /// How a decode worker is picked.
+    pub decode_policy: PolicyKind,
+    /// Longest a request may take, first byte to last (default 600 s):
+    /// before the first relayed byte the client gets 504, after it an SSE
+    /// error event.
+    pub request_timeout: Duration,
+    /// Connect timeout towards a worker (default 5 s).
+    pub connect_timeout: Duration,
+    /// Period of the background health and load probes (default 5 s).
+    /// `Duration::ZERO` disables them: workers then stay in the state that
+    /// requests leave them in (for tests of the request path).
+    pub health_interval: Duration,
+    /// Timeout of one probe (`/health`, `/get_load`; default 2 s).
+    pub health_timeout: Duration,
+    /// Consecutive failed probes that make a healthy worker unhealthy
+    /// (default 2). A worker never seen healthy is unhealthy after its first
+    /// failed probe; one good probe makes any worker healthy again; a request
+    /// that cannot reach a worker marks it unhealthy at once.
+    pub unhealthy_after: u32,
+    /// Retries of a request that failed before any byte reached the client
+    /// (connection errors, 502, 503 only; default 2).
+    pub max_retries: u32,
+}
+
+impl RouterConfig {
+    /// A configuration with these workers and every default.
+    pub fn new(prefill: Vec<PrefillSpec>, decode: Vec<String>) -> Self {
+        RouterConfig {
+            prefill,
+            decode,
+            prefill_policy: PolicyKind::RoundRobin,
+            decode_policy: PolicyKind::RoundRobin,
+            request_timeout: Duration::from_secs(600),
+            connect_timeout: Duration::from_secs(5),
+            health_interval: Duration::from_secs(5),
+            health_timeout: Duration::from_secs(2),
+            unhealthy_after: 2,
+            max_retries: 2,
+        }
+    }
+
+    /// Check the worker lists and URLs.
+    pub fn validate(&self) -> Result<(), RouterConfigError> {
+        if self.prefill.is_empty() {
+            return Err(RouterConfigError::NoPrefill);
+        }
+        if self.decode.is_empty() {
+            return Err(RouterConfigError::NoDecode);
+        }
+        for p in &self.prefill {
+            worker_host(&p.url)?;
+        }
+        for d in &self.decode {
+            worker_host(d)?;
+        }
+        Ok(())
+    }
+}
+
+/// A configuration the router cannot run with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouterConfigError {
+    /// No prefill worker was given.
+    #[error("at least one prefill worker is required (--prefill URL [BOOTSTRAP_PORT])")]
+    NoPrefill,
+    /// No decode worker was given.
+    #[error("at least one decode worker is required (--decode URL)")]
+    NoDecode,
+    /// A worker URL is not an absolute `http://` URL with a host.
+    #[error("worker URL `{url}` is invalid: {reason}")]
+    BadUrl {
+        /// The URL as given.
+        url: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+/// The host of an `http://` worker URL (the `bootstrap_host` sent for a
+/// prefill worker). The router talks plain HTTP to workers (no TLS client is
+/// built in), so `https://` is refused here rather than at the first request.
+pub fn worker_host(url: &str) -> Result<String, RouterConfigError> {
+    let bad = |reason: &str| RouterConfigError::BadUrl {
+        url: url.to_string(),
+        reason: reason.to_string(),
+    };
+    if url.starts_with("https://") {
+        return Err(bad(
+            "https:// is not supported: the router talks plain HTTP to its workers",
+        ));
+    }
+    if !url.starts_with("http://") {
+        return Err(bad(
+            "it has no http:// scheme (write e.g. http://127.0.0.1:30001)",
+        ));
+    }
+    let parsed = reqwest::Url::parse(url).map_err(|e| bad(&e.to_string()))?;
+    match parsed.host_str() {
+        Some(h) if !h.is_empty() => Ok(h.trim_start_matches('[').trim_end_matches(']').to_string()),
+        _ => Err(bad("it has no host")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_need_a_scheme_and_host() {
+        assert_eq!(worker_host("http://10.0.0.2:30001").unwrap(), "10.0.0.2");
+        assert_eq!(worker_host("http://[::1]:30001/").unwrap(), "::1");
+        let e = worker_host("localhost:30001").unwrap_err();
+        assert!(e.to_string().contains("`localhost:30001`"), "{e}");
+        assert!(e.to_string().contains("no http://"), "{e}");
+        assert!(worker_host("http://").is_err());
+        let e = worker_host("https://a:1").unwrap_err();
+        assert!(e.to_string().contains("https:// is not supported"), "{e}");
+    }
+
+    #[test]
+    fn empty_lists_are_refused() {
+        let c = RouterConfig::new(vec![], vec!["http://a".into()]);
+        assert_eq!(c.validate(), Err(RouterConfigError::NoPrefill));
+        let c = RouterConfig::new(
+            vec![PrefillSpec {
+                url: "http://a".into(),
+                bootstrap_port: None,
+            }],
+            vec![],
+        );
+        assert_eq!(c.validate(), Err(RouterConfigError::NoDecode));
+    }
+}

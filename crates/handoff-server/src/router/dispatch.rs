@@ -1,0 +1,288 @@
+//! The generation routes of the router (DESIGN.md §3 step 1, §7): read and
+//! check the body, pick a pair, give the attempt a fresh room, relay it, and
+//! retry — with a fresh room and, where possible, other workers — only when
+//! nothing reached the client and the failure says the workers could not take
+//! the request (connection error, 502, 503).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequest, Request, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value};
+
+use crate::errors::ApiError;
+use crate::router::relay::{
+    self, relay_headers, AttemptGuards, AttemptSpec, Failure, Pair, RelayBody,
+};
+use crate::router::timeline::Timeline;
+use crate::router::workers::{Role, Worker};
+use crate::router::RouterState;
+
+/// `POST /generate`.
+pub async fn generate(State(state): State<RouterState>, req: Request) -> Response {
+    handle(state, "/generate", req).await
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(state): State<RouterState>, req: Request) -> Response {
+    handle(state, "/v1/completions", req).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(state): State<RouterState>, req: Request) -> Response {
+    handle(state, "/v1/chat/completions", req).await
+}
+
+/// Parse a request body that must be one JSON object.
+pub fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::bad_request(
+            "invalid_json",
+            "the request body is empty: send a JSON object",
+        ));
+    }
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
+        ApiError::bad_request(
+            "invalid_json",
+            format!("the request body is not valid JSON: {e}"),
+        )
+    })?;
+    let what = match value {
+        Value::Object(map) => return Ok(map),
+        Value::Array(_) => "an array",
+        Value::String(_) => "a string",
+        Value::Number(_) => "a number",
+        Value::Bool(_) => "a boolean",
+        Value::Null => "null",
+    };
+    Err(ApiError::bad_request(
+        "invalid_type",
+        format!("the request body must be a JSON object, not {what}"),
+    ))
+}
+
+async fn handle(state: RouterState, route: &'static str, req: Request) -> Response {
+    let arrived = Instant::now();
+    let mut tl = Timeline::new(Arc::clone(&state.metrics), route, arrived);
+    let bytes = match Bytes::from_request(req, &()).await {
+        Ok(b) => b,
+        Err(e) => {
+            let err = ApiError::new(
+                e.status().as_u16(),
+                "invalid_body",
+                format!("could not read the request body: {}", e.body_text()),
+            );
+            return refuse(&mut tl, err, "bad_request");
+        }
+    };
+    let mut body = match parse_object(&bytes) {
+        Ok(b) => b,
+        Err(e) => return refuse(&mut tl, e, "bad_request"),
+    };
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    tl.set_stream(stream);
+    let timeout = state.config.request_timeout;
+    let deadline = arrived + timeout;
+    let mut failed: Vec<Arc<Worker>> = Vec::new();
+    let mut last: Option<Failure> = None;
+    for attempt in 0..=state.config.max_retries {
+        let pair = match state.pick_pair(&failed) {
+            Ok(p) => p,
+            Err(role) => {
+                if let Some(f) = last {
+                    return fail(&mut tl, f);
+                }
+                let err = ApiError::new(
+                    503,
+                    "no_healthy_worker",
+                    format!("no healthy {} worker is available", role.name()),
+                );
+                return refuse(&mut tl, err, "no_healthy_worker");
+            }
+        };
+        if attempt > 0 {
+            state.metrics.count_retry(route);
+        }
+        let guards = AttemptGuards {
+            room: state.rooms.allocate(),
+            prefill: pair.prefill.start_request(),
+            decode: pair.decode.start_request(),
+        };
+        let room = guards.room.id();
+        body.insert("bootstrap_host".into(), json!(pair.prefill.host));
+        body.insert("bootstrap_port".into(), json!(pair.prefill.bootstrap_port));
+        body.insert("bootstrap_room".into(), json!(room.0));
+        let payload = match serde_json::to_vec(&body) {
+            Ok(p) => Bytes::from(p),
+            Err(e) => {
+                let err =
+                    ApiError::new(500, "internal_error", format!("re-encoding the body: {e}"));
+                return refuse(&mut tl, err, "internal_error");
+            }
+        };
+        tl.dispatched(room, &pair.prefill.url, &pair.decode.url);
+        let spec = AttemptSpec {
+            client: &state.client,
+            route,
+            pair: &pair,
+            body: payload,
+            stream,
+            deadline,
+            timeout_secs: timeout.as_secs_f64(),
+        };
+        match relay::start(spec, &mut tl).await {
+            Ok((status, content_type, opened)) => {
+                let mut relay = RelayBody::new(
+                    opened,
+                    pair,
+                    tl,
+                    Arc::clone(&state.metrics),
+                    guards,
+                    deadline,
+                    timeout.as_secs_f64(),
+                );
+                relay.timeline().set_status(status);
+                let code = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+                let mut resp = if stream {
+                    Response::new(relay.into_body())
+                } else {
+                    let whole = relay.take_first();
+                    relay.timeline().finish("ok");
+                    Response::new(Body::from(whole))
+                };
+                *resp.status_mut() = code;
+                relay_headers(&mut resp, content_type, stream);
+                return resp;
+            }
+            Err(f) => {
+                let worker = Arc::clone(pair.side(f.side()));
+                state.metrics.count_failure(f.side().name(), &f.kind());
+                if matches!(f, Failure::Unreachable { .. }) {
+                    worker.mark_unreachable();
+                }
+                if !f.retryable() {
+                    return fail(&mut tl, f);
+                }
+                tracing::warn!(
+                    room = room.0,
+                    worker = %worker.url,
+                    side = f.side().name(),
+                    kind = %f.kind(),
+                    attempt,
+                    "attempt failed before any byte was relayed"
+                );
+                failed.push(worker);
+                last = Some(f);
+            }
+        }
+    }
+    match last {
+        Some(f) => fail(&mut tl, f),
+        None => refuse(
+            &mut tl,
+            ApiError::new(500, "internal_error", "no attempt was made"),
+            "internal_error",
+        ),
+    }
+}
+
+fn refuse(tl: &mut Timeline, err: ApiError, outcome: &'static str) -> Response {
+    tl.set_status(err.status);
+    tl.finish(outcome);
+    err.into_response()
+}
+
+fn fail(tl: &mut Timeline, f: Failure) -> Response {
+    let outcome = match &f {
+        Failure::Timeout { .. } => "timeout",
+        Failure::Unreachable { .. } => "worker_unreachable",
+        Failure::Status { .. } => "worker_error",
+    };
+    let resp = f.into_response();
+    tl.set_status(resp.status().as_u16());
+    tl.finish(outcome);
+    resp
+}
+
+impl RouterState {
+    /// A prefill and a decode worker by the policies, avoiding `failed`
+    /// where another dispatchable worker exists; `Err(role)` when a role has
+    /// no dispatchable worker.
+    pub(crate) fn pick_pair(&self, failed: &[Arc<Worker>]) -> Result<Pair, Role> {
+        let prefill = self.pick(Role::Prefill, failed)?;
+        let decode = self.pick(Role::Decode, failed)?;
+        Ok(Pair { prefill, decode })
+    }
+
+    fn pick(&self, role: Role, failed: &[Arc<Worker>]) -> Result<Arc<Worker>, Role> {
+        let usable: Vec<&Arc<Worker>> = self
+            .workers
+            .of(role)
+            .iter()
+            .filter(|w| w.dispatchable())
+            .collect();
+        let fresh: Vec<&Arc<Worker>> = usable
+            .iter()
+            .copied()
+            .filter(|w| !failed.iter().any(|f| Arc::ptr_eq(f, w)))
+            .collect();
+        let candidates = if fresh.is_empty() { usable } else { fresh };
+        let loads: Vec<u64> = candidates.iter().map(|w| w.load()).collect();
+        let policy = match role {
+            Role::Prefill => &self.prefill_policy,
+            Role::Decode => &self.decode_policy,
+        };
+        policy
+            .pick(&loads)
+            .and_then(|i| candidates.get(i))
+            .map(|w| Arc::clone(w))
+            .ok_or(role)
+    }
+}
+
+/// The response of a route the router does not have.
+pub async fn not_found(req: Request) -> ApiError {
+    ApiError::new(
+        404,
+        "not_found",
+        format!("no route for {} {}", req.method(), req.uri().path()),
+    )
+}
+
+/// The response of a method a route does not take.
+pub async fn method_not_allowed(req: Request) -> ApiError {
+    ApiError::new(
+        405,
+        "method_not_allowed",
+        format!("{} is not allowed on {}", req.method(), req.uri().path()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_must_be_objects() {
+        assert!(parse_object(br#"{"a":1}"#).is_ok());
+        let e = parse_object(b"[1,2]").unwrap_err();
+        assert_eq!((e.status, e.code), (400, "invalid_type"));
+        assert_eq!(
+            e.message,
+            "the request body must be a JSON object, not an array"
+        );
+        let e = parse_object(b"{\"a\":").unwrap_err();
+        assert_eq!(e.code, "invalid_json");
+        assert!(
+            e.message
+                .starts_with("the request body is not valid JSON: EOF"),
+            "{}",
+            e.message
+        );
+        let e = parse_object(b"  ").unwrap_err();
+        assert!(e.message.contains("empty"));
+    }
+}

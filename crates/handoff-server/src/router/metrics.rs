@@ -1,0 +1,263 @@
+//! Prometheus metrics of the router (DESIGN.md §8), prefix `handoff_router`:
+//! requests by route and status, TTFT / ITL / end-to-end latency as the
+//! client sees them, the per-request timeline by stage, failures by side and
+//! kind, retries, and each worker's requests in flight and health.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Labels of the request counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    /// Route path (`/v1/chat/completions`).
+    pub route: String,
+    /// HTTP status sent to the client.
+    pub status: String,
+}
+
+/// Labels of the retry counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryLabels {
+    /// Route path.
+    pub route: String,
+}
+
+/// Labels of the failure counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailureLabels {
+    /// `prefill` or `decode`.
+    pub side: String,
+    /// `unreachable`, `timeout`, `status_503`, `stream_broken`, ...
+    pub kind: String,
+}
+
+/// Labels of per-worker gauges.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabels {
+    /// The worker's URL.
+    pub worker: String,
+    /// `prefill` or `decode`.
+    pub role: String,
+}
+
+/// Labels of the timeline histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// `dispatched`, `prefill_done`, `first_token` or `done`.
+    pub stage: String,
+}
+
+fn stage_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 22))
+}
+
+/// All metrics of one router.
+#[derive(Debug)]
+pub struct RouterMetrics {
+    registry: Registry,
+    requests: Family<RouteLabels, Counter>,
+    failures: Family<FailureLabels, Counter>,
+    retries: Family<RetryLabels, Counter>,
+    in_flight: Family<WorkerLabels, Gauge>,
+    healthy: Family<WorkerLabels, Gauge>,
+    stages: Family<StageLabels, Histogram, fn() -> Histogram>,
+    ttft: Histogram,
+    itl: Histogram,
+    e2e: Histogram,
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RouterMetrics {
+    /// A fresh registry with every metric at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("handoff_router");
+        let requests = Family::<RouteLabels, Counter>::default();
+        let failures = Family::<FailureLabels, Counter>::default();
+        let retries = Family::<RetryLabels, Counter>::default();
+        let in_flight = Family::<WorkerLabels, Gauge>::default();
+        let healthy = Family::<WorkerLabels, Gauge>::default();
+        let stages = Family::<StageLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+            stage_histogram,
+        );
+        let ttft = Histogram::new(exponential_buckets(0.001, 2.0, 18));
+        let itl = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        let e2e = Histogram::new(exponential_buckets(0.005, 2.0, 18));
+        registry.register(
+            "requests",
+            "Requests by route and the status sent to the client",
+            requests.clone(),
+        );
+        registry.register(
+            "worker_failures",
+            "Worker failures seen by the router, by side (prefill/decode) and kind",
+            failures.clone(),
+        );
+        registry.register(
+            "retries",
+            "Requests sent again (fresh room) after a retryable failure, by route",
+            retries.clone(),
+        );
+        registry.register(
+            "worker_in_flight",
+            "Requests in flight at the router per worker",
+            in_flight.clone(),
+        );
+        registry.register(
+            "worker_healthy",
+            "1 when the worker passed its last health checks",
+            healthy.clone(),
+        );
+        registry.register(
+            "stage_seconds",
+            "Per-request timeline: seconds from arrival to each stage",
+            stages.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "Arrival to the first decode byte relayed to the client (streams)",
+            ttft.clone(),
+        );
+        registry.register(
+            "inter_token_latency_seconds",
+            "Time between relayed decode chunks (streams)",
+            itl.clone(),
+        );
+        registry.register(
+            "e2e_request_latency_seconds",
+            "Arrival to the end of the response",
+            e2e.clone(),
+        );
+        RouterMetrics {
+            registry,
+            requests,
+            failures,
+            retries,
+            in_flight,
+            healthy,
+            stages,
+            ttft,
+            itl,
+            e2e,
+        }
+    }
+
+    /// Count one answered request.
+    pub fn count_request(&self, route: &str, status: u16) {
+        self.requests
+            .get_or_create(&RouteLabels {
+                route: route.to_string(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count one worker failure.
+    pub fn count_failure(&self, side: &str, kind: &str) {
+        self.failures
+            .get_or_create(&FailureLabels {
+                side: side.to_string(),
+                kind: kind.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count one retry of a request on `route`.
+    pub fn count_retry(&self, route: &str) {
+        self.retries
+            .get_or_create(&RetryLabels {
+                route: route.to_string(),
+            })
+            .inc();
+    }
+
+    /// The in-flight gauge of a worker.
+    pub fn in_flight_gauge(&self, worker: &str, role: &str) -> Gauge {
+        self.in_flight
+            .get_or_create(&WorkerLabels {
+                worker: worker.to_string(),
+                role: role.to_string(),
+            })
+            .clone()
+    }
+
+    /// Set a worker's health gauge.
+    pub fn set_healthy(&self, worker: &str, role: &str, healthy: bool) {
+        self.healthy
+            .get_or_create(&WorkerLabels {
+                worker: worker.to_string(),
+                role: role.to_string(),
+            })
+            .set(i64::from(healthy));
+    }
+
+    /// Record that a request reached `stage` `secs` after arrival.
+    pub fn observe_stage(&self, stage: &str, secs: f64) {
+        self.stages
+            .get_or_create(&StageLabels {
+                stage: stage.to_string(),
+            })
+            .observe(secs);
+    }
+
+    /// Record a first relayed token `secs` after arrival.
+    pub fn observe_ttft(&self, secs: f64) {
+        self.ttft.observe(secs);
+    }
+
+    /// Record a gap of `secs` between relayed chunks.
+    pub fn observe_itl(&self, secs: f64) {
+        self.itl.observe(secs);
+    }
+
+    /// Record a finished request.
+    pub fn observe_e2e(&self, secs: f64) {
+        self.e2e.observe(secs);
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_names_every_metric() {
+        let m = RouterMetrics::new();
+        m.count_request("/generate", 200);
+        m.count_failure("decode", "unreachable");
+        m.count_retry("/generate");
+        m.in_flight_gauge("http://d", "decode").inc();
+        m.set_healthy("http://d", "decode", true);
+        m.observe_stage("first_token", 0.01);
+        m.observe_ttft(0.01);
+        let text = m.render();
+        for needle in [
+            "handoff_router_requests_total{route=\"/generate\",status=\"200\"} 1",
+            "handoff_router_worker_failures_total{side=\"decode\",kind=\"unreachable\"} 1",
+            "handoff_router_retries_total{route=\"/generate\"} 1",
+            "handoff_router_worker_in_flight{worker=\"http://d\",role=\"decode\"} 1",
+            "handoff_router_worker_healthy{worker=\"http://d\",role=\"decode\"} 1",
+            "handoff_router_stage_seconds_count{stage=\"first_token\"} 1",
+            "handoff_router_time_to_first_token_seconds_count 1",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+    }
+}

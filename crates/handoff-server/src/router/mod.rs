@@ -1,0 +1,227 @@
+//! handoff's PD router (DESIGN.md §3 step 1, §7, §8): pairs a prefill and a
+//! decode worker per request, sends both the same body with
+//! `bootstrap_host` / `bootstrap_port` / `bootstrap_room`, relays decode's
+//! answer as soon as it arrives, keeps the workers' health and load, and
+//! exports its own metrics.
+//!
+//! [`router_app`] builds the HTTP app (run it on any listener, e.g. in tests);
+//! [`run_router`] serves it until a shutdown future resolves.
+
+pub mod config;
+pub mod dispatch;
+pub mod info;
+pub mod metrics;
+pub mod policy;
+pub mod relay;
+pub mod rooms;
+pub mod timeline;
+pub mod workers;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+
+pub use config::{PrefillSpec, RouterConfig, RouterConfigError, DEFAULT_BOOTSTRAP_PORT};
+pub use metrics::RouterMetrics;
+pub use policy::{Policy, PolicyKind};
+pub use workers::{Health, Role, Worker, Workers};
+
+use rooms::Rooms;
+
+/// Largest request body the router accepts (bytes).
+pub const ROUTER_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// Why the router cannot start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RouterError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] RouterConfigError),
+    /// The HTTP client could not be built.
+    #[error("building the HTTP client: {0}")]
+    Client(String),
+    /// Serving failed.
+    #[error("serving HTTP: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What every router handler shares.
+#[derive(Debug)]
+pub struct RouterInner {
+    config: RouterConfig,
+    workers: Workers,
+    prefill_policy: Policy,
+    decode_policy: Policy,
+    rooms: Arc<Rooms>,
+    metrics: Arc<RouterMetrics>,
+    client: reqwest::Client,
+}
+
+/// The router's shared state (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct RouterState(Arc<RouterInner>);
+
+impl std::ops::Deref for RouterState {
+    type Target = RouterInner;
+
+    fn deref(&self) -> &RouterInner {
+        &self.0
+    }
+}
+
+impl RouterState {
+    /// State for a configuration (checks it).
+    pub fn new(config: RouterConfig) -> Result<Self, RouterError> {
+        let metrics = Arc::new(RouterMetrics::new());
+        let workers = Workers::new(&config, &metrics)?;
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .no_proxy()
+            .build()
+            .map_err(|e| RouterError::Client(e.to_string()))?;
+        Ok(RouterState(Arc::new(RouterInner {
+            prefill_policy: Policy::new(config.prefill_policy),
+            decode_policy: Policy::new(config.decode_policy),
+            workers,
+            rooms: Arc::new(Rooms::default()),
+            metrics,
+            client,
+            config,
+        })))
+    }
+
+    /// Probe every worker once now.
+    pub async fn probe_now(&self) {
+        self.workers
+            .probe_all(
+                &self.client,
+                self.config.health_timeout,
+                self.config.unhealthy_after,
+                &self.metrics,
+            )
+            .await;
+    }
+}
+
+/// Control of a running router app: its state and its health loop, which
+/// stops when the handle drops.
+#[derive(Debug)]
+pub struct RouterHandle {
+    state: RouterState,
+    health_task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RouterHandle {
+    /// Probe every worker once now (the health loop keeps running).
+    pub async fn probe_now(&self) {
+        self.state.probe_now().await
+    }
+
+    /// At least one healthy prefill and one healthy decode worker.
+    pub fn ready(&self) -> bool {
+        self.state.workers.ready()
+    }
+
+    /// The workers.
+    pub fn workers(&self) -> &Workers {
+        &self.state.workers
+    }
+
+    /// The metrics registry.
+    pub fn metrics(&self) -> &Arc<RouterMetrics> {
+        &self.state.metrics
+    }
+
+    /// Bootstrap rooms live now (one per request in flight).
+    pub fn live_rooms(&self) -> usize {
+        self.state.rooms.live()
+    }
+}
+
+impl Drop for RouterHandle {
+    fn drop(&mut self) {
+        if let Some(t) = self.health_task.take() {
+            t.abort();
+        }
+    }
+}
+
+/// The router's HTTP app and its handle. Starts the health loop (first probe
+/// at once, then every `health_interval`; none when the interval is zero) on
+/// the current tokio runtime, so call it from inside one. The loop stops
+/// when the handle drops.
+pub fn router_app(config: RouterConfig) -> Result<(Router, RouterHandle), RouterError> {
+    let state = RouterState::new(config)?;
+    let interval = state.config.health_interval;
+    let health_task = (!interval.is_zero()).then(|| {
+        let state = state.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                state.probe_now().await;
+            }
+        })
+    });
+    let app = Router::new()
+        .route("/generate", post(dispatch::generate))
+        .route("/v1/completions", post(dispatch::completions))
+        .route("/v1/chat/completions", post(dispatch::chat_completions))
+        .route("/health", get(info::health))
+        .route("/readiness", get(info::readiness))
+        .route("/v1/models", get(info::models))
+        .route("/get_load", get(info::get_load))
+        .route("/workers", get(info::workers))
+        .route("/metrics", get(info::metrics))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .method_not_allowed_fallback(dispatch::method_not_allowed)
+        .fallback(dispatch::not_found)
+        .layer(DefaultBodyLimit::max(ROUTER_MAX_BODY_BYTES))
+        .with_state(state.clone());
+    Ok((app, RouterHandle { state, health_task }))
+}
+
+/// Serve the router on `listener` until `shutdown` resolves (then drain:
+/// in-flight requests finish). Probes every worker once before accepting.
+pub async fn run_router<F>(
+    listener: tokio::net::TcpListener,
+    config: RouterConfig,
+    shutdown: F,
+) -> Result<(), RouterError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let (app, handle) = router_app(config)?;
+    handle.probe_now().await;
+    if !handle.ready() {
+        tracing::warn!(
+            "router starts without a healthy prefill and decode worker; /readiness is 503"
+        );
+    }
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await?;
+    drop(handle);
+    Ok(())
+}
+
+async fn count_requests(State(state): State<RouterState>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".to_owned());
+    let resp = next.run(req).await;
+    state.metrics.count_request(&route, resp.status().as_u16());
+    resp
+}

@@ -1,0 +1,536 @@
+//! The relay (DESIGN.md §3 steps 1 and 5, §7): one attempt sends the body to
+//! the prefill and the decode worker at once, holds the client's status line
+//! until the first decode byte (or an error) is known, then streams decode's
+//! bytes to the client chunk by chunk while the prefill answer drains beside
+//! them. Everything lives in the request's future or its response body: when
+//! the client goes away both are dropped, and so are both outgoing requests.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures_util::{Stream, StreamExt};
+
+use crate::errors::ApiError;
+use crate::router::metrics::RouterMetrics;
+use crate::router::rooms::RoomGuard;
+use crate::router::timeline::Timeline;
+use crate::router::workers::{InFlightGuard, Role, Worker};
+
+type RespFut = Pin<Box<dyn Future<Output = reqwest::Result<reqwest::Response>> + Send>>;
+type BodyFut = Pin<Box<dyn Future<Output = reqwest::Result<Bytes>> + Send>>;
+type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
+
+/// The workers of one attempt.
+#[derive(Debug, Clone)]
+pub struct Pair {
+    /// The prefill worker.
+    pub prefill: Arc<Worker>,
+    /// The decode worker.
+    pub decode: Arc<Worker>,
+}
+
+impl Pair {
+    /// The worker of one side.
+    pub fn side(&self, role: Role) -> &Arc<Worker> {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+}
+
+/// What an attempt holds while it lives: its room and the in-flight counts.
+#[derive(Debug)]
+pub struct AttemptGuards {
+    /// The room, freed on drop.
+    pub room: RoomGuard,
+    /// Counts the request on the prefill worker.
+    pub prefill: InFlightGuard,
+    /// Counts the request on the decode worker.
+    pub decode: InFlightGuard,
+}
+
+/// Why an attempt failed before any byte reached the client.
+#[derive(Debug)]
+pub enum Failure {
+    /// Connection refused, reset, or the answer broke off.
+    Unreachable {
+        /// Which side.
+        side: Role,
+        /// The worker's URL.
+        url: String,
+        /// The transport error.
+        detail: String,
+    },
+    /// The worker answered with a non-2xx status (relayed verbatim).
+    Status {
+        /// Which side.
+        side: Role,
+        /// The status.
+        status: u16,
+        /// Its content type.
+        content_type: Option<HeaderValue>,
+        /// Its body.
+        body: Bytes,
+    },
+    /// The request timeout passed.
+    Timeout {
+        /// The side still awaited.
+        side: Role,
+        /// The worker's URL.
+        url: String,
+        /// The timeout, seconds.
+        secs: f64,
+    },
+}
+
+impl Failure {
+    /// The side at fault.
+    pub fn side(&self) -> Role {
+        match self {
+            Failure::Unreachable { side, .. }
+            | Failure::Status { side, .. }
+            | Failure::Timeout { side, .. } => *side,
+        }
+    }
+
+    /// The metrics label of the failure.
+    pub fn kind(&self) -> String {
+        match self {
+            Failure::Unreachable { .. } => "unreachable".to_string(),
+            Failure::Status { status, .. } => format!("status_{status}"),
+            Failure::Timeout { .. } => "timeout".to_string(),
+        }
+    }
+
+    /// Safe to send again with a fresh room: nothing was relayed yet and the
+    /// worker could not take the request (connection error, 502, 503).
+    pub fn retryable(&self) -> bool {
+        match self {
+            Failure::Unreachable { .. } => true,
+            Failure::Status { status, .. } => matches!(status, 502 | 503),
+            Failure::Timeout { .. } => false,
+        }
+    }
+
+    /// The client's answer: the worker's own status and body, 502 for an
+    /// unreachable worker, 504 for a timeout.
+    pub fn into_response(self) -> Response {
+        match self {
+            Failure::Unreachable { side, url, detail } => ApiError::new(
+                502,
+                "worker_unreachable",
+                format!("{} worker {url} is unreachable: {detail}", side.name()),
+            )
+            .into_response(),
+            Failure::Timeout { side, url, secs } => ApiError::new(
+                504,
+                "request_timeout",
+                format!(
+                    "the request timed out after {secs} s waiting for {} worker {url}",
+                    side.name()
+                ),
+            )
+            .into_response(),
+            Failure::Status {
+                status,
+                content_type,
+                body,
+                ..
+            } => {
+                let mut resp = Response::new(Body::from(body));
+                *resp.status_mut() =
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+                if let Some(ct) = content_type {
+                    resp.headers_mut().insert(CONTENT_TYPE, ct);
+                }
+                resp
+            }
+        }
+    }
+}
+
+/// A transport error with its causes, one line.
+fn chain(e: &reqwest::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
+}
+
+fn unreachable(w: &Worker, e: &reqwest::Error) -> Failure {
+    Failure::Unreachable {
+        side: w.role,
+        url: w.url.clone(),
+        detail: chain(e),
+    }
+}
+
+/// The prefill half of an attempt, polled beside the decode half.
+enum PrefillLeg {
+    /// Waiting for the status line.
+    Sending(RespFut),
+    /// Non-2xx: reading the error body.
+    Rejecting {
+        status: u16,
+        content_type: Option<HeaderValue>,
+        body: BodyFut,
+    },
+    /// 2xx: reading (and ignoring) the body.
+    Draining(ByteStream),
+    /// Finished, failed, or given up.
+    Done,
+}
+
+enum PrefillEvent {
+    Progress,
+    Done,
+    Failed(Failure),
+}
+
+impl PrefillLeg {
+    fn active(&self) -> bool {
+        !matches!(self, PrefillLeg::Done)
+    }
+
+    /// Advance the prefill answer by one step. Cancel-safe: every pending
+    /// future lives in `self`.
+    async fn step(&mut self, worker: &Worker) -> PrefillEvent {
+        match self {
+            PrefillLeg::Sending(fut) => {
+                let r = fut.as_mut().await;
+                match r {
+                    Ok(resp) if resp.status().is_success() => {
+                        *self = PrefillLeg::Draining(Box::pin(resp.bytes_stream()));
+                        PrefillEvent::Progress
+                    }
+                    Ok(resp) => {
+                        *self = PrefillLeg::Rejecting {
+                            status: resp.status().as_u16(),
+                            content_type: resp.headers().get(CONTENT_TYPE).cloned(),
+                            body: Box::pin(resp.bytes()),
+                        };
+                        PrefillEvent::Progress
+                    }
+                    Err(e) => {
+                        *self = PrefillLeg::Done;
+                        PrefillEvent::Failed(unreachable(worker, &e))
+                    }
+                }
+            }
+            PrefillLeg::Rejecting { body, .. } => {
+                let r = body.as_mut().await;
+                let PrefillLeg::Rejecting {
+                    status,
+                    content_type,
+                    ..
+                } = std::mem::replace(self, PrefillLeg::Done)
+                else {
+                    return PrefillEvent::Done;
+                };
+                match r {
+                    Ok(body) => PrefillEvent::Failed(Failure::Status {
+                        side: Role::Prefill,
+                        status,
+                        content_type,
+                        body,
+                    }),
+                    Err(e) => PrefillEvent::Failed(unreachable(worker, &e)),
+                }
+            }
+            PrefillLeg::Draining(stream) => match stream.next().await {
+                Some(Ok(_)) => PrefillEvent::Progress,
+                Some(Err(e)) => {
+                    *self = PrefillLeg::Done;
+                    PrefillEvent::Failed(unreachable(worker, &e))
+                }
+                None => {
+                    *self = PrefillLeg::Done;
+                    PrefillEvent::Done
+                }
+            },
+            PrefillLeg::Done => std::future::pending().await,
+        }
+    }
+}
+
+/// What one attempt needs.
+pub struct AttemptSpec<'a> {
+    /// The HTTP client.
+    pub client: &'a reqwest::Client,
+    /// The route (`/generate`), appended to each worker's URL.
+    pub route: &'static str,
+    /// The workers.
+    pub pair: &'a Pair,
+    /// The JSON body with the bootstrap fields.
+    pub body: Bytes,
+    /// Whether the client asked for a stream.
+    pub stream: bool,
+    /// When the request times out.
+    pub deadline: Instant,
+    /// The request timeout, for messages.
+    pub timeout_secs: f64,
+}
+
+/// Send the attempt to both workers at once and wait until decode's first
+/// byte (streams) or whole answer is known, or the attempt fails.
+pub async fn start(
+    spec: AttemptSpec<'_>,
+    tl: &mut Timeline,
+) -> Result<(u16, Option<HeaderValue>, Opened), Failure> {
+    let AttemptSpec {
+        client,
+        route,
+        pair,
+        body,
+        stream,
+        deadline,
+        timeout_secs,
+    } = spec;
+    let send = |w: &Worker| -> RespFut {
+        Box::pin(
+            client
+                .post(format!("{}{route}", w.url))
+                .header(CONTENT_TYPE, "application/json")
+                .body(body.clone())
+                .send(),
+        )
+    };
+    let mut decode_fut = send(&pair.decode);
+    let mut prefill = PrefillLeg::Sending(send(&pair.prefill));
+    let timeout = |w: &Worker| Failure::Timeout {
+        side: w.role,
+        url: w.url.clone(),
+        secs: timeout_secs,
+    };
+    let sleep = tokio::time::sleep_until(deadline.into());
+    tokio::pin!(sleep);
+
+    // Decode's status line, watching the prefill answer.
+    let resp = loop {
+        tokio::select! {
+            r = decode_fut.as_mut() => match r {
+                Ok(r) => break r,
+                Err(e) => return Err(unreachable(&pair.decode, &e)),
+            },
+            ev = prefill.step(&pair.prefill), if prefill.active() => on_prefill(ev, tl)?,
+            _ = &mut sleep => return Err(timeout(&pair.decode)),
+        }
+    };
+    let status = resp.status().as_u16();
+    let content_type = resp.headers().get(CONTENT_TYPE).cloned();
+    if !resp.status().is_success() {
+        return match tokio::time::timeout_at(deadline.into(), resp.bytes()).await {
+            Ok(Ok(body)) => Err(Failure::Status {
+                side: Role::Decode,
+                status,
+                content_type,
+                body,
+            }),
+            Ok(Err(e)) => Err(unreachable(&pair.decode, &e)),
+            Err(_) => Err(timeout(&pair.decode)),
+        };
+    }
+
+    // Decode's first byte (streams) or whole body, still watching prefill.
+    let mut rest: ByteStream = Box::pin(resp.bytes_stream());
+    let mut whole: Vec<u8> = Vec::new();
+    loop {
+        tokio::select! {
+            c = rest.next() => match c {
+                Some(Ok(b)) if b.is_empty() => {}
+                Some(Ok(b)) => {
+                    if whole.is_empty() {
+                        tl.chunk_relayed();
+                    }
+                    if stream {
+                        return Ok((status, content_type, Opened { first: b, rest, prefill }));
+                    }
+                    whole.extend_from_slice(&b);
+                }
+                Some(Err(e)) => return Err(unreachable(&pair.decode, &e)),
+                None => {
+                    return Ok((status, content_type, Opened {
+                        first: Bytes::from(whole),
+                        rest: Box::pin(futures_util::stream::empty()),
+                        prefill,
+                    }));
+                }
+            },
+            ev = prefill.step(&pair.prefill), if prefill.active() => on_prefill(ev, tl)?,
+            _ = &mut sleep => return Err(timeout(&pair.decode)),
+        }
+    }
+}
+
+/// The state after [`start`]: the first decode bytes (the whole body when
+/// not streaming), the rest of decode's body and the prefill answer.
+pub struct Opened {
+    first: Bytes,
+    rest: ByteStream,
+    prefill: PrefillLeg,
+}
+
+fn on_prefill(ev: PrefillEvent, tl: &mut Timeline) -> Result<(), Failure> {
+    match ev {
+        PrefillEvent::Progress => Ok(()),
+        PrefillEvent::Done => {
+            tl.prefill_done();
+            Ok(())
+        }
+        PrefillEvent::Failed(f) => Err(f),
+    }
+}
+
+/// The streaming response body: decode's chunks as they arrive, the prefill
+/// answer drained beside them, a JSON SSE error event if decode breaks off or
+/// the request times out.
+pub struct RelayBody {
+    pending: Option<Bytes>,
+    rest: ByteStream,
+    prefill: PrefillLeg,
+    pair: Pair,
+    timeline: Timeline,
+    metrics: Arc<RouterMetrics>,
+    _guards: AttemptGuards,
+    deadline: Instant,
+    timeout_secs: f64,
+    ends_clean: bool,
+    finished: bool,
+}
+
+impl RelayBody {
+    /// Wrap a started stream.
+    pub fn new(
+        started: Opened,
+        pair: Pair,
+        timeline: Timeline,
+        metrics: Arc<RouterMetrics>,
+        guards: AttemptGuards,
+        deadline: Instant,
+        timeout_secs: f64,
+    ) -> Self {
+        RelayBody {
+            pending: Some(started.first),
+            rest: started.rest,
+            prefill: started.prefill,
+            pair,
+            timeline,
+            metrics,
+            _guards: guards,
+            deadline,
+            timeout_secs,
+            ends_clean: true,
+            finished: false,
+        }
+    }
+
+    /// The first bytes (the whole body when not streaming).
+    pub fn take_first(&mut self) -> Bytes {
+        self.pending.take().unwrap_or_default()
+    }
+
+    /// The timeline, to set the status and outcome.
+    pub fn timeline(&mut self) -> &mut Timeline {
+        &mut self.timeline
+    }
+
+    /// The response body.
+    pub fn into_body(self) -> Body {
+        let stream = futures_util::stream::unfold(self, |mut r| async move {
+            r.next_chunk().await.map(|b| (Ok::<_, Infallible>(b), r))
+        });
+        Body::from_stream(stream)
+    }
+
+    fn relayed(&mut self, b: Bytes) -> Bytes {
+        self.ends_clean = b.ends_with(b"\n\n");
+        b
+    }
+
+    fn error_event(&mut self, status: u16, code: &'static str, message: String) -> Bytes {
+        self.finished = true;
+        self.timeline.finish(code);
+        let json = ApiError::new(status, code, message).to_json();
+        let sep = if self.ends_clean { "" } else { "\n\n" };
+        Bytes::from(format!("{sep}data: {json}\n\n"))
+    }
+
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        if let Some(first) = self.pending.take() {
+            // Its arrival was recorded by `start`.
+            return Some(self.relayed(first));
+        }
+        if self.finished {
+            return None;
+        }
+        let sleep = tokio::time::sleep_until(self.deadline.into());
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                c = self.rest.next() => match c {
+                    Some(Ok(b)) if b.is_empty() => {}
+                    Some(Ok(b)) => {
+                        self.timeline.chunk_relayed();
+                        return Some(self.relayed(b));
+                    }
+                    Some(Err(e)) => {
+                        self.metrics.count_failure("decode", "stream_broken");
+                        let msg = format!(
+                            "the stream from decode worker {} broke off: {}",
+                            self.pair.decode.url,
+                            chain(&e)
+                        );
+                        tracing::warn!("{msg}");
+                        return Some(self.error_event(502, "decode_stream_broken", msg));
+                    }
+                    None => {
+                        self.finished = true;
+                        self.timeline.finish("ok");
+                        return None;
+                    }
+                },
+                ev = self.prefill.step(&self.pair.prefill), if self.prefill.active() => match ev {
+                    PrefillEvent::Progress => {}
+                    PrefillEvent::Done => self.timeline.prefill_done(),
+                    PrefillEvent::Failed(f) => {
+                        // Decode learns of it through the transfer protocol
+                        // and its stream carries the error.
+                        self.metrics.count_failure("prefill", &f.kind());
+                        tracing::debug!("prefill failed after decode bytes were relayed: {f:?}");
+                    }
+                },
+                _ = &mut sleep => {
+                    self.metrics.count_failure("decode", "timeout");
+                    let msg = format!(
+                        "the request timed out after {} s while streaming from decode worker {}",
+                        self.timeout_secs, self.pair.decode.url
+                    );
+                    return Some(self.error_event(504, "request_timeout", msg));
+                }
+            }
+        }
+    }
+}
+
+/// Headers of a relayed answer.
+pub fn relay_headers(resp: &mut Response, content_type: Option<HeaderValue>, stream: bool) {
+    if let Some(ct) = content_type {
+        resp.headers_mut().insert(CONTENT_TYPE, ct);
+    }
+    if stream {
+        resp.headers_mut()
+            .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    }
+}

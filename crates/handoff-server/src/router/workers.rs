@@ -1,0 +1,370 @@
+//! The worker registry and its health loop (DESIGN.md §7): each worker's
+//! role, health, last reported load and requests in flight at the router.
+//!
+//! Health: a worker starts `Unknown`; a good probe (`GET /health` answering
+//! 2xx within the probe timeout) makes it `Healthy`; `unhealthy_after`
+//! consecutive failed probes make a healthy worker `Unhealthy` (one failed
+//! probe for a worker never seen healthy); a request that cannot connect
+//! makes it `Unhealthy` at once. Dispatch uses `Healthy` and `Unknown`
+//! workers; readiness needs a `Healthy` one of each role.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::metrics::gauge::Gauge;
+use serde_json::{json, Value};
+
+use crate::router::config::{worker_host, RouterConfig, RouterConfigError, DEFAULT_BOOTSTRAP_PORT};
+use crate::router::metrics::RouterMetrics;
+
+/// Which half of the PD pair a worker is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Computes the prompt's KV and sends it.
+    Prefill,
+    /// Receives the KV and streams the answer.
+    Decode,
+}
+
+impl Role {
+    /// `prefill` or `decode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// A worker's health as the router knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// Not probed yet.
+    Unknown,
+    /// Passed its last probe.
+    Healthy,
+    /// Failed its probes (or a request could not reach it).
+    Unhealthy,
+}
+
+impl Health {
+    fn from_u8(v: u8) -> Health {
+        match v {
+            1 => Health::Healthy,
+            2 => Health::Unhealthy,
+            _ => Health::Unknown,
+        }
+    }
+
+    /// `unknown`, `healthy` or `unhealthy`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Health::Unknown => "unknown",
+            Health::Healthy => "healthy",
+            Health::Unhealthy => "unhealthy",
+        }
+    }
+}
+
+/// One worker.
+#[derive(Debug)]
+pub struct Worker {
+    /// HTTP base URL, without a trailing slash.
+    pub url: String,
+    /// Its role.
+    pub role: Role,
+    /// Host part of the URL (the `bootstrap_host` of a prefill worker).
+    pub host: String,
+    /// Bootstrap port (prefill workers).
+    pub bootstrap_port: u16,
+    health: AtomicU8,
+    failed_probes: AtomicU32,
+    reported_load: AtomicU64,
+    last_load: Mutex<Value>,
+    in_flight: AtomicU64,
+    served: AtomicU64,
+    gauge: Gauge,
+}
+
+impl Worker {
+    fn new(
+        url: &str,
+        role: Role,
+        bootstrap_port: u16,
+        metrics: &RouterMetrics,
+    ) -> Result<Self, RouterConfigError> {
+        let host = worker_host(url)?;
+        let url = url.trim_end_matches('/').to_string();
+        Ok(Worker {
+            gauge: metrics.in_flight_gauge(&url, role.name()),
+            url,
+            role,
+            host,
+            bootstrap_port,
+            health: AtomicU8::new(0),
+            failed_probes: AtomicU32::new(0),
+            reported_load: AtomicU64::new(0),
+            last_load: Mutex::new(Value::Null),
+            in_flight: AtomicU64::new(0),
+            served: AtomicU64::new(0),
+        })
+    }
+
+    /// Its health now.
+    pub fn health(&self) -> Health {
+        Health::from_u8(self.health.load(Ordering::Relaxed))
+    }
+
+    /// Whether requests may be sent to it.
+    pub fn dispatchable(&self) -> bool {
+        self.health() != Health::Unhealthy
+    }
+
+    /// Requests in flight at the router plus the load it last reported.
+    pub fn load(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed) + self.reported_load.load(Ordering::Relaxed)
+    }
+
+    /// Requests of this router in flight on it.
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests this router has sent it.
+    pub fn served(&self) -> u64 {
+        self.served.load(Ordering::Relaxed)
+    }
+
+    /// Its last `/get_load` answer (`null` before the first).
+    pub fn last_load(&self) -> Value {
+        self.last_load
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or(Value::Null)
+    }
+
+    /// A request could not reach it: unhealthy at once.
+    pub fn mark_unreachable(&self) {
+        self.health.store(2, Ordering::Relaxed);
+    }
+
+    /// Record a probe's outcome.
+    fn record_probe(&self, ok: bool, unhealthy_after: u32) {
+        if ok {
+            self.failed_probes.store(0, Ordering::Relaxed);
+            self.health.store(1, Ordering::Relaxed);
+            return;
+        }
+        let fails = self.failed_probes.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.health() != Health::Healthy || fails >= unhealthy_after.max(1) {
+            self.health.store(2, Ordering::Relaxed);
+        }
+    }
+
+    /// Count a request on it until the guard drops.
+    pub fn start_request(self: &Arc<Self>) -> InFlightGuard {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.served.fetch_add(1, Ordering::Relaxed);
+        self.gauge.inc();
+        InFlightGuard {
+            worker: Arc::clone(self),
+        }
+    }
+
+    /// The `/workers` entry.
+    pub fn describe(&self) -> Value {
+        let mut v = json!({
+            "url": self.url,
+            "role": self.role.name(),
+            "health": self.health().name(),
+            "healthy": self.health() == Health::Healthy,
+            "load": self.load(),
+            "in_flight": self.in_flight(),
+            "served": self.served(),
+        });
+        if self.role == Role::Prefill {
+            v["bootstrap_port"] = json!(self.bootstrap_port);
+        }
+        v
+    }
+}
+
+/// A request in flight on a worker; dropping it ends the count.
+#[derive(Debug)]
+pub struct InFlightGuard {
+    worker: Arc<Worker>,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.worker.gauge.dec();
+    }
+}
+
+/// Every worker of the router.
+#[derive(Debug)]
+pub struct Workers {
+    /// Prefill workers, in configuration order.
+    pub prefill: Vec<Arc<Worker>>,
+    /// Decode workers, in configuration order.
+    pub decode: Vec<Arc<Worker>>,
+}
+
+impl Workers {
+    /// The registry of a configuration.
+    pub fn new(config: &RouterConfig, metrics: &RouterMetrics) -> Result<Self, RouterConfigError> {
+        config.validate()?;
+        let prefill = config
+            .prefill
+            .iter()
+            .map(|p| {
+                Worker::new(
+                    &p.url,
+                    Role::Prefill,
+                    p.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+                    metrics,
+                )
+                .map(Arc::new)
+            })
+            .collect::<Result<_, _>>()?;
+        let decode = config
+            .decode
+            .iter()
+            .map(|d| Worker::new(d, Role::Decode, 0, metrics).map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        Ok(Workers { prefill, decode })
+    }
+
+    /// The workers of one role.
+    pub fn of(&self, role: Role) -> &[Arc<Worker>] {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+
+    /// Every worker, prefill first.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Worker>> {
+        self.prefill.iter().chain(self.decode.iter())
+    }
+
+    /// At least one healthy worker of each role.
+    pub fn ready(&self) -> bool {
+        let healthy = |ws: &[Arc<Worker>]| ws.iter().any(|w| w.health() == Health::Healthy);
+        healthy(&self.prefill) && healthy(&self.decode)
+    }
+
+    /// Probe every worker once, concurrently.
+    pub async fn probe_all(
+        &self,
+        client: &reqwest::Client,
+        timeout: Duration,
+        unhealthy_after: u32,
+        metrics: &RouterMetrics,
+    ) {
+        let probes = self.all().map(|w| async move {
+            let ok = probe_health(client, w, timeout).await;
+            if ok {
+                if let Some(load) = probe_load(client, w, timeout).await {
+                    w.reported_load.store(total_reqs(&load), Ordering::Relaxed);
+                    if let Ok(mut l) = w.last_load.lock() {
+                        *l = load;
+                    }
+                }
+            }
+            let was = w.health();
+            w.record_probe(ok, unhealthy_after);
+            let now = w.health();
+            if was != now {
+                tracing::info!(worker = %w.url, role = w.role.name(), "worker is {}", now.name());
+            }
+            metrics.set_healthy(&w.url, w.role.name(), now == Health::Healthy);
+        });
+        futures_util::future::join_all(probes).await;
+    }
+}
+
+async fn probe_health(client: &reqwest::Client, w: &Worker, timeout: Duration) -> bool {
+    let req = client.get(format!("{}/health", w.url)).timeout(timeout);
+    matches!(req.send().await, Ok(r) if r.status().is_success())
+}
+
+async fn probe_load(client: &reqwest::Client, w: &Worker, timeout: Duration) -> Option<Value> {
+    let resp = client
+        .get(format!("{}/get_load", w.url))
+        .timeout(timeout)
+        .send()
+        .await
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    resp.json::<Value>().await.ok()
+}
+
+/// Sum of `num_reqs` over the ranks of a `/get_load` answer (an array of
+/// `{"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}`, or one such object).
+pub fn total_reqs(load: &Value) -> u64 {
+    let one = |v: &Value| v.get("num_reqs").and_then(Value::as_u64).unwrap_or(0);
+    match load {
+        Value::Array(ranks) => ranks.iter().map(one).sum(),
+        v => one(v),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker() -> Worker {
+        Worker::new(
+            "http://127.0.0.1:1/",
+            Role::Decode,
+            0,
+            &RouterMetrics::new(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn health_transitions() {
+        let w = worker();
+        assert_eq!(w.url, "http://127.0.0.1:1");
+        assert_eq!(w.health(), Health::Unknown);
+        assert!(w.dispatchable());
+        w.record_probe(false, 2);
+        assert_eq!(
+            w.health(),
+            Health::Unhealthy,
+            "never seen healthy: one failure"
+        );
+        w.record_probe(true, 2);
+        assert_eq!(w.health(), Health::Healthy);
+        w.record_probe(false, 2);
+        assert_eq!(w.health(), Health::Healthy, "one failure is tolerated");
+        w.record_probe(false, 2);
+        assert_eq!(w.health(), Health::Unhealthy);
+        w.record_probe(true, 2);
+        w.mark_unreachable();
+        assert!(!w.dispatchable());
+    }
+
+    #[test]
+    fn in_flight_guard_counts() {
+        let w = Arc::new(worker());
+        let g = w.start_request();
+        assert_eq!((w.in_flight(), w.served(), w.load()), (1, 1, 1));
+        drop(g);
+        assert_eq!((w.in_flight(), w.served()), (0, 1));
+    }
+
+    #[test]
+    fn load_sums_ranks() {
+        let v = json!([{"dp_rank":0,"num_reqs":3},{"dp_rank":1,"num_reqs":4}]);
+        assert_eq!(total_reqs(&v), 7);
+        assert_eq!(total_reqs(&json!({"num_reqs": 2})), 2);
+        assert_eq!(total_reqs(&Value::Null), 0);
+    }
+}

@@ -1,0 +1,693 @@
+//! The PD router in process on loopback, in front of colocated workers (a
+//! colocated worker accepts and ignores the bootstrap fields and answers in
+//! full) and a few fake workers for the failure paths: relayed answers equal
+//! direct ones, errors keep their status and body, streams are relayed
+//! incrementally, a client disconnect cancels both sides, dead workers give
+//! 502 or are retried around, policies pair as they should.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::response::{IntoResponse, Response};
+use axum::routing;
+use handoff_engine::handle::EngineHandle;
+use handoff_server::router::{PolicyKind, PrefillSpec};
+use handoff_server::{router_app, RouterConfig, RouterHandle};
+use serde_json::{json, Value};
+
+use common::sse_data;
+
+/// Real workers shared by the tests: one prefill, two decode URLs served by
+/// one decode engine.
+struct Workers {
+    prefill: String,
+    prefill_engine: EngineHandle,
+    decode: String,
+    decode_b: String,
+    decode_engine: EngineHandle,
+}
+
+fn workers() -> &'static Workers {
+    static W: OnceLock<Workers> = OnceLock::new();
+    W.get_or_init(|| {
+        let p = common::server();
+        let decode_engine = common::start_engine();
+        Workers {
+            prefill: p.base.clone(),
+            prefill_engine: p.engine.clone(),
+            decode: common::serve_worker(decode_engine.clone()),
+            decode_b: common::serve_worker(decode_engine.clone()),
+            decode_engine,
+        }
+    })
+}
+
+/// Tests that use the real workers run one at a time, so load checks see
+/// only their own requests.
+async fn serial() -> tokio::sync::MutexGuard<'static, ()> {
+    static M: OnceLock<tokio::sync::Mutex<()>> = OnceLock::new();
+    M.get_or_init(|| tokio::sync::Mutex::new(())).lock().await
+}
+
+fn config(prefill: &[&str], decode: &[&str]) -> RouterConfig {
+    let mut c = RouterConfig::new(
+        prefill
+            .iter()
+            .map(|u| PrefillSpec {
+                url: u.to_string(),
+                bootstrap_port: Some(8998),
+            })
+            .collect(),
+        decode.iter().map(|u| u.to_string()).collect(),
+    );
+    c.health_interval = Duration::from_secs(1);
+    c.request_timeout = Duration::from_secs(30);
+    c
+}
+
+struct TestRouter {
+    base: String,
+    handle: RouterHandle,
+}
+
+async fn start_router(config: RouterConfig) -> TestRouter {
+    let (app, handle) = router_app(config).expect("router config");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    TestRouter { base, handle }
+}
+
+/// A router in front of the real workers, probed once.
+async fn real_router(decode: &[&str], policy: PolicyKind) -> TestRouter {
+    let w = workers();
+    let mut c = config(&[&w.prefill], decode);
+    c.prefill_policy = policy;
+    c.decode_policy = policy;
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    r
+}
+
+async fn post_raw(base: &str, path: &str, body: &str) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.expect("body"))
+}
+
+async fn post(base: &str, path: &str, body: &Value) -> (u16, Value) {
+    let (s, t) = post_raw(base, path, &body.to_string()).await;
+    let v = serde_json::from_str(&t).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {t}"));
+    (s, v)
+}
+
+async fn get(base: &str, path: &str) -> (u16, String) {
+    let resp = reqwest::get(format!("{base}{path}"))
+        .await
+        .expect("request");
+    let s = resp.status().as_u16();
+    (s, resp.text().await.expect("body"))
+}
+
+/// The generated text of a whole answer.
+fn whole_text(path: &str, v: &Value) -> String {
+    let t = match path {
+        "/v1/chat/completions" => &v["choices"][0]["message"]["content"],
+        "/v1/completions" => &v["choices"][0]["text"],
+        _ => &v["text"],
+    };
+    t.as_str()
+        .unwrap_or_else(|| panic!("no text in {v}"))
+        .to_string()
+}
+
+/// The generated text of a stream's events (which must end with `[DONE]`).
+fn streamed_text(path: &str, events: &[String]) -> String {
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("event is JSON"))
+        .collect();
+    match path {
+        "/v1/chat/completions" => chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+            .collect(),
+        "/v1/completions" => chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["text"].as_str())
+            .collect(),
+        _ => chunks.last().expect("a chunk")["text"]
+            .as_str()
+            .expect("text")
+            .to_string(),
+    }
+}
+
+fn requests() -> Vec<(&'static str, Value)> {
+    vec![
+        (
+            "/v1/chat/completions",
+            json!({"model": "tiny-test", "messages": [{"role": "user", "content": "Hello there"}],
+                   "max_tokens": 8, "temperature": 0}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "tiny-test", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}),
+        ),
+        (
+            "/generate",
+            json!({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}),
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relayed_answers_equal_direct_ones() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    for (path, body) in requests() {
+        let (s, direct) = post(&w.decode, path, &body).await;
+        assert_eq!(s, 200, "{direct}");
+        let (s, routed) = post(&r.base, path, &body).await;
+        assert_eq!(s, 200, "{routed}");
+        assert_eq!(
+            whole_text(path, &routed),
+            whole_text(path, &direct),
+            "{path}"
+        );
+        if path == "/generate" {
+            assert_eq!(routed["output_ids"], direct["output_ids"]);
+        } else {
+            assert_eq!(routed["usage"], direct["usage"], "{path}");
+            assert_eq!(
+                routed["choices"][0]["finish_reason"],
+                direct["choices"][0]["finish_reason"]
+            );
+        }
+
+        let mut sbody = body.clone();
+        sbody["stream"] = json!(true);
+        let (s, direct_events) = post_raw(&w.decode, path, &sbody.to_string()).await;
+        assert_eq!(s, 200);
+        let resp = reqwest::Client::new()
+            .post(format!("{}{path}", r.base))
+            .json(&sbody)
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(resp.status().as_u16(), 200);
+        assert_eq!(resp.headers()["content-type"], "text/event-stream");
+        let routed_events = resp.text().await.expect("body");
+        assert_eq!(
+            streamed_text(path, &sse_data(&routed_events)),
+            streamed_text(path, &sse_data(&direct_events)),
+            "{path} streamed"
+        );
+        assert_eq!(
+            streamed_text(path, &sse_data(&routed_events)),
+            whole_text(path, &direct),
+            "{path}: stream equals whole"
+        );
+    }
+    let (_, workers_json) = get(&r.base, "/workers").await;
+    let list: Value = serde_json::from_str(&workers_json).unwrap();
+    assert_eq!(list[0]["role"], "prefill");
+    assert_eq!(list[0]["served"], 6);
+    assert_eq!(list[1]["served"], 6);
+    assert_eq!(list[1]["in_flight"], 0);
+    assert_eq!(r.handle.live_rooms(), 0, "every room is freed");
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    for needle in [
+        "handoff_router_requests_total{route=\"/generate\",status=\"200\"} 2",
+        "handoff_router_stage_seconds_count{stage=\"first_token\"} 6",
+        "handoff_router_stage_seconds_count{stage=\"done\"} 6",
+        "handoff_router_stage_seconds_count{stage=\"dispatched\"} 6",
+        "handoff_router_time_to_first_token_seconds_count 3",
+    ] {
+        assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_errors_keep_status_and_body() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    let bad = [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}),
+        ),
+        (
+            "/generate",
+            json!({"text": "hi", "sampling_params": {"max_new_tokens": 20000}, "stream": true}),
+        ),
+    ];
+    for (path, body) in bad {
+        let (ds, direct) = post(&w.decode, path, &body).await;
+        let (rs, routed) = post(&r.base, path, &body).await;
+        assert_eq!(ds, 400, "{direct}");
+        assert_eq!(rs, 400, "{routed}");
+        assert_eq!(routed, direct, "the worker's error body verbatim");
+        assert!(routed["error"]["message"].as_str().unwrap().len() > 10);
+    }
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        !metrics.contains("handoff_router_retries_total{"),
+        "a 400 is never retried: {metrics}"
+    );
+    // Whichever side answered first is counted: one 400 per request.
+    let counted: u64 = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("handoff_router_worker_failures_total{")
+                && l.contains("kind=\"status_400\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(counted, 2, "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_is_incremental_and_a_disconnect_cancels_both_sides() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    let ctx = w.decode_engine.model().context_length;
+    let body = json!({
+        "text": "Go on forever",
+        "sampling_params": {"max_new_tokens": ctx / 2, "temperature": 0, "ignore_eos": true},
+        "stream": true,
+    });
+    let mut resp = reqwest::Client::new()
+        .post(format!("{}/generate", r.base))
+        .json(&body)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status().as_u16(), 200);
+    let first = resp.chunk().await.expect("read").expect("a first chunk");
+    assert!(first.starts_with(b"data: "), "{first:?}");
+    let load = w.decode_engine.load();
+    assert!(
+        load.running > 0 && load.pages_used > 0,
+        "the first event arrived while decode still runs: {load:?}"
+    );
+    assert_eq!(r.handle.live_rooms(), 1);
+    drop(resp);
+    both_sides_idle_within_1s(&r).await;
+}
+
+/// Both workers' engines and the router's rooms are idle within 1 s.
+async fn both_sides_idle_within_1s(r: &TestRouter) {
+    let w = workers();
+    let t0 = Instant::now();
+    loop {
+        let (d, p) = (w.decode_engine.load(), w.prefill_engine.load());
+        let idle = |l: &handoff_engine::handle::LoadSnapshot| {
+            l.running == 0 && l.waiting == 0 && l.pages_used == 0
+        };
+        if idle(&d) && idle(&p) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "still busy 1 s after the client left: decode {d:?}, prefill {p:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The router's own state follows.
+    let t0 = Instant::now();
+    while r.handle.live_rooms() > 0 || r.handle.workers().decode[0].in_flight() > 0 {
+        assert!(t0.elapsed() < Duration::from_secs(1), "room still live");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_disconnect_cancels_both_sides() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    let ctx = w.decode_engine.model().context_length;
+    let body = json!({
+        "text": "Go on forever",
+        "sampling_params": {"max_new_tokens": ctx / 2, "temperature": 0, "ignore_eos": true},
+    });
+    let err = reqwest::Client::new()
+        .post(format!("{}/generate", r.base))
+        .json(&body)
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await
+        .expect_err("the client gives up first");
+    assert!(err.is_timeout(), "{err}");
+    both_sides_idle_within_1s(&r).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_timeout_is_a_504() {
+    let p = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
+    let d = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
+    let mut c = config(&[&p], &[&d]);
+    c.request_timeout = Duration::from_millis(300);
+    let r = start_router(c).await;
+    let (s, v) = post(&r.base, "/generate", &json!({"text": "hi", "stream": true})).await;
+    assert_eq!(s, 504, "{v}");
+    assert_eq!(v["error"]["code"], "request_timeout");
+    assert!(v["error"]["message"].as_str().unwrap().contains(&d), "{v}");
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        !metrics.contains("handoff_router_retries_total{"),
+        "a timeout is not retried"
+    );
+}
+
+fn closed_port_url() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", l.local_addr().expect("addr"));
+    drop(l);
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_workers_give_502_or_are_retried_around() {
+    let _g = serial().await;
+    let w = workers();
+    let dead = closed_port_url();
+    let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}});
+
+    // Alone and not retried: 502 naming the worker and its side.
+    let mut c = config(&[&w.prefill], &[&dead]);
+    c.health_interval = Duration::ZERO;
+    c.max_retries = 0;
+    let r = start_router(c).await;
+    let (s, v) = post(&r.base, "/generate", &body).await;
+    assert_eq!(s, 502, "{v}");
+    assert_eq!(v["error"]["code"], "worker_unreachable");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(&format!("decode worker {dead}")), "{msg}");
+    // It is now marked unhealthy: the next request has no decode worker.
+    let (s, v) = post(&r.base, "/generate", &body).await;
+    assert_eq!(s, 503, "{v}");
+    assert_eq!(v["error"]["code"], "no_healthy_worker");
+    assert!(v["error"]["message"].as_str().unwrap().contains("decode"));
+
+    // Next to a live one: every request succeeds, the retry is counted.
+    let mut c = config(&[&w.prefill], &[&dead, &w.decode]);
+    c.health_interval = Duration::ZERO;
+    let r = start_router(c).await;
+    for _ in 0..3 {
+        let (s, v) = post(&r.base, "/generate", &body).await;
+        assert_eq!(s, 200, "{v}");
+    }
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        metrics.contains("handoff_router_retries_total{route=\"/generate\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "handoff_router_worker_failures_total{side=\"decode\",kind=\"unreachable\"} 1"
+        ),
+        "{metrics}"
+    );
+    let (_, list) = get(&r.base, "/workers").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list[1]["url"], dead.as_str());
+    assert_eq!(list[1]["health"], "unhealthy");
+    assert_eq!(list[2]["served"], 3);
+
+    // Readiness needs a healthy prefill.
+    let r = start_router(config(&[&dead], &[&w.decode])).await;
+    r.handle.probe_now().await;
+    let (s, t) = get(&r.base, "/readiness").await;
+    assert_eq!(s, 503, "{t}");
+    assert!(t.contains("no prefill worker is healthy"), "{t}");
+    let (s, v) = post(&r.base, "/generate", &body).await;
+    assert_eq!(s, 503);
+    assert_eq!(v["error"]["code"], "no_healthy_worker");
+    assert!(v["error"]["message"].as_str().unwrap().contains("prefill"));
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    let (s, t) = get(&r.base, "/readiness").await;
+    assert_eq!(s, 200, "{t}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_pair_valid_workers() {
+    let _g = serial().await;
+    let w = workers();
+    let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0}});
+    for policy in [
+        PolicyKind::RoundRobin,
+        PolicyKind::LeastLoad,
+        PolicyKind::PowerOfTwo,
+    ] {
+        let r = real_router(&[&w.decode, &w.decode_b], policy).await;
+        for _ in 0..4 {
+            let (s, v) = post(&r.base, "/generate", &body).await;
+            assert_eq!(s, 200, "{policy}: {v}");
+        }
+        let served: Vec<u64> = r
+            .handle
+            .workers()
+            .decode
+            .iter()
+            .map(|d| d.served())
+            .collect();
+        assert_eq!(served.iter().sum::<u64>(), 4, "{policy}: {served:?}");
+        if policy == PolicyKind::RoundRobin {
+            assert_eq!(served, [2, 2], "round robin alternates");
+        }
+        assert_eq!(r.handle.workers().prefill[0].served(), 4);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn info_routes() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    let (s, t) = get(&r.base, "/health").await;
+    assert_eq!(s, 200, "{t}");
+    let (s, routed) = get(&r.base, "/v1/models").await;
+    let (_, direct) = get(&w.decode, "/v1/models").await;
+    assert_eq!(s, 200);
+    assert_eq!(routed, direct);
+    let (s, t) = get(&r.base, "/get_load").await;
+    assert_eq!(s, 200);
+    let load: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(load[0]["role"], "prefill");
+    assert_eq!(load[1]["role"], "decode");
+    assert_eq!(load[1]["url"], w.decode.as_str());
+    assert_eq!(load[1]["load"][0]["dp_rank"], 0, "{load}");
+    let (s, t) = get(&r.base, "/workers").await;
+    assert_eq!(s, 200);
+    let list: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(list[0]["bootstrap_port"], 8998);
+    assert_eq!(list[0]["healthy"], true);
+    let (s, t) = get(&r.base, "/nope").await;
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!((s, v["error"]["code"].as_str()), (404, Some("not_found")));
+    let (s, t) = get(&r.base, "/generate").await;
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (405, Some("method_not_allowed"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_bodies_are_400_with_precise_messages() {
+    let dead = closed_port_url();
+    let mut c = config(&[&dead], &[&dead]);
+    c.health_interval = Duration::ZERO;
+    let r = start_router(c).await;
+    let (s, t) = post_raw(&r.base, "/v1/chat/completions", "{\"messages\": [").await;
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(
+        (s, v["error"]["code"].as_str()),
+        (400, Some("invalid_json"))
+    );
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("the request body is not valid JSON: EOF while parsing"),
+        "{msg}"
+    );
+    let (s, t) = post_raw(&r.base, "/generate", "[1, 2]").await;
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(s, 400);
+    assert_eq!(
+        v["error"]["message"],
+        "the request body must be a JSON object, not an array"
+    );
+    let (s, t) = post_raw(&r.base, "/v1/completions", "").await;
+    assert_eq!(s, 400, "{t}");
+    assert!(t.contains("empty"));
+}
+
+/// A fake worker for failure paths the real ones do not produce on demand.
+#[derive(Clone, Copy)]
+enum Fake {
+    /// `/generate` answers 429 with a JSON error after 200 ms (so the
+    /// decode request of the same attempt has surely started).
+    Reject,
+    /// `/generate` answers 200 at once, its first byte after 3 s; sets the
+    /// flag when the body is dropped.
+    SlowFirstByte,
+    /// `/generate` streams one event, then the connection breaks.
+    BreaksMidStream,
+    /// `/generate` answers 200 with the JSON body it received.
+    Echo,
+}
+
+async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
+    struct SetOnDrop(Arc<AtomicBool>);
+    impl Drop for SetOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let handler = move |received: Bytes| {
+        let dropped = Arc::clone(&dropped);
+        async move {
+            match kind {
+                Fake::Echo => ([("content-type", "application/json")], received).into_response(),
+                Fake::Reject => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    (
+                        axum::http::StatusCode::TOO_MANY_REQUESTS,
+                        axum::Json(json!({"error": {"message": "prefill says no",
+                        "type": "invalid_request_error", "code": "rate_limited"}})),
+                    )
+                        .into_response()
+                }
+                Fake::SlowFirstByte => {
+                    let guard = SetOnDrop(dropped);
+                    let s = futures_util::stream::once(async move {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                        drop(guard);
+                        Ok::<_, std::io::Error>(Bytes::from_static(b"data: {}\n\n"))
+                    });
+                    Response::new(Body::from_stream(s))
+                }
+                Fake::BreaksMidStream => {
+                    use futures_util::StreamExt;
+                    let first = futures_util::stream::once(async {
+                        Ok(Bytes::from_static(b"data: {\"text\":\"a\"}\n\ndata: {\"te"))
+                    });
+                    let broken = futures_util::stream::once(async {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        Err(std::io::Error::other("boom"))
+                    });
+                    let s = first.chain(broken);
+                    let mut r = Response::new(Body::from_stream(s));
+                    r.headers_mut().insert(
+                        "content-type",
+                        axum::http::HeaderValue::from_static("text/event-stream"),
+                    );
+                    r
+                }
+            }
+        }
+    };
+    let app = axum::Router::new()
+        .route("/health", routing::get(|| async { "" }))
+        .route(
+            "/get_load",
+            routing::get(|| async { axum::Json(json!([{"dp_rank": 0, "num_reqs": 0}])) }),
+        )
+        .route("/generate", routing::post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    base
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_error_before_any_decode_byte_wins_and_drops_decode() {
+    let none = Arc::new(AtomicBool::new(false));
+    let decode_dropped = Arc::new(AtomicBool::new(false));
+    let p = fake_worker(Fake::Reject, none).await;
+    let d = fake_worker(Fake::SlowFirstByte, Arc::clone(&decode_dropped)).await;
+    let r = start_router(config(&[&p], &[&d])).await;
+    r.handle.probe_now().await;
+    let t0 = Instant::now();
+    let (s, v) = post(&r.base, "/generate", &json!({"text": "hi", "stream": true})).await;
+    assert_eq!(s, 429, "{v}");
+    assert_eq!(v["error"]["message"], "prefill says no");
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "did not wait for decode"
+    );
+    let t0 = Instant::now();
+    while !decode_dropped.load(Ordering::SeqCst) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(1),
+            "decode request not dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_decode_stream_ends_with_a_json_error_event() {
+    let flag = Arc::new(AtomicBool::new(false));
+    let d = fake_worker(Fake::BreaksMidStream, flag).await;
+    let p = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
+    let r = start_router(config(&[&p], &[&d])).await;
+    r.handle.probe_now().await;
+    let (s, text) = post_raw(&r.base, "/generate", "{\"text\": \"hi\", \"stream\": true}").await;
+    assert_eq!(s, 200, "{text}");
+    let events = sse_data(&text);
+    assert_eq!(events[0], "{\"text\":\"a\"}", "{text:?}");
+    let err: Value = serde_json::from_str(events.last().unwrap())
+        .unwrap_or_else(|e| panic!("last event is not JSON ({e}): {text:?}"));
+    assert_eq!(err["error"]["code"], "decode_stream_broken");
+    assert_eq!(err["error"]["type"], "server_error");
+    assert!(err["error"]["message"].as_str().unwrap().contains(&d));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn both_workers_get_the_body_with_the_bootstrap_fields() {
+    let p = fake_worker(Fake::Echo, Arc::new(AtomicBool::new(false))).await;
+    let d = fake_worker(Fake::Echo, Arc::new(AtomicBool::new(false))).await;
+    let mut c = config(&[&p], &[&d]);
+    c.prefill[0].bootstrap_port = Some(9123);
+    let r = start_router(c).await;
+    let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 3},
+        "bootstrap_room": "client's", "bootstrap_port": -1, "bootstrap_host": "evil"});
+    let mut rooms = std::collections::HashSet::new();
+    for _ in 0..3 {
+        let (s, got) = post(&r.base, "/generate", &body).await;
+        assert_eq!(s, 200, "{got}");
+        assert_eq!(got["text"], "hi");
+        assert_eq!(got["sampling_params"], json!({"max_new_tokens": 3}));
+        assert_eq!(got["bootstrap_host"], "127.0.0.1", "the prefill's host");
+        assert_eq!(got["bootstrap_port"], 9123);
+        let room = got["bootstrap_room"].as_u64().expect("an integer room");
+        assert!(room >= 1 && room <= i64::MAX as u64, "{room}");
+        rooms.insert(room);
+    }
+    assert_eq!(rooms.len(), 3, "a fresh room per request");
+}

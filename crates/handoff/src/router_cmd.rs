@@ -1,0 +1,160 @@
+//! `handoff router`: the PD router (DESIGN.md §7) in front of prefill and
+//! decode workers, with SGLang's flags (`--prefill URL [BOOTSTRAP_PORT]`,
+//! `--decode URL`), stopping gracefully on SIGTERM / ctrl-c.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::error::ErrorKind;
+use clap::{ArgAction, Args, CommandFactory};
+use handoff_server::router::{PolicyKind, PrefillSpec, DEFAULT_BOOTSTRAP_PORT};
+use handoff_server::RouterConfig;
+
+/// Flags of `handoff router`.
+#[derive(Debug, Args)]
+pub struct RouterArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on.
+    #[arg(long, default_value_t = 30000)]
+    port: u16,
+    /// A prefill worker: its HTTP URL and, optionally, its KV bootstrap port
+    /// (default 8998, SGLang's). Repeat for more workers, e.g.
+    /// `--prefill http://10.0.0.1:30001 8998 --prefill http://10.0.0.2:30001`.
+    #[arg(
+        long,
+        required = true,
+        num_args = 1..=2,
+        action = ArgAction::Append,
+        value_names = ["URL", "BOOTSTRAP_PORT"]
+    )]
+    prefill: Vec<String>,
+    /// A decode worker's HTTP URL. Repeat for more workers.
+    #[arg(long, required = true, value_name = "URL", action = ArgAction::Append)]
+    decode: Vec<String>,
+    /// Pairing policy of both roles: round_robin, least_load or power_of_two.
+    #[arg(long, default_value = "round_robin")]
+    policy: PolicyKind,
+    /// Policy for picking the prefill worker [default: --policy].
+    #[arg(long)]
+    prefill_policy: Option<PolicyKind>,
+    /// Policy for picking the decode worker [default: --policy].
+    #[arg(long)]
+    decode_policy: Option<PolicyKind>,
+    /// Longest a request may take (seconds).
+    #[arg(long, default_value_t = 600, value_parser = clap::value_parser!(u64).range(1..))]
+    request_timeout_secs: u64,
+    /// Period of the workers' health and load probes (seconds); a worker is
+    /// unhealthy after 2 failed probes in a row, healthy again after one good one.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    health_check_interval_secs: u64,
+    /// Retries of a request that failed before any byte reached the client
+    /// (connection errors, 502, 503), each with a fresh room.
+    #[arg(long, default_value_t = 2)]
+    max_retries: u32,
+}
+
+fn usage_error(kind: ErrorKind, message: String) -> clap::Error {
+    let mut cmd = crate::Cli::command();
+    cmd.build();
+    match cmd.find_subcommand_mut("router") {
+        Some(router) => router.error(kind, message),
+        None => cmd.error(kind, message),
+    }
+}
+
+/// The `--prefill` occurrences, each `[URL]` or `[URL, BOOTSTRAP_PORT]`
+/// (clap's derive flattens them; the matches keep them apart).
+pub fn prefill_groups(args: &RouterArgs, matches: Option<&clap::ArgMatches>) -> Vec<Vec<String>> {
+    match matches.and_then(|m| m.get_occurrences::<String>("prefill")) {
+        Some(occ) => occ.map(|o| o.cloned().collect()).collect(),
+        None => args.prefill.iter().map(|u| vec![u.clone()]).collect(),
+    }
+}
+
+/// The router's configuration, or a clap-style error naming the bad value.
+pub fn config(
+    args: &RouterArgs,
+    prefill_groups: &[Vec<String>],
+) -> Result<RouterConfig, clap::Error> {
+    let mut prefill = Vec::with_capacity(prefill_groups.len());
+    for occurrence in prefill_groups {
+        let (url, port) = match occurrence.as_slice() {
+            [url] => (url, None),
+            [url, port] => {
+                let p = port
+                    .parse::<u16>()
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or_else(|| {
+                        usage_error(
+                            ErrorKind::ValueValidation,
+                            format!(
+                                "invalid bootstrap port '{port}' for '--prefill {url}': expected an integer from 1 to 65535"
+                            ),
+                        )
+                    })?;
+                (url, Some(p))
+            }
+            _ => {
+                return Err(usage_error(
+                    ErrorKind::WrongNumberOfValues,
+                    "--prefill takes a URL and an optional bootstrap port".to_string(),
+                ))
+            }
+        };
+        prefill.push(PrefillSpec {
+            url: url.clone(),
+            bootstrap_port: port,
+        });
+    }
+    let mut c = RouterConfig::new(prefill, args.decode.clone());
+    c.prefill_policy = args.prefill_policy.unwrap_or(args.policy);
+    c.decode_policy = args.decode_policy.unwrap_or(args.policy);
+    c.request_timeout = Duration::from_secs(args.request_timeout_secs);
+    c.health_interval = Duration::from_secs(args.health_check_interval_secs);
+    c.max_retries = args.max_retries;
+    c.validate()
+        .map_err(|e| usage_error(ErrorKind::ValueValidation, e.to_string()))?;
+    Ok(c)
+}
+
+/// Run `handoff router` until SIGTERM / ctrl-c.
+/// `matches` are the `router` subcommand's, for the grouping of `--prefill`.
+pub fn run(args: RouterArgs, matches: Option<&clap::ArgMatches>) -> anyhow::Result<()> {
+    let groups = prefill_groups(&args, matches);
+    let config = config(&args, &groups).unwrap_or_else(|e| e.exit());
+    for p in &config.prefill {
+        tracing::info!(
+            url = %p.url,
+            bootstrap_port = p.bootstrap_port.unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+            "prefill worker"
+        );
+    }
+    for d in &config.decode {
+        tracing::info!(url = %d, "decode worker");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        tracing::info!(
+            prefill_policy = %config.prefill_policy,
+            decode_policy = %config.decode_policy,
+            max_retries = config.max_retries,
+            "router configured"
+        );
+        tracing::info!("router listening on http://{}", listener.local_addr()?);
+        handoff_server::run_router(listener, config, crate::signal::shutdown_signal())
+            .await
+            .context("running the router")?;
+        tracing::info!("router shut down");
+        Ok::<_, anyhow::Error>(())
+    })
+}
