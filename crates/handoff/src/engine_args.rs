@@ -180,3 +180,40 @@ pub struct HttpArgs {
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
 }
+
+impl EngineArgs {
+    /// These flags as command-line arguments, with the model path given
+    /// (for the worker processes `handoff serve` starts).
+    pub fn to_args(&self, model: &Path) -> Vec<std::ffi::OsString> {
+        let mut a: Vec<std::ffi::OsString> = vec!["--model".into(), model.into()];
+        let mut flag = |name: &str, value: String| {
+            a.push(format!("--{name}").into());
+            a.push(value.into());
+        };
+        flag("threads", self.threads.to_string());
+        flag("page-size", self.page_size.to_string());
+        if let Some(p) = self.kv_pages {
+            flag("kv-pages", p.to_string());
+        }
+        if let Some(mb) = self.kv_memory_mb {
+            flag("kv-memory-mb", mb.to_string());
+        }
+        flag("max-batch", self.max_batch.to_string());
+        flag("max-waiting", self.max_waiting.to_string());
+        flag("prefill-chunk", self.prefill_chunk.to_string());
+        if let Some(c) = self.context_length {
+            flag("context-length", c.to_string());
+        }
+        if let Some(n) = &self.served_model_name {
+            flag("served-model-name", n.clone());
+        }
+        flag("prefill-format", self.prefill_format.to_string());
+        flag("decode-format", self.decode_format.to_string());
+        a
+    }
+
+    /// The model file to serve (the default one fetched if missing).
+    pub fn model_path(&self) -> anyhow::Result<PathBuf> {
+        resolve_model(self.model.clone())
+    }
+}

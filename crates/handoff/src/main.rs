@@ -9,6 +9,7 @@ mod bench;
 mod bench_model;
 mod bench_transfer;
 mod engine_args;
+mod local_pd;
 mod router_cmd;
 mod serve;
 mod signal;
@@ -26,7 +27,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Serve a model with an OpenAI- and SGLang-compatible HTTP API (colocated).
+    /// Serve a model with an OpenAI- and SGLang-compatible HTTP API:
+    /// router + prefill + decode on this host (--colocated for one engine).
     Serve(serve::ServeArgs),
     /// Run a prefill worker: computes prompts' KV and writes it into the
     /// pages a decode worker reserved (pair them with `handoff router`).

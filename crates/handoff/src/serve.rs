@@ -1,7 +1,9 @@
-//! `handoff serve`: one command that serves a model. Today: the colocated
-//! engine and the HTTP API in front of it, or, with
-//! `--disaggregation-mode prefill|decode`, one side of a PD pair (as
-//! `handoff prefill` / `handoff decode`).
+//! `handoff serve`: the one command that serves a model. By default
+//! disaggregated: handoff's router on `--host/--port`, one prefill and one
+//! decode worker process behind it on loopback. `--colocated` serves the
+//! baseline (one engine, no transfer); `--disaggregation-mode
+//! prefill|decode` runs one side of a PD pair only (as `handoff
+//! prefill|decode`).
 
 use clap::Args;
 
@@ -17,17 +19,30 @@ pub struct ServeArgs {
     http: HttpArgs,
     #[command(flatten)]
     pd: PdArgs,
-    /// Run one side of a PD pair instead (as `handoff prefill|decode`).
-    #[arg(long, value_enum, default_value = "null")]
-    disaggregation_mode: Mode,
+    /// Serve colocated: one engine runs prefill and decode, no KV transfer
+    /// (the baseline PD is measured against).
+    #[arg(long, conflicts_with = "disaggregation_mode")]
+    colocated: bool,
+    /// Run one side of a PD pair only, as `handoff prefill|decode` (`null`
+    /// is `--colocated`).
+    #[arg(long, value_enum)]
+    disaggregation_mode: Option<Mode>,
 }
 
 /// Run `handoff serve` until SIGTERM / ctrl-c.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let mode = match (args.colocated, args.disaggregation_mode) {
+        (true, _) => Some(Mode::Null),
+        (false, m) => m,
+    };
+    let Some(mode) = mode else {
+        let transfer = args.pd.disaggregation_transfer_backend.to_string();
+        return crate::local_pd::run(&args.engine, &args.http, &transfer);
+    };
     let worker = WorkerArgs {
         engine: args.engine,
         http: args.http,
         pd: args.pd,
     };
-    worker::run(args.disaggregation_mode, worker)
+    worker::run(mode, worker)
 }

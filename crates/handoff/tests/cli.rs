@@ -176,7 +176,33 @@ fn http_get(addr: &str, path: &str) -> String {
 #[cfg(unix)]
 #[test]
 fn serve_answers_and_stops_on_sigterm() {
-    let dir = std::env::temp_dir().join(format!("handoff-cli-test-{}", std::process::id()));
+    serve_answers_and_stops(&["--colocated"], "colocated");
+}
+
+/// The default `handoff serve`: router + prefill + decode processes; a
+/// completion goes through all three, and SIGTERM stops the workers too.
+#[cfg(unix)]
+#[test]
+fn serve_pd_answers_and_stops_its_workers_on_sigterm() {
+    serve_answers_and_stops(&[], "pd");
+}
+
+fn http_post(addr: &str, path: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[cfg(unix)]
+fn serve_answers_and_stops(mode: &[&str], label: &str) {
+    let dir = std::env::temp_dir().join(format!("handoff-cli-test-{}-{label}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("tiny.gguf");
     handoff_model::tiny::write_tiny_gguf(&model, 3).expect("tiny GGUF");
@@ -190,6 +216,7 @@ fn serve_answers_and_stops_on_sigterm() {
             "--served-model-name",
             "tiny-cli",
         ])
+        .args(mode)
         .arg("--model")
         .arg(&model)
         .env("RUST_LOG", "info")
@@ -201,6 +228,10 @@ fn serve_answers_and_stops_on_sigterm() {
     let mut addr = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
+        // Worker processes' lines are prefixed with their role.
+        if line.starts_with('[') {
+            continue;
+        }
         if let Some(i) = line.find("listening on http://") {
             addr = Some(line[i + "listening on http://".len()..].trim().to_string());
             break;
@@ -210,6 +241,13 @@ fn serve_answers_and_stops_on_sigterm() {
     let models = http_get(&addr, "/v1/models");
     assert!(models.starts_with("HTTP/1.1 200"), "{models}");
     assert!(models.contains("\"id\":\"tiny-cli\""), "{models}");
+    let done = http_post(
+        &addr,
+        "/v1/completions",
+        r#"{"prompt":"hello","max_tokens":5,"temperature":0,"ignore_eos":true}"#,
+    );
+    assert!(done.starts_with("HTTP/1.1 200"), "{done}");
+    assert!(done.contains("\"completion_tokens\":5"), "{done}");
 
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -223,5 +261,14 @@ fn serve_answers_and_stops_on_sigterm() {
         rest.iter().any(|l| l.contains("SIGTERM received")),
         "{rest:?}"
     );
+    if label == "pd" {
+        for role in ["[prefill]", "[decode]"] {
+            assert!(
+                rest.iter()
+                    .any(|l| l.starts_with(role) && l.contains("shut down")),
+                "{role} did not shut down: {rest:?}"
+            );
+        }
+    }
     std::thread::sleep(Duration::from_millis(10));
 }

@@ -1,0 +1,175 @@
+//! `handoff serve` in its default, disaggregated form: one prefill and one
+//! decode worker as child processes on loopback (KV over shared memory),
+//! and handoff's router in this process on the public address. The workers
+//! exit with `handoff serve` (their standard input is a pipe from it).
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener as StdListener;
+use std::path::Path;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use handoff_server::router::{run_router, PrefillSpec, RouterConfig};
+
+use crate::engine_args::{EngineArgs, HttpArgs};
+
+/// How long the workers may take to load the model.
+const WORKER_START_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a worker may take to drain after `handoff serve` stops.
+const WORKER_STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// A worker process; stopped (gracefully, then by force) when dropped.
+struct Worker {
+    role: &'static str,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    url: String,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // End of its standard input: the worker drains and exits.
+        drop(self.stdin.take());
+        let deadline = Instant::now() + WORKER_STOP_GRACE;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        tracing::warn!(role = self.role, "worker did not stop in time: killing it");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A free loopback port (bound and released: the worker binds it next).
+fn free_port() -> anyhow::Result<u16> {
+    let l = StdListener::bind("127.0.0.1:0").context("finding a free loopback port")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn spawn_worker(
+    role: &'static str,
+    model: &Path,
+    engine: &EngineArgs,
+    port: u16,
+    extra: &[String],
+) -> anyhow::Result<Worker> {
+    let exe = std::env::current_exe().context("locating the handoff binary")?;
+    let mut child = Command::new(exe)
+        .arg(role)
+        .args(engine.to_args(model))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(extra)
+        .arg("--exit-with-parent")
+        .stdin(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting the {role} worker"))?;
+    // Its log, prefixed with its role, on our standard error.
+    let stderr = child.stderr.take().context("worker stderr")?;
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("[{role}] {line}");
+        }
+    });
+    Ok(Worker {
+        role,
+        stdin: child.stdin.take(),
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+    })
+}
+
+/// Wait until `w` answers `/health`, or fail if it exits first.
+async fn wait_healthy(w: &mut Worker) -> anyhow::Result<()> {
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()?;
+    let deadline = Instant::now() + WORKER_START_TIMEOUT;
+    loop {
+        if let Some(status) = w.child.try_wait()? {
+            bail!(
+                "the {} worker exited ({status}) before it was healthy: see its log above",
+                w.role
+            );
+        }
+        if let Ok(r) = client.get(format!("{}/health", w.url)).send().await {
+            if r.status().is_success() {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "the {} worker was not healthy within {} s",
+                w.role,
+                WORKER_START_TIMEOUT.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Run router + prefill + decode until SIGTERM / ctrl-c.
+pub fn run(engine: &EngineArgs, http: &HttpArgs, transfer: &str) -> anyhow::Result<()> {
+    // Fetch the default model once, before the workers start.
+    let model = engine.model_path()?;
+    let bootstrap = free_port()?;
+    let mut prefill = spawn_worker(
+        "prefill",
+        &model,
+        engine,
+        free_port()?,
+        &[
+            "--disaggregation-bootstrap-port".into(),
+            bootstrap.to_string(),
+        ],
+    )?;
+    let mut decode = spawn_worker(
+        "decode",
+        &model,
+        engine,
+        free_port()?,
+        &["--transfer".into(), transfer.to_string()],
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")?;
+    rt.block_on(async {
+        wait_healthy(&mut prefill).await?;
+        wait_healthy(&mut decode).await?;
+        let listener = tokio::net::TcpListener::bind((http.host.as_str(), http.port))
+            .await
+            .with_context(|| format!("binding {}:{}", http.host, http.port))?;
+        let addr = listener.local_addr()?;
+        let mut config = RouterConfig::new(
+            vec![PrefillSpec {
+                url: prefill.url.clone(),
+                bootstrap_port: Some(bootstrap),
+            }],
+            vec![decode.url.clone()],
+        );
+        config.health_interval = Duration::from_secs(2);
+        tracing::info!(
+            prefill = %prefill.url,
+            decode = %decode.url,
+            bootstrap,
+            transfer,
+            "disaggregated: router -> prefill + decode"
+        );
+        tracing::info!("listening on http://{addr}");
+        run_router(listener, config, crate::signal::shutdown_signal())
+            .await
+            .context("serving the router")?;
+        tracing::info!("router stopped; stopping the workers");
+        Ok::<_, anyhow::Error>(())
+    })?;
+    drop(prefill);
+    drop(decode);
+    tracing::info!("shut down");
+    Ok(())
+}
