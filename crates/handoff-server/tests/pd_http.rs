@@ -18,6 +18,8 @@ use handoff_engine::pd::{
     DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle, TransportKind,
 };
 use handoff_engine::{Engine, EngineConfig};
+use handoff_server::router::PrefillSpec;
+use handoff_server::RouterConfig;
 use serde_json::{json, Value};
 
 const PAGE_SIZE: usize = 16;
@@ -27,6 +29,10 @@ const KV_PAGES: usize = 512;
 const SMALL_CONTEXT: usize = 256;
 
 struct Workers {
+    /// handoff's router in front of `prefill` + `decode_shm`, and in front
+    /// of `prefill` + `decode_tcp`.
+    router_shm: String,
+    router_tcp: String,
     colocated: (String, EngineHandle),
     prefill: (String, PrefillHandle),
     small_prefill: (String, PrefillHandle),
@@ -69,6 +75,36 @@ fn serve(backend: impl Into<handoff_server::Backend>) -> String {
     format!("http://{}", rx.recv().expect("server address"))
 }
 
+/// handoff's router on an ephemeral port in front of one pair.
+fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
+    let mut config = RouterConfig::new(
+        vec![PrefillSpec {
+            url: prefill.to_string(),
+            bootstrap_port: Some(bootstrap_port),
+        }],
+        vec![decode.to_string()],
+    );
+    config.health_interval = Duration::from_secs(1);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            tx.send(listener.local_addr().expect("addr")).expect("addr");
+            handoff_server::run_router(listener, config, std::future::pending())
+                .await
+                .expect("router");
+        });
+    });
+    format!("http://{}", rx.recv().expect("router address"))
+}
+
 fn workers() -> &'static Workers {
     static W: OnceLock<Workers> = OnceLock::new();
     W.get_or_init(|| {
@@ -93,12 +129,18 @@ fn workers() -> &'static Workers {
             .expect("decode engine (shm)");
         let decode_tcp = DecodeEngine::start(config(&model), PdConfig::new(TransportKind::Tcp))
             .expect("decode engine (tcp)");
+        let prefill_url = serve(prefill.clone());
+        let decode_shm_url = serve(decode_shm.clone());
+        let decode_tcp_url = serve(decode_tcp.clone());
+        let boot = prefill.bootstrap_addr().port();
         Workers {
+            router_shm: serve_router(&prefill_url, boot, &decode_shm_url),
+            router_tcp: serve_router(&prefill_url, boot, &decode_tcp_url),
             colocated: (serve(colocated.clone()), colocated),
-            prefill: (serve(prefill.clone()), prefill),
+            prefill: (prefill_url, prefill),
             small_prefill: (serve(small_prefill.clone()), small_prefill),
-            decode_shm: (serve(decode_shm.clone()), decode_shm),
-            decode_tcp: (serve(decode_tcp.clone()), decode_tcp),
+            decode_shm: (decode_shm_url, decode_shm),
+            decode_tcp: (decode_tcp_url, decode_tcp),
         }
     })
 }
@@ -230,6 +272,182 @@ async fn pd_http_workers() {
     missing_or_bad_bootstrap_fields_are_named(w).await;
     client_leaving_mid_stream_frees_both_sides(w).await;
     server_info_reports_the_mode(w).await;
+    for (router, decode, label) in [
+        (&w.router_shm, &w.decode_shm, "shm"),
+        (&w.router_tcp, &w.decode_tcp, "tcp"),
+    ] {
+        router_output_equals_colocated(w, router, label).await;
+        router_sixteen_concurrent_equal_colocated(w, router, label).await;
+        router_invalid_request_keeps_its_400(w, router, decode).await;
+        router_client_leaving_frees_both_sides(w, router, decode, label).await;
+    }
+}
+
+/// Through handoff's router: every endpoint, whole and streamed, equals the
+/// colocated output.
+async fn router_output_equals_colocated(w: &Workers, router: &str, label: &str) {
+    for path in ["/generate", "/v1/completions", "/v1/chat/completions"] {
+        for stream in [false, true] {
+            let body = request(path, 1, stream);
+            let (cs, colocated) = post_text(&w.colocated.0, path, &body).await;
+            assert_eq!(cs, 200, "{colocated}");
+            let (rs, routed) = post_text(router, path, &body).await;
+            assert_eq!(rs, 200, "{label} {path}: {routed}");
+            assert_eq!(
+                output_text(path, stream, &routed),
+                output_text(path, stream, &colocated),
+                "{label} {path} stream={stream}"
+            );
+        }
+    }
+}
+
+/// 16 requests at once through the router, prompts from one to many pages:
+/// each equals its colocated output.
+async fn router_sixteen_concurrent_equal_colocated(w: &Workers, router: &str, label: &str) {
+    let bodies: Vec<Value> = (0..16)
+        .map(|i| {
+            json!({
+                "text": format!("{i} {}", "pages and pages of text ".repeat(1 + i * 3)),
+                "sampling_params": {"max_new_tokens": 8 + i, "temperature": 0, "ignore_eos": true},
+                "stream": i % 2 == 0,
+            })
+        })
+        .collect();
+    let mut want = Vec::new();
+    for b in &bodies {
+        let (s, t) = post_text(&w.colocated.0, "/generate", b).await;
+        assert_eq!(s, 200, "{t}");
+        want.push(output_text("/generate", b["stream"] == true, &t));
+    }
+    let got =
+        futures_util::future::join_all(bodies.iter().map(|b| post_text(router, "/generate", b)))
+            .await;
+    for (i, ((s, t), w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(*s, 200, "{label} request {i}: {t}");
+        assert_eq!(
+            &output_text("/generate", bodies[i]["stream"] == true, t),
+            w,
+            "{label} request {i}"
+        );
+    }
+}
+
+/// Seed 004 through the router: a prompt longer than the context is the
+/// workers' 400 with their message; decode's pages are back at once and no
+/// KV moved.
+async fn router_invalid_request_keeps_its_400(
+    w: &Workers,
+    router: &str,
+    decode: &(String, DecodeHandle),
+) {
+    let before = w
+        .prefill
+        .1
+        .transfer_stats()
+        .await
+        .expect("stats")
+        .room_stats
+        .succeeded;
+    let t = Instant::now();
+    let (s, b) = post_text(
+        router,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "word ".repeat(5000)}], "max_tokens": 4}),
+    )
+    .await;
+    let took = t.elapsed();
+    assert_eq!(s, 400, "{b}");
+    let e = json_of(&b);
+    assert_eq!(e["error"]["code"], "context_length_exceeded", "{b}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("exceeds the context length of 4096 tokens"),
+        "{b}"
+    );
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    assert_eq!(decode.1.load().pages_used, 0);
+    let after = w
+        .prefill
+        .1
+        .transfer_stats()
+        .await
+        .expect("stats")
+        .room_stats
+        .succeeded;
+    assert_eq!(after, before, "a transfer happened for a refused request");
+}
+
+/// Seed 000 through the router: a client that leaves mid-prefill (the
+/// prompt's KV is being written) or mid-decode frees the room and every page
+/// on both workers within 100 ms.
+async fn router_client_leaving_frees_both_sides(
+    w: &Workers,
+    router: &str,
+    decode: &(String, DecodeHandle),
+    label: &str,
+) {
+    for phase in ["prefill", "decode"] {
+        let (prompt_words, max_new) = match phase {
+            "prefill" => (700, 4),
+            _ => (4, 3000),
+        };
+        let body = json!({
+            "text": "word ".repeat(prompt_words),
+            "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": true},
+            "stream": true,
+        });
+        let client = reqwest::Client::new();
+        let req = client.post(format!("{router}/generate")).json(&body).send();
+        let left = if phase == "prefill" {
+            // Leave once the prefill computes and decode holds the pages.
+            let task = tokio::spawn(req);
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !(w.prefill.1.load().running > 0 && decode.1.load().pages_used > 0) {
+                assert!(Instant::now() < deadline, "{label}: prefill never started");
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            task.abort();
+            let _ = task.await;
+            Instant::now()
+        } else {
+            let mut resp = req.await.expect("router answers");
+            let mut seen = 0;
+            while seen < 2 {
+                let chunk = resp.chunk().await.expect("chunk").expect("more");
+                seen += String::from_utf8_lossy(&chunk).matches("data:").count();
+            }
+            drop(resp);
+            Instant::now()
+        };
+        let deadline = left + Duration::from_secs(3);
+        loop {
+            let d = decode.1.load();
+            let p = w.prefill.1.load();
+            let r = rooms(&w.prefill.1, &decode.1).await;
+            if d.pages_used == 0
+                && d.running == 0
+                && d.waiting == 0
+                && p.pages_used == 0
+                && r == (0, 0)
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{label} {phase}: not freed: {d:?} {p:?} rooms {r:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let freed = left.elapsed();
+        eprintln!("{label}: client left mid-{phase}; both sides free after {freed:?}");
+        assert!(
+            freed < Duration::from_millis(100),
+            "{label} {phase}: freed after {freed:?}"
+        );
+    }
 }
 
 async fn greedy_pd_equals_colocated(w: &Workers) {
