@@ -28,6 +28,7 @@ enum Source {
         ticket: Option<PrefillTicket>,
         tokenizer: Arc<Tokenizer>,
         done: Option<Finished>,
+        metrics: Arc<Metrics>,
     },
 }
 
@@ -39,10 +40,12 @@ impl Source {
                 ticket,
                 tokenizer,
                 done,
+                metrics,
             } => {
                 if let Some(t) = ticket.take() {
                     return Some(match t.wait().await {
                         Ok(d) => {
+                            metrics.observe_prefill(&d.timings);
                             *done = Some(Finished {
                                 reason: FinishReason::Length,
                                 prompt_tokens: d.prompt_tokens,
@@ -116,6 +119,7 @@ impl Generation {
                 ticket: Some(ticket),
                 tokenizer: state.engine.tokenizer().clone(),
                 done: None,
+                metrics: state.metrics.clone(),
             },
             Err(e) => {
                 state.metrics.count_error(endpoint, e.code);

@@ -44,6 +44,14 @@ pub struct Metrics {
     waiting: Gauge,
     pages_free: Gauge,
     pages_used: Gauge,
+    prefill_stages: Family<StageLabels, Histogram>,
+}
+
+/// Labels of the prefill stage histogram.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// `wait_destination`, `compute` or `transfer_tail`.
+    pub stage: &'static str,
 }
 
 impl Default for Metrics {
@@ -118,7 +126,16 @@ impl Metrics {
             "KV pages leased to requests",
             pages_used.clone(),
         );
+        let prefill_stages = Family::<StageLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+        });
+        registry.register(
+            "prefill_stage_seconds",
+            "Prefill worker: time per stage of a request (wait_destination: until decode reserved its pages; compute: the forward, KV streaming meanwhile; transfer_tail: KV not hidden behind compute, aux and status)",
+            prefill_stages.clone(),
+        );
         Metrics {
+            prefill_stages,
             registry,
             requests,
             errors,
@@ -173,6 +190,19 @@ impl Metrics {
     pub fn observe_finished(&self, e2e_secs: f64, prompt_tokens: usize) {
         self.e2e.observe(e2e_secs);
         self.prompt_tokens.inc_by(prompt_tokens as u64);
+    }
+
+    /// Record a completed prefill's stages.
+    pub fn observe_prefill(&self, t: &handoff_engine::pd::PrefillTimings) {
+        for (stage, d) in [
+            ("wait_destination", t.wait_destination),
+            ("compute", t.compute),
+            ("transfer_tail", t.transfer_tail),
+        ] {
+            self.prefill_stages
+                .get_or_create(&StageLabels { stage })
+                .observe(d.as_secs_f64());
+        }
     }
 
     /// The text exposition, with the engine's load as of now.

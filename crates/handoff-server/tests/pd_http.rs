@@ -478,6 +478,25 @@ async fn greedy_pd_equals_colocated(w: &Workers) {
         assert_eq!(load.pages_used, 0, "{label}: {load:?}");
         assert_eq!(w.prefill.1.load().pages_used, 0);
     }
+    // The prefill worker's timeline: every completed prefill has its stages.
+    let metrics = reqwest::get(format!("{}/metrics", w.prefill.0))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("body");
+    for stage in ["wait_destination", "compute", "transfer_tail"] {
+        let count = metrics
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(&format!(
+                    "handoff_prefill_stage_seconds_count{{stage=\"{stage}\"}} "
+                ))
+            })
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {stage} count in\n{metrics}"));
+        assert_eq!(count, 24, "{stage}: one per PD request");
+    }
 }
 
 /// Seed 004: the small prefill refuses a prompt the decode accepts; decode

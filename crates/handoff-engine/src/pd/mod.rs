@@ -70,7 +70,7 @@ use crate::error::EngineError;
 pub use decode::{DecodeEngine, DecodeHandle};
 pub use handoff_proto::RoomId;
 pub use handoff_transfer::TransportKind;
-pub use prefill::{PrefillDone, PrefillEngine, PrefillHandle, PrefillTicket};
+pub use prefill::{PrefillDone, PrefillEngine, PrefillHandle, PrefillTicket, PrefillTimings};
 
 /// Transfer settings of a prefill or decode engine.
 #[derive(Debug, Clone)]

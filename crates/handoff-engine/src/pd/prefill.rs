@@ -51,6 +51,22 @@ pub struct PrefillDone {
     pub logprob: f32,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
+    /// Where the time went.
+    pub timings: PrefillTimings,
+}
+
+/// A prefill request's stages (DESIGN.md §8 timeline).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PrefillTimings {
+    /// From accepting the room until decode's destination arrived (decode
+    /// reserving its pages).
+    pub wait_destination: Duration,
+    /// From then until the first token was sampled: source pages, the
+    /// compute queue and the chunked forward (KV pages stream meanwhile).
+    pub compute: Duration,
+    /// From the first token until decode confirmed the room: the KV not
+    /// hidden behind compute, the aux record and the status.
+    pub transfer_tail: Duration,
 }
 
 /// The outcome of one prefill request. Dropping it does not cancel the
@@ -329,6 +345,7 @@ async fn prefill_room(
     room: RoomId,
 ) -> Result<PrefillDone, EngineError> {
     let waiting = Gauge(&ctx.waiting); // counted up in `submit`
+    let opened = std::time::Instant::now();
     ctx.sender.open(room).await?;
     let mut guard = RoomGuard {
         sender: &ctx.sender,
@@ -351,6 +368,7 @@ async fn prefill_room(
         }
     }
     tracing::debug!(room = room.get(), "destination arrived");
+    let destination = std::time::Instant::now();
     let need = req.prompt_ids.len().div_ceil(ctx.page_size);
     let lease = tokio::select! {
         l = lease_pages(&ctx.allocator, &ctx.turn, need) => l,
@@ -434,6 +452,7 @@ async fn prefill_room(
         }
     };
     tracing::debug!(room = room.get(), first_token, "prefill computed");
+    let computed_at = std::time::Instant::now();
     // The remaining pages, then the aux record; then the room's status.
     if queued.is_ok() && sent < src.len() {
         queued = ctx
@@ -462,10 +481,17 @@ async fn prefill_room(
         // The room's own failure explains a refused write best.
         tracing::debug!(room = room.get(), error = %e, "a KV write was refused");
     }
+    let timings = PrefillTimings {
+        wait_destination: destination - opened,
+        compute: computed_at - destination,
+        transfer_tail: computed_at.elapsed(),
+    };
+    tracing::debug!(room = room.get(), ?timings, "prefill timeline");
     end.map(|()| PrefillDone {
         first_token,
         logprob,
         prompt_tokens: req.prompt_ids.len(),
+        timings,
     })
 }
 
