@@ -1,0 +1,379 @@
+//! Output identity of disaggregated serving with the real model, SmolLM2-135M
+//! Instruct Q4_1 (the tiny-model version of these checks is pd.rs): prefill
+//! and decode engines in one process with real transfer over loopback, greedy
+//! (temperature 0) PD output must equal colocated output token for token:
+//! the same token ids, the same text and the same finish reason.
+//!
+//! The model is `HANDOFF_MODEL`, else `models/SmolLM2-135M-Instruct.Q4_1.gguf`
+//! under the repository root; without it the test fails (run
+//! scripts/fetch-model.sh first).
+//!
+//! Prompts: 16 requests of real text through the tokenizer, 11 of them
+//! through the model's chat template (with a one-line system message): one
+//! long chat prompt of ≥ 300 tokens (a paragraph repeated five times, 318
+//! tokens: 318 pages of 1 token, 20 of 16, 5 of 64, 3 prefill chunks of 128),
+//! the paragraph once as raw text (58 tokens) and 14 short ones (1 to 31
+//! tokens: several fit in one page of 16, all in one page of 64).
+//! `max_new_tokens` 12 to 20, `ignore_eos`, so every request ends with
+//! `Length` after exactly that many tokens.
+//!
+//! The colocated reference is computed once per page size, one request after
+//! another, on its own engine (its output does not depend on the transport).
+//! The PD combinations that run (not the full cross product, to stay under
+//! ~90 s on 2 busy cores in the dev profile; measured 76 s):
+//!
+//! * shm, page sizes 1, 16 and 64, concurrency 16 (all 16 submitted at once,
+//!   then read): every page geometry under the most interleaving;
+//! * tcp, page size 16, concurrency 16 and concurrency 1 (one request after
+//!   another; the first 8 requests, the long one among them): the other
+//!   transport, and the sequential path, once each. Page geometry is the
+//!   engines' business, not the transport's, so it is not crossed with the
+//!   transport again; concurrency 1 is the easier case, so it runs once.
+//!
+//! Each PD pair's KV pool (the same on both sides) is the pages the 16
+//! requests hold at once, Σ ⌈(prompt + max_new) / page⌉, plus one page per
+//! request of slack (952 tokens at page size 1): concurrency 16 fits
+//! all 16 together in a modest pool. After every combination both sides
+//! must be idle (within 5 s): zero pages used, nothing running or waiting,
+//! zero live rooms.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use handoff_engine::pd::{
+    DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle, PrefillTicket,
+};
+use handoff_engine::{
+    Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestStream,
+    SamplingParams, StreamEvent,
+};
+use handoff_model::chat_template::ChatMessage;
+use handoff_proto::RoomId;
+use handoff_transfer::TransportKind;
+
+/// Requests per combination, and the concurrency of the concurrent runs.
+const REQUESTS: usize = 16;
+/// Requests of the concurrency 1 run (the first ones: the long prompt and
+/// short ones).
+const SEQUENTIAL: usize = 8;
+/// Most prompt tokens one prefill step computes.
+const CHUNK: usize = 128;
+/// Tokens a colocated engine (one request at a time) holds at most.
+const COLOCATED_POOL_TOKENS: usize = 1024;
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn model_path() -> PathBuf {
+    match std::env::var("HANDOFF_MODEL") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => repo().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    }
+}
+
+fn config(page_size: usize, kv_pages: usize) -> EngineConfig {
+    let path = model_path();
+    assert!(
+        path.exists(),
+        "{} is missing: run scripts/fetch-model.sh first",
+        path.display()
+    );
+    let mut cfg = EngineConfig::new(path);
+    cfg.page_size = page_size;
+    cfg.kv_pages = kv_pages;
+    cfg.prefill_chunk = CHUNK;
+    cfg.threads = 2;
+    cfg
+}
+
+fn colocated_engine(page_size: usize) -> EngineHandle {
+    Engine::start(config(page_size, COLOCATED_POOL_TOKENS.div_ceil(page_size))).unwrap()
+}
+
+/// A request and a name to report it by.
+struct Case {
+    name: String,
+    req: GenerateRequest,
+}
+
+const PARAGRAPH: &str = "The lighthouse keeper climbed the spiral stairs every evening \
+    at dusk, carrying a can of oil and a cloth for the great lens. From the gallery he \
+    could see the fishing boats returning to the harbour, the gulls settling on the \
+    breakwater and the first stars appearing over the grey water. ";
+
+/// The 16 requests, tokenized by `engine` (chat template where it says so).
+fn cases(engine: &EngineHandle) -> Vec<Case> {
+    let tok = engine.tokenizer();
+    let template = engine.chat_template().expect("SmolLM2 has a chat template");
+    let chat = |user: &str| -> Vec<u32> {
+        let text = template
+            .render(
+                &[
+                    ChatMessage::new("system", "You are a concise assistant."),
+                    ChatMessage::new("user", user),
+                ],
+                true,
+            )
+            .unwrap();
+        tok.encode(&text, true).unwrap()
+    };
+    let raw = |text: &str| -> Vec<u32> { tok.encode(text, true).unwrap() };
+    let long = format!(
+        "Summarise the following story in two sentences.\n\n{}",
+        PARAGRAPH.repeat(5)
+    );
+    let prompts: Vec<(&str, Vec<u32>)> = vec![
+        ("long chat", chat(&long)),
+        ("capital", chat("What is the capital of France?")),
+        ("raw fox", raw("The quick brown fox")),
+        ("haiku", chat("Write a haiku about the sea.")),
+        (
+            "photosynthesis",
+            chat("Explain photosynthesis in one sentence."),
+        ),
+        ("raw count", raw("One, two, three, four,")),
+        (
+            "primes",
+            chat("List three prime numbers and say why they are prime."),
+        ),
+        ("raw keeper", raw(PARAGRAPH)),
+        ("python", chat("How do I reverse a string in Python?")),
+        ("raw hi", raw("Hi")),
+        ("recipe", chat("Give me a simple recipe for pancakes.")),
+        ("rust", chat("What is the borrow checker in Rust?")),
+        (
+            "raw story",
+            raw("Once upon a time, in a small village by the mountains,"),
+        ),
+        ("colours", chat("Name the colours of the rainbow.")),
+        ("math", chat("What is 17 times 23?")),
+        ("advice", chat("How can I sleep better at night?")),
+    ];
+    assert_eq!(prompts.len(), REQUESTS);
+    prompts
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, prompt_ids))| Case {
+            name: format!("#{i} {name} ({} prompt tokens)", prompt_ids.len()),
+            req: GenerateRequest {
+                prompt_ids,
+                sampling: SamplingParams {
+                    max_new_tokens: 12 + (i * 5) % 9,
+                    temperature: 0.0,
+                    ignore_eos: true,
+                    ..Default::default()
+                },
+                arrived: Instant::now(),
+            },
+        })
+        .collect()
+}
+
+fn room() -> RoomId {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    RoomId::new(((std::process::id() as u64) << 32) | (n + 1)).unwrap()
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Output {
+    ids: Vec<u32>,
+    text: String,
+    reason: FinishReason,
+}
+
+fn drain(mut s: RequestStream) -> Result<Output, EngineError> {
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    loop {
+        match s.blocking_next() {
+            Some(StreamEvent::Token(t)) => {
+                ids.push(t.id);
+                text.push_str(&t.text);
+            }
+            Some(StreamEvent::Finished(f)) => {
+                assert_eq!(f.completion_tokens, ids.len());
+                return Ok(Output {
+                    ids,
+                    text,
+                    reason: f.reason,
+                });
+            }
+            Some(StreamEvent::Error(e)) => return Err(e),
+            None => panic!("stream ended without Finished or Error"),
+        }
+    }
+}
+
+/// Colocated output of every case, one request after another.
+fn colocated(engine: &EngineHandle, cases: &[Case]) -> Vec<Output> {
+    let out: Vec<Output> = cases
+        .iter()
+        .map(|c| {
+            let s = engine.submit(c.req.clone()).unwrap();
+            drain(s).unwrap_or_else(|e| panic!("{}: colocated failed: {e}", c.name))
+        })
+        .collect();
+    for (c, o) in cases.iter().zip(&out) {
+        assert_eq!(o.reason, FinishReason::Length, "{}", c.name);
+        assert_eq!(o.ids.len(), c.req.sampling.max_new_tokens, "{}", c.name);
+    }
+    // Real text in, real (and distinct) text out.
+    let mut texts: Vec<&str> = out.iter().map(|o| o.text.as_str()).collect();
+    texts.sort();
+    texts.dedup();
+    assert!(texts.len() > REQUESTS / 2, "suspiciously alike: {texts:?}");
+    assert_eq!(engine.load().pages_used, 0);
+    out
+}
+
+struct Pair {
+    prefill: PrefillHandle,
+    decode: DecodeHandle,
+    kind: TransportKind,
+    page_size: usize,
+}
+
+impl Pair {
+    fn start(kind: TransportKind, page_size: usize, cases: &[Case]) -> Pair {
+        // The pages all 16 requests hold at once, plus one each of slack.
+        let kv_pages: usize = cases
+            .iter()
+            .map(|c| {
+                (c.req.prompt_ids.len() + c.req.sampling.max_new_tokens).div_ceil(page_size) + 1
+            })
+            .sum();
+        let cfg = config(page_size, kv_pages);
+        let decode = DecodeEngine::start(cfg.clone(), PdConfig::new(kind)).unwrap();
+        let prefill = PrefillEngine::start(cfg, PdConfig::new(kind)).unwrap();
+        Pair {
+            prefill,
+            decode,
+            kind,
+            page_size,
+        }
+    }
+
+    /// Submit `req` to both sides under a fresh room.
+    fn submit(&self, req: &GenerateRequest) -> (PrefillTicket, RequestStream) {
+        let room = room();
+        let ticket = self.prefill.submit(req.clone(), room).unwrap();
+        let stream = self
+            .decode
+            .submit(req.clone(), room, self.prefill.bootstrap_addr())
+            .unwrap();
+        (ticket, stream)
+    }
+
+    /// Every case through the pair, `concurrency` 1 (one after another) or
+    /// all at once; checked against `want`.
+    fn check(&self, cases: &[Case], want: &[Output], concurrency: usize) {
+        let what = format!(
+            "{:?}, page size {}, concurrency {concurrency}",
+            self.kind, self.page_size
+        );
+        let t0 = Instant::now();
+        let got: Vec<(Output, u32)> = if concurrency == 1 {
+            cases
+                .iter()
+                .map(|c| {
+                    let (ticket, stream) = self.submit(&c.req);
+                    self.finish(c, ticket, stream, &what)
+                })
+                .collect()
+        } else {
+            assert_eq!(concurrency, cases.len());
+            let pending: Vec<_> = cases.iter().map(|c| self.submit(&c.req)).collect();
+            cases
+                .iter()
+                .zip(pending)
+                .map(|(c, (ticket, stream))| self.finish(c, ticket, stream, &what))
+                .collect()
+        };
+        for ((c, (g, first)), w) in cases.iter().zip(&got).zip(want) {
+            if g != w {
+                let at = g.ids.iter().zip(&w.ids).take_while(|(a, b)| a == b).count();
+                panic!(
+                    "{what}: {}: PD output differs from colocated from position {at}\n\
+                     PD:        {:?} {:?} {:?}\ncolocated: {:?} {:?} {:?}",
+                    c.name, g.ids, g.text, g.reason, w.ids, w.text, w.reason
+                );
+            }
+            assert_eq!(
+                *first, g.ids[0],
+                "{what}: {}: prefill's first token",
+                c.name
+            );
+        }
+        self.assert_idle(&what);
+        eprintln!("{what}: identical, {:?}", t0.elapsed());
+    }
+
+    fn finish(
+        &self,
+        c: &Case,
+        ticket: PrefillTicket,
+        stream: RequestStream,
+        what: &str,
+    ) -> (Output, u32) {
+        let out = drain(stream).unwrap_or_else(|e| panic!("{what}: {}: PD failed: {e}", c.name));
+        let done = ticket
+            .blocking_wait()
+            .unwrap_or_else(|e| panic!("{what}: {}: prefill failed: {e}", c.name));
+        assert_eq!(done.prompt_tokens, c.req.prompt_ids.len());
+        (out, done.first_token)
+    }
+
+    /// Nothing left behind on either side.
+    fn assert_idle(&self, what: &str) {
+        let t = Instant::now();
+        loop {
+            let (p, d) = (self.prefill.load(), self.decode.load());
+            let (pr, dr) = (self.prefill.live_rooms(), self.decode.live_rooms());
+            if p.pages_used == 0
+                && d.pages_used == 0
+                && p.running + p.waiting + d.running + d.waiting == 0
+                && pr == 0
+                && dr == 0
+            {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "{what}: not idle after 5 s: prefill {p:?}, {pr} live rooms; decode {d:?}, {dr} live rooms"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+#[test]
+fn greedy_pd_output_is_colocated_output() {
+    let t0 = Instant::now();
+    let engine16 = colocated_engine(16);
+    let cases = cases(&engine16);
+    let longest = cases.iter().map(|c| c.req.prompt_ids.len()).max().unwrap();
+    assert!(longest >= 300, "the long prompt has only {longest} tokens");
+    assert!(longest + 24 <= COLOCATED_POOL_TOKENS);
+    let names: Vec<&str> = cases.iter().map(|c| c.name.as_str()).collect();
+    eprintln!("{names:?}");
+    for page_size in [16, 1, 64] {
+        let t = Instant::now();
+        let want = if page_size == 16 {
+            colocated(&engine16, &cases)
+        } else {
+            colocated(&colocated_engine(page_size), &cases)
+        };
+        eprintln!("colocated, page size {page_size}: {:?}", t.elapsed());
+        let shm = Pair::start(TransportKind::Shm, page_size, &cases);
+        shm.check(&cases, &want, REQUESTS);
+        drop(shm);
+        if page_size == 16 {
+            let tcp = Pair::start(TransportKind::Tcp, page_size, &cases);
+            tcp.check(&cases[..SEQUENTIAL], &want[..SEQUENTIAL], 1);
+            tcp.check(&cases, &want, REQUESTS);
+        }
+    }
+    eprintln!("all combinations: {:?}", t0.elapsed());
+}
