@@ -371,12 +371,14 @@ async fn joined(
     req: &GenerateRequest,
     opened: &AtomicBool,
 ) -> Result<(PageLease, AuxData), EngineError> {
+    let t_open = std::time::Instant::now();
     ctx.receiver.open(room, sources(rank)).await?;
     opened.store(true, Ordering::Release);
     let need =
         (req.prompt_ids.len() + req.sampling.max_new_tokens).div_ceil(ctx.shared.info.page_size);
     let lease = lease_pages(&ctx.shared.allocator, &ctx.turn, need).await;
     tracing::debug!(room = room.get(), pages = need, "decode pages reserved");
+    let t_reserved = std::time::Instant::now();
     let slot = AuxSlot(ctx.next_slot.fetch_add(1, Ordering::Relaxed));
     if let Err(e) = ctx.receiver.reserve(room, lease, slot).await {
         // The room failed while waiting for pages (timeout, dead peer):
@@ -388,10 +390,14 @@ async fn joined(
     }
     match ctx.receiver.wait(room).await? {
         ReceiverPoll::Success { lease, aux } => {
-            tracing::debug!(
+            tracing::info!(
                 room = room.get(),
+                prompt_tokens = req.prompt_ids.len(),
+                pages = need,
+                reserve_ms = super::prefill::ms(t_reserved - t_open),
+                kv_wait_ms = super::prefill::ms(t_reserved.elapsed()),
                 first_token = aux.first_token,
-                "KV landed"
+                "decode room: KV landed"
             );
             Ok((lease, aux))
         }

@@ -486,13 +486,26 @@ async fn prefill_room(
         compute: computed_at - destination,
         transfer_tail: computed_at.elapsed(),
     };
-    tracing::debug!(room = room.get(), ?timings, "prefill timeline");
+    tracing::info!(
+        room = room.get(),
+        prompt_tokens = req.prompt_ids.len(),
+        ok = end.is_ok(),
+        wait_destination_ms = ms(timings.wait_destination),
+        compute_ms = ms(timings.compute),
+        transfer_tail_ms = ms(timings.transfer_tail),
+        "prefill room done"
+    );
     end.map(|()| PrefillDone {
         first_token,
         logprob,
         prompt_tokens: req.prompt_ids.len(),
         timings,
     })
+}
+
+/// Milliseconds, for log fields.
+pub(crate) fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
 }
 
 /// The room's outcome as the engine reports it.
