@@ -26,7 +26,7 @@ cleanup() {
 trap cleanup EXIT
 "$BIN" prefill --port "$P_PORT" --disaggregation-bootstrap-port "$BOOT" "$@" >"$LOGS/prefill.log" 2>&1 & PIDS+=($!)
 "$BIN" decode --port "$D_PORT" "$@" >"$LOGS/decode.log" 2>&1 & PIDS+=($!)
-"$BIN" serve --port "$C_PORT" "$@" >"$LOGS/colocated.log" 2>&1 & PIDS+=($!)
+"$BIN" serve --colocated --port "$C_PORT" "$@" >"$LOGS/colocated.log" 2>&1 & PIDS+=($!)
 wait_healthy() {
     for _ in $(seq 1 600); do
         if "$PY" -c "import urllib.request; urllib.request.urlopen('$1/health', timeout=1)" 2>/dev/null; then return 0; fi

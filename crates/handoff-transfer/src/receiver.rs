@@ -97,6 +97,7 @@ enum Cmd {
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
     AddLink(RankId, TcpStream),
+    Connected(RankId, oneshot::Sender<bool>),
     Abandon(RankId),
     Stats(oneshot::Sender<EndpointStats>),
     Shutdown,
@@ -255,6 +256,12 @@ impl KvReceiver {
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
+    }
+
+    /// Whether the prefill rank `rank` (from [`Self::connect`]) still has
+    /// its control connection and data link up.
+    pub async fn is_connected(&self, rank: RankId) -> Result<bool, TransportError> {
+        self.ask(|r| Cmd::Connected(rank, r)).await
     }
 
     /// Accept a request for `room` needing KV from `sources`.
@@ -449,6 +456,11 @@ impl Driver {
         }
     }
 
+    /// Both the control connection and the data link of `rank` are up.
+    fn connected(&self, rank: RankId) -> bool {
+        self.ctl.contains_key(&rank) && self.links.contains_key(&rank)
+    }
+
     fn add_link(&mut self, rank: RankId, stream: TcpStream) {
         self.next_link += 1;
         let id = self.next_link;
@@ -473,6 +485,16 @@ impl Driver {
         match c {
             Cmd::Open(room, sources, reply) => {
                 let ranks: Vec<RankId> = sources.iter().map(|s| s.rank).collect();
+                // A room whose source is not connected (its control
+                // connection or data link is gone) could only end at its
+                // bootstrap deadline: refuse it now.
+                if let Some(&dead) = ranks.iter().find(|r| !self.connected(**r)) {
+                    let _ = reply.send(Err(TransferError::PeerDead {
+                        rank: dead,
+                        detail: "no live connection to this prefill rank (it closed or died); reconnect first".into(),
+                    }));
+                    return;
+                }
                 let r = self.rooms.open(room, sources, t);
                 if r.is_ok() {
                     self.sources.insert(room, ranks);
@@ -505,6 +527,9 @@ impl Driver {
                 }
             },
             Cmd::AddLink(rank, stream) => self.add_link(rank, stream),
+            Cmd::Connected(rank, reply) => {
+                let _ = reply.send(self.connected(rank));
+            }
             Cmd::Abandon(rank) => {
                 if self.ctl.remove(&rank).is_none() {
                     self.abandoned.insert(rank);

@@ -1,7 +1,9 @@
 //! `handoff serve` in its default, disaggregated form: one prefill and one
 //! decode worker as child processes on loopback (KV over shared memory),
 //! and handoff's router in this process on the public address. The workers
-//! exit with `handoff serve` (their standard input is a pipe from it).
+//! exit with `handoff serve` (their standard input is a pipe from it); a
+//! worker that dies (killed, crashed) is started again on the same ports,
+//! and the router's health checks take it back once it answers.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener as StdListener;
@@ -19,12 +21,67 @@ const WORKER_START_TIMEOUT: Duration = Duration::from_secs(600);
 /// How long a worker may take to drain after `handoff serve` stops.
 const WORKER_STOP_GRACE: Duration = Duration::from_secs(10);
 
+/// Most restarts of one worker within [`RESTART_WINDOW`]; beyond that
+/// `handoff serve` gives up and exits with an error.
+const MAX_RESTARTS: usize = 5;
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
 /// A worker process; stopped (gracefully, then by force) when dropped.
 struct Worker {
     role: &'static str,
     child: Child,
     stdin: Option<ChildStdin>,
     url: String,
+}
+
+/// How to start one worker again.
+#[derive(Clone)]
+struct Spec {
+    role: &'static str,
+    model: std::path::PathBuf,
+    engine: EngineArgs,
+    port: u16,
+    extra: Vec<String>,
+}
+
+impl Spec {
+    fn spawn(&self) -> anyhow::Result<Worker> {
+        spawn_worker(self.role, &self.model, &self.engine, self.port, &self.extra)
+    }
+}
+
+/// Restart workers that exit; fails once one keeps dying.
+async fn supervise(
+    workers: Vec<(Spec, std::sync::Arc<std::sync::Mutex<Worker>>)>,
+) -> anyhow::Error {
+    let mut restarts: Vec<Vec<Instant>> = vec![Vec::new(); workers.len()];
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for (i, (spec, w)) in workers.iter().enumerate() {
+            let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
+            let status = match w.child.try_wait() {
+                Ok(Some(status)) => status,
+                Ok(None) => continue,
+                Err(e) => return anyhow::anyhow!("watching the {} worker: {e}", spec.role),
+            };
+            let now = Instant::now();
+            restarts[i].retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+            if restarts[i].len() >= MAX_RESTARTS {
+                return anyhow::anyhow!(
+                    "the {} worker exited ({status}) {} times within {} s: giving up",
+                    spec.role,
+                    MAX_RESTARTS + 1,
+                    RESTART_WINDOW.as_secs()
+                );
+            }
+            restarts[i].push(now);
+            tracing::error!(role = spec.role, %status, "worker exited: starting it again");
+            match spec.spawn() {
+                Ok(fresh) => *w = fresh,
+                Err(e) => return e.context(format!("restarting the {} worker", spec.role)),
+            }
+        }
+    }
 }
 
 impl Drop for Worker {
@@ -68,6 +125,7 @@ fn spawn_worker(
         .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("starting the {role} worker"))?;
+    tracing::info!(role, pid = child.id(), port, "worker process started");
     // Its log, prefixed with its role, on our standard error.
     let stderr = child.stderr.take().context("worker stderr")?;
     std::thread::spawn(move || {
@@ -117,23 +175,25 @@ pub fn run(engine: &EngineArgs, http: &HttpArgs, transfer: &str) -> anyhow::Resu
     // Fetch the default model once, before the workers start.
     let model = engine.model_path()?;
     let bootstrap = free_port()?;
-    let mut prefill = spawn_worker(
-        "prefill",
-        &model,
-        engine,
-        free_port()?,
-        &[
+    let prefill_spec = Spec {
+        role: "prefill",
+        model: model.clone(),
+        engine: engine.clone(),
+        port: free_port()?,
+        extra: vec![
             "--disaggregation-bootstrap-port".into(),
             bootstrap.to_string(),
         ],
-    )?;
-    let mut decode = spawn_worker(
-        "decode",
-        &model,
-        engine,
-        free_port()?,
-        &["--transfer".into(), transfer.to_string()],
-    )?;
+    };
+    let decode_spec = Spec {
+        role: "decode",
+        model: model.clone(),
+        engine: engine.clone(),
+        port: free_port()?,
+        extra: vec!["--transfer".into(), transfer.to_string()],
+    };
+    let mut prefill = prefill_spec.spawn()?;
+    let mut decode = decode_spec.spawn()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -153,7 +213,7 @@ pub fn run(engine: &EngineArgs, http: &HttpArgs, transfer: &str) -> anyhow::Resu
             }],
             vec![decode.url.clone()],
         );
-        config.health_interval = Duration::from_secs(2);
+        config.health_interval = Duration::from_secs(1);
         tracing::info!(
             prefill = %prefill.url,
             decode = %decode.url,
@@ -162,14 +222,40 @@ pub fn run(engine: &EngineArgs, http: &HttpArgs, transfer: &str) -> anyhow::Resu
             "disaggregated: router -> prefill + decode"
         );
         tracing::info!("listening on http://{addr}");
-        run_router(listener, config, crate::signal::shutdown_signal())
-            .await
-            .context("serving the router")?;
+        let prefill = std::sync::Arc::new(std::sync::Mutex::new(prefill));
+        let decode = std::sync::Arc::new(std::sync::Mutex::new(decode));
+        let supervisor = supervise(vec![
+            (prefill_spec, prefill.clone()),
+            (decode_spec, decode.clone()),
+        ]);
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let stop = async move {
+            tokio::select! {
+                _ = crate::signal::shutdown_signal() => {}
+                _ = stop_rx => {}
+            }
+        };
+        let router = run_router(listener, config, stop);
+        tokio::pin!(router);
+        let failed = tokio::select! {
+            r = &mut router => {
+                r.context("serving the router")?;
+                None
+            }
+            e = supervisor => Some(e),
+        };
+        if let Some(e) = failed {
+            let _ = stop_tx.send(());
+            let _ = router.await;
+            return Err(e);
+        }
         tracing::info!("router stopped; stopping the workers");
-        Ok::<_, anyhow::Error>(())
+        Ok::<_, anyhow::Error>((prefill, decode))
+    })
+    .map(|(prefill, decode)| {
+        drop(prefill);
+        drop(decode);
     })?;
-    drop(prefill);
-    drop(decode);
     tracing::info!("shut down");
     Ok(())
 }

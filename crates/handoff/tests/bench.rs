@@ -103,6 +103,11 @@ fn bench_against_serve_counts_every_request_and_token() {
     let mut addr = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
+        // `serve` is router + prefill + decode; the workers' lines start
+        // with their role in brackets.
+        if line.starts_with('[') {
+            continue;
+        }
         if let Some(i) = line.find("listening on http://") {
             addr = Some(line[i + "listening on http://".len()..].trim().to_string());
             break;

@@ -187,6 +187,19 @@ fn serve_pd_answers_and_stops_its_workers_on_sigterm() {
     serve_answers_and_stops(&[], "pd");
 }
 
+/// The generated text of a completion response (ids and times differ).
+fn body_of(resp: &str) -> String {
+    let body = resp.split("\r\n\r\n").nth(1).unwrap_or_default();
+    // Chunked or not, the JSON object is the part between the braces.
+    let start = body.find('{').unwrap_or(0);
+    let end = body.rfind('}').map(|i| i + 1).unwrap_or(body.len());
+    let v: serde_json::Value = serde_json::from_str(&body[start..end]).expect("JSON body");
+    v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
 fn http_post(addr: &str, path: &str, body: &str) -> String {
     let mut s = TcpStream::connect(addr).expect("connect");
     write!(
@@ -198,6 +211,20 @@ fn http_post(addr: &str, path: &str, body: &str) -> String {
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
+}
+
+/// Kills the server if the test panics, so no process outlives a failure
+/// (its workers exit when their parent does).
+struct KillOnPanic(u32);
+
+impl Drop for KillOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let _ = Command::new("kill")
+                .args(["-9", &self.0.to_string()])
+                .status();
+        }
+    }
 }
 
 #[cfg(unix)]
@@ -224,13 +251,21 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
+    let _reap = KillOnPanic(child.id());
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let mut addr = None;
+    let mut prefill_pid = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
         // Worker processes' lines are prefixed with their role.
         if line.starts_with('[') {
             continue;
+        }
+        if line.contains("worker process started") && line.contains("role=\"prefill\"") {
+            prefill_pid = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("pid="))
+                .map(str::to_string);
         }
         if let Some(i) = line.find("listening on http://") {
             addr = Some(line[i + "listening on http://".len()..].trim().to_string());
@@ -248,6 +283,33 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
     );
     assert!(done.starts_with("HTTP/1.1 200"), "{done}");
     assert!(done.contains("\"completion_tokens\":5"), "{done}");
+    if label == "pd" {
+        // A prefill worker killed with SIGKILL is started again and the
+        // next requests are served.
+        let pid = prefill_pid.expect("serve logs the prefill worker's pid");
+        assert!(Command::new("kill")
+            .args(["-9", &pid])
+            .status()
+            .unwrap()
+            .success());
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let again = http_post(
+                &addr,
+                "/v1/completions",
+                r#"{"prompt":"hello","max_tokens":5,"temperature":0,"ignore_eos":true}"#,
+            );
+            if again.starts_with("HTTP/1.1 200") {
+                assert_eq!(body_of(&again), body_of(&done));
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "not served after the prefill was killed: {again}"
+            );
+        }
+    }
 
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
@@ -262,6 +324,11 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
         "{rest:?}"
     );
     if label == "pd" {
+        assert!(
+            rest.iter()
+                .any(|l| l.contains("worker exited: starting it again")),
+            "{rest:?}"
+        );
         for role in ["[prefill]", "[decode]"] {
             assert!(
                 rest.iter()

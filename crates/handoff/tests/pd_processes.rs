@@ -187,7 +187,7 @@ async fn prefill_killed_mid_transfer_is_a_typed_error_and_decode_recovers(transp
     ));
     std::fs::create_dir_all(&dir).expect("dir");
     let model = model(&dir);
-    let colocated = start("serve", &model, &[]);
+    let colocated = start("serve", &model, &["--colocated"]);
     let decode = start("decode", &model, &["--transfer", transport]);
     let boot = ["--disaggregation-bootstrap-port", "0"];
 

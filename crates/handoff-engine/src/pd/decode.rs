@@ -242,8 +242,14 @@ impl Ctx {
         let ctx = self.clone();
         tokio::spawn(async move {
             let mut peers = ctx.peers.lock().await;
-            if let Some(r) = peers.get(&addr) {
-                return Ok(*r);
+            if let Some(&r) = peers.get(&addr) {
+                // A prefill that died (or restarted on the same address)
+                // left a dead connection behind: connect again.
+                if ctx.receiver.is_connected(r).await? {
+                    return Ok(r);
+                }
+                tracing::info!(prefill = %addr, rank = r.0, "prefill connection lost: reconnecting");
+                peers.remove(&addr);
             }
             let kind = ctx.transport.for_peer(addr);
             let rank = ctx.receiver.connect_with(addr, kind).await?;
