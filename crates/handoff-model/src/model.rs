@@ -270,6 +270,20 @@ impl Llama {
         seqs: &[SeqChunk<'_>],
         phase: Phase,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_observed(pool, seqs, phase, &mut |_| {})
+    }
+
+    /// [`Self::forward`], calling `kv_written(layer)` as soon as that
+    /// layer's K/V of every new token is in the pool (before the layer's
+    /// attention and the later layers): a prefill worker streams those
+    /// pages to decode while the rest of the forward computes.
+    pub fn forward_observed(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqChunk<'_>],
+        phase: Phase,
+        kv_written: &mut dyn FnMut(usize),
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.config;
         let (h, d) = (cfg.hidden, cfg.head_dim);
         let kvw = cfg.kv_heads * d;
@@ -346,6 +360,7 @@ impl Llama {
                 }
                 row += s.tokens.len();
             }
+            kv_written(layer);
             let attn = match phase {
                 Phase::Decode => {
                     let sa: Vec<SeqAttn<'_>> = seqs

@@ -399,27 +399,34 @@ async fn prefill_room(
             reply,
         })
         .map_err(|_| EngineError::ShuttingDown)?;
-    // Stream each page as soon as the chunks covering it are computed (its
-    // K/V never change afterwards), every layer of it, while later chunks
-    // compute; the rest goes once the compute is done.
-    let mut sent = 0usize;
+    // Stream each page layer by layer: as soon as a layer's K/V of every
+    // token of the page is computed (it never changes afterwards), while the
+    // later layers and chunks compute.
+    let mut stream = LayerStream {
+        sent: 0,
+        layers_sent: 0,
+        layers: ctx.layers,
+        page_size: ctx.page_size,
+        prompt_len: req.prompt_ids.len(),
+    };
     let mut queued: Result<(), TransportError> = Ok(());
     let computed = loop {
         tokio::select! {
-            r = &mut done => break Ok(r),
-            Some(cached) = progress.recv(), if queued.is_ok() => {
-                let upto = (cached / ctx.page_size).min(src.len());
-                if upto > sent {
-                    queued = ctx
-                        .sender
-                        .send(room, 0..ctx.layers, sent..upto, src.clone())
-                        .await;
-                    sent = upto;
-                }
+            biased;
+            Some((end, layer)) = progress.recv(), if queued.is_ok() => {
+                queued = stream.advance(ctx, room, &src, end, layer).await;
             }
+            r = &mut done => break Ok(r),
             o = &mut outcome => break Err(ended(o).err().unwrap_or_else(before_compute)),
         }
     };
+    // The compute is over: what it reported and we did not read yet.
+    if matches!(computed, Ok(Ok(_))) {
+        while let (true, Ok((end, layer))) = (queued.is_ok(), progress.try_recv()) {
+            queued = stream.advance(ctx, room, &src, end, layer).await;
+        }
+    }
+    let sent = stream.sent;
     let (result, lease) = match computed {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => return Err(EngineError::ShuttingDown),
@@ -503,6 +510,54 @@ async fn prefill_room(
     })
 }
 
+/// Which K/V of the prompt's pages went to decode so far.
+struct LayerStream {
+    /// Pages sent with every layer.
+    sent: usize,
+    /// Layers sent of the pages the current chunk completes.
+    layers_sent: usize,
+    layers: usize,
+    page_size: usize,
+    prompt_len: usize,
+}
+
+impl LayerStream {
+    /// Layer `layer` of every token before `end` is computed: send that
+    /// layer (and any earlier one not sent yet) of the pages it completes.
+    async fn advance(
+        &mut self,
+        ctx: &Ctx,
+        room: RoomId,
+        src: &Arc<[PageIndex]>,
+        end: usize,
+        layer: usize,
+    ) -> Result<(), TransportError> {
+        let upto = if end >= self.prompt_len {
+            src.len()
+        } else {
+            (end / self.page_size).min(src.len())
+        };
+        let mut r = Ok(());
+        if upto > self.sent && layer + 1 > self.layers_sent {
+            r = ctx
+                .sender
+                .send(
+                    room,
+                    self.layers_sent..layer + 1,
+                    self.sent..upto,
+                    src.clone(),
+                )
+                .await;
+            self.layers_sent = layer + 1;
+        }
+        if layer + 1 == self.layers {
+            self.sent = self.sent.max(upto);
+            self.layers_sent = 0;
+        }
+        r
+    }
+}
+
 /// Milliseconds, for log fields.
 pub(crate) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
@@ -552,7 +607,9 @@ struct Job {
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
     /// Prompt tokens computed so far, after each chunk.
-    progress: tokio::sync::mpsc::UnboundedSender<usize>,
+    /// (chunk end, layer): that layer's K/V of every token before the
+    /// chunk end is in the pool.
+    progress: tokio::sync::mpsc::UnboundedSender<(usize, usize)>,
     /// The first token (None when cancelled) and the pages back.
     reply: oneshot::Sender<JobResult>,
 }
@@ -592,12 +649,16 @@ impl Compute {
                 pages: job.lease.pages(),
             };
             let pool = &mut self.pool;
+            let progress = &job.progress;
             let logits = self
                 .threads
-                .install(|| model.forward(pool, &[chunk], Phase::Prefill))
+                .install(|| {
+                    model.forward_observed(pool, &[chunk], Phase::Prefill, &mut |layer| {
+                        let _ = progress.send((end, layer));
+                    })
+                })
                 .map_err(|e| EngineError::Model(e.to_string()))?;
             cached = end;
-            let _ = job.progress.send(cached);
             last = logits.into_iter().next();
         }
         let logits = last.ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
