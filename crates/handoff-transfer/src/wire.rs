@@ -246,4 +246,43 @@ mod tests {
         assert_eq!(Ack::decode(&a.encode()), Ok(a));
         assert!(Ack::decode(&[9u8; ACK_LEN]).is_err());
     }
+
+    proptest::proptest! {
+        /// Any bytes off a data link decode to a typed error or to a record
+        /// that encodes and decodes back to itself; nothing panics.
+        #[test]
+        fn arbitrary_record_bytes_decode_or_fail_cleanly(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), RECORD_LEN)
+        ) {
+            let b: [u8; RECORD_LEN] = bytes.try_into().unwrap();
+            if let Ok(r) = Record::decode(&b) {
+                proptest::prop_assert_eq!(Record::decode(&r.encode()), Ok(r));
+            }
+        }
+
+        /// One flipped byte of a valid record: still a clean outcome.
+        #[test]
+        fn corrupted_records_decode_or_fail_cleanly(
+            at in 0..RECORD_LEN, value in proptest::prelude::any::<u8>(), layer in 0u32..64,
+            page in 0u32..1_000_000, room in 1u64..u64::MAX,
+        ) {
+            let room = RoomId::new(room).unwrap();
+            let mut b = Record::Segment(SegmentHeader { room, layer, dst_page: page, n_pages: 1 }).encode();
+            b[at] = value;
+            if let Ok(r) = Record::decode(&b) {
+                proptest::prop_assert_eq!(Record::decode(&r.encode()), Ok(r));
+            }
+        }
+
+        /// Acks too.
+        #[test]
+        fn arbitrary_ack_bytes_decode_or_fail_cleanly(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), ACK_LEN)
+        ) {
+            let b: [u8; ACK_LEN] = bytes.try_into().unwrap();
+            if let Ok(a) = Ack::decode(&b) {
+                proptest::prop_assert_eq!(Ack::decode(&a.encode()), Ok(a));
+            }
+        }
+    }
 }
