@@ -56,6 +56,19 @@ per_transport!(
     streams_dropped_at_any_moment_leave_nothing_behind,
 );
 
+/// Room deadlines of the tests that do not test deadlines: the transfer
+/// suite's fast heartbeats and fence, but room deadlines long enough for 16
+/// queued prefills on a loaded 2-core CI machine (a room waits in
+/// WaitingForInput while earlier prefills compute; 3 s was exceeded there).
+fn room_timers() -> TimerConfig {
+    TimerConfig {
+        bootstrap: Duration::from_secs(60),
+        waiting_for_input: Duration::from_secs(60),
+        transfer: Duration::from_secs(60),
+        ..handoff_transfer::testing::timers()
+    }
+}
+
 /// Prefill chunk of every engine here (prompts span several chunks).
 const CHUNK: usize = 16;
 
@@ -95,7 +108,7 @@ impl Default for Opts {
 }
 
 fn pd_config(kind: TransportKind) -> PdConfig {
-    pd_config_with(kind, handoff_transfer::testing::timers())
+    pd_config_with(kind, room_timers())
 }
 
 fn pd_config_with(kind: TransportKind, timers: TimerConfig) -> PdConfig {
@@ -122,7 +135,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     dcfg.max_context = o.decode_max_context;
     dcfg.max_batch = o.decode_max_batch;
     dcfg.kv_pages = o.decode_kv_pages.unwrap_or(o.kv_pages);
-    let timers = o.timers.unwrap_or_else(handoff_transfer::testing::timers);
+    let timers = o.timers.unwrap_or_else(room_timers);
     let decode = DecodeEngine::start(dcfg, pd_config_with(kind, timers)).unwrap();
     let mut pcfg = cfg;
     pcfg.max_context = o.prefill_max_context;

@@ -92,6 +92,7 @@ enum Cmd {
     Finish(RoomId, AuxData, oneshot::Sender<Result<(), TransferError>>),
     Poll(RoomId, oneshot::Sender<SenderPoll>),
     Wait(RoomId, oneshot::Sender<SenderPoll>),
+    WaitInput(RoomId, oneshot::Sender<SenderPoll>),
     Stats(oneshot::Sender<EndpointStats>),
     Shutdown,
 }
@@ -153,6 +154,7 @@ impl KvSender {
             links: HashMap::new(),
             io: HashMap::new(),
             waiters: HashMap::new(),
+            input_waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
             next_link: 0,
@@ -222,6 +224,13 @@ impl KvSender {
     /// Returns `Unknown` at once for a room that is neither live nor ended.
     pub async fn wait(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
         self.ask(|r| Cmd::Wait(room, r)).await
+    }
+
+    /// Wait until `room` leaves `Bootstrapping`: every destination arrived
+    /// (`Pending(WaitingForInput)`: compute may start) or the room ended
+    /// (`Unknown`: its outcome is left for [`Self::poll`] / [`Self::wait`]).
+    pub async fn wait_input(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
+        self.ask(|r| Cmd::WaitInput(room, r)).await
     }
 
     /// Counters and gauges.
@@ -448,6 +457,8 @@ struct Driver {
     /// Outcomes not yet polled; they expire with the unknown-room TTL.
     outcomes: Expiring<Result<(), TransferError>>,
     waiters: HashMap<RoomId, Vec<oneshot::Sender<SenderPoll>>>,
+    /// Waiting for their room to leave `Bootstrapping`.
+    input_waiters: HashMap<RoomId, Vec<oneshot::Sender<SenderPoll>>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
@@ -485,6 +496,7 @@ impl Driver {
                 _ = sleep => {
                     self.on_timeout();
                     self.pump();
+                    self.wake_input_waiters();
                     continue;
                 }
             };
@@ -497,12 +509,39 @@ impl Driver {
                 Ev::Accepted(l) => self.accepted(*l, &self_tx),
             }
             self.pump();
+            self.wake_input_waiters();
         }
         accept.abort();
         self.ctl.clear();
         self.links.clear();
         for (_, io) in self.io.drain() {
             io.cancel.store(true, Ordering::Release);
+        }
+    }
+
+    /// The state `wait_input` reports for `room`, or `None` while it is
+    /// still bootstrapping.
+    fn input_state(&self, room: RoomId) -> Option<SenderPoll> {
+        match self.rooms.state(room) {
+            Some(RoomState::Bootstrapping) => None,
+            Some(s) if !s.is_terminal() => Some(SenderPoll::Pending(s)),
+            _ => Some(SenderPoll::Unknown),
+        }
+    }
+
+    fn wake_input_waiters(&mut self) {
+        if self.input_waiters.is_empty() {
+            return;
+        }
+        let ready: Vec<(RoomId, SenderPoll)> = self
+            .input_waiters
+            .keys()
+            .filter_map(|&room| self.input_state(room).map(|p| (room, p)))
+            .collect();
+        for (room, p) in ready {
+            for w in self.input_waiters.remove(&room).unwrap_or_default() {
+                let _ = w.send(p.clone());
+            }
         }
     }
 
@@ -651,6 +690,12 @@ impl Driver {
                 };
                 let _ = reply.send(p);
             }
+            Cmd::WaitInput(room, reply) => match self.input_state(room) {
+                Some(p) => {
+                    let _ = reply.send(p);
+                }
+                None => self.input_waiters.entry(room).or_default().push(reply),
+            },
             Cmd::Wait(room, reply) => match self.outcomes.remove(room) {
                 Some(Ok(())) => {
                     let _ = reply.send(SenderPoll::Success);

@@ -38,10 +38,6 @@ use crate::error::EngineError;
 use crate::handle::{LoadSnapshot, ModelInfo};
 use crate::request::GenerateRequest;
 
-/// How often a waiting request looks at its room (destination arrived,
-/// decode aborted).
-const ROOM_POLL: Duration = Duration::from_millis(1);
-
 /// A prefill that completed: decode holds the prompt's KV and the first token.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PrefillDone {
@@ -589,12 +585,13 @@ fn before_compute() -> EngineError {
 /// Wait until every destination of `room` arrived (compute may start).
 /// Pending forever once the room ended: its outcome says why.
 async fn wait_for_input(sender: &KvSender, room: RoomId) {
-    loop {
-        if let Ok(SenderPoll::Pending(RoomState::WaitingForInput)) = sender.poll(room).await {
-            return;
-        }
-        tokio::time::sleep(ROOM_POLL).await;
+    if let Ok(SenderPoll::Pending(RoomState::WaitingForInput | RoomState::Transferring)) =
+        sender.wait_input(room).await
+    {
+        return;
     }
+    // The room ended: the caller's outcome branch reports how.
+    std::future::pending::<()>().await
 }
 
 type JobResult = (Result<Option<(u32, f32)>, EngineError>, PageLease);
@@ -606,7 +603,6 @@ struct Job {
     sampler: SamplerConfig,
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
-    /// Prompt tokens computed so far, after each chunk.
     /// (chunk end, layer): that layer's K/V of every token before the
     /// chunk end is in the pool.
     progress: tokio::sync::mpsc::UnboundedSender<(usize, usize)>,
