@@ -42,11 +42,19 @@ struct Spec {
     engine: EngineArgs,
     port: u16,
     extra: Vec<String>,
+    nice: u8,
 }
 
 impl Spec {
     fn spawn(&self) -> anyhow::Result<Worker> {
-        spawn_worker(self.role, &self.model, &self.engine, self.port, &self.extra)
+        spawn_worker(
+            self.role,
+            &self.model,
+            &self.engine,
+            self.port,
+            &self.extra,
+            self.nice,
+        )
     }
 }
 
@@ -113,9 +121,18 @@ fn spawn_worker(
     engine: &EngineArgs,
     port: u16,
     extra: &[String],
+    nice: u8,
 ) -> anyhow::Result<Worker> {
     let exe = std::env::current_exe().context("locating the handoff binary")?;
-    let mut child = Command::new(exe)
+    // `nice` execs the worker: the pid stays the worker's.
+    let mut cmd = if nice > 0 {
+        let mut c = Command::new("nice");
+        c.args(["-n", &nice.to_string()]).arg(exe);
+        c
+    } else {
+        Command::new(exe)
+    };
+    let mut child = cmd
         .arg(role)
         .args(engine.to_args(model))
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
@@ -171,7 +188,16 @@ async fn wait_healthy(w: &mut Worker) -> anyhow::Result<()> {
 }
 
 /// Run router + prefill + decode until SIGTERM / ctrl-c.
-pub fn run(engine: &EngineArgs, http: &HttpArgs, transfer: &str) -> anyhow::Result<()> {
+/// `prefill_nice`: the prefill worker's scheduling niceness (0 = as this
+/// process). On a host where both workers share the cores, a positive value
+/// lets decode steps preempt prefill compute, which keeps inter-token
+/// latency low while long prompts prefill (BENCHMARKS.md).
+pub fn run(
+    engine: &EngineArgs,
+    http: &HttpArgs,
+    transfer: &str,
+    prefill_nice: u8,
+) -> anyhow::Result<()> {
     // Fetch the default model once, before the workers start.
     let model = engine.model_path()?;
     let bootstrap = free_port()?;
@@ -184,6 +210,7 @@ pub fn run(engine: &EngineArgs, http: &HttpArgs, transfer: &str) -> anyhow::Resu
             "--disaggregation-bootstrap-port".into(),
             bootstrap.to_string(),
         ],
+        nice: prefill_nice,
     };
     let decode_spec = Spec {
         role: "decode",
@@ -191,6 +218,7 @@ pub fn run(engine: &EngineArgs, http: &HttpArgs, transfer: &str) -> anyhow::Resu
         engine: engine.clone(),
         port: free_port()?,
         extra: vec!["--transfer".into(), transfer.to_string()],
+        nice: 0,
     };
     let mut prefill = prefill_spec.spawn()?;
     let mut decode = decode_spec.spawn()?;

@@ -27,6 +27,12 @@ pub struct ServeArgs {
     /// is `--colocated`).
     #[arg(long, value_enum)]
     disaggregation_mode: Option<Mode>,
+    /// Disaggregated serve: niceness of the prefill worker process (0-19;
+    /// 0 = none). Where prefill and decode share the cores, decode steps
+    /// then preempt prefill compute, keeping inter-token latency low while
+    /// long prompts prefill.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=19))]
+    prefill_nice: u8,
 }
 
 /// Run `handoff serve` until SIGTERM / ctrl-c.
@@ -37,7 +43,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let Some(mode) = mode else {
         let transfer = args.pd.disaggregation_transfer_backend.to_string();
-        return crate::local_pd::run(&args.engine, &args.http, &transfer);
+        return crate::local_pd::run(&args.engine, &args.http, &transfer, args.prefill_nice);
     };
     let worker = WorkerArgs {
         engine: args.engine,
