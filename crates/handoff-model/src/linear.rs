@@ -6,6 +6,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
+use crate::q8_matmul::Q8Matrix;
 
 /// Inner-dimension multiple for Q8_0 matrices (see `Mat::build`).
 const Q8_PAD: usize = 256;
@@ -17,7 +18,10 @@ pub enum WeightFormat {
     /// quantized on the fly as llama.cpp does.
     AsLoaded,
     /// Re-quantize to Q8_0 (8-bit blocks of 32); activations are quantized
-    /// in blocks of 32 too, as llama.cpp does.
+    /// in blocks of 32 too, as llama.cpp does. Decode (and the LM head) run
+    /// handoff's own small-batch kernel (`q8_matmul`), which loads each
+    /// weight block once for all sequences of a step; prefill runs candle's
+    /// Q8_0 kernel.
     Q8_0,
     /// Q8_0 with the inner dimension zero-padded to a multiple of 256 so that
     /// candle's AVX-512 VNNI kernel runs (3-4x faster on CPUs that have it);
@@ -84,13 +88,31 @@ pub enum Phase {
 enum Mat {
     /// Quantized weights; the input is zero-padded to `padded_in` columns.
     Quant(QMatMul, usize),
+    /// Q8_0 weights for handoff's small-batch kernel.
+    Q8(Q8Matrix),
     /// `[in, out]`, contiguous (pre-transposed for the GEMM).
     Dense(Tensor),
 }
 
 impl Mat {
-    fn build(q: &QTensor, format: WeightFormat) -> Result<Self, ModelError> {
+    /// `small_batch`: the matrix runs with few activation rows (decode, LM
+    /// head); `q8_0` then uses handoff's kernel rather than candle's.
+    fn build(q: &QTensor, format: WeightFormat, small_batch: bool) -> Result<Self, ModelError> {
         let dev = Device::Cpu;
+        let float = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        if small_batch && format == WeightFormat::Q8_0 && !float {
+            let (out, in_dim) = q.shape().dims2()?;
+            let owned;
+            let q8 = if q.dtype() == GgmlDType::Q8_0 {
+                q
+            } else {
+                owned = QTensor::quantize(&q.dequantize(&dev)?, GgmlDType::Q8_0)?;
+                &owned
+            };
+            return Q8Matrix::from_ggml_q8_0(&q8.data()?, out, in_dim)
+                .map(Mat::Q8)
+                .map_err(|e| ModelError::Malformed(e.to_string()));
+        }
         Ok(match (format, q.dtype()) {
             (WeightFormat::F32, _) | (_, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 Mat::Dense(q.dequantize(&dev)?.t()?.contiguous()?)
@@ -130,18 +152,20 @@ impl Mat {
         })
     }
 
-    fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> candle_core::Result<Tensor> {
-        match self {
+    fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>, ModelError> {
+        let y = match self {
+            Mat::Q8(m) => return Ok(m.forward(x, n)),
             Mat::Quant(q, padded) if *padded != in_dim => {
                 let mut xp = vec![0.0f32; n * padded];
                 for (dst, src) in xp.chunks_exact_mut(*padded).zip(x.chunks_exact(in_dim)) {
                     dst[..in_dim].copy_from_slice(src);
                 }
-                q.forward(&Tensor::from_vec(xp, (n, *padded), &Device::Cpu)?)
+                q.forward(&Tensor::from_vec(xp, (n, *padded), &Device::Cpu)?)?
             }
-            Mat::Quant(q, _) => q.forward(&Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?),
-            Mat::Dense(w) => Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?.matmul(w),
-        }
+            Mat::Quant(q, _) => q.forward(&Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?)?,
+            Mat::Dense(w) => Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?.matmul(w)?,
+        };
+        Ok(y.flatten_all()?.to_vec1::<f32>()?)
     }
 }
 
@@ -170,15 +194,32 @@ impl Linear {
             .shape()
             .dims2()
             .map_err(|e| ModelError::Malformed(e.to_string()))?;
-        let prefill = std::sync::Arc::new(Mat::build(q, formats.prefill)?);
-        let decode = if formats.decode == formats.prefill {
+        let prefill = std::sync::Arc::new(Mat::build(q, formats.prefill, false)?);
+        // `q8_0` is a different kernel per phase (and so a different copy).
+        let decode = if formats.decode == formats.prefill && formats.decode != WeightFormat::Q8_0 {
             prefill.clone()
         } else {
-            std::sync::Arc::new(Mat::build(q, formats.decode)?)
+            std::sync::Arc::new(Mat::build(q, formats.decode, true)?)
         };
         Ok(Self {
             prefill,
             decode,
+            in_dim,
+            out_dim,
+        })
+    }
+
+    /// Build a matrix that only ever runs with few rows (one per sequence,
+    /// e.g. the LM head): one copy in `format`, used by both phases.
+    pub fn new_small_batch(q: &QTensor, format: WeightFormat) -> Result<Self, ModelError> {
+        let (out_dim, in_dim) = q
+            .shape()
+            .dims2()
+            .map_err(|e| ModelError::Malformed(e.to_string()))?;
+        let mat = std::sync::Arc::new(Mat::build(q, format, true)?);
+        Ok(Self {
+            prefill: mat.clone(),
+            decode: mat,
             in_dim,
             out_dim,
         })
@@ -196,7 +237,6 @@ impl Linear {
             Phase::Prefill => &self.prefill,
             Phase::Decode => &self.decode,
         };
-        let y = mat.forward(x, n, self.in_dim)?;
-        Ok(y.flatten_all()?.to_vec1::<f32>()?)
+        mat.forward(x, n, self.in_dim)
     }
 }
