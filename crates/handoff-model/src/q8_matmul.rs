@@ -148,14 +148,14 @@ impl Q8Matrix {
         let tiles_per_chunk = tiles.div_ceil(threads * 4).max(1);
         yt.par_chunks_mut(tiles_per_chunk * TILE * n)
             .enumerate()
-            .for_each_init(Vec::new, |w16, (chunk, out)| {
+            .for_each_init(Scratch::default, |scratch, (chunk, out)| {
                 let t0 = chunk * tiles_per_chunk;
                 for (i, out) in out.chunks_exact_mut(TILE * n).enumerate() {
                     let t = t0 + i;
                     let qs = &self.qs[t * per_tile..(t + 1) * per_tile];
                     let d = &self.d[t * per_tile..(t + 1) * per_tile];
-                    widen(qs, w16);
-                    tile(w16, d, &xq, &xd, self.blocks, n, out);
+                    widen(qs, &mut scratch.w16);
+                    tile(scratch, d, &xq, &xd, self.blocks, n, out);
                 }
             });
         let mut y = vec![0f32; n * self.out_dim];
@@ -234,7 +234,7 @@ fn hsum(a: &[f32; 8]) -> f32 {
 /// shuffles). Every shape performs the same operations per output element
 /// in the same order.
 fn tile(
-    w16: &[[i16; QK]],
+    scratch: &mut Scratch,
     wd: &[f32],
     xq: &[[i16; QK]],
     xd: &[f32],
@@ -242,39 +242,62 @@ fn tile(
     n: usize,
     out: &mut [f32],
 ) {
+    let Scratch { w16, dd } = scratch;
+    let w16 = &w16[..TILE * blocks];
     let wrow = |r: usize| (&w16[r * blocks..][..blocks], &wd[r * blocks..][..blocks]);
     let xrow = |c: usize| (&xq[c * blocks..][..blocks], &xd[c * blocks..][..blocks]);
+    // The scale products f32(d_w)·f32(d_x), computed up front (vectorized)
+    // so that the block loops only load them.
+    let scales = |dd: &mut Vec<f32>, pairs: &mut dyn Iterator<Item = (&[f32], &[f32])>| {
+        dd.clear();
+        for (a, b) in pairs {
+            dd.extend(a.iter().zip(b).map(|(a, b)| a * b));
+        }
+    };
     let mut c = 0;
     while n - c >= 2 {
         let take = (n - c).min(4);
         for r in 0..TILE {
-            let (w, d) = wrow(r);
+            let (w, wd) = wrow(r);
+            scales(dd, &mut (c..c + take).map(|k| (wd, xrow(k).1)));
             let dst = &mut out[r * n + c..][..take];
+            let ds = |k: usize| &dd[k * blocks..][..blocks];
             match take {
                 4 => {
-                    let x: [_; 4] = std::array::from_fn(|k| xrow(c + k));
-                    dst.copy_from_slice(&row_cols(w, d, x.map(|v| v.0), x.map(|v| v.1)));
+                    let x: [_; 4] = std::array::from_fn(|k| xrow(c + k).0);
+                    dst.copy_from_slice(&row_cols(w, x, std::array::from_fn(ds)));
                 }
                 3 => {
-                    let x: [_; 3] = std::array::from_fn(|k| xrow(c + k));
-                    dst.copy_from_slice(&row_cols(w, d, x.map(|v| v.0), x.map(|v| v.1)));
+                    let x: [_; 3] = std::array::from_fn(|k| xrow(c + k).0);
+                    dst.copy_from_slice(&row_cols(w, x, std::array::from_fn(ds)));
                 }
                 _ => {
-                    let x: [_; 2] = std::array::from_fn(|k| xrow(c + k));
-                    dst.copy_from_slice(&row_cols(w, d, x.map(|v| v.0), x.map(|v| v.1)));
+                    let x: [_; 2] = std::array::from_fn(|k| xrow(c + k).0);
+                    dst.copy_from_slice(&row_cols(w, x, std::array::from_fn(ds)));
                 }
             }
         }
         c += take;
     }
     if c < n {
-        let w: [_; TILE] = std::array::from_fn(wrow);
-        let (x, d) = xrow(c);
-        let res = rows_col(w.map(|v| v.0), w.map(|v| v.1), x, d);
+        let (x, xd) = xrow(c);
+        scales(dd, &mut (0..TILE).map(|r| (wrow(r).1, xd)));
+        let w: [_; TILE] = std::array::from_fn(|r| wrow(r).0);
+        let ds: [_; TILE] = std::array::from_fn(|r| &dd[r * blocks..][..blocks]);
+        let res = rows_col(w, ds, x);
         for (r, v) in res.into_iter().enumerate() {
             out[r * n + c] = v;
         }
     }
+}
+
+/// Per-thread buffers of the tile loop.
+#[derive(Default)]
+struct Scratch {
+    /// The tile's weights widened to i16.
+    w16: Vec<[i16; QK]>,
+    /// Scale products, one row of `blocks` per dot product of a call.
+    dd: Vec<f32>,
 }
 
 /// Accumulate one block product into `acc` (the per-element step).
@@ -286,22 +309,18 @@ fn step(acc: &mut [f32; 8], w: &[i16; QK], x: &[i16; QK], d: f32) {
     }
 }
 
-/// One weight row against `C` activation rows. Not inlined: inlined into
+/// One weight row against `C` activation rows; `ds[k][b]` is the scale
+/// product of block `b` for activation row `k`. Not inlined: inlined into
 /// `tile` the loop was vectorized across rows with shuffles instead.
 #[inline(never)]
-fn row_cols<const C: usize>(
-    w: &[[i16; QK]],
-    wd: &[f32],
-    xs: [&[[i16; QK]]; C],
-    xds: [&[f32]; C],
-) -> [f32; C] {
+fn row_cols<const C: usize>(w: &[[i16; QK]], xs: [&[[i16; QK]]; C], ds: [&[f32]; C]) -> [f32; C] {
     // Equal lengths, visible to LLVM: no bounds checks in the loop.
     let nb = w.len();
-    let (wd, xs, xds) = (&wd[..nb], xs.map(|x| &x[..nb]), xds.map(|x| &x[..nb]));
+    let (xs, ds) = (xs.map(|x| &x[..nb]), ds.map(|d| &d[..nb]));
     let mut acc = [[0f32; 8]; C];
     for b in 0..nb {
         for k in 0..C {
-            step(&mut acc[k], &w[b], &xs[k][b], wd[b] * xds[k][b]);
+            step(&mut acc[k], &w[b], &xs[k][b], ds[k][b]);
         }
     }
     std::array::from_fn(|k| hsum(&acc[k]))
@@ -309,18 +328,13 @@ fn row_cols<const C: usize>(
 
 /// `R` weight rows against one activation row (not inlined, as above).
 #[inline(never)]
-fn rows_col<const R: usize>(
-    ws: [&[[i16; QK]]; R],
-    wds: [&[f32]; R],
-    x: &[[i16; QK]],
-    xd: &[f32],
-) -> [f32; R] {
+fn rows_col<const R: usize>(ws: [&[[i16; QK]]; R], ds: [&[f32]; R], x: &[[i16; QK]]) -> [f32; R] {
     let nb = x.len();
-    let (xd, ws, wds) = (&xd[..nb], ws.map(|w| &w[..nb]), wds.map(|w| &w[..nb]));
+    let (ws, ds) = (ws.map(|w| &w[..nb]), ds.map(|d| &d[..nb]));
     let mut acc = [[0f32; 8]; R];
     for b in 0..nb {
         for r in 0..R {
-            step(&mut acc[r], &ws[r][b], &x[b], wds[r][b] * xd[b]);
+            step(&mut acc[r], &ws[r][b], &x[b], ds[r][b]);
         }
     }
     std::array::from_fn(|r| hsum(&acc[r]))
@@ -508,5 +522,72 @@ mod tests {
             Q8Matrix::from_ggml_q8_0(&[0; 33], 1, 32),
             Err(Q8Error::Size { .. })
         ));
+    }
+
+    /// Kernel timing on SmolLM2-135M's shapes (one decode step: 30 layers
+    /// and the LM head), n = 1 and 8:
+    /// `cargo test --release -p handoff-model --lib q8_timing -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn q8_timing() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        let shapes = [
+            (960, 576, 30),
+            (576, 576, 30),
+            (3072, 576, 30),
+            (576, 1536, 30),
+            (49152, 576, 1),
+        ];
+        let dev = Device::Cpu;
+        let mats: Vec<(Q8Matrix, usize)> = shapes
+            .iter()
+            .map(|&(out, inp, times)| {
+                let w = random(&mut rng, out * inp, 0.1);
+                let q = QTensor::quantize(
+                    &Tensor::from_slice(&w, (out, inp), &dev).unwrap(),
+                    GgmlDType::Q8_0,
+                )
+                .unwrap();
+                (
+                    Q8Matrix::from_ggml_q8_0(&q.data().unwrap(), out, inp).unwrap(),
+                    times,
+                )
+            })
+            .collect();
+        let threads: usize = std::env::var("Q8_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for n in [1usize, 8] {
+            let xs: Vec<Vec<f32>> = mats
+                .iter()
+                .map(|(m, _)| random(&mut rng, n * m.in_dim(), 1.0))
+                .collect();
+            let step = || {
+                for ((m, times), x) in mats.iter().zip(&xs) {
+                    for _ in 0..*times {
+                        std::hint::black_box(m.forward(x, n));
+                    }
+                }
+            };
+            pool.install(step);
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                let t = std::time::Instant::now();
+                for _ in 0..10 {
+                    pool.install(step);
+                }
+                best = best.min(t.elapsed().as_secs_f64() / 10.0);
+            }
+            println!(
+                "n={n}: {:.2} ms per step, {:.1} tokens/s (matmuls only)",
+                best * 1e3,
+                n as f64 / best
+            );
+        }
     }
 }
