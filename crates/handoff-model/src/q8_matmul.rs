@@ -150,12 +150,18 @@ impl Q8Matrix {
             .enumerate()
             .for_each_init(Scratch::default, |scratch, (chunk, out)| {
                 let t0 = chunk * tiles_per_chunk;
+                let qs = |t: usize| &self.qs[t * per_tile..(t + 1) * per_tile];
+                let tiles_here = out.len() / (TILE * n);
+                widen(qs(t0), &mut scratch.w16);
                 for (i, out) in out.chunks_exact_mut(TILE * n).enumerate() {
                     let t = t0 + i;
-                    let qs = &self.qs[t * per_tile..(t + 1) * per_tile];
                     let d = &self.d[t * per_tile..(t + 1) * per_tile];
-                    widen(qs, &mut scratch.w16);
-                    tile(scratch, d, &xq, &xd, self.blocks, n, out);
+                    // The next tile's weights are widened row by row while
+                    // this one computes, so their loads from memory overlap
+                    // with arithmetic.
+                    let next = (i + 1 < tiles_here).then(|| qs(t + 1));
+                    tile(scratch, d, &xq, &xd, self.blocks, n, out, next);
+                    std::mem::swap(&mut scratch.w16, &mut scratch.next);
                 }
             });
         let mut y = vec![0f32; n * self.out_dim];
@@ -198,6 +204,11 @@ pub fn quantize_rows(x: &[f32], n: usize, in_dim: usize) -> (Vec<[i16; QK]>, Vec
 /// below see two i16 operands and become `vpmaddwd`).
 fn widen(qs: &[[i8; QK]], w16: &mut Vec<[i16; QK]>) {
     w16.clear();
+    widen_more(qs, w16);
+}
+
+/// Append `qs` widened to i16.
+fn widen_more(qs: &[[i8; QK]], w16: &mut Vec<[i16; QK]>) {
     w16.extend(qs.iter().map(|b| b.map(i16::from)));
 }
 
@@ -233,6 +244,9 @@ fn hsum(a: &[f32; 8]) -> f32 {
 /// shapes, e.g. weight-row tiles against column pairs, came out as
 /// shuffles). Every shape performs the same operations per output element
 /// in the same order.
+/// `next` (the following tile's quants, if any) is widened into
+/// `scratch.next` along the way.
+#[allow(clippy::too_many_arguments)]
 fn tile(
     scratch: &mut Scratch,
     wd: &[f32],
@@ -241,8 +255,19 @@ fn tile(
     blocks: usize,
     n: usize,
     out: &mut [f32],
+    next: Option<&[[i8; QK]]>,
 ) {
-    let Scratch { w16, dd } = scratch;
+    let Scratch {
+        w16,
+        dd,
+        next: next16,
+    } = scratch;
+    next16.clear();
+    let mut prefetch = |r: usize| {
+        if let Some(q) = next {
+            widen_more(&q[r * blocks..][..blocks], next16);
+        }
+    };
     let w16 = &w16[..TILE * blocks];
     let wrow = |r: usize| (&w16[r * blocks..][..blocks], &wd[r * blocks..][..blocks]);
     let xrow = |c: usize| (&xq[c * blocks..][..blocks], &xd[c * blocks..][..blocks]);
@@ -276,6 +301,9 @@ fn tile(
                     dst.copy_from_slice(&row_cols(w, x, std::array::from_fn(ds)));
                 }
             }
+            if c == 0 {
+                prefetch(r);
+            }
         }
         c += take;
     }
@@ -288,6 +316,9 @@ fn tile(
         for (r, v) in res.into_iter().enumerate() {
             out[r * n + c] = v;
         }
+        if c == 0 {
+            (0..TILE).for_each(prefetch);
+        }
     }
 }
 
@@ -298,6 +329,8 @@ struct Scratch {
     w16: Vec<[i16; QK]>,
     /// Scale products, one row of `blocks` per dot product of a call.
     dd: Vec<f32>,
+    /// The next tile's weights widened to i16.
+    next: Vec<[i16; QK]>,
 }
 
 /// Accumulate one block product into `acc` (the per-element step).
