@@ -23,6 +23,10 @@ pub enum WeightFormat {
     /// weight block once for all sequences of a step; prefill runs candle's
     /// Q8_0 kernel.
     Q8_0,
+    /// Q8_0 through candle's kernels in every phase (what `q8_0` was before
+    /// `q8_matmul`; same arithmetic where candle takes its generic AVX2
+    /// path), kept for comparison.
+    Q8_0Candle,
     /// Q8_0 with the inner dimension zero-padded to a multiple of 256 so that
     /// candle's AVX-512 VNNI kernel runs (3-4x faster on CPUs that have it);
     /// that kernel quantizes activations in blocks of 256, which is coarser.
@@ -38,9 +42,10 @@ impl std::str::FromStr for WeightFormat {
             "as-loaded" | "native" => Ok(Self::AsLoaded),
             "q8_0" | "q8" => Ok(Self::Q8_0),
             "q8_0-vnni" => Ok(Self::Q8_0Vnni),
+            "q8_0-candle" => Ok(Self::Q8_0Candle),
             "f32" => Ok(Self::F32),
             other => Err(format!(
-                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni or f32"
+                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni, q8_0-candle or f32"
             )),
         }
     }
@@ -52,6 +57,7 @@ impl std::fmt::Display for WeightFormat {
             Self::AsLoaded => "as-loaded",
             Self::Q8_0 => "q8_0",
             Self::Q8_0Vnni => "q8_0-vnni",
+            Self::Q8_0Candle => "q8_0-candle",
             Self::F32 => "f32",
         })
     }
@@ -117,7 +123,8 @@ impl Mat {
             (WeightFormat::F32, _) | (_, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 Mat::Dense(q.dequantize(&dev)?.t()?.contiguous()?)
             }
-            (WeightFormat::AsLoaded, _) | (WeightFormat::Q8_0, GgmlDType::Q8_0) => {
+            (WeightFormat::AsLoaded, _)
+            | (WeightFormat::Q8_0 | WeightFormat::Q8_0Candle, GgmlDType::Q8_0) => {
                 let in_dim = q.shape().dims()[1];
                 Mat::Quant(
                     QMatMul::QTensor(std::sync::Arc::new(QTensor::new(
@@ -130,7 +137,7 @@ impl Mat {
             // candle's AVX-512 VNNI kernel for Q8_0 needs the inner
             // dimension to be a multiple of 256: zero-pad the columns (zeros
             // quantize exactly) to get it.
-            (WeightFormat::Q8_0 | WeightFormat::Q8_0Vnni, _) => {
+            (WeightFormat::Q8_0 | WeightFormat::Q8_0Candle | WeightFormat::Q8_0Vnni, _) => {
                 let t = q.dequantize(&dev)?;
                 let (out, in_dim) = t.dims2()?;
                 let padded = match format {
@@ -238,5 +245,49 @@ impl Linear {
             Phase::Decode => &self.decode,
         };
         mat.forward(x, n, self.in_dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// `q8_0` (handoff's kernel) and `q8_0-candle` give the same bits where
+    /// candle runs its generic AVX2 Q8_0 kernel (inner dimension not a
+    /// multiple of 256), for a Q4_1 source like SmolLM2's, in both phases.
+    #[test]
+    fn q8_0_equals_candle_q8_0() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (out, inp, n) = (70, 576, 5);
+        let w: Vec<f32> = (0..out * inp)
+            .map(|_| rng.random_range(-0.2f32..0.2))
+            .collect();
+        let x: Vec<f32> = (0..n * inp).map(|_| rng.random_range(-3f32..3.0)).collect();
+        let q = QTensor::quantize(
+            &Tensor::from_slice(&w, (out, inp), &Device::Cpu).unwrap(),
+            GgmlDType::Q4_1,
+        )
+        .unwrap();
+        let f = |format| PhaseFormats {
+            prefill: format,
+            decode: format,
+        };
+        let ours = Linear::new(&q, f(WeightFormat::Q8_0)).unwrap();
+        let candle = Linear::new(&q, f(WeightFormat::Q8_0Candle)).unwrap();
+        let head = Linear::new_small_batch(&q, WeightFormat::Q8_0).unwrap();
+        let expected = candle.forward(&x, n, Phase::Decode).unwrap();
+        for got in [
+            ours.forward(&x, n, Phase::Decode).unwrap(),
+            ours.forward(&x, n, Phase::Prefill).unwrap(),
+            head.forward(&x, n, Phase::Prefill).unwrap(),
+        ] {
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        assert_eq!("q8_0-candle".parse(), Ok(WeightFormat::Q8_0Candle));
+        assert_eq!(WeightFormat::Q8_0Candle.to_string(), "q8_0-candle");
     }
 }
