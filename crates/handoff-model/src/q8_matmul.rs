@@ -182,16 +182,32 @@ pub fn quantize_rows(x: &[f32], n: usize, in_dim: usize) -> (Vec<[i16; QK]>, Vec
     let mut qs = vec![[0i16; QK]; n * blocks];
     let mut ds = vec![0f32; n * blocks];
     for ((src, q), d) in x.chunks_exact(QK).zip(&mut qs).zip(&mut ds) {
-        let mut amax = 0f32;
-        for &v in src {
-            amax = amax.max(v.abs());
+        // Max is exact, so 8 partial maxima (vectorizable) give candle's
+        // sequential `amax.max(|x|)`; a NaN never wins a `>` comparison,
+        // as `max` ignores it.
+        let mut m = [0f32; 8];
+        for k in 0..QK / 8 {
+            for (j, m) in m.iter_mut().enumerate() {
+                let a = src[8 * k + j].abs();
+                *m = if a > *m { a } else { *m };
+            }
         }
+        let amax = m.iter().fold(0f32, |a, &b| if b > a { b } else { a });
         let dd = amax / 127.0;
         let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
         *d = f16::from_f32(dd).to_f32();
         let mut raw = [0i8; QK];
         for (r, &v) in raw.iter_mut().zip(src) {
-            *r = f32::round(v * id) as i8;
+            // Candle's `round(x·id) as i8` (saturating, NaN to 0), written
+            // so that it vectorizes: an integer-valued c in [-128, 127]
+            // plus 1.5·2^23 holds c in the low byte of its bits.
+            let y = f32::round(v * id);
+            let c = if y.is_nan() {
+                0.0
+            } else {
+                y.clamp(-128.0, 127.0)
+            };
+            *r = (c + 12_582_912.0).to_bits() as u8 as i8;
         }
         for (p, v) in q.iter_mut().enumerate() {
             *v = raw[PERM[p]] as i16;
@@ -522,11 +538,26 @@ mod tests {
     #[test]
     fn quantization_matches_candle() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let inp = 256;
+        let inp = 32 * 256;
         let mut x = random(&mut rng, inp, 4.0);
+        // Blocks of very different magnitudes, and exact .5 ties.
+        for (b, blk) in x.chunks_exact_mut(QK).enumerate().skip(8) {
+            let scale = 10f32.powi((b % 13) as i32 - 6);
+            blk.iter_mut().for_each(|v| *v *= scale);
+            if b % 3 == 0 {
+                blk[0] = 127.0 * scale;
+                blk[1] = 0.5 * scale;
+                blk[2] = -2.5 * scale;
+            }
+        }
         x[3] = 0.5; // ties and extremes
         x[40] = -127.5 / 127.0;
         x[64..96].fill(0.0);
+        x[100] = f32::NAN; // NaN is ignored by amax and quantizes to 0
+        x[128..160].fill(0.0);
+        x[130] = 1e-38; // tiny block: infinite inverse scale
+        x[131] = -3e-39;
+        x[160] = f32::INFINITY;
         let q = QTensor::quantize(
             &Tensor::from_slice(&x, (1, inp), &Device::Cpu).unwrap(),
             GgmlDType::Q8_0,
