@@ -10,6 +10,7 @@ pub mod error;
 pub mod linear;
 pub mod model;
 pub mod ops;
+pub mod q8_matmul;
 pub mod reference;
 pub mod rope;
 pub mod sampling;

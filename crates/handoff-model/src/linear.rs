@@ -6,6 +6,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
+use crate::q8_matmul::Q8Matrix;
 
 /// Inner-dimension multiple for Q8_0 matrices (see `Mat::build`).
 const Q8_PAD: usize = 256;
@@ -17,8 +18,15 @@ pub enum WeightFormat {
     /// quantized on the fly as llama.cpp does.
     AsLoaded,
     /// Re-quantize to Q8_0 (8-bit blocks of 32); activations are quantized
-    /// in blocks of 32 too, as llama.cpp does.
+    /// in blocks of 32 too, as llama.cpp does. Decode (and the LM head) run
+    /// handoff's own small-batch kernel (`q8_matmul`), which loads each
+    /// weight block once for all sequences of a step; prefill runs candle's
+    /// Q8_0 kernel.
     Q8_0,
+    /// Q8_0 through candle's kernels in every phase (what `q8_0` was before
+    /// `q8_matmul`; same arithmetic where candle takes its generic AVX2
+    /// path), kept for comparison.
+    Q8_0Candle,
     /// Q8_0 with the inner dimension zero-padded to a multiple of 256 so that
     /// candle's AVX-512 VNNI kernel runs (3-4x faster on CPUs that have it);
     /// that kernel quantizes activations in blocks of 256, which is coarser.
@@ -34,9 +42,10 @@ impl std::str::FromStr for WeightFormat {
             "as-loaded" | "native" => Ok(Self::AsLoaded),
             "q8_0" | "q8" => Ok(Self::Q8_0),
             "q8_0-vnni" => Ok(Self::Q8_0Vnni),
+            "q8_0-candle" => Ok(Self::Q8_0Candle),
             "f32" => Ok(Self::F32),
             other => Err(format!(
-                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni or f32"
+                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni, q8_0-candle or f32"
             )),
         }
     }
@@ -48,6 +57,7 @@ impl std::fmt::Display for WeightFormat {
             Self::AsLoaded => "as-loaded",
             Self::Q8_0 => "q8_0",
             Self::Q8_0Vnni => "q8_0-vnni",
+            Self::Q8_0Candle => "q8_0-candle",
             Self::F32 => "f32",
         })
     }
@@ -84,18 +94,37 @@ pub enum Phase {
 enum Mat {
     /// Quantized weights; the input is zero-padded to `padded_in` columns.
     Quant(QMatMul, usize),
+    /// Q8_0 weights for handoff's small-batch kernel.
+    Q8(Q8Matrix),
     /// `[in, out]`, contiguous (pre-transposed for the GEMM).
     Dense(Tensor),
 }
 
 impl Mat {
-    fn build(q: &QTensor, format: WeightFormat) -> Result<Self, ModelError> {
+    /// `small_batch`: the matrix runs with few activation rows (decode, LM
+    /// head); `q8_0` then uses handoff's kernel rather than candle's.
+    fn build(q: &QTensor, format: WeightFormat, small_batch: bool) -> Result<Self, ModelError> {
         let dev = Device::Cpu;
+        let float = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        if small_batch && format == WeightFormat::Q8_0 && !float {
+            let (out, in_dim) = q.shape().dims2()?;
+            let owned;
+            let q8 = if q.dtype() == GgmlDType::Q8_0 {
+                q
+            } else {
+                owned = QTensor::quantize(&q.dequantize(&dev)?, GgmlDType::Q8_0)?;
+                &owned
+            };
+            return Q8Matrix::from_ggml_q8_0(&q8.data()?, out, in_dim)
+                .map(Mat::Q8)
+                .map_err(|e| ModelError::Malformed(e.to_string()));
+        }
         Ok(match (format, q.dtype()) {
             (WeightFormat::F32, _) | (_, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 Mat::Dense(q.dequantize(&dev)?.t()?.contiguous()?)
             }
-            (WeightFormat::AsLoaded, _) | (WeightFormat::Q8_0, GgmlDType::Q8_0) => {
+            (WeightFormat::AsLoaded, _)
+            | (WeightFormat::Q8_0 | WeightFormat::Q8_0Candle, GgmlDType::Q8_0) => {
                 let in_dim = q.shape().dims()[1];
                 Mat::Quant(
                     QMatMul::QTensor(std::sync::Arc::new(QTensor::new(
@@ -108,7 +137,7 @@ impl Mat {
             // candle's AVX-512 VNNI kernel for Q8_0 needs the inner
             // dimension to be a multiple of 256: zero-pad the columns (zeros
             // quantize exactly) to get it.
-            (WeightFormat::Q8_0 | WeightFormat::Q8_0Vnni, _) => {
+            (WeightFormat::Q8_0 | WeightFormat::Q8_0Candle | WeightFormat::Q8_0Vnni, _) => {
                 let t = q.dequantize(&dev)?;
                 let (out, in_dim) = t.dims2()?;
                 let padded = match format {
@@ -130,18 +159,20 @@ impl Mat {
         })
     }
 
-    fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> candle_core::Result<Tensor> {
-        match self {
+    fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>, ModelError> {
+        let y = match self {
+            Mat::Q8(m) => return Ok(m.forward(x, n)),
             Mat::Quant(q, padded) if *padded != in_dim => {
                 let mut xp = vec![0.0f32; n * padded];
                 for (dst, src) in xp.chunks_exact_mut(*padded).zip(x.chunks_exact(in_dim)) {
                     dst[..in_dim].copy_from_slice(src);
                 }
-                q.forward(&Tensor::from_vec(xp, (n, *padded), &Device::Cpu)?)
+                q.forward(&Tensor::from_vec(xp, (n, *padded), &Device::Cpu)?)?
             }
-            Mat::Quant(q, _) => q.forward(&Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?),
-            Mat::Dense(w) => Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?.matmul(w),
-        }
+            Mat::Quant(q, _) => q.forward(&Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?)?,
+            Mat::Dense(w) => Tensor::from_slice(x, (n, in_dim), &Device::Cpu)?.matmul(w)?,
+        };
+        Ok(y.flatten_all()?.to_vec1::<f32>()?)
     }
 }
 
@@ -170,15 +201,32 @@ impl Linear {
             .shape()
             .dims2()
             .map_err(|e| ModelError::Malformed(e.to_string()))?;
-        let prefill = std::sync::Arc::new(Mat::build(q, formats.prefill)?);
-        let decode = if formats.decode == formats.prefill {
+        let prefill = std::sync::Arc::new(Mat::build(q, formats.prefill, false)?);
+        // `q8_0` is a different kernel per phase (and so a different copy).
+        let decode = if formats.decode == formats.prefill && formats.decode != WeightFormat::Q8_0 {
             prefill.clone()
         } else {
-            std::sync::Arc::new(Mat::build(q, formats.decode)?)
+            std::sync::Arc::new(Mat::build(q, formats.decode, true)?)
         };
         Ok(Self {
             prefill,
             decode,
+            in_dim,
+            out_dim,
+        })
+    }
+
+    /// Build a matrix that only ever runs with few rows (one per sequence,
+    /// e.g. the LM head): one copy in `format`, used by both phases.
+    pub fn new_small_batch(q: &QTensor, format: WeightFormat) -> Result<Self, ModelError> {
+        let (out_dim, in_dim) = q
+            .shape()
+            .dims2()
+            .map_err(|e| ModelError::Malformed(e.to_string()))?;
+        let mat = std::sync::Arc::new(Mat::build(q, format, true)?);
+        Ok(Self {
+            prefill: mat.clone(),
+            decode: mat,
             in_dim,
             out_dim,
         })
@@ -196,7 +244,50 @@ impl Linear {
             Phase::Prefill => &self.prefill,
             Phase::Decode => &self.decode,
         };
-        let y = mat.forward(x, n, self.in_dim)?;
-        Ok(y.flatten_all()?.to_vec1::<f32>()?)
+        mat.forward(x, n, self.in_dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// `q8_0` (handoff's kernel) and `q8_0-candle` give the same bits where
+    /// candle runs its generic AVX2 Q8_0 kernel (inner dimension not a
+    /// multiple of 256), for a Q4_1 source like SmolLM2's, in both phases.
+    #[test]
+    fn q8_0_equals_candle_q8_0() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let (out, inp, n) = (70, 576, 5);
+        let w: Vec<f32> = (0..out * inp)
+            .map(|_| rng.random_range(-0.2f32..0.2))
+            .collect();
+        let x: Vec<f32> = (0..n * inp).map(|_| rng.random_range(-3f32..3.0)).collect();
+        let q = QTensor::quantize(
+            &Tensor::from_slice(&w, (out, inp), &Device::Cpu).unwrap(),
+            GgmlDType::Q4_1,
+        )
+        .unwrap();
+        let f = |format| PhaseFormats {
+            prefill: format,
+            decode: format,
+        };
+        let ours = Linear::new(&q, f(WeightFormat::Q8_0)).unwrap();
+        let candle = Linear::new(&q, f(WeightFormat::Q8_0Candle)).unwrap();
+        let head = Linear::new_small_batch(&q, WeightFormat::Q8_0).unwrap();
+        let expected = candle.forward(&x, n, Phase::Decode).unwrap();
+        for got in [
+            ours.forward(&x, n, Phase::Decode).unwrap(),
+            ours.forward(&x, n, Phase::Prefill).unwrap(),
+            head.forward(&x, n, Phase::Prefill).unwrap(),
+        ] {
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                expected.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        assert_eq!("q8_0-candle".parse(), Ok(WeightFormat::Q8_0Candle));
+        assert_eq!(WeightFormat::Q8_0Candle.to_string(), "q8_0-candle");
     }
 }

@@ -157,14 +157,11 @@ impl Llama {
         }
         // The output matrix runs once per sequence per step: it uses the decode
         // format in both phases (a Q8_0 tensor stays as it is under `q8_0`).
-        let head_formats = PhaseFormats {
-            prefill: formats.decode,
-            decode: formats.decode,
-        };
         let lm_head = if ld.has("output.weight") {
-            ld.linear("output.weight", config.vocab_size, h, head_formats)?
+            let w = ld.checked("output.weight", config.vocab_size, h)?;
+            Linear::new_small_batch(&w, formats.decode)?
         } else {
-            Linear::new(&embed_q, head_formats)?
+            Linear::new_small_batch(&embed_q, formats.decode)?
         };
         drop(embed_q);
         let mut blocks = Vec::with_capacity(config.layers);

@@ -50,7 +50,8 @@ pub struct EngineArgs {
     #[arg(long, default_value = "f32")]
     pub(crate) prefill_format: WeightFormat,
     /// Weight format for decode: q8_0, q8_0-vnni (faster on AVX-512 VNNI CPUs,
-    /// coarser activation rounding), f32 or as-loaded.
+    /// coarser activation rounding), q8_0-candle (candle's Q8_0 kernel, for
+    /// comparison), f32 or as-loaded.
     #[arg(long, default_value = "q8_0")]
     pub(crate) decode_format: WeightFormat,
 }
