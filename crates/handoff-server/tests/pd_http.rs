@@ -52,29 +52,6 @@ fn config(model: &std::path::Path) -> EngineConfig {
     }
 }
 
-/// Serve `backend` on an ephemeral port; returns `http://addr`.
-fn serve(backend: impl Into<handoff_server::Backend>) -> String {
-    let backend = backend.into();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            tx.send(listener.local_addr().expect("addr")).expect("addr");
-            axum::serve(listener, handoff_server::app(backend))
-                .await
-                .expect("serve");
-        });
-    });
-    format!("http://{}", rx.recv().expect("server address"))
-}
-
 /// handoff's router on an ephemeral port in front of one pair.
 fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
     let mut config = RouterConfig::new(
@@ -129,16 +106,16 @@ fn workers() -> &'static Workers {
             .expect("decode engine (shm)");
         let decode_tcp = DecodeEngine::start(config(&model), PdConfig::new(TransportKind::Tcp))
             .expect("decode engine (tcp)");
-        let prefill_url = serve(prefill.clone());
-        let decode_shm_url = serve(decode_shm.clone());
-        let decode_tcp_url = serve(decode_tcp.clone());
+        let prefill_url = common::serve_worker(prefill.clone());
+        let decode_shm_url = common::serve_worker(decode_shm.clone());
+        let decode_tcp_url = common::serve_worker(decode_tcp.clone());
         let boot = prefill.bootstrap_addr().port();
         Workers {
             router_shm: serve_router(&prefill_url, boot, &decode_shm_url),
             router_tcp: serve_router(&prefill_url, boot, &decode_tcp_url),
-            colocated: (serve(colocated.clone()), colocated),
+            colocated: (common::serve_worker(colocated.clone()), colocated),
             prefill: (prefill_url, prefill),
-            small_prefill: (serve(small_prefill.clone()), small_prefill),
+            small_prefill: (common::serve_worker(small_prefill.clone()), small_prefill),
             decode_shm: (decode_shm_url, decode_shm),
             decode_tcp: (decode_tcp_url, decode_tcp),
         }

@@ -57,7 +57,8 @@ pub fn start_engine() -> EngineHandle {
 /// Serve the worker API around `engine` on an ephemeral port, on a runtime
 /// of its own thread (it outlives any one test's runtime); returns
 /// `http://127.0.0.1:PORT`.
-pub fn serve_worker(engine: EngineHandle) -> String {
+pub fn serve_worker(engine: impl Into<handoff_server::Backend>) -> String {
+    let engine: handoff_server::Backend = engine.into();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()
