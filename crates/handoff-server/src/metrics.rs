@@ -213,12 +213,17 @@ impl Metrics {
         self.pages_used.set(as_i64(load.pages_used));
         self.pages_free
             .set(as_i64(load.pages_total.saturating_sub(load.pages_used)));
-        let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        encode(&self.registry)
     }
+}
+
+/// The Prometheus text exposition of `registry` (empty if encoding fails).
+pub fn encode(registry: &Registry) -> String {
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, registry).is_err() {
+        out.clear();
+    }
+    out
 }
 
 #[cfg(test)]

@@ -241,6 +241,14 @@ async fn rooms(p: &PrefillHandle, d: &DecodeHandle) -> (usize, usize) {
     (pr, dr)
 }
 
+/// Wait (up to 2 s) until neither endpoint has a live room.
+async fn rooms_drained(p: &PrefillHandle, d: &DecodeHandle) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while rooms(p, d).await != (0, 0) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pd_http_workers() {
     let w = workers();
@@ -508,10 +516,7 @@ async fn prefill_refusal_reaches_the_client_with_its_status(w: &Workers) {
         );
         let load = wait_decode_idle(&decode.1).await;
         assert_eq!(load.pages_used, 0, "{load:?}");
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while rooms(&w.small_prefill.1, &decode.1).await != (0, 0) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        rooms_drained(&w.small_prefill.1, &decode.1).await;
         assert_eq!(rooms(&w.small_prefill.1, &decode.1).await, (0, 0));
     }
 }
@@ -606,10 +611,7 @@ async fn client_leaving_mid_stream_frees_both_sides(w: &Workers) {
             (r.status().as_u16(), ())
         };
         assert_eq!(ps, 200, "the prefill finished its part");
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while rooms(&w.prefill.1, &decode.1).await != (0, 0) && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+        rooms_drained(&w.prefill.1, &decode.1).await;
         assert_eq!(rooms(&w.prefill.1, &decode.1).await, (0, 0));
         assert_eq!(w.prefill.1.load().pages_used, 0);
     }

@@ -215,15 +215,10 @@ impl DecodeHandle {
     /// Live rooms of the transfer endpoint (a leak shows here). Blocking:
     /// from async code use [`Self::transfer_stats`].
     pub fn live_rooms(&self) -> usize {
-        let Some(rt) = self.inner.runtime.as_ref() else {
-            return 0;
-        };
         let endpoint = self.inner.ctx.receiver.clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        rt.spawn(async move {
-            let _ = tx.send(endpoint.stats().await.map(|s| s.live_rooms).unwrap_or(0));
-        });
-        rx.recv().unwrap_or(0)
+        super::blocking_live_rooms(self.inner.runtime.as_ref(), async move {
+            endpoint.stats().await
+        })
     }
 }
 

@@ -151,6 +151,25 @@ impl std::str::FromStr for TransportChoice {
     }
 }
 
+/// `live_rooms` of an endpoint's `stats`, run on the engine's I/O runtime
+/// and waited for from a non-async caller (0 once the runtime is gone).
+fn blocking_live_rooms<F>(rt: Option<&tokio::runtime::Runtime>, stats: F) -> usize
+where
+    F: std::future::Future<
+            Output = Result<handoff_transfer::EndpointStats, handoff_transfer::TransportError>,
+        > + Send
+        + 'static,
+{
+    let Some(rt) = rt else {
+        return 0;
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    rt.spawn(async move {
+        let _ = tx.send(stats.await.map(|s| s.live_rooms).unwrap_or(0));
+    });
+    rx.recv().unwrap_or(0)
+}
+
 /// The engine's I/O runtime (transfer endpoint and per-request tasks).
 fn runtime(threads: usize, name: &str) -> Result<tokio::runtime::Runtime, EngineError> {
     tokio::runtime::Builder::new_multi_thread()

@@ -5,9 +5,10 @@
 //! run the chunked prefill exactly as the colocated engine does, sample the
 //! first token, then the aux record (first token, logprob; the transport
 //! adds the room id), then wait for the room's status. KV pages are written
-//! into decode's pages while the prefill computes: each page, all its layers,
-//! as soon as the chunks covering it are done (the model's forward computes
-//! every layer of a chunk in one call, so a chunk is the unit of overlap).
+//! into decode's pages while the prefill computes, layer by layer: as soon
+//! as a layer's K/V of every token of a page is computed (the model reports
+//! each layer's K/V written, before that layer's attention), that layer of
+//! the page goes while the later layers compute.
 //! A decode-side abort (seed 000) cancels the writes, stops the compute at
 //! the next chunk and releases the pages once nothing reads them.
 //!
@@ -285,15 +286,10 @@ impl PrefillHandle {
     /// Live rooms of the transfer endpoint (a leak shows here). Blocking:
     /// from async code use [`Self::transfer_stats`].
     pub fn live_rooms(&self) -> usize {
-        let Some(rt) = self.inner.runtime.as_ref() else {
-            return 0;
-        };
         let endpoint = self.inner.ctx.sender.clone();
-        let (tx, rx) = std::sync::mpsc::channel();
-        rt.spawn(async move {
-            let _ = tx.send(endpoint.stats().await.map(|s| s.live_rooms).unwrap_or(0));
-        });
-        rx.recv().unwrap_or(0)
+        super::blocking_live_rooms(self.inner.runtime.as_ref(), async move {
+            endpoint.stats().await
+        })
     }
 }
 

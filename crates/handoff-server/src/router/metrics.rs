@@ -225,11 +225,7 @@ impl RouterMetrics {
 
     /// The text exposition.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
-            out.clear();
-        }
-        out
+        crate::metrics::encode(&self.registry)
     }
 }
 
