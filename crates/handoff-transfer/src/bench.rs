@@ -641,8 +641,9 @@ async fn latency_4k(
         }
         wait_waiting(tx, room).await?;
         let t0 = Instant::now();
-        // Both commands are queued at once, in order.
-        let (a, b) = tokio::join!(
+        // The three commands are queued at once, in order: the driver
+        // queues the write, the end, and registers the waiter in one go.
+        let (a, b, out) = tokio::join!(
             tx.send(room, 0..1, 0..1, src.clone()),
             tx.finish(
                 room,
@@ -650,11 +651,12 @@ async fn latency_4k(
                     first_token: 1,
                     logprob: 0.0
                 }
-            )
+            ),
+            tx.wait(room)
         );
-        a.and(b).map_err(|e| e.to_string())?;
-        let out = tx.wait(room).await.map_err(|e| e.to_string())?;
         v.push(t0.elapsed().as_secs_f64() * 1e6);
+        a.and(b).map_err(|e| e.to_string())?;
+        let out = out.map_err(|e| e.to_string())?;
         if out != SenderPoll::Success {
             return Err(format!("latency room: {out:?}"));
         }

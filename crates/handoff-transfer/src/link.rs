@@ -273,29 +273,76 @@ pub enum LinkEvent {
     },
 }
 
+/// Most queued jobs a writer takes in one go.
+const WRITER_BATCH: usize = 64;
+
+/// The aux (unless cancelled) and end records that close `room`.
+fn finish_records(room: RoomId, aux: Option<(u32, AuxData)>, cancel: &AtomicBool) -> Vec<Record> {
+    let cancelled = cancel.load(Ordering::Acquire);
+    let mut recs = Vec::with_capacity(2);
+    if let (false, Some((aux_slot, aux))) = (cancelled, aux) {
+        recs.push(Record::Aux {
+            room,
+            aux_slot,
+            written_room: room.get(),
+            aux,
+        });
+    }
+    recs.push(Record::End { room, cancelled });
+    recs
+}
+
+/// Run a link's jobs in order. Jobs already queued are taken together: a
+/// room's consecutive segment jobs become one write, and a room's finish
+/// right behind them rides in the same write (one `writev` for a small
+/// room, rather than one per job).
 async fn run_writer<T: Transport>(
     mut t: T,
     mut jobs: mpsc::UnboundedReceiver<LinkJob>,
 ) -> Result<(), TransportError> {
-    while let Some(job) = jobs.recv().await {
-        match job {
-            LinkJob::Segments { segs, cancel, .. } => {
-                if !cancel.load(Ordering::Acquire) {
-                    t.write_segments(&segs, &cancel).await?;
+    let mut queued = Vec::with_capacity(WRITER_BATCH);
+    while jobs.recv_many(&mut queued, WRITER_BATCH).await > 0 {
+        let mut it = queued.drain(..).peekable();
+        while let Some(job) = it.next() {
+            match job {
+                LinkJob::Segments {
+                    room,
+                    mut segs,
+                    cancel,
+                } => {
+                    while let Some(LinkJob::Segments { room: r, .. }) = it.peek() {
+                        if *r != room {
+                            break;
+                        }
+                        if let Some(LinkJob::Segments { segs: more, .. }) = it.next() {
+                            segs.extend(more);
+                        }
+                    }
+                    if cancel.load(Ordering::Acquire) {
+                        continue;
+                    }
+                    let trailer = match it.peek() {
+                        Some(LinkJob::Finish { room: r, .. }) if *r == room => match it.next() {
+                            Some(LinkJob::Finish { aux, cancel, .. }) => {
+                                finish_records(room, aux, &cancel)
+                            }
+                            _ => Vec::new(),
+                        },
+                        _ => Vec::new(),
+                    };
+                    let complete = t.write_segments(&segs, &trailer, &cancel).await?;
+                    if !complete && !trailer.is_empty() {
+                        // Cancelled mid-write: the room still needs its end.
+                        t.write_records(&[Record::End {
+                            room,
+                            cancelled: true,
+                        }])
+                        .await?;
+                    }
                 }
-            }
-            LinkJob::Finish { room, aux, cancel } => {
-                let cancelled = cancel.load(Ordering::Acquire);
-                if let (false, Some((aux_slot, aux))) = (cancelled, aux) {
-                    t.write_record(Record::Aux {
-                        room,
-                        aux_slot,
-                        written_room: room.get(),
-                        aux,
-                    })
-                    .await?;
+                LinkJob::Finish { room, aux, cancel } => {
+                    t.write_records(&finish_records(room, aux, &cancel)).await?;
                 }
-                t.write_record(Record::End { room, cancelled }).await?;
             }
         }
     }
@@ -715,5 +762,216 @@ impl LinkReader {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::SegmentHeader;
+
+    /// What a writer asked of its transport.
+    #[derive(Debug, PartialEq)]
+    enum Call {
+        Segments {
+            pages: Vec<u32>,
+            trailer: Vec<Record>,
+        },
+        Records(Vec<Record>),
+    }
+
+    /// A transport that records calls (the scheduling of jobs into writes
+    /// is what is under test; the real transports have their own suite).
+    /// With `cancel_mid_write`, a segment write is cancelled while in
+    /// progress (the room fails under the writer).
+    struct Recorder(Arc<std::sync::Mutex<Vec<Call>>>, bool);
+
+    impl Transport for Recorder {
+        fn kind(&self) -> TransportKind {
+            TransportKind::Tcp
+        }
+
+        async fn write_segments<'a>(
+            &'a mut self,
+            segs: &'a [Segment],
+            trailer: &'a [Record],
+            cancel: &'a AtomicBool,
+        ) -> Result<bool, TransportError> {
+            if self.1 {
+                cancel.store(true, Ordering::Release);
+            }
+            if cancel.load(Ordering::Acquire) {
+                return Ok(false);
+            }
+            self.0.lock().unwrap().push(Call::Segments {
+                pages: segs.iter().map(|s| s.header.dst_page).collect(),
+                trailer: trailer.to_vec(),
+            });
+            Ok(true)
+        }
+
+        async fn write_records<'a>(&'a mut self, recs: &'a [Record]) -> Result<(), TransportError> {
+            self.0.lock().unwrap().push(Call::Records(recs.to_vec()));
+            Ok(())
+        }
+    }
+
+    fn room(n: u64) -> RoomId {
+        RoomId::new(n).unwrap()
+    }
+
+    fn segs(r: RoomId, page: u32) -> Vec<Segment> {
+        vec![Segment {
+            header: SegmentHeader {
+                room: r,
+                layer: 0,
+                dst_page: page,
+                n_pages: 1,
+            },
+            src: 0..8,
+            dst: 0..8,
+        }]
+    }
+
+    const AUX: AuxData = AuxData {
+        first_token: 7,
+        logprob: -0.5,
+    };
+
+    async fn run_jobs(jobs: Vec<LinkJob>, cancel_mid_write: bool) -> Vec<Call> {
+        let calls = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (tx, rx) = mpsc::unbounded_channel();
+        // Everything is queued before the writer first looks.
+        for j in jobs {
+            tx.send(j).unwrap();
+        }
+        drop(tx);
+        run_writer(Recorder(calls.clone(), cancel_mid_write), rx)
+            .await
+            .unwrap();
+        let calls = std::mem::take(&mut *calls.lock().unwrap());
+        calls
+    }
+
+    #[tokio::test]
+    async fn a_rooms_queued_segments_and_finish_become_one_write() {
+        let (a, b) = (room(1), room(2));
+        let live = Arc::new(AtomicBool::new(false));
+        let calls = run_jobs(
+            vec![
+                LinkJob::Segments {
+                    room: a,
+                    segs: segs(a, 3),
+                    cancel: live.clone(),
+                },
+                LinkJob::Segments {
+                    room: a,
+                    segs: segs(a, 5),
+                    cancel: live.clone(),
+                },
+                LinkJob::Finish {
+                    room: a,
+                    aux: Some((9, AUX)),
+                    cancel: live.clone(),
+                },
+                LinkJob::Segments {
+                    room: b,
+                    segs: segs(b, 4),
+                    cancel: live.clone(),
+                },
+                LinkJob::Finish {
+                    room: b,
+                    aux: None,
+                    cancel: live.clone(),
+                },
+            ],
+            false,
+        )
+        .await;
+        assert_eq!(
+            calls,
+            vec![
+                Call::Segments {
+                    pages: vec![3, 5],
+                    trailer: vec![
+                        Record::Aux {
+                            room: a,
+                            aux_slot: 9,
+                            written_room: 1,
+                            aux: AUX
+                        },
+                        Record::End {
+                            room: a,
+                            cancelled: false
+                        }
+                    ],
+                },
+                Call::Segments {
+                    pages: vec![4],
+                    trailer: vec![Record::End {
+                        room: b,
+                        cancelled: false
+                    }],
+                },
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_room_writes_no_segments_and_no_aux_but_still_ends() {
+        let a = room(1);
+        let cancelled = Arc::new(AtomicBool::new(true));
+        let calls = run_jobs(
+            vec![
+                LinkJob::Segments {
+                    room: a,
+                    segs: segs(a, 3),
+                    cancel: cancelled.clone(),
+                },
+                LinkJob::Finish {
+                    room: a,
+                    aux: Some((9, AUX)),
+                    cancel: cancelled.clone(),
+                },
+            ],
+            false,
+        )
+        .await;
+        assert_eq!(
+            calls,
+            vec![Call::Records(vec![Record::End {
+                room: a,
+                cancelled: true
+            }])]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_room_cancelled_mid_write_gets_a_cancelled_end_and_no_aux() {
+        let a = room(1);
+        let live = Arc::new(AtomicBool::new(false));
+        let calls = run_jobs(
+            vec![
+                LinkJob::Segments {
+                    room: a,
+                    segs: segs(a, 3),
+                    cancel: live.clone(),
+                },
+                LinkJob::Finish {
+                    room: a,
+                    aux: Some((9, AUX)),
+                    cancel: live.clone(),
+                },
+            ],
+            true,
+        )
+        .await;
+        assert_eq!(
+            calls,
+            vec![Call::Records(vec![Record::End {
+                room: a,
+                cancelled: true
+            }])]
+        );
     }
 }

@@ -64,18 +64,27 @@ pub trait Transport: Send + 'static {
     /// Which kind this is.
     fn kind(&self) -> TransportKind;
 
-    /// Write `segs` (stop early, without error, once `cancel` is set).
+    /// Write `segs`, then the `trailer` records (a room's aux and end) on
+    /// the link. Stops early, without error, once `cancel` is set: `Ok(true)`
+    /// when everything was written, `Ok(false)` when cancelled (the trailer
+    /// was then not written).
     fn write_segments<'a>(
         &'a mut self,
         segs: &'a [Segment],
+        trailer: &'a [Record],
         cancel: &'a AtomicBool,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a;
+    ) -> impl Future<Output = Result<bool, TransportError>> + Send + 'a;
 
-    /// Write one aux or end record on the link.
-    fn write_record(
-        &mut self,
-        rec: Record,
-    ) -> impl Future<Output = Result<(), TransportError>> + Send + '_;
+    /// Write aux or end records on the link, in one write.
+    fn write_records<'a>(
+        &'a mut self,
+        recs: &'a [Record],
+    ) -> impl Future<Output = Result<(), TransportError>> + Send + 'a;
+}
+
+/// `recs` encoded back to back.
+fn encode_records(recs: &[Record]) -> Vec<u8> {
+    recs.iter().flat_map(|r| r.encode()).collect()
 }
 
 /// Bytes copied between cancellation checks / yields.
@@ -105,14 +114,15 @@ impl Transport for ShmTransport {
     async fn write_segments<'a>(
         &'a mut self,
         segs: &'a [Segment],
+        trailer: &'a [Record],
         cancel: &'a AtomicBool,
-    ) -> Result<(), TransportError> {
+    ) -> Result<bool, TransportError> {
         let mut since_yield = 0usize;
         for s in segs {
             let mut off = 0usize;
             while off < s.src.len() {
                 if cancel.load(Ordering::Acquire) {
-                    return Ok(());
+                    return Ok(false);
                 }
                 let n = (s.src.len() - off).min(SHM_CHUNK);
                 self.dst
@@ -125,12 +135,19 @@ impl Transport for ShmTransport {
                 }
             }
         }
-        Ok(())
+        if cancel.load(Ordering::Acquire) {
+            return Ok(false);
+        }
+        self.write_records(trailer).await?;
+        Ok(true)
     }
 
-    async fn write_record(&mut self, rec: Record) -> Result<(), TransportError> {
+    async fn write_records<'a>(&'a mut self, recs: &'a [Record]) -> Result<(), TransportError> {
+        if recs.is_empty() {
+            return Ok(());
+        }
         self.link
-            .write_all(&rec.encode())
+            .write_all(&encode_records(recs))
             .await
             .map_err(TransportError::io("shm link record"))
     }
@@ -154,13 +171,16 @@ impl TcpTransport {
         Self { src, link }
     }
 
-    async fn write_batch(&mut self, segs: &[Segment]) -> Result<(), TransportError> {
+    /// One vectored write of `segs` (header + payload each) followed by
+    /// the already encoded `tail` records.
+    async fn write_batch(&mut self, segs: &[Segment], tail: &[u8]) -> Result<(), TransportError> {
         let headers: Vec<[u8; RECORD_LEN]> = segs
             .iter()
             .map(|s| Record::Segment(s.header).encode())
             .collect();
         let ranges: Vec<Range<usize>> = segs.iter().map(|s| s.src.clone()).collect();
-        let total: usize = segs.iter().map(|s| RECORD_LEN + s.src.len()).sum();
+        let total: usize =
+            segs.iter().map(|s| RECORD_LEN + s.src.len()).sum::<usize>() + tail.len();
         let mut done = 0usize;
         while done < total {
             self.link
@@ -169,16 +189,19 @@ impl TcpTransport {
                 .map_err(TransportError::io("tcp link writable"))?;
             let link = &self.link;
             let res = self.src.with_slices(&ranges, |payloads| {
-                let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(2 * payloads.len());
+                let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(2 * payloads.len() + 1);
                 let mut skip = done;
-                for (h, p) in headers.iter().zip(payloads) {
-                    for part in [&h[..], &p[..]] {
-                        if skip >= part.len() {
-                            skip -= part.len();
-                        } else {
-                            iov.push(IoSlice::new(&part[skip..]));
-                            skip = 0;
-                        }
+                let parts = headers
+                    .iter()
+                    .zip(payloads)
+                    .flat_map(|(h, p)| [&h[..], &p[..]])
+                    .chain(std::iter::once(tail));
+                for part in parts {
+                    if skip >= part.len() {
+                        skip -= part.len();
+                    } else {
+                        iov.push(IoSlice::new(&part[skip..]));
+                        skip = 0;
                     }
                 }
                 link.try_write_vectored(&iov)
@@ -207,12 +230,16 @@ impl Transport for TcpTransport {
     async fn write_segments<'a>(
         &'a mut self,
         segs: &'a [Segment],
+        trailer: &'a [Record],
         cancel: &'a AtomicBool,
-    ) -> Result<(), TransportError> {
+    ) -> Result<bool, TransportError> {
+        // The trailer rides in the last batch's vectored write: a small
+        // room is one write() and, on loopback, one wake-up of the reader.
+        let tail = encode_records(trailer);
         let mut start = 0;
-        while start < segs.len() {
+        loop {
             if cancel.load(Ordering::Acquire) {
-                return Ok(());
+                return Ok(false);
             }
             let mut end = start;
             let mut bytes = 0;
@@ -220,15 +247,22 @@ impl Transport for TcpTransport {
                 bytes += segs[end].src.len();
                 end += 1;
             }
-            self.write_batch(&segs[start..end]).await?;
+            let last = end == segs.len();
+            self.write_batch(&segs[start..end], if last { &tail } else { &[] })
+                .await?;
+            if last {
+                return Ok(true);
+            }
             start = end;
         }
-        Ok(())
     }
 
-    async fn write_record(&mut self, rec: Record) -> Result<(), TransportError> {
+    async fn write_records<'a>(&'a mut self, recs: &'a [Record]) -> Result<(), TransportError> {
+        if recs.is_empty() {
+            return Ok(());
+        }
         self.link
-            .write_all(&rec.encode())
+            .write_all(&encode_records(recs))
             .await
             .map_err(TransportError::io("tcp link record"))
     }
