@@ -96,6 +96,8 @@ fn handshake_corpus() {
             // The decode end completes only once prefill proves itself.
             "prefill_register_with_proof.bin" => 1,
             "decode_register_page_size_64.bin" => 0,
+            // Authenticated, then incompatible: fails after prefill's proof.
+            "decode_register_with_proof_page_size_64.bin" => 0,
             other => panic!("unexpected corpus file {other}"),
         };
         assert_eq!(done, expected, "{name}");
