@@ -1,7 +1,8 @@
-//! Runs the cargo-fuzz target bodies (`handoff_proto::fuzz`) on the stable
-//! toolchain: over the committed corpus in `fuzz/corpus/<target>/`, over
-//! random mutations of it, and over random bytes. Also checks the committed
-//! corpus matches the seeds the crate generates; regenerate it with
+//! Runs the cargo-fuzz target bodies (`handoff_proto::fuzz`) as ordinary
+//! tests: over the committed corpus in `fuzz/corpus/<target>/`, over random
+//! mutations of it, and over random bytes; the coverage-guided runs are
+//! `scripts/fuzz-smoke.sh`. Also checks the committed corpus matches the
+//! seeds the crate generates; regenerate it with
 //! `HANDOFF_WRITE_CORPUS=1 cargo test -p handoff-proto --test fuzz_corpus`.
 
 use std::fs;
