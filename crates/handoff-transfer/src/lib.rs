@@ -102,6 +102,8 @@ pub struct EndpointStats {
     pub peers_ranks: Vec<RankId>,
     /// Data links up.
     pub links: usize,
+    /// Their streams (a TCP link may have several; shm links have one).
+    pub link_streams: usize,
     /// The room table's counters.
     pub room_stats: RoomStats,
     /// Malformed control frames counted and dropped.

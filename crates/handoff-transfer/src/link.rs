@@ -27,7 +27,9 @@ use tokio::sync::mpsc;
 use crate::conn::handshake_exact;
 use crate::error::TransportError;
 use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
-use crate::wire::{Ack, AuxData, Record, ACK_LEN, PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP};
+use crate::wire::{
+    Ack, AuxData, Record, TcpStreamSetup, ACK_LEN, PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP,
+};
 
 /// Bytes of one (layer, page): its K and V blocks, adjacent in the layout.
 pub fn page_span(layout: &KvLayout) -> usize {
@@ -83,9 +85,9 @@ async fn read_setup(
     }
 }
 
-/// Decode side: open a data link to `addr` for `kind`, offering `pool`
-/// (`num_pages` pages of `layout`), as decode endpoint `endpoint`. Returns
-/// the socket and the prefill's TP rank.
+/// Decode side: open a data link of one stream to `addr` for `kind`,
+/// offering `pool` (`num_pages` pages of `layout`), as decode endpoint
+/// `endpoint`. Returns the socket and the prefill's TP rank.
 pub async fn connect_link(
     addr: std::net::SocketAddr,
     endpoint: u64,
@@ -94,6 +96,27 @@ pub async fn connect_link(
     kind: TransportKind,
     pool: &ShmRegion,
     num_pages: usize,
+) -> Result<(TcpStream, RankId), TransportError> {
+    let one = TcpStreamSetup {
+        nonce: rand::random(),
+        index: 0,
+        count: 1,
+    };
+    connect_link_stream(addr, endpoint, config, timeout, kind, pool, num_pages, one).await
+}
+
+/// [`connect_link`] for stream `stream.index` of a TCP link of
+/// `stream.count` streams (`stream` is ignored for shm).
+#[allow(clippy::too_many_arguments)]
+pub async fn connect_link_stream(
+    addr: std::net::SocketAddr,
+    endpoint: u64,
+    config: HandshakeConfig,
+    timeout: Duration,
+    kind: TransportKind,
+    pool: &ShmRegion,
+    num_pages: usize,
+    stream: TcpStreamSetup,
 ) -> Result<(TcpStream, RankId), TransportError> {
     let mut s = TcpStream::connect(addr)
         .await
@@ -114,6 +137,7 @@ pub async fn connect_link(
         TransportKind::Tcp => {
             setup.push(SETUP_TCP);
             setup.extend_from_slice(&(num_pages as u64).to_le_bytes());
+            setup.extend_from_slice(&stream.encode());
         }
     }
     s.write_all(&setup)
@@ -143,6 +167,8 @@ pub struct AcceptedLink {
     pub dest_pages: usize,
     /// Transport kind.
     pub kind: TransportKind,
+    /// Which stream of its link this is (one stream of one for shm).
+    pub stream: TcpStreamSetup,
     writer: LinkWriter,
     acks: OwnedReadHalf,
 }
@@ -171,6 +197,11 @@ pub async fn accept_link(
     if !matches!(read, Ok(Ok(_))) {
         return Err(TransportError::PeerMisbehaved("no link setup".into()));
     }
+    let mut stream = TcpStreamSetup {
+        nonce: 0,
+        index: 0,
+        count: 1,
+    };
     let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match kind[0] {
         SETUP_SHM => {
             let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
@@ -203,10 +234,17 @@ pub async fn accept_link(
             let mut b = [0u8; 8];
             read_setup(&mut s, &mut b, timeout, "tcp link setup").await?;
             let pages = u64::from_le_bytes(b);
-            if pages == 0 || pages > u64::from(u32::MAX) {
-                Err(format!("pool of {pages} pages"))
-            } else {
-                Ok((TransportKind::Tcp, pages as usize, None))
+            let mut sb = [0u8; TcpStreamSetup::LEN];
+            read_setup(&mut s, &mut sb, timeout, "tcp link setup").await?;
+            match TcpStreamSetup::decode(&sb) {
+                Err(e) => Err(e.to_string()),
+                Ok(_) if pages == 0 || pages > u64::from(u32::MAX) => {
+                    Err(format!("pool of {pages} pages"))
+                }
+                Ok(st) => {
+                    stream = st;
+                    Ok((TransportKind::Tcp, pages as usize, None))
+                }
             }
         }
         other => Err(format!("unknown transport {other}")),
@@ -222,6 +260,7 @@ pub async fn accept_link(
         rank,
         dest_pages,
         kind,
+        stream,
         writer,
         acks: r,
     })

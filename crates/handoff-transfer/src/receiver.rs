@@ -32,9 +32,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::error::TransportError;
-use crate::link::{connect_link, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
+use crate::link::{connect_link_stream, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
 use crate::transport::TransportKind;
-use crate::wire::{AuxData, PREFACE_CONTROL};
+use crate::wire::{stream_of, AuxData, TcpStreamSetup, MAX_TCP_STREAMS, PREFACE_CONTROL};
 use crate::EndpointStats;
 
 /// Settings of a decode endpoint.
@@ -48,6 +48,10 @@ pub struct ReceiverConfig {
     pub handshake_timeout: Duration,
     /// Transport of new links.
     pub transport: TransportKind,
+    /// TCP streams per data link (`1..=16`; shm links have one). Rooms are
+    /// spread over the streams by id, so concurrent rooms travel in
+    /// parallel; one room always uses one stream.
+    pub tcp_streams: u8,
 }
 
 impl ReceiverConfig {
@@ -58,6 +62,7 @@ impl ReceiverConfig {
             rooms: RoomConfig::default(),
             handshake_timeout: Duration::from_secs(5),
             transport,
+            tcp_streams: 1,
         }
     }
 }
@@ -96,7 +101,7 @@ enum Cmd {
     Abort(RoomId, TransferError),
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
-    AddLink(RankId, TcpStream),
+    AddLink(RankId, TransportKind, Vec<TcpStream>),
     Connected(RankId, oneshot::Sender<bool>),
     Abandon(RankId),
     Stats(oneshot::Sender<EndpointStats>),
@@ -153,7 +158,6 @@ impl KvReceiver {
             tasks: tasks.clone(),
             pool: pool.clone(),
             layout,
-            transport: config.transport,
             next_link: 0,
             self_tx: tx.downgrade(),
         };
@@ -221,26 +225,39 @@ impl KvReceiver {
             self.tasks.clone(),
             send,
         ));
-        let link = connect_link(
-            addr,
-            self.endpoint,
-            self.config.handshake.clone(),
-            self.config.handshake_timeout,
-            transport,
-            &self.pool,
-            self.layout.num_pages,
-        )
-        .await;
-        let (stream, _tp_rank) = match link {
-            Ok(l) => l,
-            Err(e) => {
-                // Do not keep a control connection without its data link.
-                let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
-                return Err(e);
-            }
+        let count = match transport {
+            TransportKind::Shm => 1,
+            TransportKind::Tcp => self.config.tcp_streams.clamp(1, MAX_TCP_STREAMS),
         };
+        let nonce = rand::random();
+        let mut streams = Vec::with_capacity(usize::from(count));
+        for index in 0..count {
+            let link = connect_link_stream(
+                addr,
+                self.endpoint,
+                self.config.handshake.clone(),
+                self.config.handshake_timeout,
+                transport,
+                &self.pool,
+                self.layout.num_pages,
+                TcpStreamSetup {
+                    nonce,
+                    index,
+                    count,
+                },
+            )
+            .await;
+            match link {
+                Ok((stream, _tp_rank)) => streams.push(stream),
+                Err(e) => {
+                    // Do not keep a control connection without its data link.
+                    let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
+                    return Err(e);
+                }
+            }
+        }
         self.tx
-            .send(Ev::Cmd(Cmd::AddLink(rank, stream)))
+            .send(Ev::Cmd(Cmd::AddLink(rank, transport, streams)))
             .map_err(|_| TransportError::Shutdown)?;
         // The control handshake runs concurrently; wait for it.
         let deadline = tokio::time::Instant::now() + self.config.handshake_timeout;
@@ -319,9 +336,17 @@ impl KvReceiver {
     }
 }
 
+/// One data link to a prefill rank: one reader per stream.
 struct Link {
     id: u64,
-    tx: mpsc::UnboundedSender<ReaderCmd>,
+    streams: Vec<mpsc::UnboundedSender<ReaderCmd>>,
+}
+
+impl Link {
+    /// The reader of the stream that carries `room` (only it may write it).
+    fn tx(&self, room: RoomId) -> &mpsc::UnboundedSender<ReaderCmd> {
+        &self.streams[stream_of(room, self.streams.len())]
+    }
 }
 
 struct Driver {
@@ -344,7 +369,6 @@ struct Driver {
     tasks: TaskCounter,
     pool: Arc<ShmRegion>,
     layout: KvLayout,
-    transport: TransportKind,
     next_link: u64,
     self_tx: mpsc::WeakUnboundedSender<Ev>,
 }
@@ -461,23 +485,27 @@ impl Driver {
         self.ctl.contains_key(&rank) && self.links.contains_key(&rank)
     }
 
-    fn add_link(&mut self, rank: RankId, stream: TcpStream) {
+    fn add_link(&mut self, rank: RankId, kind: TransportKind, sockets: Vec<TcpStream>) {
         self.next_link += 1;
         let id = self.next_link;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let reader = LinkReader::new(
-            stream,
-            self.transport,
-            self.pool.clone(),
-            self.layout,
-            self.counters.clone(),
-        );
-        let weak = self.self_tx.clone();
-        self.tasks.spawn(reader.run(rx, move |e| {
-            weak.upgrade()
-                .is_some_and(|tx| tx.send(Ev::Reader(rank, id, e)).is_ok())
-        }));
-        self.links.insert(rank, Link { id, tx });
+        let mut streams = Vec::with_capacity(sockets.len());
+        for stream in sockets {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let reader = LinkReader::new(
+                stream,
+                kind,
+                self.pool.clone(),
+                self.layout,
+                self.counters.clone(),
+            );
+            let weak = self.self_tx.clone();
+            self.tasks.spawn(reader.run(rx, move |e| {
+                weak.upgrade()
+                    .is_some_and(|tx| tx.send(Ev::Reader(rank, id, e)).is_ok())
+            }));
+            streams.push(tx);
+        }
+        self.links.insert(rank, Link { id, streams });
     }
 
     fn command(&mut self, c: Cmd) {
@@ -526,7 +554,7 @@ impl Driver {
                     let _ = reply.send(ReceiverPoll::Unknown);
                 }
             },
-            Cmd::AddLink(rank, stream) => self.add_link(rank, stream),
+            Cmd::AddLink(rank, kind, streams) => self.add_link(rank, kind, streams),
             Cmd::Connected(rank, reply) => {
                 let _ = reply.send(self.connected(rank));
             }
@@ -543,6 +571,7 @@ impl Driver {
                     peers: self.ctl.len(),
                     peers_ranks: self.ctl.keys().copied().collect(),
                     links: self.links.len(),
+                    link_streams: self.links.values().map(|l| l.streams.len()).sum(),
                     room_stats: self.rooms.stats().clone(),
                     malformed_frames: self.counters.malformed_frames.load(Ordering::Relaxed),
                     rejected_segments: self.counters.rejected_segments.load(Ordering::Relaxed),
@@ -574,7 +603,7 @@ impl Driver {
         let mut registered = Vec::new();
         for rank in sources {
             if let Some(l) = self.links.get(&rank) {
-                let _ = l.tx.send(ReaderCmd::Register {
+                let _ = l.tx(room).send(ReaderCmd::Register {
                     room,
                     pages: sorted.clone(),
                     aux_slot: aux_slot.0,
@@ -616,7 +645,7 @@ impl Driver {
     fn forget(&mut self, room: RoomId, ranks: &[RankId]) {
         for rank in ranks {
             if let Some(l) = self.links.get(rank) {
-                let _ = l.tx.send(ReaderCmd::Forget { room });
+                let _ = l.tx(room).send(ReaderCmd::Forget { room });
             }
         }
     }

@@ -35,7 +35,9 @@ use crate::link::{
     accept_link, page_span, span_offset, AcceptedLink, LinkCounters, LinkEvent, LinkJob,
 };
 use crate::transport::Segment;
-use crate::wire::{AuxData, SegmentHeader, ENDPOINT_ID_LEN, PREFACE_CONTROL, PREFACE_DATA};
+use crate::wire::{
+    stream_of, AuxData, SegmentHeader, ENDPOINT_ID_LEN, PREFACE_CONTROL, PREFACE_DATA,
+};
 use crate::EndpointStats;
 
 /// Settings of a prefill endpoint.
@@ -152,6 +154,7 @@ impl KvSender {
             layout,
             ctl: HashMap::new(),
             links: HashMap::new(),
+            pending_links: HashMap::new(),
             io: HashMap::new(),
             waiters: HashMap::new(),
             input_waiters: HashMap::new(),
@@ -434,10 +437,25 @@ mod peer_id_tests {
     }
 }
 
+/// One data link to a decode rank: one writer per stream.
 struct Link {
     id: u64,
-    tx: mpsc::UnboundedSender<LinkJob>,
+    streams: Vec<mpsc::UnboundedSender<LinkJob>>,
     dest_pages: usize,
+}
+
+impl Link {
+    /// The writer of the stream that carries `room`.
+    fn tx(&self, room: RoomId) -> &mpsc::UnboundedSender<LinkJob> {
+        &self.streams[stream_of(room, self.streams.len())]
+    }
+}
+
+/// Streams of a multi-stream TCP link accepted so far (the link starts
+/// once all of them are here).
+struct PendingLink {
+    nonce: u64,
+    streams: Vec<Option<AcceptedLink>>,
 }
 
 struct RoomIo {
@@ -453,6 +471,8 @@ struct Driver {
     liveness: Liveness,
     ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
     links: HashMap<RankId, Link>,
+    /// At most one partly accepted multi-stream link per decode rank.
+    pending_links: HashMap<RankId, PendingLink>,
     io: HashMap<RoomId, RoomIo>,
     /// Outcomes not yet polled; they expire with the unknown-room TTL.
     outcomes: Expiring<Result<(), TransferError>>,
@@ -514,6 +534,7 @@ impl Driver {
         accept.abort();
         self.ctl.clear();
         self.links.clear();
+        self.pending_links.clear();
         for (_, io) in self.io.drain() {
             io.cancel.store(true, Ordering::Release);
         }
@@ -552,21 +573,60 @@ impl Driver {
         for dead in self.liveness.handle_timeout(t) {
             tracing::warn!(rank = dead.0, "decode peer missed heartbeats");
             self.ctl.remove(&dead);
+            self.pending_links.remove(&dead);
             self.rooms.handle_peer_dead(dead, t);
         }
     }
 
     fn accepted(&mut self, l: AcceptedLink, self_tx: &mpsc::UnboundedSender<Ev>) {
+        let rank = l.rank;
+        let st = l.stream;
+        let streams = if st.count <= 1 {
+            vec![l]
+        } else {
+            // A new nonce means decode started the link over: the streams
+            // of the older attempt are dropped (their sockets close).
+            let p = self
+                .pending_links
+                .entry(rank)
+                .or_insert_with(|| PendingLink {
+                    nonce: st.nonce,
+                    streams: Vec::new(),
+                });
+            if p.nonce != st.nonce || p.streams.len() != usize::from(st.count) {
+                p.nonce = st.nonce;
+                p.streams = (0..st.count).map(|_| None).collect();
+            }
+            p.streams[usize::from(st.index)] = Some(l);
+            if p.streams.iter().any(Option::is_none) {
+                return;
+            }
+            let Some(p) = self.pending_links.remove(&rank) else {
+                return;
+            };
+            p.streams.into_iter().flatten().collect()
+        };
         self.next_link += 1;
         let id = self.next_link;
-        let rank = l.rank;
-        let dest_pages = l.dest_pages;
-        let weak = self_tx.downgrade();
-        let tx = l.spawn(id, &self.tasks, move |e| {
-            weak.upgrade()
-                .is_some_and(|tx| tx.send(Ev::Link(e)).is_ok())
-        });
-        self.links.insert(rank, Link { id, tx, dest_pages });
+        let dest_pages = streams[0].dest_pages;
+        let txs = streams
+            .into_iter()
+            .map(|l| {
+                let weak = self_tx.downgrade();
+                l.spawn(id, &self.tasks, move |e| {
+                    weak.upgrade()
+                        .is_some_and(|tx| tx.send(Ev::Link(e)).is_ok())
+                })
+            })
+            .collect();
+        self.links.insert(
+            rank,
+            Link {
+                id,
+                streams: txs,
+                dest_pages,
+            },
+        );
     }
 
     fn control(&mut self, e: CtlEvent) {
@@ -594,6 +654,7 @@ impl Driver {
                 if let Some(rank) = rank {
                     if self.ctl.get(&rank).is_some_and(|(c, _)| *c == conn) {
                         self.ctl.remove(&rank);
+                        self.pending_links.remove(&rank);
                         self.liveness.remove_peer(rank);
                         self.rooms.handle_peer_dead(rank, t);
                     }
@@ -667,7 +728,7 @@ impl Driver {
                             io.ended = true;
                             for (rank, d) in &io.dests {
                                 if let Some(l) = self.links.get(rank) {
-                                    let _ = l.tx.send(LinkJob::Finish {
+                                    let _ = l.tx(room).send(LinkJob::Finish {
                                         room,
                                         aux: Some((d.aux_slot.0, aux)),
                                         cancel: io.cancel.clone(),
@@ -716,6 +777,7 @@ impl Driver {
                     peers: self.ctl.len(),
                     peers_ranks: self.ctl.keys().copied().collect(),
                     links: self.links.len(),
+                    link_streams: self.links.values().map(|l| l.streams.len()).sum(),
                     room_stats: self.rooms.stats().clone(),
                     malformed_frames: self.counters.malformed_frames.load(Ordering::Relaxed),
                     rejected_segments: self.counters.rejected_segments.load(Ordering::Relaxed),
@@ -835,7 +897,7 @@ impl Driver {
                 &d.pages,
                 max_run,
             );
-            let _ = link.tx.send(LinkJob::Segments {
+            let _ = link.tx(room).send(LinkJob::Segments {
                 room,
                 segs,
                 cancel: io.cancel.clone(),
@@ -895,7 +957,7 @@ impl Driver {
                     for (rank, _) in &io.dests {
                         match self.links.get(rank) {
                             Some(l) if !io.ended => {
-                                let _ = l.tx.send(LinkJob::Finish {
+                                let _ = l.tx(room).send(LinkJob::Finish {
                                     room,
                                     aux: None,
                                     cancel: io.cancel.clone(),

@@ -81,6 +81,18 @@ pub fn sender_config() -> SenderConfig {
     c
 }
 
+tokio::task_local! {
+    /// TCP streams per link for [`receiver_config`] inside [`with_tcp_streams`].
+    static TCP_STREAMS: u8;
+}
+
+/// Run `body` with every [`receiver_config`] it makes asking for `streams`
+/// TCP streams per link (the conformance suite runs its TCP cases once
+/// with one stream and once with several).
+pub async fn with_tcp_streams<F: std::future::Future>(streams: u8, body: F) -> F::Output {
+    TCP_STREAMS.scope(streams, body).await
+}
+
 /// Decode settings for the test geometry.
 pub fn receiver_config(kind: TransportKind) -> ReceiverConfig {
     let mut c = ReceiverConfig::new(
@@ -89,6 +101,7 @@ pub fn receiver_config(kind: TransportKind) -> ReceiverConfig {
     );
     c.rooms = rooms();
     c.handshake_timeout = Duration::from_secs(2);
+    c.tcp_streams = TCP_STREAMS.try_with(|s| *s).unwrap_or(1);
     c
 }
 

@@ -21,8 +21,63 @@ pub const ENDPOINT_ID_LEN: usize = 8;
 
 /// Link setup: decode offers its pool in shared memory.
 pub const SETUP_SHM: u8 = b'S';
-/// Link setup: decode receives payloads over this TCP stream.
+/// Link setup: decode receives payloads over this TCP stream. Followed by
+/// the pool's page count (u64) and a [`TcpStreamSetup`].
 pub const SETUP_TCP: u8 = b'T';
+/// Most TCP streams one data link may have.
+pub const MAX_TCP_STREAMS: u8 = 16;
+
+/// Which stream of a TCP data link a connection is: a link of `count`
+/// streams is `count` connections with the same `nonce` (chosen by decode
+/// per link), each with its own `index`. Rooms are spread over the streams
+/// by id ([`stream_of`]); a room's records all travel on one stream, so its
+/// end marker follows every byte of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpStreamSetup {
+    /// Link identity chosen by decode.
+    pub nonce: u64,
+    /// This connection's stream, `< count`.
+    pub index: u8,
+    /// Streams of the link, `1..=MAX_TCP_STREAMS`.
+    pub count: u8,
+}
+
+impl TcpStreamSetup {
+    /// Encoded bytes.
+    pub const LEN: usize = 10;
+
+    /// Encode.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.nonce.to_le_bytes());
+        b[8] = self.index;
+        b[9] = self.count;
+        b
+    }
+
+    /// Decode and validate.
+    pub fn decode(b: &[u8; Self::LEN]) -> Result<Self, RecordError> {
+        let mut n = [0u8; 8];
+        n.copy_from_slice(&b[..8]);
+        let s = Self {
+            nonce: u64::from_le_bytes(n),
+            index: b[8],
+            count: b[9],
+        };
+        if s.count == 0 || s.count > MAX_TCP_STREAMS || s.index >= s.count {
+            return Err(RecordError(format!(
+                "tcp stream {} of {} (at most {MAX_TCP_STREAMS} streams)",
+                s.index, s.count
+            )));
+        }
+        Ok(s)
+    }
+}
+
+/// The stream of a link of `count` streams that carries `room`.
+pub fn stream_of(room: RoomId, count: usize) -> usize {
+    (room.get() % count.max(1) as u64) as usize
+}
 
 /// Record tags.
 const TAG_SEGMENT: u8 = 1;
@@ -284,5 +339,41 @@ mod tests {
                 proptest::prop_assert_eq!(Ack::decode(&a.encode()), Ok(a));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod stream_setup_tests {
+    use super::*;
+
+    #[test]
+    fn stream_setup_round_trips_and_rejects_bad_counts() {
+        let s = TcpStreamSetup {
+            nonce: 0xfeed_beef,
+            index: 2,
+            count: 3,
+        };
+        assert_eq!(TcpStreamSetup::decode(&s.encode()), Ok(s));
+        for (index, count) in [(0, 0), (3, 3), (0, MAX_TCP_STREAMS + 1), (200, 100)] {
+            let bad = TcpStreamSetup {
+                nonce: 1,
+                index,
+                count,
+            };
+            let e = TcpStreamSetup::decode(&bad.encode()).unwrap_err();
+            assert!(
+                e.0.contains(&format!("tcp stream {index} of {count}")),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn rooms_spread_over_every_stream() {
+        let hits: std::collections::HashSet<usize> = (1..=8)
+            .map(|n| stream_of(RoomId::new(n).unwrap(), 4))
+            .collect();
+        assert_eq!(hits.len(), 4);
+        assert_eq!(stream_of(RoomId::new(9).unwrap(), 1), 0);
     }
 }

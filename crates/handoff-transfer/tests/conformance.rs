@@ -33,6 +33,17 @@ macro_rules! conformance {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() { super::$name(handoff_transfer::TransportKind::Tcp).await }) *
         }
+        /// TCP links of three streams (rooms spread over them by id).
+        mod tcp_streams {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                handoff_transfer::testing::with_tcp_streams(
+                    3,
+                    super::$name(handoff_transfer::TransportKind::Tcp),
+                )
+                .await
+            }) *
+        }
     };
 }
 
@@ -253,6 +264,71 @@ fn client_abort() -> TransferError {
         reason: "client went away".into(),
         http_status: 499,
     }
+}
+
+/// A TCP link of several streams: concurrent rooms are spread over the
+/// streams by id, and each lands byte-exact with its own aux record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_rooms_over_a_link_of_several_tcp_streams_are_byte_exact() {
+    let p = testing::with_tcp_streams(4, pair(TransportKind::Tcp)).await;
+    let (ts, rs) = (p.tx.stats().await.unwrap(), p.rx.stats().await.unwrap());
+    assert_eq!(
+        (ts.links, ts.link_streams),
+        (1, 4),
+        "prefill: one link of 4 streams"
+    );
+    assert_eq!(
+        (rs.links, rs.link_streams),
+        (1, 4),
+        "decode: one link of 4 streams"
+    );
+    // Rooms 21..=28: two per stream.
+    let mut rooms = Vec::new();
+    for (i, n) in (21..=28).enumerate() {
+        let r = room(n);
+        let dst = open_both(&p, r, 3).await;
+        let src: Arc<[PageIndex]> = (0..3u32)
+            .map(|k| PageIndex(60 - 3 * i as u32 - k))
+            .collect();
+        rooms.push((r, src, dst));
+    }
+    // Every room's writes and end are queued before any completes.
+    for (r, src, _) in &rooms {
+        p.tx.send(*r, 0..2, 0..3, src.clone()).await.unwrap();
+        p.tx.finish(
+            *r,
+            AuxData {
+                first_token: r.get() as u32,
+                logprob: -1.0,
+            },
+        )
+        .await
+        .unwrap();
+    }
+    for (r, src, dst) in &rooms {
+        assert_eq!(
+            sender_outcome(&p.tx, *r, Duration::from_secs(3)).await,
+            SenderPoll::Success
+        );
+        let ReceiverPoll::Success { lease, aux } =
+            receiver_outcome(&p.rx, *r, Duration::from_secs(3)).await
+        else {
+            panic!("decode did not commit room {}", r.get())
+        };
+        assert_eq!(aux.first_token, r.get() as u32);
+        for layer in 0..2 {
+            for (s, d) in src.iter().zip(dst) {
+                assert_eq!(
+                    span_bytes(&p.p_pool, layer, *s),
+                    span_bytes(&p.d_pool, layer, *d),
+                    "room {} layer {layer} page {s:?} -> {d:?}",
+                    r.get()
+                );
+            }
+        }
+        drop(lease);
+    }
+    teardown(p).await;
 }
 
 async fn decode_abort_in_each_state_releases_prefill_room_fast(kind: TransportKind) {
@@ -1020,7 +1096,7 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
 /// room's, beyond the pool, or in a layer that does not exist. Decode
 /// rejects each before a byte lands, and its ack says so.
 async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: TransportKind) {
-    use handoff_transfer::wire::{Record, SegmentHeader};
+    use handoff_transfer::wire::{Record, SegmentHeader, TcpStreamSetup};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (d_pool, _) = testing::pool();
@@ -1033,8 +1109,10 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     let connecting = tokio::spawn(async move { rx2.connect(addr).await });
     let prefill_hs = testing::sender_config().handshake;
     let mut control = None;
-    let mut data = None;
-    while control.is_none() || data.is_none() {
+    // Every stream of the data link, by index (one unless the case asks
+    // for several).
+    let mut data: Vec<Option<TcpStream>> = Vec::new();
+    while control.is_none() || data.is_empty() || data.iter().any(Option::is_none) {
         let (mut s, _) = listener.accept().await.unwrap();
         let mut pre = [0u8; 9];
         s.read_exact(&mut pre).await.unwrap();
@@ -1053,16 +1131,33 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
             .unwrap();
             let mut k = [0u8; 1];
             s.read_exact(&mut k).await.unwrap();
-            let mut rest = vec![0u8; if k[0] == b'S' { 16 } else { 8 }];
-            s.read_exact(&mut rest).await.unwrap();
+            let st = if k[0] == b'S' {
+                let mut handle = [0u8; 16];
+                s.read_exact(&mut handle).await.unwrap();
+                TcpStreamSetup {
+                    nonce: 0,
+                    index: 0,
+                    count: 1,
+                }
+            } else {
+                let mut pages = [0u8; 8];
+                s.read_exact(&mut pages).await.unwrap();
+                let mut st = [0u8; TcpStreamSetup::LEN];
+                s.read_exact(&mut st).await.unwrap();
+                TcpStreamSetup::decode(&st).unwrap()
+            };
             s.write_all(&[0]).await.unwrap();
-            data = Some(s);
+            data.resize_with(usize::from(st.count), || None);
+            data[usize::from(st.index)] = Some(s);
         }
     }
     let mut control = control.unwrap().await.unwrap();
-    let mut data = data.unwrap();
     let rank = connecting.await.unwrap().unwrap();
     let r = room(800);
+    // The stream decode expects room 800 on.
+    let mut data = data
+        .swap_remove(handoff_transfer::wire::stream_of(r, data.len()))
+        .unwrap();
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let mine = lease.pages().to_vec();

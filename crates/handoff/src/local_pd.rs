@@ -15,6 +15,7 @@ use anyhow::{bail, Context};
 use handoff_server::router::{run_router, PrefillSpec, RouterConfig};
 
 use crate::engine_args::{EngineArgs, HttpArgs};
+use crate::worker::PdArgs;
 
 /// How long the workers may take to load the model.
 const WORKER_START_TIMEOUT: Duration = Duration::from_secs(600);
@@ -195,21 +196,35 @@ async fn wait_healthy(w: &mut Worker) -> anyhow::Result<()> {
 pub fn run(
     engine: &EngineArgs,
     http: &HttpArgs,
-    transfer: &str,
+    pd: &PdArgs,
     prefill_nice: u8,
 ) -> anyhow::Result<()> {
     // Fetch the default model once, before the workers start.
     let model = engine.model_path()?;
     let bootstrap = free_port()?;
+    let transfer = pd.disaggregation_transfer_backend.to_string();
+    // Transfer flags both workers take.
+    let mut common = vec![
+        "--transfer-io-threads".to_string(),
+        pd.transfer_io_threads.to_string(),
+    ];
+    if let Some(path) = &pd.transfer_secret_file {
+        common.push("--transfer-secret-file".into());
+        common.push(path.display().to_string());
+    }
     let prefill_spec = Spec {
         role: "prefill",
         model: model.clone(),
         engine: engine.clone(),
         port: free_port()?,
-        extra: vec![
-            "--disaggregation-bootstrap-port".into(),
-            bootstrap.to_string(),
-        ],
+        extra: [
+            vec![
+                "--disaggregation-bootstrap-port".into(),
+                bootstrap.to_string(),
+            ],
+            common.clone(),
+        ]
+        .concat(),
         nice: prefill_nice,
     };
     let decode_spec = Spec {
@@ -217,7 +232,16 @@ pub fn run(
         model: model.clone(),
         engine: engine.clone(),
         port: free_port()?,
-        extra: vec!["--transfer".into(), transfer.to_string()],
+        extra: [
+            vec![
+                "--transfer".into(),
+                transfer.clone(),
+                "--transfer-tcp-streams".into(),
+                pd.transfer_tcp_streams.to_string(),
+            ],
+            common,
+        ]
+        .concat(),
         nice: 0,
     };
     let mut prefill = prefill_spec.spawn()?;
@@ -246,7 +270,7 @@ pub fn run(
             prefill = %prefill.url,
             decode = %decode.url,
             bootstrap,
-            transfer,
+            %transfer,
             "disaggregated: router -> prefill + decode"
         );
         tracing::info!("listening on http://{addr}");

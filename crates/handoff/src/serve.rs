@@ -43,8 +43,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         (false, m) => m,
     };
     let Some(mode) = mode else {
-        let transfer = args.pd.disaggregation_transfer_backend.to_string();
-        return crate::local_pd::run(&args.engine, &args.http, &transfer, args.prefill_nice);
+        return crate::local_pd::run(&args.engine, &args.http, &args.pd, args.prefill_nice);
     };
     let worker = WorkerArgs {
         engine: args.engine,

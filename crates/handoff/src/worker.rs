@@ -34,6 +34,15 @@ pub struct PdArgs {
     /// wire). Both sides must use the same file content.
     #[arg(long, value_name = "PATH")]
     pub transfer_secret_file: Option<PathBuf>,
+    /// Decode: TCP streams per data link to each prefill (tcp transport
+    /// only). Concurrent requests' KV is spread over the streams; one
+    /// request's KV travels on one stream. Pays with as many I/O threads
+    /// on both sides and cores to run them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
+    pub transfer_tcp_streams: u8,
+    /// Threads of the worker's KV transfer runtime.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub transfer_io_threads: u16,
     /// Exit when standard input closes (set by `handoff serve` for its
     /// worker processes, so they never outlive it).
     #[arg(long, hide = true)]
@@ -66,6 +75,8 @@ impl PdArgs {
     fn config(&self, host: &str) -> anyhow::Result<PdConfig> {
         let mut pd = PdConfig::new(handoff_engine::pd::TransportKind::Tcp);
         pd.transport_choice = self.disaggregation_transfer_backend;
+        pd.tcp_streams = self.transfer_tcp_streams;
+        pd.io_threads = usize::from(self.transfer_io_threads);
         let ip: std::net::IpAddr = match host {
             "localhost" => [127, 0, 0, 1].into(),
             h => h.parse().with_context(|| {

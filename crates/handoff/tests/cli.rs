@@ -38,6 +38,14 @@ fn cli_errors_are_precise() {
         &["serve", "--model", "/nonexistent/model.gguf"],
         "model file /nonexistent/model.gguf does not exist",
     );
+    fails_with(
+        &["decode", "--transfer-tcp-streams", "0"],
+        "invalid value '0' for '--transfer-tcp-streams <TRANSFER_TCP_STREAMS>': 0 is not in 1..=16",
+    );
+    fails_with(
+        &["serve", "--transfer-io-threads", "65"],
+        "invalid value '65' for '--transfer-io-threads <TRANSFER_IO_THREADS>': 65 is not in 1..=64",
+    );
     fails_with(&["frobnicate"], "unrecognized subcommand 'frobnicate'");
 }
 

@@ -188,7 +188,19 @@ async fn prefill_killed_mid_transfer_is_a_typed_error_and_decode_recovers(transp
     std::fs::create_dir_all(&dir).expect("dir");
     let model = model(&dir);
     let colocated = start("serve", &model, &["--colocated"]);
-    let decode = start("decode", &model, &["--transfer", transport]);
+    // Over tcp, links of two streams (rooms alternate between them).
+    let decode_flags: &[&str] = match transport {
+        "tcp" => &[
+            "--transfer",
+            "tcp",
+            "--transfer-tcp-streams",
+            "2",
+            "--transfer-io-threads",
+            "2",
+        ],
+        _ => &["--transfer", transport],
+    };
+    let decode = start("decode", &model, decode_flags);
     let boot = ["--disaggregation-bootstrap-port", "0"];
 
     // Streaming: the client gets a JSON SSE error event.

@@ -60,6 +60,7 @@ impl DecodeEngine {
         let mut rc = ReceiverConfig::new(hs, default_kind);
         rc.rooms = pd.rooms.clone();
         rc.handshake_timeout = pd.handshake_timeout;
+        rc.tcp_streams = pd.tcp_streams;
         let receiver = {
             let _enter = rt.enter();
             KvReceiver::start(rc, region, layout)

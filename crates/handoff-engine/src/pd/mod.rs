@@ -89,6 +89,9 @@ pub struct PdConfig {
     pub secret: Option<Vec<u8>>,
     /// Threads of the engine's I/O runtime.
     pub io_threads: usize,
+    /// Decode: TCP streams per data link (rooms are spread over them; they
+    /// run in parallel with as many `io_threads`).
+    pub tcp_streams: u8,
 }
 
 impl PdConfig {
@@ -102,6 +105,7 @@ impl PdConfig {
             handshake_timeout: Duration::from_secs(5),
             secret: None,
             io_threads: 1,
+            tcp_streams: 1,
         }
     }
 }
