@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use handoff_kv::lease::WriterGuard;
 use handoff_kv::{KvLayout, ShmRegion, ShmRegionHandle};
-use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
 use handoff_proto::{RankId, RoomId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
@@ -26,6 +26,7 @@ use tokio::sync::mpsc;
 
 use crate::conn::handshake_exact;
 use crate::error::TransportError;
+use crate::plan::{page_layout, LinkPlan};
 use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
 use crate::wire::{Ack, AuxData, Record, ACK_LEN, PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP};
 
@@ -85,7 +86,7 @@ async fn read_setup(
 
 /// Decode side: open a data link to `addr` for `kind`, offering `pool`
 /// (`num_pages` pages of `layout`), as decode endpoint `endpoint`. Returns
-/// the socket and the prefill's TP rank.
+/// the socket and the prefill's fingerprint (its TP rank and size).
 pub async fn connect_link(
     addr: std::net::SocketAddr,
     endpoint: u64,
@@ -94,7 +95,7 @@ pub async fn connect_link(
     kind: TransportKind,
     pool: &ShmRegion,
     num_pages: usize,
-) -> Result<(TcpStream, RankId), TransportError> {
+) -> Result<(TcpStream, Fingerprint), TransportError> {
     let mut s = TcpStream::connect(addr)
         .await
         .map_err(TransportError::io("data link connect"))?;
@@ -132,7 +133,7 @@ pub async fn connect_link(
             String::from_utf8_lossy(&msg)
         )));
     }
-    Ok((s, n.peer_rank()))
+    Ok((s, n.peer_fingerprint))
 }
 
 /// A link accepted on the prefill side, ready to run.
@@ -143,6 +144,8 @@ pub struct AcceptedLink {
     pub dest_pages: usize,
     /// Transport kind.
     pub kind: TransportKind,
+    /// What this link moves (whole spans, or head slices when TP differs).
+    pub plan: LinkPlan,
     writer: LinkWriter,
     acks: OwnedReadHalf,
 }
@@ -163,15 +166,25 @@ pub async fn accept_link(
     layout: &KvLayout,
 ) -> Result<AcceptedLink, TransportError> {
     let _ = s.set_nodelay(true);
-    handshake_exact(&mut s, config, timeout).await?;
+    let ours = config.fingerprint.clone();
+    let n = handshake_exact(&mut s, config, timeout).await?;
     let rank = peer;
-    let per_page = page_span(layout) * layout.geometry.layers;
+    // The decode rank's blocks hold its own share of the heads.
+    let plan = LinkPlan::new(&ours, &n.peer_fingerprint, true, layout.geometry.kv_heads);
+    let per_page = plan.as_ref().map_or(0, |p| {
+        2 * p.decode_heads as usize
+            * layout.geometry.page_size
+            * layout.geometry.head_dim
+            * layout.geometry.dtype.size()
+            * layout.geometry.layers
+    });
     let mut kind = [0u8; 1];
     let read = tokio::time::timeout(timeout, s.read_exact(&mut kind)).await;
     if !matches!(read, Ok(Ok(_))) {
         return Err(TransportError::PeerMisbehaved("no link setup".into()));
     }
     let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match kind[0] {
+        _ if plan.is_err() => Err(plan.as_ref().err().cloned().unwrap_or_default()),
         SETUP_SHM => {
             let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
             read_setup(&mut s, &mut h, timeout, "shm link setup").await?;
@@ -213,6 +226,7 @@ pub async fn accept_link(
     };
     reply_setup(&mut s, &setup.as_ref().map(|_| ()).map_err(Clone::clone)).await;
     let (kind, dest_pages, region) = setup.map_err(TransportError::PeerMisbehaved)?;
+    let plan = plan.map_err(TransportError::PeerMisbehaved)?;
     let (r, w) = s.into_split();
     let writer = match region {
         Some(dst) => LinkWriter::Shm(ShmTransport::new(src, dst, w)),
@@ -222,6 +236,7 @@ pub async fn accept_link(
         rank,
         dest_pages,
         kind,
+        plan,
         writer,
         acks: r,
     })
@@ -414,6 +429,8 @@ pub struct LinkReader {
     kind: TransportKind,
     pool: Arc<ShmRegion>,
     layout: KvLayout,
+    /// What this link may write (whole spans, or which head slices).
+    plan: LinkPlan,
     rooms: HashMap<RoomId, Slot>,
     state: ReadState,
     counters: Arc<LinkCounters>,
@@ -433,12 +450,13 @@ const STAGING_BYTES: usize = 256 << 10;
 const DIRECT_MIN: usize = 64 << 10;
 
 impl LinkReader {
-    /// A reader for an established link.
+    /// A reader for an established link that carries `plan`.
     pub fn new(
         stream: TcpStream,
         kind: TransportKind,
         pool: Arc<ShmRegion>,
         layout: KvLayout,
+        plan: LinkPlan,
         counters: Arc<LinkCounters>,
     ) -> Self {
         Self {
@@ -446,6 +464,7 @@ impl LinkReader {
             kind,
             pool,
             layout,
+            plan,
             rooms: HashMap::new(),
             state: ReadState::Header,
             counters,
@@ -516,8 +535,10 @@ impl LinkReader {
         }
     }
 
-    /// Validate a segment against its room's pages and the pool; the byte
-    /// range it may write, or `None` (counted; the payload is discarded).
+    /// Validate a segment against its room's pages, the pool and this
+    /// link's plan (a head slice must be one this prefill rank serves, within
+    /// the local heads); the byte range it may write, or `None` (counted;
+    /// the payload is discarded).
     fn place(&mut self, h: &crate::wire::SegmentHeader) -> Option<std::ops::Range<usize>> {
         let num_pages = self.layout.num_pages;
         let ok = self.kind == TransportKind::Tcp
@@ -528,22 +549,48 @@ impl LinkReader {
             && self.rooms.get(&h.room).is_some_and(|slot| {
                 (h.dst_page..h.dst_page + h.n_pages).all(|p| slot.pages.binary_search(&p).is_ok())
             });
-        if !ok {
+        let range = match (ok, h.heads) {
+            (false, _) => None,
+            (true, None) if self.plan.is_whole() => {
+                let start = span_offset(
+                    &self.layout,
+                    num_pages,
+                    h.layer as usize,
+                    h.dst_page as usize,
+                );
+                Some(start..start + h.n_pages as usize * page_span(&self.layout))
+            }
+            (true, None) => None,
+            (true, Some(s)) => {
+                let local = self.plan.decode_heads;
+                let heads = s.first..s.first.saturating_add(s.count);
+                let allowed = s.first.checked_add(s.count).is_some()
+                    && self.plan.pair.allows_dst_heads(heads, local);
+                allowed
+                    .then(|| page_layout(&self.layout, local, num_pages))
+                    .flatten()
+                    .and_then(|l| {
+                        l.head_range(
+                            h.layer,
+                            handoff_proto::PageIndex(h.dst_page),
+                            s.part,
+                            s.first,
+                            s.count,
+                        )
+                        .ok()
+                    })
+                    .filter(|r| r.end <= self.pool.len())
+            }
+        };
+        if range.is_none() {
             self.counters
                 .rejected_segments
                 .fetch_add(1, Ordering::Relaxed);
             if let Some(slot) = self.rooms.get_mut(&h.room) {
                 slot.rejected = true;
             }
-            return None;
         }
-        let start = span_offset(
-            &self.layout,
-            num_pages,
-            h.layer as usize,
-            h.dst_page as usize,
-        );
-        Some(start..start + h.n_pages as usize * page_span(&self.layout))
+        range
     }
 
     /// Read what is available. `Ok(false)` on EOF.
@@ -668,10 +715,14 @@ impl LinkReader {
     {
         match rec {
             Record::Segment(h) => {
-                let len = (h.n_pages as usize)
-                    .checked_mul(page_span(&self.layout))
+                let g = &self.layout.geometry;
+                let head_bytes = g.page_size * g.head_dim * g.dtype.size();
+                let len = h
+                    .payload_len(page_span(&self.layout), head_bytes)
                     .filter(|l| *l <= self.pool.len())
-                    .ok_or_else(|| format!("segment of {} pages", h.n_pages))?;
+                    .ok_or_else(|| {
+                        format!("segment of {} pages, heads {:?}", h.n_pages, h.heads)
+                    })?;
                 self.last_payload = len;
                 let (dst, keep) = match self.place(&h) {
                     Some(r) => (r, true),

@@ -19,9 +19,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_kv::{KvLayout, PageLease, ShmRegion};
-use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
 use handoff_proto::heartbeat::Liveness;
 use handoff_proto::message::Message;
+use handoff_proto::rank::RankMap;
 use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
 use handoff_proto::room::{Expiring, RoomConfig, RoomState};
 use handoff_proto::timer::Timer;
@@ -33,6 +34,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::error::TransportError;
 use crate::link::{connect_link, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
+use crate::plan::LinkPlan;
 use crate::transport::TransportKind;
 use crate::wire::{AuxData, PREFACE_CONTROL};
 use crate::EndpointStats;
@@ -96,7 +98,7 @@ enum Cmd {
     Abort(RoomId, TransferError),
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
-    AddLink(RankId, TcpStream),
+    AddLink(RankId, TcpStream, LinkPlan, TpRank),
     Connected(RankId, oneshot::Sender<bool>),
     Abandon(RankId),
     Stats(oneshot::Sender<EndpointStats>),
@@ -153,6 +155,7 @@ impl KvReceiver {
             tasks: tasks.clone(),
             pool: pool.clone(),
             layout,
+            fingerprint: config.handshake.fingerprint.clone(),
             transport: config.transport,
             next_link: 0,
             self_tx: tx.downgrade(),
@@ -231,7 +234,25 @@ impl KvReceiver {
             self.layout.num_pages,
         )
         .await;
-        let (stream, _tp_rank) = match link {
+        // What this prefill rank writes into our pool: whole spans with
+        // equal TP sizes, its head slices otherwise.
+        let link = link.and_then(|(stream, prefill)| {
+            LinkPlan::new(
+                &prefill,
+                &self.config.handshake.fingerprint,
+                false,
+                self.layout.geometry.kv_heads,
+            )
+            .map(|plan| {
+                let tp = TpRank {
+                    rank: prefill.tp_rank,
+                    size: prefill.tp_size,
+                };
+                (stream, plan, tp)
+            })
+            .map_err(TransportError::Config)
+        });
+        let (stream, plan, tp) = match link {
             Ok(l) => l,
             Err(e) => {
                 // Do not keep a control connection without its data link.
@@ -240,7 +261,7 @@ impl KvReceiver {
             }
         };
         self.tx
-            .send(Ev::Cmd(Cmd::AddLink(rank, stream)))
+            .send(Ev::Cmd(Cmd::AddLink(rank, stream, plan, tp)))
             .map_err(|_| TransportError::Shutdown)?;
         // The control handshake runs concurrently; wait for it.
         let deadline = tokio::time::Instant::now() + self.config.handshake_timeout;
@@ -264,7 +285,10 @@ impl KvReceiver {
         self.ask(|r| Cmd::Connected(rank, r)).await
     }
 
-    /// Accept a request for `room` needing KV from `sources`.
+    /// Accept a request for `room` needing KV from `sources`. Their TP
+    /// ranks must cover every prefill rank this decode rank needs heads from
+    /// ([`RankMap::required_prefill_ranks`]; one source with equal TP
+    /// sizes), so the room cannot succeed with part of its heads missing.
     pub async fn open(&self, room: RoomId, sources: Vec<Source>) -> Result<(), TransportError> {
         Ok(self.ask(|r| Cmd::Open(room, sources, r)).await??)
     }
@@ -322,6 +346,15 @@ impl KvReceiver {
 struct Link {
     id: u64,
     tx: mpsc::UnboundedSender<ReaderCmd>,
+    /// The prefill peer's TP rank and size (from its handshake).
+    tp: TpRank,
+}
+
+/// A prefill peer's place in its TP group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TpRank {
+    rank: u32,
+    size: u32,
 }
 
 struct Driver {
@@ -344,6 +377,8 @@ struct Driver {
     tasks: TaskCounter,
     pool: Arc<ShmRegion>,
     layout: KvLayout,
+    /// Our handshake fingerprint (model KV heads, our TP rank and size).
+    fingerprint: Fingerprint,
     transport: TransportKind,
     next_link: u64,
     self_tx: mpsc::WeakUnboundedSender<Ev>,
@@ -461,7 +496,46 @@ impl Driver {
         self.ctl.contains_key(&rank) && self.links.contains_key(&rank)
     }
 
-    fn add_link(&mut self, rank: RankId, stream: TcpStream) {
+    /// Why `ranks` (connected peers) cannot serve a room of this decode
+    /// rank: some prefill TP rank it needs heads from is missing, or the
+    /// sources come from TP groups of different sizes.
+    fn check_sources(&self, ranks: &[RankId]) -> Result<(), String> {
+        let tps: Vec<TpRank> = ranks
+            .iter()
+            .filter_map(|r| self.links.get(r).map(|l| l.tp))
+            .collect();
+        let Some(first) = tps.first() else {
+            return Err("a room needs at least one source".into());
+        };
+        if tps.iter().any(|t| t.size != first.size) {
+            return Err(format!(
+                "sources from prefill TP groups of different sizes: {:?}",
+                tps.iter().map(|t| t.size).collect::<Vec<_>>()
+            ));
+        }
+        let fp = &self.fingerprint;
+        let required = RankMap::new(fp.kv_heads, first.size, fp.tp_size)
+            .and_then(|m| m.required_prefill_ranks(RankId(fp.tp_rank)))
+            .map_err(|e| format!("rank mapping: {e}"))?;
+        let missing: Vec<u32> = required
+            .iter()
+            .map(|r| r.0)
+            .filter(|r| !tps.iter().any(|t| t.rank == *r))
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "decode TP rank {} of {} needs KV from prefill TP ranks {:?} of {}; the room's sources lack {missing:?}",
+                fp.tp_rank,
+                fp.tp_size,
+                required.iter().map(|r| r.0).collect::<Vec<_>>(),
+                first.size
+            ))
+        }
+    }
+
+    fn add_link(&mut self, rank: RankId, stream: TcpStream, plan: LinkPlan, tp: TpRank) {
         self.next_link += 1;
         let id = self.next_link;
         let (tx, rx) = mpsc::unbounded_channel();
@@ -470,6 +544,7 @@ impl Driver {
             self.transport,
             self.pool.clone(),
             self.layout,
+            plan,
             self.counters.clone(),
         );
         let weak = self.self_tx.clone();
@@ -477,7 +552,7 @@ impl Driver {
             weak.upgrade()
                 .is_some_and(|tx| tx.send(Ev::Reader(rank, id, e)).is_ok())
         }));
-        self.links.insert(rank, Link { id, tx });
+        self.links.insert(rank, Link { id, tx, tp });
     }
 
     fn command(&mut self, c: Cmd) {
@@ -493,6 +568,10 @@ impl Driver {
                         rank: dead,
                         detail: "no live connection to this prefill rank (it closed or died); reconnect first".into(),
                     }));
+                    return;
+                }
+                if let Err(reason) = self.check_sources(&ranks) {
+                    let _ = reply.send(Err(TransferError::Internal { reason }));
                     return;
                 }
                 let r = self.rooms.open(room, sources, t);
@@ -526,7 +605,7 @@ impl Driver {
                     let _ = reply.send(ReceiverPoll::Unknown);
                 }
             },
-            Cmd::AddLink(rank, stream) => self.add_link(rank, stream),
+            Cmd::AddLink(rank, stream, plan, tp) => self.add_link(rank, stream, plan, tp),
             Cmd::Connected(rank, reply) => {
                 let _ = reply.send(self.connected(rank));
             }
