@@ -169,23 +169,17 @@ pub async fn accept_link(
     let ours = config.fingerprint.clone();
     let n = handshake_exact(&mut s, config, timeout).await?;
     let rank = peer;
-    // The decode rank's blocks hold its own share of the heads.
     let plan = LinkPlan::new(&ours, &n.peer_fingerprint, true, layout.geometry.kv_heads);
-    let per_page = plan.as_ref().map_or(0, |p| {
-        2 * p.decode_heads as usize
-            * layout.geometry.page_size
-            * layout.geometry.head_dim
-            * layout.geometry.dtype.size()
-            * layout.geometry.layers
-    });
     let mut kind = [0u8; 1];
     let read = tokio::time::timeout(timeout, s.read_exact(&mut kind)).await;
     if !matches!(read, Ok(Ok(_))) {
         return Err(TransportError::PeerMisbehaved("no link setup".into()));
     }
-    let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match kind[0] {
-        _ if plan.is_err() => Err(plan.as_ref().err().cloned().unwrap_or_default()),
-        SETUP_SHM => {
+    let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match (&plan, kind[0]) {
+        (Err(e), _) => Err(e.clone()),
+        (Ok(plan), SETUP_SHM) => {
+            // The decode rank's blocks hold its own share of the heads.
+            let per_page = plan.decode_page_bytes(layout);
             let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
             read_setup(&mut s, &mut h, timeout, "shm link setup").await?;
             let handle = ShmRegionHandle::from_bytes(&h);
@@ -212,7 +206,7 @@ pub async fn accept_link(
                 }
             }
         }
-        SETUP_TCP => {
+        (Ok(_), SETUP_TCP) => {
             let mut b = [0u8; 8];
             read_setup(&mut s, &mut b, timeout, "tcp link setup").await?;
             let pages = u64::from_le_bytes(b);
@@ -222,7 +216,7 @@ pub async fn accept_link(
                 Ok((TransportKind::Tcp, pages as usize, None))
             }
         }
-        other => Err(format!("unknown transport {other}")),
+        (Ok(_), other) => Err(format!("unknown transport {other}")),
     };
     reply_setup(&mut s, &setup.as_ref().map(|_| ()).map_err(Clone::clone)).await;
     let (kind, dest_pages, region) = setup.map_err(TransportError::PeerMisbehaved)?;

@@ -22,7 +22,6 @@ use handoff_kv::{KvLayout, PageLease, ShmRegion};
 use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
 use handoff_proto::heartbeat::Liveness;
 use handoff_proto::message::Message;
-use handoff_proto::rank::RankMap;
 use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
 use handoff_proto::room::{Expiring, RoomConfig, RoomState};
 use handoff_proto::timer::Timer;
@@ -34,7 +33,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::error::TransportError;
 use crate::link::{connect_link, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
-use crate::plan::LinkPlan;
+use crate::plan::{check_room_sources, LinkPlan, TpPosition};
 use crate::transport::TransportKind;
 use crate::wire::{AuxData, PREFACE_CONTROL};
 use crate::EndpointStats;
@@ -98,7 +97,7 @@ enum Cmd {
     Abort(RoomId, TransferError),
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
-    AddLink(RankId, TcpStream, LinkPlan, TpRank),
+    AddLink(RankId, TcpStream, LinkPlan, TpPosition),
     Connected(RankId, oneshot::Sender<bool>),
     Abandon(RankId),
     Stats(oneshot::Sender<EndpointStats>),
@@ -243,13 +242,7 @@ impl KvReceiver {
                 false,
                 self.layout.geometry.kv_heads,
             )
-            .map(|plan| {
-                let tp = TpRank {
-                    rank: prefill.tp_rank,
-                    size: prefill.tp_size,
-                };
-                (stream, plan, tp)
-            })
+            .map(|plan| (stream, plan, TpPosition::of(&prefill)))
             .map_err(TransportError::Config)
         });
         let (stream, plan, tp) = match link {
@@ -347,14 +340,7 @@ struct Link {
     id: u64,
     tx: mpsc::UnboundedSender<ReaderCmd>,
     /// The prefill peer's TP rank and size (from its handshake).
-    tp: TpRank,
-}
-
-/// A prefill peer's place in its TP group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct TpRank {
-    rank: u32,
-    size: u32,
+    tp: TpPosition,
 }
 
 struct Driver {
@@ -497,45 +483,16 @@ impl Driver {
     }
 
     /// Why `ranks` (connected peers) cannot serve a room of this decode
-    /// rank: some prefill TP rank it needs heads from is missing, or the
-    /// sources come from TP groups of different sizes.
+    /// rank ([`check_room_sources`]).
     fn check_sources(&self, ranks: &[RankId]) -> Result<(), String> {
-        let tps: Vec<TpRank> = ranks
+        let tps: Vec<TpPosition> = ranks
             .iter()
             .filter_map(|r| self.links.get(r).map(|l| l.tp))
             .collect();
-        let Some(first) = tps.first() else {
-            return Err("a room needs at least one source".into());
-        };
-        if tps.iter().any(|t| t.size != first.size) {
-            return Err(format!(
-                "sources from prefill TP groups of different sizes: {:?}",
-                tps.iter().map(|t| t.size).collect::<Vec<_>>()
-            ));
-        }
-        let fp = &self.fingerprint;
-        let required = RankMap::new(fp.kv_heads, first.size, fp.tp_size)
-            .and_then(|m| m.required_prefill_ranks(RankId(fp.tp_rank)))
-            .map_err(|e| format!("rank mapping: {e}"))?;
-        let missing: Vec<u32> = required
-            .iter()
-            .map(|r| r.0)
-            .filter(|r| !tps.iter().any(|t| t.rank == *r))
-            .collect();
-        if missing.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "decode TP rank {} of {} needs KV from prefill TP ranks {:?} of {}; the room's sources lack {missing:?}",
-                fp.tp_rank,
-                fp.tp_size,
-                required.iter().map(|r| r.0).collect::<Vec<_>>(),
-                first.size
-            ))
-        }
+        check_room_sources(&self.fingerprint, &tps)
     }
 
-    fn add_link(&mut self, rank: RankId, stream: TcpStream, plan: LinkPlan, tp: TpRank) {
+    fn add_link(&mut self, rank: RankId, stream: TcpStream, plan: LinkPlan, tp: TpPosition) {
         self.next_link += 1;
         let id = self.next_link;
         let (tx, rx) = mpsc::unbounded_channel();

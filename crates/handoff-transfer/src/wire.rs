@@ -361,9 +361,15 @@ mod tests {
         fn corrupted_records_decode_or_fail_cleanly(
             at in 0..RECORD_LEN, value in proptest::prelude::any::<u8>(), layer in 0u32..64,
             page in 0u32..1_000_000, room in 1u64..u64::MAX,
+            slice in proptest::option::of((proptest::prelude::any::<bool>(), 0u32..64, 1u32..64)),
         ) {
             let room = RoomId::new(room).unwrap();
-            let mut b = Record::Segment(SegmentHeader { room, layer, dst_page: page, n_pages: 1, heads: None }).encode();
+            let heads = slice.map(|(v, first, count)| HeadSlice {
+                part: if v { KvPart::V } else { KvPart::K },
+                first,
+                count,
+            });
+            let mut b = Record::Segment(SegmentHeader { room, layer, dst_page: page, n_pages: 1, heads }).encode();
             b[at] = value;
             if let Ok(r) = Record::decode(&b) {
                 proptest::prop_assert_eq!(Record::decode(&r.encode()), Ok(r));
