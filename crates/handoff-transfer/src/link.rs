@@ -1,12 +1,16 @@
 //! Data links (DESIGN.md §5): one per (decode rank, prefill rank) pair,
 //! opened by decode next to its control connection, authenticated with the
-//! same handshake, then set up for one transport.
+//! same handshake, then set up for one transport. Both fingerprints fix
+//! the link's [`LinkPlan`]: whole spans, or head slices when the TP sizes
+//! differ. Prefill confirms the setup only once its driver registered the
+//! link, so decode's first destination never arrives ahead of it.
 //!
 //! * Prefill side: a writer task owns the [`Transport`] and runs the jobs
 //!   the driver queues; an ack task reads decode's acknowledgements.
 //! * Decode side: one reader task owns the socket and the table of rooms it
 //!   may write, each holding the lease's writer guard. Every segment is
-//!   bounds-checked against that room's own pages before a byte lands; when
+//!   bounds-checked against that room's own pages (and a head slice against
+//!   the heads the plan lets this prefill rank write) before a byte lands; when
 //!   the driver forgets a room, the guard is dropped only after any
 //!   in-progress write stopped, so a page never returns under a writer.
 
@@ -53,18 +57,14 @@ pub struct LinkCounters {
     pub bytes_landed: AtomicU64,
 }
 
-async fn reply_setup(stream: &mut TcpStream, result: &Result<(), String>) {
-    let mut out = Vec::new();
-    match result {
-        Ok(()) => out.push(0u8),
-        Err(msg) => {
-            out.push(1u8);
-            let b = msg.as_bytes();
-            let n = b.len().min(1024);
-            out.extend_from_slice(&(n as u16).to_le_bytes());
-            out.extend_from_slice(&b[..n]);
-        }
-    }
+/// Refuse a link setup with `msg` (success is a single 0 byte, written by
+/// [`PendingWriter::confirm`]).
+async fn refuse_setup(stream: &mut TcpStream, msg: &str) {
+    let mut out = vec![1u8];
+    let b = msg.as_bytes();
+    let n = b.len().min(1024);
+    out.extend_from_slice(&(n as u16).to_le_bytes());
+    out.extend_from_slice(&b[..n]);
     let _ = stream.write_all(&out).await;
 }
 
@@ -146,13 +146,37 @@ pub struct AcceptedLink {
     pub kind: TransportKind,
     /// What this link moves (whole spans, or head slices when TP differs).
     pub plan: LinkPlan,
-    writer: LinkWriter,
+    writer: PendingWriter,
     acks: OwnedReadHalf,
 }
 
 enum LinkWriter {
     Shm(ShmTransport),
     Tcp(TcpTransport),
+}
+
+/// A link whose setup succeeded but was not yet confirmed to decode: the
+/// success reply goes out only once the driver registered the link
+/// ([`AcceptedLink::spawn`]), so a destination decode sends after its
+/// `connect` returned can never reach the driver before its link.
+struct PendingWriter {
+    src: Arc<ShmRegion>,
+    region: Option<ShmRegion>,
+    w: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl PendingWriter {
+    /// Send decode the setup success and build the transport.
+    async fn confirm(mut self) -> Result<LinkWriter, TransportError> {
+        self.w
+            .write_all(&[0])
+            .await
+            .map_err(TransportError::io("data link setup reply"))?;
+        Ok(match self.region {
+            Some(dst) => LinkWriter::Shm(ShmTransport::new(self.src, dst, self.w)),
+            None => LinkWriter::Tcp(TcpTransport::new(self.src, self.w)),
+        })
+    }
 }
 
 /// Prefill side: finish accepting a data link from the decode endpoint known
@@ -218,20 +242,19 @@ pub async fn accept_link(
         }
         (Ok(_), other) => Err(format!("unknown transport {other}")),
     };
-    reply_setup(&mut s, &setup.as_ref().map(|_| ()).map_err(Clone::clone)).await;
+    // A refusal is answered now; success only once the link is registered.
+    if let Err(msg) = &setup {
+        refuse_setup(&mut s, msg).await;
+    }
     let (kind, dest_pages, region) = setup.map_err(TransportError::PeerMisbehaved)?;
     let plan = plan.map_err(TransportError::PeerMisbehaved)?;
     let (r, w) = s.into_split();
-    let writer = match region {
-        Some(dst) => LinkWriter::Shm(ShmTransport::new(src, dst, w)),
-        None => LinkWriter::Tcp(TcpTransport::new(src, w)),
-    };
     Ok(AcceptedLink {
         rank,
         dest_pages,
         kind,
         plan,
-        writer,
+        writer: PendingWriter { src, region, w },
         acks: r,
     })
 }
@@ -312,7 +335,9 @@ async fn run_writer<T: Transport>(
 }
 
 impl AcceptedLink {
-    /// Spawn the writer and ack tasks; events go through `send`.
+    /// Spawn the writer and ack tasks; events go through `send`. Call once
+    /// the link is registered: the writer first tells decode the setup
+    /// succeeded.
     pub fn spawn<F>(
         self,
         link: u64,
@@ -327,9 +352,10 @@ impl AcceptedLink {
         let send = Arc::new(send);
         let s1 = send.clone();
         tasks.spawn(async move {
-            let r = match self.writer {
-                LinkWriter::Shm(t) => run_writer(t, rx).await,
-                LinkWriter::Tcp(t) => run_writer(t, rx).await,
+            let r = match self.writer.confirm().await {
+                Ok(LinkWriter::Shm(t)) => run_writer(t, rx).await,
+                Ok(LinkWriter::Tcp(t)) => run_writer(t, rx).await,
+                Err(e) => Err(e),
             };
             if let Err(e) = r {
                 s1(LinkEvent::Closed {
