@@ -1585,7 +1585,7 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
     for tx in &txs {
         tx.open(r).await.unwrap();
     }
-    rx.open(r, srcs).await.unwrap();
+    rx.open(r, srcs.clone()).await.unwrap();
     let lease = scattered_lease(&d_pool, 6);
     let dst = lease.pages().to_vec();
     rx.reserve(r, lease, AuxSlot(2)).await.unwrap();
@@ -1628,6 +1628,44 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
     let st = rx.stats().await.unwrap();
     assert_eq!(st.rejected_segments, 0);
     drop(lease);
+
+    // A second room: prefill rank 0 delivers its heads, rank 1 refuses the
+    // request. Half the heads are no room: decode fails with rank 1's
+    // reason and status, and its pages go back.
+    let r2 = room(902);
+    for tx in &txs {
+        tx.open(r2).await.unwrap();
+    }
+    rx.open(r2, srcs).await.unwrap();
+    let lease = d_pool.allocator().lease(3).unwrap();
+    rx.reserve(r2, lease, AuxSlot(3)).await.unwrap();
+    for tx in &txs {
+        testing::wait_sender_state(tx, r2, RoomState::WaitingForInput)
+            .await
+            .unwrap();
+    }
+    txs[0].send(r2, 0..2, 0..3, src[0].clone()).await.unwrap();
+    txs[0].finish(r2, TP_AUX).await.unwrap();
+    assert_eq!(
+        sender_outcome(&txs[0], r2, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    txs[1].fail(
+        r2,
+        TransferError::Rejected {
+            http_status: 400,
+            reason: "prompt too long".into(),
+        },
+    );
+    let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r2, Duration::from_secs(3)).await else {
+        panic!("decode committed a room missing half its heads")
+    };
+    assert_eq!(e.http_status(), 400, "{e}");
+    assert!(e.to_string().contains("prompt too long"), "{e}");
+    assert!(matches!(
+        sender_outcome(&txs[1], r2, Duration::from_secs(3)).await,
+        SenderPoll::Failed(TransferError::Rejected { .. })
+    ));
     teardown_tp(&txs, &[rx], &[d_pool]).await;
     drop(p_pools);
 }
