@@ -132,6 +132,41 @@ impl SliceTransfer {
     pub fn num_heads(&self) -> u32 {
         self.heads.end - self.heads.start
     }
+
+    /// The heads moved, as the decode rank's local heads.
+    pub fn dst_heads(&self) -> Range<u32> {
+        self.dst_head_offset..self.dst_head_offset + self.num_heads()
+    }
+}
+
+/// How KV moves between one prefill rank and one decode rank: what a data
+/// link between them carries, decided once when the link is set up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PairPlan {
+    /// Both ranks hold exactly the same heads (equal TP sizes): whole
+    /// (layer, page) spans move, coalesced over contiguous pages.
+    Whole,
+    /// Only these head runs move, one (layer, page, K|V) block slice at a
+    /// time. Empty when the decode rank needs nothing from this prefill rank
+    /// (replicated heads served by another replica).
+    Sliced(Vec<SliceTransfer>),
+}
+
+impl PairPlan {
+    /// Whether the decode rank may receive local heads `heads` of a block
+    /// from this prefill rank: they lie inside one of the plan's slices.
+    pub fn allows_dst_heads(&self, heads: Range<u32>, local_heads: u32) -> bool {
+        if heads.start >= heads.end || heads.end > local_heads {
+            return false;
+        }
+        match self {
+            PairPlan::Whole => true,
+            PairPlan::Sliced(slices) => slices.iter().any(|s| {
+                let d = s.dst_heads();
+                d.start <= heads.start && heads.end <= d.end
+            }),
+        }
+    }
 }
 
 /// Both groups' assignments.
@@ -176,6 +211,35 @@ impl RankMap {
             });
         }
         Ok(out)
+    }
+
+    /// What moves from prefill rank `p` to decode rank `d`: [`PairPlan::Whole`]
+    /// when the one slice between them is every local head of both ranks,
+    /// otherwise their slices (possibly none).
+    pub fn pair_plan(&self, p: RankId, d: RankId) -> Result<PairPlan, RankError> {
+        if p.0 >= self.prefill.tp {
+            return Err(RankError::RankOutOfRange {
+                rank: p,
+                tp: self.prefill.tp,
+            });
+        }
+        let slices: Vec<SliceTransfer> = self
+            .slices_for_decode_rank(d)?
+            .into_iter()
+            .filter(|s| s.prefill_rank == p)
+            .collect();
+        let whole = match slices.as_slice() {
+            [s] => {
+                s.num_heads() == self.prefill.heads_per_rank
+                    && s.num_heads() == self.decode.heads_per_rank
+            }
+            _ => false,
+        };
+        Ok(if whole {
+            PairPlan::Whole
+        } else {
+            PairPlan::Sliced(slices)
+        })
     }
 
     /// Distinct prefill ranks decode rank `d` must hear Success from.
@@ -585,6 +649,73 @@ mod tests {
         ] {
             simulate(heads, p, d);
         }
+    }
+
+    #[test]
+    fn pair_plans_are_whole_only_for_identical_heads() {
+        // Equal TP sizes, sharded or replicated: whole spans.
+        for (heads, tp) in [(8, 1), (8, 2), (8, 8), (2, 4)] {
+            let m = RankMap::new(heads, tp, tp).unwrap();
+            for r in 0..tp {
+                assert_eq!(
+                    m.pair_plan(RankId(r), RankId(r)).unwrap(),
+                    PairPlan::Whole,
+                    "{heads} heads TP {tp} rank {r}"
+                );
+            }
+        }
+        // Fan-in 2 -> 1: each prefill rank fills half of decode's heads.
+        let m = RankMap::new(8, 2, 1).unwrap();
+        let PairPlan::Sliced(s) = m.pair_plan(RankId(1), RankId(0)).unwrap() else {
+            panic!("fan-in is sliced")
+        };
+        assert_eq!(s.len(), 1);
+        assert_eq!((s[0].src_head_offset, s[0].dst_heads()), (0, 4..8));
+        // Fan-out 1 -> 2: decode rank 1 takes prefill's upper half.
+        let m = RankMap::new(8, 1, 2).unwrap();
+        let PairPlan::Sliced(s) = m.pair_plan(RankId(0), RankId(1)).unwrap() else {
+            panic!("fan-out is sliced")
+        };
+        assert_eq!((s[0].src_head_offset, s[0].dst_heads()), (4, 0..4));
+        // 4 -> 2: prefill rank 0 sends nothing to decode rank 1.
+        let m = RankMap::new(8, 4, 2).unwrap();
+        assert_eq!(
+            m.pair_plan(RankId(0), RankId(1)).unwrap(),
+            PairPlan::Sliced(vec![])
+        );
+        // Replicated heads: the replica not chosen sends nothing.
+        let m = RankMap::new(2, 4, 1).unwrap();
+        assert_eq!(
+            m.pair_plan(RankId(1), RankId(0)).unwrap(),
+            PairPlan::Sliced(vec![])
+        );
+        assert!(matches!(
+            m.pair_plan(RankId(4), RankId(0)),
+            Err(RankError::RankOutOfRange { .. })
+        ));
+        assert!(matches!(
+            m.pair_plan(RankId(0), RankId(1)),
+            Err(RankError::RankOutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn plans_allow_only_their_own_destination_heads() {
+        let m = RankMap::new(8, 2, 1).unwrap();
+        let p1 = m.pair_plan(RankId(1), RankId(0)).unwrap();
+        assert!(p1.allows_dst_heads(4..8, 8));
+        assert!(p1.allows_dst_heads(5..6, 8));
+        assert!(
+            !p1.allows_dst_heads(3..5, 8),
+            "straddles prefill rank 0's heads"
+        );
+        assert!(!p1.allows_dst_heads(0..4, 8), "prefill rank 0's heads");
+        assert!(!p1.allows_dst_heads(6..6, 8), "empty");
+        assert!(!p1.allows_dst_heads(7..9, 8), "past the local heads");
+        let whole = PairPlan::Whole;
+        assert!(whole.allows_dst_heads(0..8, 8));
+        assert!(!whole.allows_dst_heads(0..9, 8));
+        assert!(!PairPlan::Sliced(vec![]).allows_dst_heads(0..1, 8));
     }
 
     #[test]

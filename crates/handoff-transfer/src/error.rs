@@ -34,6 +34,10 @@ pub enum TransportError {
     /// Bootstrap could not find or reach the prefill ranks.
     #[error("bootstrap: {0}")]
     Bootstrap(String),
+    /// Our own settings cannot work with this peer (e.g. a pool whose KV
+    /// heads per block are not this rank's TP share).
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 impl TransportError {
@@ -47,6 +51,7 @@ impl TransportError {
             TransportError::Room(e) => e.error_type(),
             TransportError::Shutdown => "shutdown",
             TransportError::Bootstrap(_) => "bootstrap",
+            TransportError::Config(_) => "config",
         }
     }
 

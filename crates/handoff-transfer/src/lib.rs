@@ -76,6 +76,7 @@ pub mod bootstrap;
 pub mod conn;
 pub mod error;
 pub mod link;
+pub mod plan;
 pub mod receiver;
 pub mod sender;
 pub mod testing;

@@ -1,12 +1,16 @@
 //! Data links (DESIGN.md §5): one per (decode rank, prefill rank) pair,
 //! opened by decode next to its control connection, authenticated with the
-//! same handshake, then set up for one transport.
+//! same handshake, then set up for one transport. Both fingerprints fix
+//! the link's [`LinkPlan`]: whole spans, or head slices when the TP sizes
+//! differ. Prefill confirms the setup only once its driver registered the
+//! link, so decode's first destination never arrives ahead of it.
 //!
 //! * Prefill side: a writer task owns the [`Transport`] and runs the jobs
 //!   the driver queues; an ack task reads decode's acknowledgements.
 //! * Decode side: one reader task owns the socket and the table of rooms it
 //!   may write, each holding the lease's writer guard. Every segment is
-//!   bounds-checked against that room's own pages before a byte lands; when
+//!   bounds-checked against that room's own pages (and a head slice against
+//!   the heads the plan lets this prefill rank write) before a byte lands; when
 //!   the driver forgets a room, the guard is dropped only after any
 //!   in-progress write stopped, so a page never returns under a writer.
 
@@ -17,7 +21,7 @@ use std::time::Duration;
 
 use handoff_kv::lease::WriterGuard;
 use handoff_kv::{KvLayout, ShmRegion, ShmRegionHandle};
-use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
 use handoff_proto::{RankId, RoomId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
@@ -26,6 +30,7 @@ use tokio::sync::mpsc;
 
 use crate::conn::handshake_exact;
 use crate::error::TransportError;
+use crate::plan::{page_layout, LinkPlan};
 use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
 use crate::wire::{
     Ack, AuxData, Record, TcpStreamSetup, ACK_LEN, PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP,
@@ -54,18 +59,14 @@ pub struct LinkCounters {
     pub bytes_landed: AtomicU64,
 }
 
-async fn reply_setup(stream: &mut TcpStream, result: &Result<(), String>) {
-    let mut out = Vec::new();
-    match result {
-        Ok(()) => out.push(0u8),
-        Err(msg) => {
-            out.push(1u8);
-            let b = msg.as_bytes();
-            let n = b.len().min(1024);
-            out.extend_from_slice(&(n as u16).to_le_bytes());
-            out.extend_from_slice(&b[..n]);
-        }
-    }
+/// Refuse a link setup with `msg` (success is a single 0 byte, written by
+/// [`PendingWriter::confirm`]).
+async fn refuse_setup(stream: &mut TcpStream, msg: &str) {
+    let mut out = vec![1u8];
+    let b = msg.as_bytes();
+    let n = b.len().min(1024);
+    out.extend_from_slice(&(n as u16).to_le_bytes());
+    out.extend_from_slice(&b[..n]);
     let _ = stream.write_all(&out).await;
 }
 
@@ -87,7 +88,8 @@ async fn read_setup(
 
 /// Decode side: open a data link of one stream to `addr` for `kind`,
 /// offering `pool` (`num_pages` pages of `layout`), as decode endpoint
-/// `endpoint`. Returns the socket and the prefill's TP rank.
+/// `endpoint`. Returns the socket and the prefill's fingerprint (its TP
+/// rank and size).
 pub async fn connect_link(
     addr: std::net::SocketAddr,
     endpoint: u64,
@@ -96,7 +98,7 @@ pub async fn connect_link(
     kind: TransportKind,
     pool: &ShmRegion,
     num_pages: usize,
-) -> Result<(TcpStream, RankId), TransportError> {
+) -> Result<(TcpStream, Fingerprint), TransportError> {
     let one = TcpStreamSetup {
         nonce: rand::random(),
         index: 0,
@@ -117,7 +119,7 @@ pub async fn connect_link_stream(
     pool: &ShmRegion,
     num_pages: usize,
     stream: TcpStreamSetup,
-) -> Result<(TcpStream, RankId), TransportError> {
+) -> Result<(TcpStream, Fingerprint), TransportError> {
     let mut s = TcpStream::connect(addr)
         .await
         .map_err(TransportError::io("data link connect"))?;
@@ -156,7 +158,7 @@ pub async fn connect_link_stream(
             String::from_utf8_lossy(&msg)
         )));
     }
-    Ok((s, n.peer_rank()))
+    Ok((s, n.peer_fingerprint))
 }
 
 /// A link accepted on the prefill side, ready to run.
@@ -169,13 +171,39 @@ pub struct AcceptedLink {
     pub kind: TransportKind,
     /// Which stream of its link this is (one stream of one for shm).
     pub stream: TcpStreamSetup,
-    writer: LinkWriter,
+    /// What this link moves (whole spans, or head slices when TP differs).
+    pub plan: LinkPlan,
+    writer: PendingWriter,
     acks: OwnedReadHalf,
 }
 
 enum LinkWriter {
     Shm(ShmTransport),
     Tcp(TcpTransport),
+}
+
+/// A link whose setup succeeded but was not yet confirmed to decode: the
+/// success reply goes out only once the driver registered the link
+/// ([`AcceptedLink::spawn`]), so a destination decode sends after its
+/// `connect` returned can never reach the driver before its link.
+struct PendingWriter {
+    src: Arc<ShmRegion>,
+    region: Option<ShmRegion>,
+    w: tokio::net::tcp::OwnedWriteHalf,
+}
+
+impl PendingWriter {
+    /// Send decode the setup success and build the transport.
+    async fn confirm(mut self) -> Result<LinkWriter, TransportError> {
+        self.w
+            .write_all(&[0])
+            .await
+            .map_err(TransportError::io("data link setup reply"))?;
+        Ok(match self.region {
+            Some(dst) => LinkWriter::Shm(ShmTransport::new(self.src, dst, self.w)),
+            None => LinkWriter::Tcp(TcpTransport::new(self.src, self.w)),
+        })
+    }
 }
 
 /// Prefill side: finish accepting a data link from the decode endpoint known
@@ -189,9 +217,10 @@ pub async fn accept_link(
     layout: &KvLayout,
 ) -> Result<AcceptedLink, TransportError> {
     let _ = s.set_nodelay(true);
-    handshake_exact(&mut s, config, timeout).await?;
+    let ours = config.fingerprint.clone();
+    let n = handshake_exact(&mut s, config, timeout).await?;
     let rank = peer;
-    let per_page = page_span(layout) * layout.geometry.layers;
+    let plan = LinkPlan::new(&ours, &n.peer_fingerprint, true, layout.geometry.kv_heads);
     let mut kind = [0u8; 1];
     let read = tokio::time::timeout(timeout, s.read_exact(&mut kind)).await;
     if !matches!(read, Ok(Ok(_))) {
@@ -202,8 +231,11 @@ pub async fn accept_link(
         index: 0,
         count: 1,
     };
-    let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match kind[0] {
-        SETUP_SHM => {
+    let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match (&plan, kind[0]) {
+        (Err(e), _) => Err(e.clone()),
+        (Ok(plan), SETUP_SHM) => {
+            // The decode rank's blocks hold its own share of the heads.
+            let per_page = plan.decode_page_bytes(layout);
             let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
             read_setup(&mut s, &mut h, timeout, "shm link setup").await?;
             let handle = ShmRegionHandle::from_bytes(&h);
@@ -230,7 +262,7 @@ pub async fn accept_link(
                 }
             }
         }
-        SETUP_TCP => {
+        (Ok(_), SETUP_TCP) => {
             let mut b = [0u8; 8];
             read_setup(&mut s, &mut b, timeout, "tcp link setup").await?;
             let pages = u64::from_le_bytes(b);
@@ -247,21 +279,22 @@ pub async fn accept_link(
                 }
             }
         }
-        other => Err(format!("unknown transport {other}")),
+        (Ok(_), other) => Err(format!("unknown transport {other}")),
     };
-    reply_setup(&mut s, &setup.as_ref().map(|_| ()).map_err(Clone::clone)).await;
+    // A refusal is answered now; success only once the link is registered.
+    if let Err(msg) = &setup {
+        refuse_setup(&mut s, msg).await;
+    }
     let (kind, dest_pages, region) = setup.map_err(TransportError::PeerMisbehaved)?;
+    let plan = plan.map_err(TransportError::PeerMisbehaved)?;
     let (r, w) = s.into_split();
-    let writer = match region {
-        Some(dst) => LinkWriter::Shm(ShmTransport::new(src, dst, w)),
-        None => LinkWriter::Tcp(TcpTransport::new(src, w)),
-    };
     Ok(AcceptedLink {
         rank,
         dest_pages,
         kind,
         stream,
-        writer,
+        plan,
+        writer: PendingWriter { src, region, w },
         acks: r,
     })
 }
@@ -389,7 +422,9 @@ async fn run_writer<T: Transport>(
 }
 
 impl AcceptedLink {
-    /// Spawn the writer and ack tasks; events go through `send`.
+    /// Spawn the writer and ack tasks; events go through `send`. Call once
+    /// the link is registered: the writer first tells decode the setup
+    /// succeeded.
     pub fn spawn<F>(
         self,
         link: u64,
@@ -404,9 +439,10 @@ impl AcceptedLink {
         let send = Arc::new(send);
         let s1 = send.clone();
         tasks.spawn(async move {
-            let r = match self.writer {
-                LinkWriter::Shm(t) => run_writer(t, rx).await,
-                LinkWriter::Tcp(t) => run_writer(t, rx).await,
+            let r = match self.writer.confirm().await {
+                Ok(LinkWriter::Shm(t)) => run_writer(t, rx).await,
+                Ok(LinkWriter::Tcp(t)) => run_writer(t, rx).await,
+                Err(e) => Err(e),
             };
             if let Err(e) = r {
                 s1(LinkEvent::Closed {
@@ -500,6 +536,8 @@ pub struct LinkReader {
     kind: TransportKind,
     pool: Arc<ShmRegion>,
     layout: KvLayout,
+    /// What this link may write (whole spans, or which head slices).
+    plan: LinkPlan,
     rooms: HashMap<RoomId, Slot>,
     state: ReadState,
     counters: Arc<LinkCounters>,
@@ -519,12 +557,13 @@ const STAGING_BYTES: usize = 256 << 10;
 const DIRECT_MIN: usize = 64 << 10;
 
 impl LinkReader {
-    /// A reader for an established link.
+    /// A reader for an established link that carries `plan`.
     pub fn new(
         stream: TcpStream,
         kind: TransportKind,
         pool: Arc<ShmRegion>,
         layout: KvLayout,
+        plan: LinkPlan,
         counters: Arc<LinkCounters>,
     ) -> Self {
         Self {
@@ -532,6 +571,7 @@ impl LinkReader {
             kind,
             pool,
             layout,
+            plan,
             rooms: HashMap::new(),
             state: ReadState::Header,
             counters,
@@ -602,8 +642,10 @@ impl LinkReader {
         }
     }
 
-    /// Validate a segment against its room's pages and the pool; the byte
-    /// range it may write, or `None` (counted; the payload is discarded).
+    /// Validate a segment against its room's pages, the pool and this
+    /// link's plan (a head slice must be one this prefill rank serves, within
+    /// the local heads); the byte range it may write, or `None` (counted;
+    /// the payload is discarded).
     fn place(&mut self, h: &crate::wire::SegmentHeader) -> Option<std::ops::Range<usize>> {
         let num_pages = self.layout.num_pages;
         let ok = self.kind == TransportKind::Tcp
@@ -614,22 +656,48 @@ impl LinkReader {
             && self.rooms.get(&h.room).is_some_and(|slot| {
                 (h.dst_page..h.dst_page + h.n_pages).all(|p| slot.pages.binary_search(&p).is_ok())
             });
-        if !ok {
+        let range = match (ok, h.heads) {
+            (false, _) => None,
+            (true, None) if self.plan.is_whole() => {
+                let start = span_offset(
+                    &self.layout,
+                    num_pages,
+                    h.layer as usize,
+                    h.dst_page as usize,
+                );
+                Some(start..start + h.n_pages as usize * page_span(&self.layout))
+            }
+            (true, None) => None,
+            (true, Some(s)) => {
+                let local = self.plan.decode_heads;
+                let heads = s.first..s.first.saturating_add(s.count);
+                let allowed = s.first.checked_add(s.count).is_some()
+                    && self.plan.pair.allows_dst_heads(heads, local);
+                allowed
+                    .then(|| page_layout(&self.layout, local, num_pages))
+                    .flatten()
+                    .and_then(|l| {
+                        l.head_range(
+                            h.layer,
+                            handoff_proto::PageIndex(h.dst_page),
+                            s.part,
+                            s.first,
+                            s.count,
+                        )
+                        .ok()
+                    })
+                    .filter(|r| r.end <= self.pool.len())
+            }
+        };
+        if range.is_none() {
             self.counters
                 .rejected_segments
                 .fetch_add(1, Ordering::Relaxed);
             if let Some(slot) = self.rooms.get_mut(&h.room) {
                 slot.rejected = true;
             }
-            return None;
         }
-        let start = span_offset(
-            &self.layout,
-            num_pages,
-            h.layer as usize,
-            h.dst_page as usize,
-        );
-        Some(start..start + h.n_pages as usize * page_span(&self.layout))
+        range
     }
 
     /// Read what is available. `Ok(false)` on EOF.
@@ -754,10 +822,14 @@ impl LinkReader {
     {
         match rec {
             Record::Segment(h) => {
-                let len = (h.n_pages as usize)
-                    .checked_mul(page_span(&self.layout))
+                let g = &self.layout.geometry;
+                let head_bytes = g.page_size * g.head_dim * g.dtype.size();
+                let len = h
+                    .payload_len(page_span(&self.layout), head_bytes)
                     .filter(|l| *l <= self.pool.len())
-                    .ok_or_else(|| format!("segment of {} pages", h.n_pages))?;
+                    .ok_or_else(|| {
+                        format!("segment of {} pages, heads {:?}", h.n_pages, h.heads)
+                    })?;
                 self.last_payload = len;
                 let (dst, keep) = match self.place(&h) {
                     Some(r) => (r, true),
@@ -866,6 +938,7 @@ mod tests {
                 layer: 0,
                 dst_page: page,
                 n_pages: 1,
+                heads: None,
             },
             src: 0..8,
             dst: 0..8,

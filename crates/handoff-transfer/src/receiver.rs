@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_kv::{KvLayout, PageLease, ShmRegion};
-use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
 use handoff_proto::heartbeat::Liveness;
 use handoff_proto::message::Message;
 use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
@@ -33,6 +33,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::error::TransportError;
 use crate::link::{connect_link_stream, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
+use crate::plan::{check_room_sources, LinkPlan, TpPosition};
 use crate::transport::TransportKind;
 use crate::wire::{stream_of, AuxData, TcpStreamSetup, MAX_TCP_STREAMS, PREFACE_CONTROL};
 use crate::EndpointStats;
@@ -101,7 +102,7 @@ enum Cmd {
     Abort(RoomId, TransferError),
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
-    AddLink(RankId, TransportKind, Vec<TcpStream>),
+    AddLink(RankId, NewLink),
     Connected(RankId, oneshot::Sender<bool>),
     Abandon(RankId),
     Stats(oneshot::Sender<EndpointStats>),
@@ -158,6 +159,7 @@ impl KvReceiver {
             tasks: tasks.clone(),
             pool: pool.clone(),
             layout,
+            fingerprint: config.handshake.fingerprint.clone(),
             next_link: 0,
             self_tx: tx.downgrade(),
         };
@@ -229,35 +231,69 @@ impl KvReceiver {
             TransportKind::Shm => 1,
             TransportKind::Tcp => self.config.tcp_streams.clamp(1, MAX_TCP_STREAMS),
         };
-        let nonce = rand::random();
-        let mut streams = Vec::with_capacity(usize::from(count));
-        for index in 0..count {
-            let link = connect_link_stream(
-                addr,
-                self.endpoint,
-                self.config.handshake.clone(),
-                self.config.handshake_timeout,
-                transport,
-                &self.pool,
-                self.layout.num_pages,
-                TcpStreamSetup {
+        // Every stream connects at once: prefill confirms a link's streams
+        // only when all of them are there.
+        let nonce: u64 = rand::random();
+        let pending: Vec<_> = (0..count)
+            .map(|index| {
+                let (endpoint, config) = (self.endpoint, self.config.handshake.clone());
+                let (timeout, pool) = (self.config.handshake_timeout, self.pool.clone());
+                let num_pages = self.layout.num_pages;
+                let setup = TcpStreamSetup {
                     nonce,
                     index,
                     count,
-                },
-            )
-            .await;
-            match link {
-                Ok((stream, _tp_rank)) => streams.push(stream),
-                Err(e) => {
-                    // Do not keep a control connection without its data link.
-                    let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
-                    return Err(e);
+                };
+                tokio::spawn(async move {
+                    connect_link_stream(
+                        addr, endpoint, config, timeout, transport, &pool, num_pages, setup,
+                    )
+                    .await
+                })
+            })
+            .collect();
+        let mut sockets = Vec::with_capacity(pending.len());
+        let mut prefill = None;
+        let mut failed = None;
+        for p in pending {
+            match p.await {
+                Ok(Ok((stream, fp))) => {
+                    sockets.push(stream);
+                    prefill = Some(fp);
                 }
+                Ok(Err(e)) => failed = failed.or(Some(e)),
+                Err(_) => failed = failed.or(Some(TransportError::Shutdown)),
             }
         }
+        // What this prefill rank writes into our pool: whole spans with
+        // equal TP sizes, its head slices otherwise.
+        let link = match (failed, prefill) {
+            (Some(e), _) => Err(e),
+            (None, None) => Err(TransportError::Shutdown),
+            (None, Some(prefill)) => LinkPlan::new(
+                &prefill,
+                &self.config.handshake.fingerprint,
+                false,
+                self.layout.geometry.kv_heads,
+            )
+            .map(|plan| NewLink {
+                kind: transport,
+                sockets,
+                plan,
+                tp: TpPosition::of(&prefill),
+            })
+            .map_err(TransportError::Config),
+        };
+        let link = match link {
+            Ok(l) => l,
+            Err(e) => {
+                // Do not keep a control connection without its data link.
+                let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
+                return Err(e);
+            }
+        };
         self.tx
-            .send(Ev::Cmd(Cmd::AddLink(rank, transport, streams)))
+            .send(Ev::Cmd(Cmd::AddLink(rank, link)))
             .map_err(|_| TransportError::Shutdown)?;
         // The control handshake runs concurrently; wait for it.
         let deadline = tokio::time::Instant::now() + self.config.handshake_timeout;
@@ -281,7 +317,10 @@ impl KvReceiver {
         self.ask(|r| Cmd::Connected(rank, r)).await
     }
 
-    /// Accept a request for `room` needing KV from `sources`.
+    /// Accept a request for `room` needing KV from `sources`. Their TP
+    /// ranks must cover every prefill rank this decode rank needs heads from
+    /// ([`RankMap::required_prefill_ranks`]; one source with equal TP
+    /// sizes), so the room cannot succeed with part of its heads missing.
     pub async fn open(&self, room: RoomId, sources: Vec<Source>) -> Result<(), TransportError> {
         Ok(self.ask(|r| Cmd::Open(room, sources, r)).await??)
     }
@@ -336,10 +375,20 @@ impl KvReceiver {
     }
 }
 
+/// A data link whose streams connected, for the driver to start.
+struct NewLink {
+    kind: TransportKind,
+    sockets: Vec<TcpStream>,
+    plan: LinkPlan,
+    tp: TpPosition,
+}
+
 /// One data link to a prefill rank: one reader per stream.
 struct Link {
     id: u64,
     streams: Vec<mpsc::UnboundedSender<ReaderCmd>>,
+    /// The prefill peer's TP rank and size (from its handshake).
+    tp: TpPosition,
 }
 
 impl Link {
@@ -369,6 +418,8 @@ struct Driver {
     tasks: TaskCounter,
     pool: Arc<ShmRegion>,
     layout: KvLayout,
+    /// Our handshake fingerprint (model KV heads, our TP rank and size).
+    fingerprint: Fingerprint,
     next_link: u64,
     self_tx: mpsc::WeakUnboundedSender<Ev>,
 }
@@ -485,17 +536,28 @@ impl Driver {
         self.ctl.contains_key(&rank) && self.links.contains_key(&rank)
     }
 
-    fn add_link(&mut self, rank: RankId, kind: TransportKind, sockets: Vec<TcpStream>) {
+    /// Why `ranks` (connected peers) cannot serve a room of this decode
+    /// rank ([`check_room_sources`]).
+    fn check_sources(&self, ranks: &[RankId]) -> Result<(), String> {
+        let tps: Vec<TpPosition> = ranks
+            .iter()
+            .filter_map(|r| self.links.get(r).map(|l| l.tp))
+            .collect();
+        check_room_sources(&self.fingerprint, &tps)
+    }
+
+    fn add_link(&mut self, rank: RankId, link: NewLink) {
         self.next_link += 1;
         let id = self.next_link;
-        let mut streams = Vec::with_capacity(sockets.len());
-        for stream in sockets {
+        let mut streams = Vec::with_capacity(link.sockets.len());
+        for stream in link.sockets {
             let (tx, rx) = mpsc::unbounded_channel();
             let reader = LinkReader::new(
                 stream,
-                kind,
+                link.kind,
                 self.pool.clone(),
                 self.layout,
+                link.plan.clone(),
                 self.counters.clone(),
             );
             let weak = self.self_tx.clone();
@@ -505,7 +567,14 @@ impl Driver {
             }));
             streams.push(tx);
         }
-        self.links.insert(rank, Link { id, streams });
+        self.links.insert(
+            rank,
+            Link {
+                id,
+                streams,
+                tp: link.tp,
+            },
+        );
     }
 
     fn command(&mut self, c: Cmd) {
@@ -521,6 +590,10 @@ impl Driver {
                         rank: dead,
                         detail: "no live connection to this prefill rank (it closed or died); reconnect first".into(),
                     }));
+                    return;
+                }
+                if let Err(reason) = self.check_sources(&ranks) {
+                    let _ = reply.send(Err(TransferError::Internal { reason }));
                     return;
                 }
                 let r = self.rooms.open(room, sources, t);
@@ -554,7 +627,7 @@ impl Driver {
                     let _ = reply.send(ReceiverPoll::Unknown);
                 }
             },
-            Cmd::AddLink(rank, kind, streams) => self.add_link(rank, kind, streams),
+            Cmd::AddLink(rank, link) => self.add_link(rank, link),
             Cmd::Connected(rank, reply) => {
                 let _ = reply.send(self.connected(rank));
             }

@@ -21,6 +21,7 @@ use handoff_kv::{KvLayout, PageIndex, ShmRegion};
 use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::heartbeat::Liveness;
 use handoff_proto::message::{Destination, Message};
+use handoff_proto::rank::PairPlan;
 use handoff_proto::room::{Expiring, RoomConfig, RoomState};
 use handoff_proto::sender_room::{SenderAction, SenderRooms};
 use handoff_proto::timer::Timer;
@@ -34,6 +35,7 @@ use crate::error::TransportError;
 use crate::link::{
     accept_link, page_span, span_offset, AcceptedLink, LinkCounters, LinkEvent, LinkJob,
 };
+use crate::plan::{build_sliced_segments, LinkPlan};
 use crate::transport::Segment;
 use crate::wire::{
     stream_of, AuxData, SegmentHeader, ENDPOINT_ID_LEN, PREFACE_CONTROL, PREFACE_DATA,
@@ -442,6 +444,8 @@ struct Link {
     id: u64,
     streams: Vec<mpsc::UnboundedSender<LinkJob>>,
     dest_pages: usize,
+    /// Whole spans, or the head slices this decode rank takes from us.
+    plan: LinkPlan,
 }
 
 impl Link {
@@ -609,6 +613,7 @@ impl Driver {
         self.next_link += 1;
         let id = self.next_link;
         let dest_pages = streams[0].dest_pages;
+        let plan = streams[0].plan.clone();
         let txs = streams
             .into_iter()
             .map(|l| {
@@ -625,6 +630,7 @@ impl Driver {
                 id,
                 streams: txs,
                 dest_pages,
+                plan,
             },
         );
     }
@@ -887,16 +893,40 @@ impl Driver {
                 ));
                 continue;
             }
-            let segs = build_segments(
-                room,
-                &self.layout,
-                link.dest_pages,
-                layers.clone(),
-                pages.clone(),
-                src,
-                &d.pages,
-                max_run,
-            );
+            let segs = match &link.plan.pair {
+                PairPlan::Whole => build_segments(
+                    room,
+                    &self.layout,
+                    link.dest_pages,
+                    layers.clone(),
+                    pages.clone(),
+                    src,
+                    &d.pages,
+                    max_run,
+                ),
+                PairPlan::Sliced(slices) => match build_sliced_segments(
+                    room,
+                    slices,
+                    &self.layout,
+                    link.plan.decode_heads,
+                    link.dest_pages,
+                    layers.clone(),
+                    pages.clone(),
+                    src,
+                    &d.pages,
+                ) {
+                    Ok(segs) => segs,
+                    Err(e) => {
+                        failed.push((
+                            *rank,
+                            TransferError::Internal {
+                                reason: format!("head-sliced segments: {e}"),
+                            },
+                        ));
+                        continue;
+                    }
+                },
+            };
             let _ = link.tx(room).send(LinkJob::Segments {
                 room,
                 segs,
@@ -1033,6 +1063,7 @@ pub(crate) fn build_segments(
                     layer: layer as u32,
                     dst_page: d0 as u32,
                     n_pages: n as u32,
+                    heads: None,
                 },
                 src: s..s + n * span,
                 dst: d..d + n * span,

@@ -105,6 +105,50 @@ pub fn receiver_config(kind: TransportKind) -> ReceiverConfig {
     c
 }
 
+/// KV heads of the model in the TP (fan-in / fan-out) tests.
+pub const TP_KV_HEADS: usize = 4;
+
+/// The test geometry as seen by one rank of a TP group of `tp_size`: each
+/// block holds that rank's share of [`TP_KV_HEADS`].
+pub fn tp_geometry(tp_size: usize) -> KvGeometry {
+    KvGeometry {
+        kv_heads: TP_KV_HEADS / tp_size,
+        ..geometry()
+    }
+}
+
+/// A shared pool for one rank of a TP group of `tp_size`.
+pub fn tp_pool(tp_size: usize) -> (KvPool, ShmRegionHandle) {
+    match KvPool::new_shared(tp_geometry(tp_size), TEST_PAGES) {
+        Ok(p) => p,
+        Err(e) => panic!("shared pool: {e}"),
+    }
+}
+
+/// The fingerprint of TP rank `rank` of `size` over [`TP_KV_HEADS`].
+pub fn tp_fingerprint(rank: u32, size: u32) -> Fingerprint {
+    Fingerprint {
+        kv_heads: TP_KV_HEADS as u32,
+        tp_rank: rank,
+        tp_size: size,
+        ..fingerprint(&geometry())
+    }
+}
+
+/// Prefill settings for TP rank `rank` of `size`.
+pub fn tp_sender_config(rank: u32, size: u32) -> SenderConfig {
+    let mut c = sender_config();
+    c.handshake.fingerprint = tp_fingerprint(rank, size);
+    c
+}
+
+/// Decode settings for TP rank `rank` of `size`.
+pub fn tp_receiver_config(kind: TransportKind, rank: u32, size: u32) -> ReceiverConfig {
+    let mut c = receiver_config(kind);
+    c.handshake.fingerprint = tp_fingerprint(rank, size);
+    c
+}
+
 /// One source, prefill rank `rank`.
 pub fn sources(rank: RankId) -> Vec<Source> {
     vec![Source {

@@ -6,6 +6,7 @@
 //! Every record has a fixed-size header; a decoder validates the tag and
 //! sizes before anything is acted on.
 
+use handoff_proto::rank::KvPart;
 use handoff_proto::RoomId;
 
 /// Preface byte of a control connection.
@@ -90,8 +91,11 @@ pub const RECORD_LEN: usize = 32;
 /// Bytes of a decode → prefill acknowledgement.
 pub const ACK_LEN: usize = 10;
 
-/// Where `n_pages` consecutive destination pages of one layer go: the
-/// payload that follows (tcp) is `n_pages × page_span` bytes.
+/// Where a payload goes: either whole (layer, page) spans of `n_pages`
+/// consecutive destination pages (`heads: None`, payload `n_pages ×
+/// page_span` bytes), or one head slice of one page's K or V block
+/// (`heads: Some`, `n_pages` 1, payload `count × head_bytes` bytes) when
+/// prefill and decode TP sizes differ (DESIGN.md §4 "Fan-in / fan-out").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SegmentHeader {
     /// The room.
@@ -102,7 +106,38 @@ pub struct SegmentHeader {
     pub dst_page: u32,
     /// Consecutive pages.
     pub n_pages: u32,
+    /// A head slice of one block instead of whole spans.
+    pub heads: Option<HeadSlice>,
 }
+
+/// A run of heads of one (layer, page) block, as the decode rank's local
+/// heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadSlice {
+    /// K or V block.
+    pub part: KvPart,
+    /// First local head in the destination block.
+    pub first: u32,
+    /// Heads (at least 1).
+    pub count: u32,
+}
+
+impl SegmentHeader {
+    /// Payload bytes that follow this header on a tcp link, given one
+    /// (layer, page) span and one head of one block in bytes; `None` on
+    /// overflow.
+    pub fn payload_len(&self, page_span: usize, head_bytes: usize) -> Option<usize> {
+        match self.heads {
+            None => (self.n_pages as usize).checked_mul(page_span),
+            Some(h) => (h.count as usize).checked_mul(head_bytes),
+        }
+    }
+}
+
+/// Slice byte of a segment header: whole spans, or the block sliced.
+const SLICE_NONE: u8 = 0;
+const SLICE_K: u8 = 1;
+const SLICE_V: u8 = 2;
 
 /// The aux record: first token, its logprob, and the room id the decode side
 /// checks before committing (FIELD-NOTES invariant 7).
@@ -175,6 +210,14 @@ impl Record {
                 b[9..13].copy_from_slice(&s.layer.to_le_bytes());
                 b[13..17].copy_from_slice(&s.dst_page.to_le_bytes());
                 b[17..21].copy_from_slice(&s.n_pages.to_le_bytes());
+                if let Some(h) = s.heads {
+                    b[21] = match h.part {
+                        KvPart::K => SLICE_K,
+                        KvPart::V => SLICE_V,
+                    };
+                    b[22..26].copy_from_slice(&h.first.to_le_bytes());
+                    b[26..30].copy_from_slice(&h.count.to_le_bytes());
+                }
             }
             Record::Aux {
                 room,
@@ -203,14 +246,32 @@ impl Record {
         let room = room_at(&b[1..9])?;
         match b[0] {
             TAG_SEGMENT => {
+                let first = u32::from_le_bytes(arr(&b[22..26]));
+                let count = u32::from_le_bytes(arr(&b[26..30]));
+                let part = match b[21] {
+                    SLICE_NONE if first == 0 && count == 0 => None,
+                    SLICE_NONE => {
+                        return Err(RecordError("head fields on a whole-span segment".into()))
+                    }
+                    SLICE_K => Some(KvPart::K),
+                    SLICE_V => Some(KvPart::V),
+                    v => return Err(RecordError(format!("slice kind {v}"))),
+                };
                 let s = SegmentHeader {
                     room,
                     layer: u32::from_le_bytes(arr(&b[9..13])),
                     dst_page: u32::from_le_bytes(arr(&b[13..17])),
                     n_pages: u32::from_le_bytes(arr(&b[17..21])),
+                    heads: part.map(|part| HeadSlice { part, first, count }),
                 };
                 if s.n_pages == 0 {
                     return Err(RecordError("segment of zero pages".into()));
+                }
+                if s.heads.is_some() && (s.n_pages != 1 || count == 0) {
+                    return Err(RecordError(format!(
+                        "a head slice covers one page and at least one head ({} pages, {count} heads)",
+                        s.n_pages
+                    )));
                 }
                 Ok(Record::Segment(s))
             }
@@ -272,6 +333,18 @@ mod tests {
                 layer: 3,
                 dst_page: 9,
                 n_pages: 2,
+                heads: None,
+            }),
+            Record::Segment(SegmentHeader {
+                room,
+                layer: 1,
+                dst_page: 7,
+                n_pages: 1,
+                heads: Some(HeadSlice {
+                    part: KvPart::V,
+                    first: 2,
+                    count: 3,
+                }),
             }),
             Record::Aux {
                 room,
@@ -297,6 +370,29 @@ mod tests {
         bad[0] = 99;
         assert!(Record::decode(&bad).is_err());
         assert!(Record::decode(&[0u8; RECORD_LEN]).is_err(), "room 0");
+        // Malformed head slices: unknown kind, zero heads, several pages,
+        // head fields on a whole-span segment.
+        let sliced = |n_pages, count| {
+            Record::Segment(SegmentHeader {
+                room,
+                layer: 0,
+                dst_page: 1,
+                n_pages,
+                heads: Some(HeadSlice {
+                    part: KvPart::K,
+                    first: 0,
+                    count,
+                }),
+            })
+            .encode()
+        };
+        let mut kind = sliced(1, 1);
+        kind[21] = 3;
+        let mut whole_with_heads = sliced(1, 1);
+        whole_with_heads[21] = 0;
+        for b in [kind, sliced(1, 0), sliced(2, 1), whole_with_heads] {
+            assert!(Record::decode(&b).is_err(), "{b:?}");
+        }
         let a = Ack { room, ok: true };
         assert_eq!(Ack::decode(&a.encode()), Ok(a));
         assert!(Ack::decode(&[9u8; ACK_LEN]).is_err());
@@ -320,9 +416,15 @@ mod tests {
         fn corrupted_records_decode_or_fail_cleanly(
             at in 0..RECORD_LEN, value in proptest::prelude::any::<u8>(), layer in 0u32..64,
             page in 0u32..1_000_000, room in 1u64..u64::MAX,
+            slice in proptest::option::of((proptest::prelude::any::<bool>(), 0u32..64, 1u32..64)),
         ) {
             let room = RoomId::new(room).unwrap();
-            let mut b = Record::Segment(SegmentHeader { room, layer, dst_page: page, n_pages: 1 }).encode();
+            let heads = slice.map(|(v, first, count)| HeadSlice {
+                part: if v { KvPart::V } else { KvPart::K },
+                first,
+                count,
+            });
+            let mut b = Record::Segment(SegmentHeader { room, layer, dst_page: page, n_pages: 1, heads }).encode();
             b[at] = value;
             if let Ok(r) = Record::decode(&b) {
                 proptest::prop_assert_eq!(Record::decode(&r.encode()), Ok(r));

@@ -64,6 +64,9 @@ conformance!(
     pages_are_not_reused_while_a_frozen_writer_may_write,
     frozen_peers_are_declared_dead_by_heartbeat,
     peers_of_the_same_tp_rank_do_not_collide,
+    fan_in_two_prefill_ranks_fill_one_decode_rank,
+    fan_out_one_prefill_rank_feeds_two_decode_ranks,
+    decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else,
 );
 
 fn room(n: u64) -> RoomId {
@@ -1096,7 +1099,7 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
 /// room's, beyond the pool, or in a layer that does not exist. Decode
 /// rejects each before a byte lands, and its ack says so.
 async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: TransportKind) {
-    use handoff_transfer::wire::{Record, SegmentHeader, TcpStreamSetup};
+    use handoff_transfer::wire::{Record, SegmentHeader};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (d_pool, _) = testing::pool();
@@ -1107,57 +1110,10 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     );
     let rx2 = rx.clone();
     let connecting = tokio::spawn(async move { rx2.connect(addr).await });
-    let prefill_hs = testing::sender_config().handshake;
-    let mut control = None;
-    // Every stream of the data link, by index (one unless the case asks
-    // for several).
-    let mut data: Vec<Option<TcpStream>> = Vec::new();
-    while control.is_none() || data.is_empty() || data.iter().any(Option::is_none) {
-        let (mut s, _) = listener.accept().await.unwrap();
-        let mut pre = [0u8; 9];
-        s.read_exact(&mut pre).await.unwrap();
-        if pre[0] == b'C' {
-            let hs = prefill_hs.clone();
-            control = Some(tokio::spawn(async move {
-                RawDecode::handshake(s, hs).await.unwrap()
-            }));
-        } else {
-            handoff_transfer::conn::handshake_exact(
-                &mut s,
-                prefill_hs.clone(),
-                Duration::from_secs(2),
-            )
-            .await
-            .unwrap();
-            let mut k = [0u8; 1];
-            s.read_exact(&mut k).await.unwrap();
-            let st = if k[0] == b'S' {
-                let mut handle = [0u8; 16];
-                s.read_exact(&mut handle).await.unwrap();
-                TcpStreamSetup {
-                    nonce: 0,
-                    index: 0,
-                    count: 1,
-                }
-            } else {
-                let mut pages = [0u8; 8];
-                s.read_exact(&mut pages).await.unwrap();
-                let mut st = [0u8; TcpStreamSetup::LEN];
-                s.read_exact(&mut st).await.unwrap();
-                TcpStreamSetup::decode(&st).unwrap()
-            };
-            s.write_all(&[0]).await.unwrap();
-            data.resize_with(usize::from(st.count), || None);
-            data[usize::from(st.index)] = Some(s);
-        }
-    }
-    let mut control = control.unwrap().await.unwrap();
-    let rank = connecting.await.unwrap().unwrap();
     let r = room(800);
-    // The stream decode expects room 800 on.
-    let mut data = data
-        .swap_remove(handoff_transfer::wire::stream_of(r, data.len()))
-        .unwrap();
+    let (mut control, mut data, _others) =
+        raw_prefill(&listener, testing::sender_config().handshake, r).await;
+    let rank = connecting.await.unwrap().unwrap();
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let mine = lease.pages().to_vec();
@@ -1176,6 +1132,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
             layer,
             dst_page,
             n_pages: 1,
+            heads: None,
         });
         data.write_all(&h.encode()).await.unwrap();
         data.write_all(&vec![0xAB; span]).await.unwrap();
@@ -1478,4 +1435,545 @@ async fn shm_link_to_a_foreign_file_is_refused() {
         tx.live_tasks() == 0
     })
     .await;
+}
+
+// ---- TP fan-in / fan-out (DESIGN.md §4 "Fan-in / fan-out") ----
+
+/// A byte for (prefill rank, layer, source page, K|V, global head, byte
+/// index): well mixed, never zero (an untouched decode pool is all zeros).
+fn tp_byte(rank: usize, layer: usize, page: u32, part: usize, head: usize, i: usize) -> u8 {
+    let mut x = ((((rank as u64 * 8 + layer as u64) * 1024 + u64::from(page)) * 2 + part as u64)
+        * 64
+        + head as u64)
+        * 65_536
+        + i as u64;
+    x = x.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^= x >> 29;
+    x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x ^= x >> 32;
+    (x as u8) | 1
+}
+
+const KV_KINDS: [handoff_kv::KvKind; 2] = [handoff_kv::KvKind::K, handoff_kv::KvKind::V];
+
+/// Fill prefill TP rank `rank` of `tp`'s pool: every head of every block
+/// gets bytes naming (rank, layer, page, K|V, global head).
+fn fill_tp(pool: &KvPool, rank: usize, tp: usize) {
+    let l = pool.layout();
+    let local = testing::TP_KV_HEADS / tp;
+    let region = pool.shared_region().unwrap();
+    let mut all = vec![0u8; region.len()];
+    for layer in 0..l.geometry.layers {
+        for page in 0..l.num_pages as u32 {
+            for (part, kind) in KV_KINDS.into_iter().enumerate() {
+                for lh in 0..local {
+                    let r = l
+                        .head_slice_bytes(layer, PageIndex(page), kind, lh..lh + 1)
+                        .unwrap();
+                    let global = rank * local + lh;
+                    for (i, b) in all[r].iter_mut().enumerate() {
+                        *b = tp_byte(rank, layer, page, part, global, i);
+                    }
+                }
+            }
+        }
+    }
+    region.write_at(0, &all).unwrap();
+}
+
+/// Decode TP rank `d` of `d_tp` holds, in room page `dst[i]`, exactly its
+/// own heads, each from the prefill rank (of `p_tp`) holding it, copied
+/// from that rank's source page `src[p][i]`; every page outside the room
+/// is untouched.
+fn verify_tp(
+    d_pool: &KvPool,
+    d: usize,
+    d_tp: usize,
+    p_tp: usize,
+    dst: &[PageIndex],
+    src: &[Arc<[PageIndex]>],
+) {
+    let l = d_pool.layout();
+    let region = d_pool.shared_region().unwrap();
+    let (dl, pl) = (testing::TP_KV_HEADS / d_tp, testing::TP_KV_HEADS / p_tp);
+    assert_eq!(l.geometry.kv_heads, dl);
+    for layer in 0..l.geometry.layers {
+        for (i, page) in dst.iter().enumerate() {
+            for (part, kind) in KV_KINDS.into_iter().enumerate() {
+                for lh in 0..dl {
+                    let global = d * dl + lh;
+                    let p = global / pl;
+                    let r = l.head_slice_bytes(layer, *page, kind, lh..lh + 1).unwrap();
+                    let mut got = vec![0u8; r.len()];
+                    region.read_at(r.start, &mut got).unwrap();
+                    let want: Vec<u8> = (0..got.len())
+                        .map(|j| tp_byte(p, layer, src[p][i].0, part, global, j))
+                        .collect();
+                    assert!(
+                        got == want,
+                        "decode rank {d}: layer {layer} room page {i} ({page:?}) {kind:?} head {global} \
+                         should come from prefill rank {p} page {:?}",
+                        src[p][i]
+                    );
+                }
+            }
+        }
+    }
+    for page in (0..l.num_pages as u32).map(PageIndex) {
+        if dst.contains(&page) {
+            continue;
+        }
+        for layer in 0..l.geometry.layers {
+            for kind in KV_KINDS {
+                let r = l.block_bytes(layer, page, kind).unwrap();
+                let mut got = vec![0u8; r.len()];
+                region.read_at(r.start, &mut got).unwrap();
+                assert!(
+                    got.iter().all(|b| *b == 0),
+                    "decode rank {d}: page {page:?} outside the room was written"
+                );
+            }
+        }
+    }
+}
+
+/// Lease `n` decode pages scattered around a hole.
+fn scattered_lease(pool: &KvPool, n: usize) -> handoff_kv::PageLease {
+    let hole = pool.allocator().lease(3).unwrap();
+    let keep = pool.allocator().lease(2).unwrap();
+    drop(hole);
+    let lease = pool.allocator().lease(n).unwrap();
+    drop(keep);
+    lease
+}
+
+fn pages(p: &[u32]) -> Arc<[PageIndex]> {
+    p.iter().copied().map(PageIndex).collect::<Vec<_>>().into()
+}
+
+/// Nothing left behind on any endpoint of a TP test.
+async fn teardown_tp(txs: &[KvSender], rxs: &[KvReceiver], d_pools: &[KvPool]) {
+    eventually("no live rooms", Duration::from_secs(3), || async {
+        let mut live = 0;
+        for tx in txs {
+            live += tx.stats().await.unwrap().live_rooms;
+        }
+        for rx in rxs {
+            live += rx.stats().await.unwrap().live_rooms;
+        }
+        live == 0
+    })
+    .await;
+    eventually("no leased pages", Duration::from_secs(3), || async {
+        d_pools.iter().all(|p| p.allocator().stats().leased == 0)
+    })
+    .await;
+    for tx in txs {
+        tx.shutdown();
+    }
+    for rx in rxs {
+        rx.shutdown();
+    }
+    eventually("no task left", Duration::from_secs(3), || async {
+        txs.iter().all(|t| t.live_tasks() == 0) && rxs.iter().all(|r| r.live_tasks() == 0)
+    })
+    .await;
+}
+
+const TP_AUX: AuxData = AuxData {
+    first_token: 77,
+    logprob: -1.5,
+};
+
+async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
+    use handoff_proto::rank::RankMap;
+    use handoff_proto::receiver_room::Source;
+    // Prefill TP 2 (2 heads each) -> decode TP 1 (all 4 heads).
+    let mut txs = Vec::new();
+    let mut p_pools = Vec::new();
+    for p in 0..2u32 {
+        let (pool, _) = testing::tp_pool(2);
+        fill_tp(&pool, p as usize, 2);
+        let tx = KvSender::start(
+            testing::tp_sender_config(p, 2),
+            pool.shared_region().unwrap().clone(),
+            *pool.layout(),
+        )
+        .await
+        .unwrap();
+        txs.push(tx);
+        p_pools.push(pool);
+    }
+    let (d_pool, _) = testing::tp_pool(1);
+    let rx = KvReceiver::start(
+        testing::tp_receiver_config(kind, 0, 1),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let mut peers = Vec::new();
+    for tx in &txs {
+        peers.push(rx.connect(tx.local_addr()).await.unwrap());
+    }
+    // The room's sources come from the rank map, prefill TP rank -> peer.
+    let map = RankMap::new(testing::TP_KV_HEADS as u32, 2, 1).unwrap();
+    let srcs: Vec<Source> = Source::for_decode_rank(&map, RankId(0))
+        .unwrap()
+        .into_iter()
+        .map(|s| Source {
+            rank: peers[s.rank.0 as usize],
+            ..s
+        })
+        .collect();
+    assert_eq!(srcs.len(), 2);
+    // A room naming only prefill rank 0 could never hold heads 2..4: refused.
+    let err = rx.open(room(901), vec![srcs[0]]).await.unwrap_err();
+    assert!(err.to_string().contains("lack [1]"), "{err}");
+
+    let r = room(900);
+    for tx in &txs {
+        tx.open(r).await.unwrap();
+    }
+    rx.open(r, srcs.clone()).await.unwrap();
+    let lease = scattered_lease(&d_pool, 6);
+    let dst = lease.pages().to_vec();
+    rx.reserve(r, lease, AuxSlot(2)).await.unwrap();
+    for tx in &txs {
+        testing::wait_sender_state(tx, r, RoomState::WaitingForInput)
+            .await
+            .unwrap();
+    }
+    let src = [
+        pages(&[9, 10, 11, 30, 2, 50]),
+        pages(&[40, 3, 4, 5, 61, 17]),
+    ];
+    // Prefill rank 0 streams layer by layer and finishes first.
+    txs[0].send(r, 0..1, 0..6, src[0].clone()).await.unwrap();
+    txs[0].send(r, 1..2, 0..6, src[0].clone()).await.unwrap();
+    txs[0].finish(r, TP_AUX).await.unwrap();
+    assert_eq!(
+        sender_outcome(&txs[0], r, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    // Half the heads landed: decode must keep waiting for prefill rank 1.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mid = rx.poll(r).await.unwrap();
+    assert!(matches!(mid, ReceiverPoll::Pending(_)), "{mid:?}");
+    txs[1].send(r, 0..2, 0..3, src[1].clone()).await.unwrap();
+    txs[1].send(r, 0..2, 3..6, src[1].clone()).await.unwrap();
+    txs[1].finish(r, TP_AUX).await.unwrap();
+    assert_eq!(
+        sender_outcome(&txs[1], r, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    let ReceiverPoll::Success { lease, aux } =
+        receiver_outcome(&rx, r, Duration::from_secs(3)).await
+    else {
+        panic!("decode did not commit")
+    };
+    assert_eq!(lease.pages(), &dst[..]);
+    assert_eq!(aux, TP_AUX);
+    verify_tp(&d_pool, 0, 1, 2, &dst, &src);
+    let st = rx.stats().await.unwrap();
+    assert_eq!(st.rejected_segments, 0);
+    drop(lease);
+
+    // A second room: prefill rank 0 delivers its heads, rank 1 refuses the
+    // request. Half the heads are no room: decode fails with rank 1's
+    // reason and status, and its pages go back.
+    let r2 = room(902);
+    for tx in &txs {
+        tx.open(r2).await.unwrap();
+    }
+    rx.open(r2, srcs).await.unwrap();
+    let lease = d_pool.allocator().lease(3).unwrap();
+    rx.reserve(r2, lease, AuxSlot(3)).await.unwrap();
+    for tx in &txs {
+        testing::wait_sender_state(tx, r2, RoomState::WaitingForInput)
+            .await
+            .unwrap();
+    }
+    txs[0].send(r2, 0..2, 0..3, src[0].clone()).await.unwrap();
+    txs[0].finish(r2, TP_AUX).await.unwrap();
+    assert_eq!(
+        sender_outcome(&txs[0], r2, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    txs[1].fail(
+        r2,
+        TransferError::Rejected {
+            http_status: 400,
+            reason: "prompt too long".into(),
+        },
+    );
+    let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r2, Duration::from_secs(3)).await else {
+        panic!("decode committed a room missing half its heads")
+    };
+    assert_eq!(e.http_status(), 400, "{e}");
+    assert!(e.to_string().contains("prompt too long"), "{e}");
+    assert!(matches!(
+        sender_outcome(&txs[1], r2, Duration::from_secs(3)).await,
+        SenderPoll::Failed(TransferError::Rejected { .. })
+    ));
+    teardown_tp(&txs, &[rx], &[d_pool]).await;
+    drop(p_pools);
+}
+
+async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
+    use handoff_proto::rank::RankMap;
+    use handoff_proto::receiver_room::Source;
+    // Prefill TP 1 (all 4 heads) -> decode TP 2 (2 heads each).
+    let (p_pool, _) = testing::tp_pool(1);
+    fill_tp(&p_pool, 0, 1);
+    let tx = KvSender::start(
+        testing::tp_sender_config(0, 1),
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let map = RankMap::new(testing::TP_KV_HEADS as u32, 1, 2).unwrap();
+    let r = room(910);
+    tx.open(r).await.unwrap();
+    let mut rxs = Vec::new();
+    let mut d_pools = Vec::new();
+    let mut dsts = Vec::new();
+    for d in 0..2u32 {
+        let (pool, _) = testing::tp_pool(2);
+        let rx = KvReceiver::start(
+            testing::tp_receiver_config(kind, d, 2),
+            pool.shared_region().unwrap().clone(),
+            *pool.layout(),
+        );
+        let peer = rx.connect(tx.local_addr()).await.unwrap();
+        let srcs: Vec<Source> = Source::for_decode_rank(&map, RankId(d))
+            .unwrap()
+            .into_iter()
+            .map(|s| Source { rank: peer, ..s })
+            .collect();
+        assert_eq!(srcs.len(), 1);
+        assert_eq!(srcs[0].required_destinations, 2);
+        rx.open(r, srcs).await.unwrap();
+        // Each decode rank scatters its pages differently.
+        let skip = (d == 1).then(|| pool.allocator().lease(7).unwrap());
+        let lease = scattered_lease(&pool, 5);
+        dsts.push(lease.pages().to_vec());
+        rx.reserve(r, lease, AuxSlot(d)).await.unwrap();
+        drop(skip);
+        if d == 0 {
+            // One destination of two: prefill must not start yet.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            assert_eq!(
+                tx.poll(r).await.unwrap(),
+                SenderPoll::Pending(RoomState::Bootstrapping)
+            );
+        }
+        rxs.push(rx);
+        d_pools.push(pool);
+    }
+    testing::wait_sender_state(&tx, r, RoomState::WaitingForInput)
+        .await
+        .unwrap();
+    let src = [pages(&[12, 13, 14, 63, 0])];
+    tx.send(r, 0..1, 0..5, src[0].clone()).await.unwrap();
+    tx.send(r, 1..2, 0..2, src[0].clone()).await.unwrap();
+    tx.send(r, 1..2, 2..5, src[0].clone()).await.unwrap();
+    tx.finish(r, TP_AUX).await.unwrap();
+    assert_eq!(
+        sender_outcome(&tx, r, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    for (d, rx) in rxs.iter().enumerate() {
+        let ReceiverPoll::Success { lease, aux } =
+            receiver_outcome(rx, r, Duration::from_secs(3)).await
+        else {
+            panic!("decode rank {d} did not commit")
+        };
+        assert_eq!(lease.pages(), &dsts[d][..]);
+        assert_eq!(aux, TP_AUX);
+        verify_tp(&d_pools[d], d, 2, 1, &dsts[d], &src);
+        assert_eq!(rx.stats().await.unwrap().rejected_segments, 0);
+    }
+    teardown_tp(&[tx], &rxs, &d_pools).await;
+    drop(p_pool);
+}
+
+/// A raw prefill endpoint on `listener` speaking `hs`: the control
+/// connection (handshaken) and, of the data link (set up, payload-ready) of
+/// the decode endpoint that connects to it, the stream that carries `room`
+/// (a link has several streams when the case asks for them), and the other
+/// streams (keep them open: decode drops a link when one of them closes).
+async fn raw_prefill(
+    listener: &tokio::net::TcpListener,
+    hs: HandshakeConfig,
+    room: RoomId,
+) -> (RawDecode, TcpStream, Vec<TcpStream>) {
+    use handoff_transfer::wire::{stream_of, TcpStreamSetup};
+    let mut control = None;
+    let mut data: Vec<Option<TcpStream>> = Vec::new();
+    while control.is_none() || data.is_empty() || data.iter().any(Option::is_none) {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut pre = [0u8; 9];
+        s.read_exact(&mut pre).await.unwrap();
+        if pre[0] == b'C' {
+            let hs = hs.clone();
+            control = Some(tokio::spawn(async move {
+                RawDecode::handshake(s, hs).await.unwrap()
+            }));
+        } else {
+            handoff_transfer::conn::handshake_exact(&mut s, hs.clone(), Duration::from_secs(2))
+                .await
+                .unwrap();
+            let mut k = [0u8; 1];
+            s.read_exact(&mut k).await.unwrap();
+            let st = if k[0] == b'S' {
+                let mut handle = [0u8; 16];
+                s.read_exact(&mut handle).await.unwrap();
+                TcpStreamSetup {
+                    nonce: 0,
+                    index: 0,
+                    count: 1,
+                }
+            } else {
+                let mut pages = [0u8; 8];
+                s.read_exact(&mut pages).await.unwrap();
+                let mut st = [0u8; TcpStreamSetup::LEN];
+                s.read_exact(&mut st).await.unwrap();
+                TcpStreamSetup::decode(&st).unwrap()
+            };
+            s.write_all(&[0]).await.unwrap();
+            data.resize_with(usize::from(st.count), || None);
+            data[usize::from(st.index)] = Some(s);
+        }
+    }
+    let n = data.len();
+    let stream = data.swap_remove(stream_of(room, n)).unwrap();
+    let others = data.into_iter().flatten().collect();
+    (control.unwrap().await.unwrap(), stream, others)
+}
+
+async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kind: TransportKind) {
+    use handoff_proto::rank::KvPart;
+    use handoff_transfer::wire::{HeadSlice, Record, SegmentHeader};
+    // A raw prefill TP rank 0 of 1 (4 heads) feeding decode rank 1 of 2,
+    // whose blocks hold 2 heads.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (d_pool, _) = testing::tp_pool(2);
+    let rx = KvReceiver::start(
+        testing::tp_receiver_config(kind, 1, 2),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rx2 = rx.clone();
+    let connecting = tokio::spawn(async move { rx2.connect(addr).await });
+    let r = room(920);
+    let (mut control, mut data, _others) =
+        raw_prefill(&listener, testing::tp_sender_config(0, 1).handshake, r).await;
+    let rank = connecting.await.unwrap().unwrap();
+    rx.open(r, sources(rank)).await.unwrap();
+    let lease = d_pool.allocator().lease(2).unwrap();
+    let mine = lease.pages().to_vec();
+    rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+    let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
+        panic!("no destination")
+    };
+    assert_eq!(dest.pages.len(), 2);
+    let not_mine = (0..testing::TEST_PAGES as u32)
+        .find(|p| !mine.contains(&PageIndex(*p)))
+        .unwrap();
+    let g = d_pool.layout().geometry;
+    let head_bytes = g.page_size * g.head_dim * g.dtype.size();
+    let slice = |layer, page, part, first, count| {
+        Record::Segment(SegmentHeader {
+            room: r,
+            layer,
+            dst_page: page,
+            n_pages: 1,
+            heads: Some(HeadSlice { part, first, count }),
+        })
+    };
+    let bad = [
+        // Past the 2 local heads.
+        (slice(0, mine[0].0, KvPart::K, 1, 2), 2 * head_bytes),
+        (slice(0, mine[0].0, KvPart::V, 2, 1), head_bytes),
+        // First head so large the range overflows.
+        (slice(0, mine[0].0, KvPart::K, u32::MAX, 1), head_bytes),
+        // In range, but not a page of the room / not in the pool / bad layer.
+        (slice(0, not_mine, KvPart::K, 0, 1), head_bytes),
+        (slice(0, 10_000, KvPart::K, 0, 1), head_bytes),
+        (slice(7, mine[0].0, KvPart::K, 0, 1), head_bytes),
+        // A whole-span segment on a head-sliced link.
+        (
+            Record::Segment(SegmentHeader {
+                room: r,
+                layer: 0,
+                dst_page: mine[0].0,
+                n_pages: 1,
+                heads: None,
+            }),
+            handoff_transfer::link::page_span(d_pool.layout()),
+        ),
+    ];
+    for (h, len) in &bad {
+        data.write_all(&h.encode()).await.unwrap();
+        data.write_all(&vec![0xAB; *len]).await.unwrap();
+    }
+    // One good slice: local head 1 of the room's second page, V block.
+    data.write_all(&slice(1, mine[1].0, KvPart::V, 1, 1).encode())
+        .await
+        .unwrap();
+    data.write_all(&vec![0xCD; head_bytes]).await.unwrap();
+    data.write_all(
+        &Record::End {
+            room: r,
+            cancelled: false,
+        }
+        .encode(),
+    )
+    .await
+    .unwrap();
+    let mut ack = [0u8; handoff_transfer::wire::ACK_LEN];
+    data.read_exact(&mut ack).await.unwrap();
+    let ack = handoff_transfer::wire::Ack::decode(&ack).unwrap();
+    assert_eq!(
+        (ack.room, ack.ok),
+        (r, false),
+        "decode must not acknowledge bad writes"
+    );
+    let region = d_pool.shared_region().unwrap();
+    let mut all = vec![0u8; region.len()];
+    region.read_at(0, &mut all).unwrap();
+    let good = d_pool
+        .layout()
+        .head_slice_bytes(1, mine[1], handoff_kv::KvKind::V, 1..2)
+        .unwrap();
+    match kind {
+        // Only the good slice landed, exactly where it belongs.
+        TransportKind::Tcp => {
+            assert!(all[good.clone()].iter().all(|b| *b == 0xCD));
+            all[good].fill(0);
+        }
+        // Over shm the link carries no payload at all: nothing lands.
+        TransportKind::Shm => {}
+    }
+    assert!(all.iter().all(|b| *b == 0), "nothing else written");
+    let want = bad.len() as u64 + u64::from(kind == TransportKind::Shm);
+    assert_eq!(rx.stats().await.unwrap().rejected_segments, want);
+    control
+        .send(Message::Status(handoff_proto::message::Status {
+            room: r,
+            outcome: handoff_proto::message::Outcome::Failed {
+                kind: FailureKind::Internal,
+                reason: "gave up".into(),
+                http_status: Some(500),
+            },
+        }))
+        .await;
+    assert!(matches!(
+        receiver_outcome(&rx, r, Duration::from_secs(1)).await,
+        ReceiverPoll::Failed(_)
+    ));
+    drop(control);
+    drop(data);
+    teardown_tp(&[], &[rx], &[d_pool]).await;
 }

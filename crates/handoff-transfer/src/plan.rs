@@ -1,0 +1,330 @@
+//! What one data link carries when prefill and decode TP sizes differ
+//! (DESIGN.md §4 "Fan-in / fan-out", §5): the shell side of
+//! [`handoff_proto::rank`]. A link's [`LinkPlan`] is fixed at link setup
+//! from both ends' handshake fingerprints; the prefill side builds its
+//! segments from it and the decode side checks every incoming header
+//! against it.
+//!
+//! With equal TP sizes the plan is [`PairPlan::Whole`] and links move whole
+//! (layer, page) spans coalesced over contiguous pages, exactly as before.
+//! Otherwise each (layer, page, K|V) block moves as one head-sliced segment
+//! per slice: the source and destination blocks hold different head counts,
+//! so nothing is contiguous across blocks on both sides.
+
+use std::ops::Range;
+
+use handoff_kv::{KvLayout, PageIndex};
+use handoff_proto::handshake::Fingerprint;
+use handoff_proto::rank::{KvPart, PageLayout, PairPlan, RankError, RankMap, SliceTransfer};
+use handoff_proto::{RankId, RoomId};
+
+use crate::transport::Segment;
+use crate::wire::{HeadSlice, SegmentHeader};
+
+/// What a link between one prefill rank and one decode rank moves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkPlan {
+    /// Whole spans, or these head slices.
+    pub pair: PairPlan,
+    /// KV heads in each block of the decode rank's pool.
+    pub decode_heads: u32,
+}
+
+impl LinkPlan {
+    /// The plan of a link between `prefill` and `decode` (their handshake
+    /// fingerprints, already checked compatible). `local_heads` is the
+    /// heads per block of the pool on *our* side (`our_side_is_prefill`
+    /// says which): it must be that rank's share of the model's heads. The
+    /// error says which setting is wrong.
+    pub fn new(
+        prefill: &Fingerprint,
+        decode: &Fingerprint,
+        our_side_is_prefill: bool,
+        local_heads: usize,
+    ) -> Result<LinkPlan, String> {
+        let map = RankMap::new(prefill.kv_heads, prefill.tp_size, decode.tp_size)
+            .map_err(|e| format!("rank mapping: {e}"))?;
+        let (side, ours) = if our_side_is_prefill {
+            ("prefill", &map.prefill)
+        } else {
+            ("decode", &map.decode)
+        };
+        if local_heads != ours.heads_per_rank as usize {
+            return Err(format!(
+                "the {side} pool holds {local_heads} KV heads per block, but TP size {} over {} KV heads gives each rank {}",
+                ours.tp, ours.kv_heads, ours.heads_per_rank
+            ));
+        }
+        let pair = map
+            .pair_plan(RankId(prefill.tp_rank), RankId(decode.tp_rank))
+            .map_err(|e| format!("rank mapping: {e}"))?;
+        Ok(LinkPlan {
+            pair,
+            decode_heads: map.decode.heads_per_rank,
+        })
+    }
+
+    /// True when the link moves whole (layer, page) spans.
+    pub fn is_whole(&self) -> bool {
+        self.pair == PairPlan::Whole
+    }
+
+    /// Bytes of one page of the decode rank's pool over all layers, K and
+    /// V (`layout` is either side's: only its head count differs).
+    pub fn decode_page_bytes(&self, layout: &KvLayout) -> usize {
+        let g = &layout.geometry;
+        2 * self.decode_heads as usize * g.page_size * g.head_dim * g.dtype.size() * g.layers
+    }
+}
+
+/// A peer's place in its TP group (from its handshake fingerprint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TpPosition {
+    /// TP rank.
+    pub rank: u32,
+    /// TP size.
+    pub size: u32,
+}
+
+impl TpPosition {
+    /// The position `fp` announces.
+    pub fn of(fp: &Fingerprint) -> Self {
+        Self {
+            rank: fp.tp_rank,
+            size: fp.tp_size,
+        }
+    }
+}
+
+/// Whether prefill peers at `sources` can serve a room of the decode rank
+/// whose fingerprint is `decode`: they must come from one TP group and
+/// cover every prefill rank it needs heads from
+/// ([`RankMap::required_prefill_ranks`]), or the room could commit with
+/// some heads never written. The error says what is missing.
+pub fn check_room_sources(decode: &Fingerprint, sources: &[TpPosition]) -> Result<(), String> {
+    let Some(first) = sources.first() else {
+        return Err("a room needs at least one source".into());
+    };
+    if sources.iter().any(|t| t.size != first.size) {
+        return Err(format!(
+            "sources from prefill TP groups of different sizes: {:?}",
+            sources.iter().map(|t| t.size).collect::<Vec<_>>()
+        ));
+    }
+    let required = RankMap::new(decode.kv_heads, first.size, decode.tp_size)
+        .and_then(|m| m.required_prefill_ranks(RankId(decode.tp_rank)))
+        .map_err(|e| format!("rank mapping: {e}"))?;
+    let missing: Vec<u32> = required
+        .iter()
+        .map(|r| r.0)
+        .filter(|r| !sources.iter().any(|t| t.rank == *r))
+        .collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(format!(
+            "decode TP rank {} of {} needs KV from prefill TP ranks {:?} of {}; the room's sources lack {missing:?}",
+            decode.tp_rank,
+            decode.tp_size,
+            required.iter().map(|r| r.0).collect::<Vec<_>>(),
+            first.size
+        ))
+    }
+}
+
+/// `layout`'s geometry with `local_heads` heads per block over `num_pages`
+/// pages, in the rank module's terms; `None` when a size does not fit.
+pub fn page_layout(layout: &KvLayout, local_heads: u32, num_pages: usize) -> Option<PageLayout> {
+    let g = &layout.geometry;
+    Some(PageLayout {
+        layers: u32::try_from(g.layers).ok()?,
+        local_heads,
+        page_size: u32::try_from(g.page_size).ok()?,
+        head_dim: u32::try_from(g.head_dim).ok()?,
+        dtype_bytes: u32::try_from(g.dtype.size()).ok()?,
+        num_pages: u32::try_from(num_pages).ok()?,
+    })
+}
+
+/// One head-sliced segment per (layer, room page, K|V, slice): room pages
+/// `pages` (indices into `src` and `dst`) of `layers`, read from our pool
+/// (`layout`) and written into the decode pool (`decode_heads` heads per
+/// block, `dest_pages` pages). Every range is bounds-checked against its
+/// own pool; the first that is not fails the whole build.
+#[allow(clippy::too_many_arguments)]
+pub fn build_sliced_segments(
+    room: RoomId,
+    slices: &[SliceTransfer],
+    layout: &KvLayout,
+    decode_heads: u32,
+    dest_pages: usize,
+    layers: Range<usize>,
+    pages: Range<usize>,
+    src: &[PageIndex],
+    dst: &[handoff_proto::PageIndex],
+) -> Result<Vec<Segment>, RankError> {
+    const TOO_BIG: RankError = RankError::OutOfRange { what: "pool size" };
+    let src_heads = u32::try_from(layout.geometry.kv_heads).map_err(|_| TOO_BIG)?;
+    let src_layout = page_layout(layout, src_heads, layout.num_pages).ok_or(TOO_BIG)?;
+    let dst_layout = page_layout(layout, decode_heads, dest_pages).ok_or(TOO_BIG)?;
+    let mut out = Vec::with_capacity(layers.len() * pages.len() * 2 * slices.len());
+    for layer in layers {
+        let layer = u32::try_from(layer).map_err(|_| RankError::OutOfRange { what: "layer" })?;
+        for i in pages.clone() {
+            let (Some(s), Some(d)) = (src.get(i), dst.get(i)) else {
+                return Err(RankError::OutOfRange { what: "page" });
+            };
+            let (s, d) = (handoff_proto::PageIndex(s.0), *d);
+            for part in [KvPart::K, KvPart::V] {
+                for slice in slices {
+                    let n = slice.num_heads();
+                    out.push(Segment {
+                        header: SegmentHeader {
+                            room,
+                            layer,
+                            dst_page: d.0,
+                            n_pages: 1,
+                            heads: Some(HeadSlice {
+                                part,
+                                first: slice.dst_head_offset,
+                                count: n,
+                            }),
+                        },
+                        src: src_layout.head_range(layer, s, part, slice.src_head_offset, n)?,
+                        dst: dst_layout.head_range(layer, d, part, slice.dst_head_offset, n)?,
+                    });
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_kv::{KvDtype, KvGeometry};
+    use handoff_proto::handshake::{KvDtype as WireDtype, KvLayoutKind};
+
+    fn fp(kv_heads: u32, tp_rank: u32, tp_size: u32) -> Fingerprint {
+        Fingerprint {
+            model_id: "m".into(),
+            model_hash: [0; 32],
+            layers: 2,
+            kv_heads,
+            head_dim: 4,
+            page_size: 4,
+            dtype: WireDtype::F32,
+            layout: KvLayoutKind::LayerPageKv,
+            tp_rank,
+            tp_size,
+        }
+    }
+
+    fn layout(heads: usize, pages: usize) -> KvLayout {
+        let g = KvGeometry {
+            layers: 2,
+            kv_heads: heads,
+            head_dim: 4,
+            page_size: 4,
+            dtype: KvDtype::F32,
+        };
+        KvLayout::new(g, pages).unwrap()
+    }
+
+    #[test]
+    fn plans_follow_the_fingerprints_and_check_our_pool() {
+        let whole = LinkPlan::new(&fp(4, 0, 1), &fp(4, 0, 1), true, 4).unwrap();
+        assert!(whole.is_whole());
+        assert_eq!(whole.decode_heads, 4);
+        // Fan-in 2 -> 1, seen from prefill rank 1 and from the decode rank.
+        let p = LinkPlan::new(&fp(4, 1, 2), &fp(4, 0, 1), true, 2).unwrap();
+        assert_eq!(
+            p,
+            LinkPlan::new(&fp(4, 1, 2), &fp(4, 0, 1), false, 4).unwrap()
+        );
+        assert!(!p.is_whole());
+        assert_eq!(p.decode_heads, 4);
+        assert_eq!(
+            p.decode_page_bytes(&layout(2, 1)),
+            layout(4, 1).pool_bytes()
+        );
+        // A pool that is not this rank's share is refused, naming the setting.
+        let e = LinkPlan::new(&fp(4, 1, 2), &fp(4, 0, 1), true, 4).unwrap_err();
+        assert!(e.contains("prefill pool holds 4 KV heads"), "{e}");
+        let e = LinkPlan::new(&fp(4, 0, 1), &fp(4, 1, 2), false, 4).unwrap_err();
+        assert!(e.contains("decode pool holds 4"), "{e}");
+        assert!(LinkPlan::new(&fp(4, 2, 2), &fp(4, 0, 1), true, 2).is_err());
+    }
+
+    #[test]
+    fn room_sources_must_cover_every_required_prefill_rank() {
+        let at = |rank, size| TpPosition { rank, size };
+        // Equal TP: the one matching rank suffices.
+        assert_eq!(check_room_sources(&fp(4, 0, 1), &[at(0, 1)]), Ok(()));
+        // Fan-in 2 -> 1: both prefill ranks, in any order.
+        assert_eq!(
+            check_room_sources(&fp(4, 0, 1), &[at(1, 2), at(0, 2)]),
+            Ok(())
+        );
+        let e = check_room_sources(&fp(4, 0, 1), &[at(0, 2)]).unwrap_err();
+        assert!(e.ends_with("lack [1]"), "{e}");
+        // 4 -> 2: decode rank 1 needs prefill ranks 2 and 3 only.
+        assert_eq!(
+            check_room_sources(&fp(4, 1, 2), &[at(2, 4), at(3, 4)]),
+            Ok(())
+        );
+        let e = check_room_sources(&fp(4, 1, 2), &[at(0, 4), at(1, 4)]).unwrap_err();
+        assert!(e.ends_with("lack [2, 3]"), "{e}");
+        // Fan-out 1 -> 2: the single prefill rank serves both decode ranks.
+        assert_eq!(check_room_sources(&fp(4, 1, 2), &[at(0, 1)]), Ok(()));
+        // Mixed groups and no sources are refused; so is an impossible TP.
+        assert!(check_room_sources(&fp(4, 0, 1), &[at(0, 2), at(1, 4)]).is_err());
+        assert!(check_room_sources(&fp(4, 0, 1), &[]).is_err());
+        assert!(check_room_sources(&fp(4, 0, 1), &[at(0, 3)]).is_err());
+        assert_eq!(TpPosition::of(&fp(4, 1, 2)), at(1, 2));
+    }
+
+    #[test]
+    fn sliced_segments_cover_each_block_slice_once() {
+        // Fan-out 1 -> 2, decode rank 1: prefill heads 2..4 -> decode 0..2.
+        let plan = LinkPlan::new(&fp(4, 0, 1), &fp(4, 1, 2), true, 4).unwrap();
+        let PairPlan::Sliced(slices) = &plan.pair else {
+            panic!("sliced")
+        };
+        let ours = layout(4, 8);
+        let room = RoomId::new(3).unwrap();
+        let src = [PageIndex(5), PageIndex(6)];
+        let dst = [handoff_proto::PageIndex(9), handoff_proto::PageIndex(2)];
+        let build = |layers, pages, dst: &[handoff_proto::PageIndex]| {
+            build_sliced_segments(room, slices, &ours, 2, 16, layers, pages, &src, dst)
+        };
+        let segs = build(1..2, 0..2, &dst).unwrap();
+        assert_eq!(segs.len(), 4, "2 pages x K,V x 1 slice");
+        let head = 4 * 4 * 4;
+        let s0 = &segs[1];
+        assert_eq!(
+            s0.header.heads,
+            Some(HeadSlice {
+                part: KvPart::V,
+                first: 0,
+                count: 2
+            })
+        );
+        assert_eq!((s0.header.layer, s0.header.dst_page), (1, 9));
+        // Source: layer 1, page 5, V block, heads 2..4 of 4.
+        let src_block = ((8 + 5) * 2 + 1) * 4 * head;
+        assert_eq!(s0.src, src_block + 2 * head..src_block + 4 * head);
+        // Destination: layer 1, page 9, V block, heads 0..2 of 2.
+        let dst_block = ((16 + 9) * 2 + 1) * 2 * head;
+        assert_eq!(s0.dst, dst_block..dst_block + 2 * head);
+        // A page outside either pool fails the build.
+        let far = [handoff_proto::PageIndex(16), handoff_proto::PageIndex(2)];
+        assert_eq!(
+            build(0..1, 0..1, &far),
+            Err(RankError::OutOfRange { what: "page" })
+        );
+        assert!(build(0..1, 0..3, &dst).is_err(), "past the room's pages");
+        assert!(build(2..3, 0..1, &dst).is_err(), "past the layers");
+    }
+}
