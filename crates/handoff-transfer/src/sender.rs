@@ -842,9 +842,12 @@ impl Driver {
                 reason: "room already finished or cancelled".into(),
             });
         }
-        if layers.end > self.layout.geometry.layers
-            || pages.end > src.len()
-            || src.iter().any(|p| p.0 as usize >= self.layout.num_pages)
+        // Only the pages this call sends are checked: a room streamed in
+        // many calls costs O(pages sent), not O(room) per call.
+        let sent = src.get(pages.clone());
+        if layers.start > layers.end
+            || layers.end > self.layout.geometry.layers
+            || sent.is_none_or(|s| s.iter().any(|p| p.0 as usize >= self.layout.num_pages))
         {
             return Err(TransferError::Internal {
                 reason: format!(
@@ -879,9 +882,12 @@ impl Driver {
                 ));
                 continue;
             }
-            // Every destination page is checked against the decode pool
-            // before anything is written.
-            if let Some(bad) = d.pages.iter().find(|p| p.0 as usize >= link.dest_pages) {
+            // Every destination page written is checked against the decode
+            // pool before anything is written.
+            if let Some(bad) = d.pages[pages.clone()]
+                .iter()
+                .find(|p| p.0 as usize >= link.dest_pages)
+            {
                 failed.push((
                     *rank,
                     TransferError::PeerMisbehaved {
