@@ -334,6 +334,68 @@ async fn concurrent_rooms_over_a_link_of_several_tcp_streams_are_byte_exact() {
     teardown(p).await;
 }
 
+/// A send naming layers or pages outside the room or the prefill pool
+/// (inverted ranges included) is refused with a reason, writes nothing, and
+/// the room carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_send_ranges_are_refused_and_the_room_carries_on() {
+    let p = pair(TransportKind::Tcp).await;
+    let r = room(31);
+    let dst = open_both(&p, r, 3).await;
+    let src: Arc<[PageIndex]> = [PageIndex(9), PageIndex(10), PageIndex(11)].into();
+    let outside: Arc<[PageIndex]> = [PageIndex(9), PageIndex(10_000), PageIndex(11)].into();
+    #[allow(clippy::reversed_empty_ranges)]
+    let bad = [
+        (0..99, 0..3, src.clone()),
+        (1..0, 0..3, src.clone()),
+        (0..1, 2..1, src.clone()),
+        (0..1, 0..4, src.clone()),
+        (0..1, 1..2, outside.clone()),
+    ];
+    for (layers, pages, s) in bad {
+        let e =
+            p.tx.send(r, layers.clone(), pages.clone(), s)
+                .await
+                .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("outside the room or the prefill pool"),
+            "{layers:?} {pages:?}: {e}"
+        );
+    }
+    // The pages that are in range still go.
+    p.tx.send(r, 0..2, 0..1, outside.clone()).await.unwrap();
+    p.tx.send(r, 0..2, 1..3, src.clone()).await.unwrap();
+    p.tx.finish(
+        r,
+        AuxData {
+            first_token: 1,
+            logprob: 0.0,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    let ReceiverPoll::Success { lease, .. } =
+        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
+    else {
+        panic!("decode did not commit")
+    };
+    for layer in 0..2 {
+        for (s, d) in src.iter().zip(&dst) {
+            assert_eq!(
+                span_bytes(&p.p_pool, layer, *s),
+                span_bytes(&p.d_pool, layer, *d)
+            );
+        }
+    }
+    drop(lease);
+    teardown(p).await;
+}
+
 async fn decode_abort_in_each_state_releases_prefill_room_fast(kind: TransportKind) {
     let p = pair(kind).await;
     for (i, state) in ["bootstrapping", "waiting", "transferring"]
