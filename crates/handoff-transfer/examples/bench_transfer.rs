@@ -1,7 +1,7 @@
 //! `bench-transfer`: KV transfer bandwidth and latency per transport and
 //! page size, with memcpy and raw loopback TCP measured in the same run.
 //!
-//! `cargo run --release -p handoff-transfer --example bench_transfer -- [--json] [--bytes N] [--runs N]`
+//! `cargo run --release -p handoff-transfer --example bench_transfer -- [--json] [--bytes N] [--runs N] [--tcp-streams N]`
 //!
 //! The same executable is the decode process (`bench-peer ...`).
 
@@ -42,6 +42,9 @@ fn main() {
             "--json" => json = true,
             "--bytes" => cfg.bytes = it.next().and_then(|x| x.parse().ok()).unwrap_or(cfg.bytes),
             "--runs" => cfg.runs = it.next().and_then(|x| x.parse().ok()).unwrap_or(cfg.runs),
+            "--tcp-streams" => {
+                cfg.tcp_streams = it.next().and_then(|x| x.parse().ok()).unwrap_or(1)
+            }
             "--latency-iters" => {
                 cfg.latency_iters = it.next().and_then(|x| x.parse().ok()).unwrap_or(200)
             }

@@ -90,6 +90,10 @@ pub struct BenchConfig {
     pub latency_iters: usize,
     /// Executable that runs `bench-peer` (the decode process).
     pub peer_exe: PathBuf,
+    /// TCP streams per data link. With more than one, each tcp run moves
+    /// its pages as that many concurrent rooms (a room travels on one
+    /// stream), reported as transport `tcp-<N>streams`.
+    pub tcp_streams: u8,
 }
 
 impl BenchConfig {
@@ -105,6 +109,7 @@ impl BenchConfig {
             seed: 42,
             latency_iters: 200,
             peer_exe,
+            tcp_streams: 1,
         }
     }
 }
@@ -283,6 +288,7 @@ impl Peer {
         page: usize,
         pages: usize,
         seed: u64,
+        streams: u8,
     ) -> Result<Peer, String> {
         let mut child = Command::new(exe)
             .args([
@@ -292,6 +298,7 @@ impl Peer {
                 page.to_string(),
                 pages.to_string(),
                 seed.to_string(),
+                streams.to_string(),
             ])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -405,10 +412,30 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
         let src_arc: Arc<[PageIndex]> = s.clone().into();
         let mut ours: Vec<CaseReport> = Vec::new();
         for kind in &cfg.transports {
-            let mut peer =
-                Peer::spawn(&cfg.peer_exe, tx.local_addr(), *kind, page, 2 * n, cfg.seed)?;
+            let streams = match kind {
+                TransportKind::Tcp => cfg.tcp_streams.max(1),
+                TransportKind::Shm => 1,
+            };
+            let mut peer = Peer::spawn(
+                &cfg.peer_exe,
+                tx.local_addr(),
+                *kind,
+                page,
+                2 * n,
+                cfg.seed,
+                streams,
+            )?;
+            // One room per stream, each a contiguous share of the pages.
+            let k = usize::from(streams);
+            let shares: Vec<Arc<[PageIndex]>> = (0..k)
+                .map(|i| s[i * n / k..(i + 1) * n / k].into())
+                .collect();
             let mut rep = CaseReport {
-                transport: kind.name().into(),
+                transport: if streams > 1 {
+                    format!("{}-{streams}streams", kind.name())
+                } else {
+                    kind.name().into()
+                },
                 page: case.label(),
                 bytes: (n * page) as u64,
                 gbps_runs: vec![],
@@ -419,28 +446,44 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
             };
             for run in 0..cfg.warmup + cfg.runs {
                 zero(&peer.region, &d, page);
-                let room = ctx.room();
-                tx.open(room).await.map_err(|e| e.to_string())?;
-                let ok = peer.cmd(&format!("ROOM {} {}", room.get(), u8::from(contiguous)))?;
+                let rooms: Vec<RoomId> = (0..k).map(|_| ctx.room()).collect();
+                for room in &rooms {
+                    tx.open(*room).await.map_err(|e| e.to_string())?;
+                }
+                let ok = peer.cmd(&format!(
+                    "ROOMS {} {k} {}",
+                    rooms[0].get(),
+                    u8::from(contiguous)
+                ))?;
                 if ok != "OK" {
                     return Err(format!("decode peer: {ok}"));
                 }
-                wait_waiting(&tx, room).await?;
+                for room in &rooms {
+                    wait_waiting(&tx, *room).await?;
+                }
                 let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
                 let t0 = Instant::now();
-                // Both commands are queued at once, in order.
-                let (a, b) = tokio::join!(
-                    tx.send(room, 0..1, 0..n, src_arc.clone()),
-                    tx.finish(
-                        room,
-                        AuxData {
-                            first_token: 1,
-                            logprob: 0.0
-                        }
-                    )
-                );
-                a.and(b).map_err(|e| e.to_string())?;
-                let out = tx.wait(room).await.map_err(|e| e.to_string())?;
+                // Every room's write and end are queued before any wait.
+                for (room, share) in rooms.iter().zip(&shares) {
+                    let (a, b) = tokio::join!(
+                        tx.send(*room, 0..1, 0..share.len(), share.clone()),
+                        tx.finish(
+                            *room,
+                            AuxData {
+                                first_token: 1,
+                                logprob: 0.0
+                            }
+                        )
+                    );
+                    a.and(b).map_err(|e| e.to_string())?;
+                }
+                let mut out = SenderPoll::Success;
+                for room in &rooms {
+                    let o = tx.wait(*room).await.map_err(|e| e.to_string())?;
+                    if o != SenderPoll::Success {
+                        out = o;
+                    }
+                }
                 let dt = t0.elapsed();
                 let cpu = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid()) - cpu0;
                 if out != SenderPoll::Success {
@@ -689,7 +732,7 @@ async fn abort_release(
 }
 
 /// The decode process: `bench-peer <prefill addr> <shm|tcp> <page bytes>
-/// <pool pages> <seed>`, then commands on stdin (`ROOM`, `ONE`, `ABORTS`,
+/// <pool pages> <seed> [tcp streams]`, then commands on stdin (`ROOMS`, `ONE`, `ABORTS`,
 /// `RAW`, `PING`, `QUIT`), answers on stdout.
 pub async fn peer_main(args: &[String]) -> Result<(), String> {
     let get = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
@@ -702,15 +745,17 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
     let page: usize = get(2)?.parse().map_err(|e| format!("{e}"))?;
     let pages: usize = get(3)?.parse().map_err(|e| format!("{e}"))?;
     let seed: u64 = get(4)?.parse().map_err(|e| format!("{e}"))?;
+    let streams: u8 = match args.get(5) {
+        Some(s) => s.parse().map_err(|e| format!("streams {s:?}: {e}"))?,
+        None => 1,
+    };
     let g = geometry(page);
     let (pool, handle) = KvPool::new_shared(g, pages).map_err(|e| e.to_string())?;
     let region = pool.shared_region().ok_or("pool not shared")?.clone();
     let layout: KvLayout = *pool.layout();
-    let rx = KvReceiver::start(
-        ReceiverConfig::new(handshake(Role::Decode, &g), kind),
-        region.clone(),
-        layout,
-    );
+    let mut rc = ReceiverConfig::new(handshake(Role::Decode, &g), kind);
+    rc.tcp_streams = streams;
+    let rx = KvReceiver::start(rc, region.clone(), layout);
     let rank = rx.connect(addr).await.map_err(|e| e.to_string())?;
     let sources = vec![Source {
         rank,
@@ -730,25 +775,38 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
         let f: Vec<&str> = line.split_whitespace().collect();
         let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
         match f.first().copied() {
-            Some("ROOM") | Some("ONE") => {
-                let room = RoomId::new(num(1)).ok_or("room 0")?;
-                let dst: Vec<PageIndex> = if f[0] == "ROOM" {
-                    placement(seed, pages / 2, num(2) == 1).1
+            // `ROOMS <first room> <k> <contiguous>`: the run's destination
+            // pages as k rooms, each a contiguous share (in page order).
+            // `ONE <room> <page>`: one page.
+            Some("ROOMS") | Some("ONE") => {
+                let first = num(1);
+                let rooms: Vec<(u64, Vec<PageIndex>)> = if f[0] == "ROOMS" {
+                    let d = placement(seed, pages / 2, num(3) == 1).1;
+                    let k = num(2).max(1) as usize;
+                    (0..k)
+                        .map(|i| {
+                            let share = i * d.len() / k..(i + 1) * d.len() / k;
+                            (first + i as u64, d[share].to_vec())
+                        })
+                        .collect()
                 } else {
-                    vec![PageIndex(num(2) as u32)]
+                    vec![(first, vec![PageIndex(num(2) as u32)])]
                 };
-                let lease = alloc.lease_exact(&dst).map_err(|e| e.to_string())?;
-                rx.open(room, sources.clone())
-                    .await
-                    .map_err(|e| e.to_string())?;
-                rx.reserve(room, lease, AuxSlot(0))
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let rx2 = rx.clone();
-                tokio::spawn(async move {
-                    // Success hands the lease back; dropping it frees the pages.
-                    let _ = rx2.wait(room).await;
-                });
+                for (room, dst) in rooms {
+                    let room = RoomId::new(room).ok_or("room 0")?;
+                    let lease = alloc.lease_exact(&dst).map_err(|e| e.to_string())?;
+                    rx.open(room, sources.clone())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    rx.reserve(room, lease, AuxSlot(0))
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let rx2 = rx.clone();
+                    tokio::spawn(async move {
+                        // Success hands the lease back; dropping it frees the pages.
+                        let _ = rx2.wait(room).await;
+                    });
+                }
                 println!("OK");
             }
             Some("ABORTS") => {

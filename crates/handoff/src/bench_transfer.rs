@@ -18,6 +18,10 @@ pub struct BenchTransferArgs {
     /// Timed runs per case (median reported).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     runs: u32,
+    /// TCP streams per data link; with more than one, each tcp run moves
+    /// its pages as that many concurrent rooms.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
+    tcp_streams: u8,
 }
 
 /// Arguments of the hidden decode-side process.
@@ -40,6 +44,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     let mut cfg = BenchConfig::standard(exe);
     cfg.bytes = args.bytes;
     cfg.runs = args.runs as usize;
+    cfg.tcp_streams = args.tcp_streams;
     let report = runtime()?
         .block_on(bench::run(&cfg))
         .map_err(|e| anyhow::anyhow!("bench-transfer failed: {e}"))?;
