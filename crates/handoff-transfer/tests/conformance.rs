@@ -1199,23 +1199,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
         data.write_all(&h.encode()).await.unwrap();
         data.write_all(&vec![0xAB; span]).await.unwrap();
     }
-    data.write_all(
-        &Record::End {
-            room: r,
-            cancelled: false,
-        }
-        .encode(),
-    )
-    .await
-    .unwrap();
-    let mut ack = [0u8; handoff_transfer::wire::ACK_LEN];
-    data.read_exact(&mut ack).await.unwrap();
-    let ack = handoff_transfer::wire::Ack::decode(&ack).unwrap();
-    assert_eq!(
-        (ack.room, ack.ok),
-        (r, false),
-        "decode must not acknowledge bad writes"
-    );
+    end_room_expecting_a_refusal(&mut data, r).await;
     let region = d_pool.shared_region().unwrap();
     let mut all = vec![0u8; region.len()];
     region.read_at(0, &mut all).unwrap();
@@ -1859,6 +1843,25 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
     drop(p_pool);
 }
 
+/// As a raw prefill: end `room` on `data` and check decode acknowledges it
+/// as not ok (some of its writes were refused).
+async fn end_room_expecting_a_refusal(data: &mut TcpStream, room: RoomId) {
+    use handoff_transfer::wire::{Ack, Record, ACK_LEN};
+    let end = Record::End {
+        room,
+        cancelled: false,
+    };
+    data.write_all(&end.encode()).await.unwrap();
+    let mut ack = [0u8; ACK_LEN];
+    data.read_exact(&mut ack).await.unwrap();
+    let ack = Ack::decode(&ack).unwrap();
+    assert_eq!(
+        (ack.room, ack.ok),
+        (room, false),
+        "decode must not acknowledge bad writes"
+    );
+}
+
 /// A raw prefill endpoint on `listener` speaking `hs`: the control
 /// connection (handshaken) and, of the data link (set up, payload-ready) of
 /// the decode endpoint that connects to it, the stream that carries `room`
@@ -1985,23 +1988,7 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
         .await
         .unwrap();
     data.write_all(&vec![0xCD; head_bytes]).await.unwrap();
-    data.write_all(
-        &Record::End {
-            room: r,
-            cancelled: false,
-        }
-        .encode(),
-    )
-    .await
-    .unwrap();
-    let mut ack = [0u8; handoff_transfer::wire::ACK_LEN];
-    data.read_exact(&mut ack).await.unwrap();
-    let ack = handoff_transfer::wire::Ack::decode(&ack).unwrap();
-    assert_eq!(
-        (ack.room, ack.ok),
-        (r, false),
-        "decode must not acknowledge bad writes"
-    );
+    end_room_expecting_a_refusal(&mut data, r).await;
     let region = d_pool.shared_region().unwrap();
     let mut all = vec![0u8; region.len()];
     region.read_at(0, &mut all).unwrap();
