@@ -390,8 +390,42 @@ impl Ctx {
     }
 }
 
+/// The transfer endpoint's own I/O runtime: one thread, as the prefill and
+/// decode engines run it (`handoff_engine::pd::PdConfig::io_threads`), so
+/// the benchmark measures the hops the product has. Shut down in the
+/// background when dropped (it may be dropped inside the caller's runtime).
+struct IoRuntime(Option<tokio::runtime::Runtime>);
+
+impl IoRuntime {
+    fn new() -> Result<Self, String> {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("bench-transfer-io")
+            .enable_all()
+            .build()
+            .map(|rt| Self(Some(rt)))
+            .map_err(|e| format!("I/O runtime: {e}"))
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        match &self.0 {
+            Some(rt) => rt.handle(),
+            None => unreachable!("taken only on drop"),
+        }
+    }
+}
+
+impl Drop for IoRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 /// Run the benchmark (this process is prefill; children are decode).
 pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
+    let io = IoRuntime::new()?;
     let mut report = BenchReport::default();
     let mut ctx = Ctx { next_room: 0 };
     for case in &cfg.cases {
@@ -406,8 +440,11 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
         let layout = *src_pool.layout();
         let mut scfg = SenderConfig::new(handshake(Role::Prefill, &g));
         scfg.max_segment_bytes = 4 << 20;
-        let tx = KvSender::start(scfg, src.clone(), layout)
+        let tx = io
+            .handle()
+            .spawn(KvSender::start(scfg, src.clone(), layout))
             .await
+            .map_err(|e| e.to_string())?
             .map_err(|e| e.to_string())?;
         let src_arc: Arc<[PageIndex]> = s.clone().into();
         let mut ours: Vec<CaseReport> = Vec::new();
@@ -755,8 +792,19 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
     let layout: KvLayout = *pool.layout();
     let mut rc = ReceiverConfig::new(handshake(Role::Decode, &g), kind);
     rc.tcp_streams = streams;
-    let rx = KvReceiver::start(rc, region.clone(), layout);
-    let rank = rx.connect(addr).await.map_err(|e| e.to_string())?;
+    let io = IoRuntime::new()?;
+    let rx = {
+        let _in_io = io.handle().enter();
+        KvReceiver::start(rc, region.clone(), layout)
+    };
+    let rank = {
+        let rx = rx.clone();
+        io.handle()
+            .spawn(async move { rx.connect(addr).await })
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?
+    };
     let sources = vec![Source {
         rank,
         required_destinations: 1,
