@@ -7,20 +7,25 @@
 //! multiplies Q4_1 weights by activations quantized to 8 bits; our default
 //! formats (BENCHMARKS.md) compute prefill in f32 and decode with Q8_0
 //! weights and 8-bit activations in blocks of 32. Both are faithful to the same weights but round differently, so
-//! logits differ by a few hundredths. Where llama.cpp's top-1/top-2 logit gap
-//! is smaller than that, either choice is a correct greedy answer and the
-//! continuations may part ways from there on. So we require token identity
-//! for every step up to the first step whose llama.cpp margin is below
-//! `NEAR_TIE`, and print the overall figures. The stricter, step-by-step check
-//! of the logits themselves (teacher-forced on llama.cpp's tokens) is
-//! crates/handoff-model/tests/llamacpp_logits.rs.
+//! logits differ: teacher-forced on llama.cpp's tokens, the top-5 logit
+//! difference is 0.17 at the median and 0.45 at p90
+//! (crates/handoff-model/tests/llamacpp_logits.rs, the stricter step-by-step
+//! check of the logits themselves), and how much also depends on the CPU
+//! (candle's f32 GEMM picks its kernels at run time: `chat_multiturn` kept
+//! llama.cpp's token at a step of margin 0.296 on an Intel Xeon and not on
+//! an AMD EPYC, with the same binary inputs). Where llama.cpp's top-1/top-2
+//! logit gap is within that difference, either choice is a correct greedy
+//! answer and the continuations may part ways from there on. So we require
+//! token identity for every step up to the first step whose llama.cpp margin
+//! is below `NEAR_TIE` (the p90 difference, rounded up), and print the
+//! overall figures.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use handoff_engine::{Engine, EngineConfig, GenerateRequest, SamplingParams, StreamEvent};
 
-const NEAR_TIE: f64 = 0.25;
+const NEAR_TIE: f64 = 0.5;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
