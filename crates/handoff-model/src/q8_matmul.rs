@@ -75,6 +75,14 @@ mod lanes {
         zeroed_m256()
     }
 
+    /// `w · x` for four weight-row scales (one 128-bit multiply: LLVM
+    /// vectorizes the plain loop across blocks, with shuffles).
+    #[inline(always)]
+    pub fn scale4(w: [f32; 4], x: f32) -> [f32; 4] {
+        use safe_arch::{m128, mul_m128, set_splat_m128};
+        mul_m128(m128::from(w), set_splat_m128(x)).into()
+    }
+
     /// Sixteen `1i16`, the multiplier that sums pairs of i16 lanes.
     #[inline(always)]
     pub fn ones() -> Quants {
@@ -130,6 +138,11 @@ mod lanes {
     /// Zero accumulators.
     pub fn zero() -> Acc {
         [0.0; 8]
+    }
+
+    /// `w · x` for four weight-row scales.
+    pub fn scale4(w: [f32; 4], x: f32) -> [f32; 4] {
+        w.map(|w| w * x)
     }
 
     /// Unused here.
@@ -361,7 +374,7 @@ fn tile(
         .zip(acts.d.chunks_exact(blocks))
     {
         for ((ddb, wdb), &x) in ddc.as_chunks_mut::<TILE>().0.iter_mut().zip(wd).zip(xd) {
-            *ddb = wdb.map(|w| w * x);
+            *ddb = lanes::scale4(*wdb, x);
         }
     }
     let mut c = 0;
