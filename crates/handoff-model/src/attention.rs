@@ -9,7 +9,7 @@ use handoff_kv::{KvKind, KvPool, PageIndex};
 use rayon::prelude::*;
 
 use crate::error::ModelError;
-use crate::ops::{axpy, dot, softmax};
+use crate::ops::{axpy, dots, softmax};
 
 /// Shape of attention for one model.
 #[derive(Debug, Clone, Copy)]
@@ -61,9 +61,10 @@ fn attend_one(
         let n = left.min(g.page_size);
         let kb = pool.block(layer, page, KvKind::K);
         let base = pool.layout().slot_offset(kvh, 0);
-        for s in 0..n {
-            let k = &kb[base + s * g.head_dim..base + (s + 1) * g.head_dim];
-            scores.push(dot(q, k) * scale);
+        let from = scores.len();
+        dots(q, &kb[base..base + n * g.head_dim], &mut scores);
+        for s in &mut scores[from..] {
+            *s *= scale;
         }
         left -= n;
     }

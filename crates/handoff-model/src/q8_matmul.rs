@@ -18,51 +18,169 @@
 //! Every output element depends only on its weight row and its activation
 //! row, never on the batch size or the thread count.
 //!
-//! The code is safe Rust shaped for LLVM's auto-vectorizer (target
-//! x86-64-v3): blocks are stored as 16-bit integers in an order where the
-//! pairs that `vpmaddwd` sums are adjacent (see `PERM`), so a block's
-//! product is two `vpmaddwd` and one `vpaddd`.
+//! On x86-64 with AVX2 and FMA (the release target, x86-64-v3) a block
+//! product is candle's instruction sequence, called through `safe_arch`:
+//! `vpsignb` (the weight's quants take the signs of the activation's),
+//! `vpmaddubsw` (`|q_x|` times those, adjacent pairs summed to i16),
+//! `vpmaddwd` by ones (pairs of those to i32: the lanes above),
+//! `vcvtdq2ps` and `vfmadd`. The i16 pair sums are exact as long as no
+//! weight quant is -128 (then `|q_x|·|q_w|·2 ≤ 128·127·2 < 2^15`); Q8_0
+//! produced by quantization, candle's or llama.cpp's, never holds -128
+//! (`|round(x·127/amax)| ≤ 127`). Elsewhere a portable version computes the
+//! same lanes with i32 integer arithmetic and `f32::mul_add`, which gives
+//! the same bits.
 
 use half::f16;
 use rayon::prelude::*;
+
+use lanes::Quants;
 
 /// Elements per Q8_0 block.
 pub const QK: usize = 32;
 /// Weight rows per tile.
 const TILE: usize = 4;
+/// Activation rows computed together against a tile (the register block
+/// is `TILE × COLS` accumulators).
+const COLS: usize = 2;
 /// Bytes of one Q8_0 block in GGUF/candle storage: f16 scale + 32 × i8.
 const BLOCK_BYTES: usize = 2 + QK;
 
-/// `PERM[p]` is the original element index stored at position `p` of a
-/// block. `vpmaddwd` over positions `0..16` and `16..32` gives i32 lanes
-/// `j` = positions `{2j, 2j+1}` and `{16+2j, 17+2j}`; with this order those
-/// are the original elements `4j..4j+3`, the lanes of candle's AVX2 kernel.
-const PERM: [usize; QK] = {
-    let mut p = [0usize; QK];
-    let mut h = 0;
-    while h < 2 {
-        let mut j = 0;
-        while j < 8 {
-            let mut t = 0;
-            while t < 2 {
-                p[16 * h + 2 * j + t] = 4 * j + 2 * h + t;
-                t += 1;
-            }
-            j += 1;
-        }
-        h += 1;
-    }
-    p
-};
+/// The block product as vector instructions (x86-64 with AVX2 and FMA).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+mod lanes {
+    use safe_arch::{
+        convert_to_m256_from_i32_m256i, fused_mul_add_m256, m256, m256i,
+        mul_i16_horizontal_add_m256i, mul_u8i8_add_horizontal_saturating_m256i,
+        set_splat_i16_m256i, set_splat_m256, sign_apply_i8_m256i, zeroed_m256,
+    };
 
-/// Q8_0 weights `[out, in]`, row-major, rows padded with zero rows to a
-/// multiple of `TILE` (tile `t` is the contiguous rows `t·TILE..`).
+    /// The 32 quants of one block, element order, 32-byte aligned.
+    pub type Quants = m256i;
+    /// 8 f32 lane accumulators.
+    pub type Acc = m256;
+
+    /// Quants from bytes (as `i8`).
+    #[inline(always)]
+    pub fn quants(q: [i8; 32]) -> Quants {
+        m256i::from(q)
+    }
+
+    /// Zero accumulators.
+    #[inline(always)]
+    pub fn zero() -> Acc {
+        zeroed_m256()
+    }
+
+    /// `w · x` for four weight-row scales (one 128-bit multiply: LLVM
+    /// vectorizes the plain loop across blocks, with shuffles).
+    #[inline(always)]
+    pub fn scale4(w: [f32; 4], x: f32) -> [f32; 4] {
+        use safe_arch::{m128, mul_m128, set_splat_m128};
+        mul_m128(m128::from(w), set_splat_m128(x)).into()
+    }
+
+    /// Sixteen `1i16`, the multiplier that sums pairs of i16 lanes.
+    #[inline(always)]
+    pub fn ones() -> Quants {
+        set_splat_i16_m256i(1)
+    }
+
+    /// `acc + f32(lanes(w·x))·d`, where `ax` holds `|x|` (as `u8`) and
+    /// `x` the signed quants; `ones` is [`ones`].
+    #[inline(always)]
+    pub fn step(acc: Acc, w: Quants, x: Quants, ax: Quants, d: f32, ones: Quants) -> Acc {
+        let sw = sign_apply_i8_m256i(w, x);
+        let pairs = mul_u8i8_add_horizontal_saturating_m256i(ax, sw);
+        let lanes = mul_i16_horizontal_add_m256i(pairs, ones);
+        fused_mul_add_m256(
+            convert_to_m256_from_i32_m256i(lanes),
+            set_splat_m256(d),
+            acc,
+        )
+    }
+
+    /// The 8 lanes.
+    #[inline(always)]
+    pub fn lanes(acc: Acc) -> [f32; 8] {
+        acc.into()
+    }
+
+    /// The bytes of quants.
+    #[cfg(test)]
+    pub fn bytes(q: Quants) -> [i8; 32] {
+        q.into()
+    }
+}
+
+/// The block product in portable Rust (same results).
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+mod lanes {
+    /// The 32 quants of one block, element order.
+    #[derive(Clone, Copy, Default)]
+    #[repr(C, align(32))]
+    pub struct Quants([i8; 32]);
+    /// 8 f32 lane accumulators.
+    pub type Acc = [f32; 8];
+
+    /// Quants from bytes.
+    pub fn quants(q: [i8; 32]) -> Quants {
+        Quants(q)
+    }
+
+    /// Zero accumulators.
+    pub fn zero() -> Acc {
+        [0.0; 8]
+    }
+
+    /// `w · x` for four weight-row scales.
+    pub fn scale4(w: [f32; 4], x: f32) -> [f32; 4] {
+        w.map(|w| w * x)
+    }
+
+    /// Unused here.
+    pub fn ones() -> Quants {
+        Quants([0; 32])
+    }
+
+    /// `acc + f32(lanes(w·x))·d`; `ax` and `ones` are unused here.
+    pub fn step(mut acc: Acc, w: Quants, x: Quants, _ax: Quants, d: f32, _ones: Quants) -> Acc {
+        for (j, a) in acc.iter_mut().enumerate() {
+            let s: i32 = (4 * j..4 * j + 4)
+                .map(|k| i32::from(w.0[k]) * i32::from(x.0[k]))
+                .sum();
+            *a = (s as f32).mul_add(d, *a);
+        }
+        acc
+    }
+
+    /// The 8 lanes.
+    pub fn lanes(acc: Acc) -> [f32; 8] {
+        acc
+    }
+
+    /// The bytes of quants.
+    #[cfg(test)]
+    pub fn bytes(q: Quants) -> [i8; 32] {
+        q.0
+    }
+}
+
+/// Q8_0 weights `[out, in]`, rows padded with zero rows to a multiple of
+/// `TILE`; tile `t` holds rows `t·TILE..`, its quants and scales
+/// interleaved by block (`[block][row]`, the order the kernel reads them).
 pub struct Q8Matrix {
     out_dim: usize,
     in_dim: usize,
     blocks: usize,
-    /// Quants in `PERM` order.
-    qs: Vec<[i8; QK]>,
+    qs: Vec<Quants>,
     /// Scales, f16 values widened to f32.
     d: Vec<f32>,
 }
@@ -99,15 +217,14 @@ impl Q8Matrix {
             });
         }
         let tiles = out_dim.div_ceil(TILE);
-        let mut qs = vec![[0i8; QK]; tiles * blocks * TILE];
+        let mut qs = vec![lanes::quants([0; QK]); tiles * blocks * TILE];
         let mut d = vec![0f32; tiles * blocks * TILE];
         for (row, bytes) in data.chunks_exact(blocks * BLOCK_BYTES).enumerate() {
+            let (t, r) = (row / TILE, row % TILE);
             for (b, blk) in bytes.chunks_exact(BLOCK_BYTES).enumerate() {
-                let i = row * blocks + b;
+                let i = (t * blocks + b) * TILE + r;
                 d[i] = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                for (p, q) in qs[i].iter_mut().enumerate() {
-                    *q = blk[2 + PERM[p]] as i8;
-                }
+                qs[i] = lanes::quants(std::array::from_fn(|k| blk[2 + k] as i8));
             }
         }
         Ok(Self {
@@ -136,7 +253,7 @@ impl Q8Matrix {
         if n == 0 || self.out_dim == 0 {
             return vec![0.0; n * self.out_dim];
         }
-        let (xq, xd) = quantize_rows(x, n, self.in_dim);
+        let acts = quantize_rows(x, n, self.in_dim);
         let tiles = self.out_dim.div_ceil(TILE);
         let per_tile = TILE * self.blocks;
         // Results transposed, `[tiles · TILE, n]`: each tile owns a
@@ -148,20 +265,13 @@ impl Q8Matrix {
         let tiles_per_chunk = tiles.div_ceil(threads * 4).max(1);
         yt.par_chunks_mut(tiles_per_chunk * TILE * n)
             .enumerate()
-            .for_each_init(Scratch::default, |scratch, (chunk, out)| {
+            .for_each_init(Vec::new, |dd, (chunk, out)| {
                 let t0 = chunk * tiles_per_chunk;
-                let qs = |t: usize| &self.qs[t * per_tile..(t + 1) * per_tile];
-                let tiles_here = out.len() / (TILE * n);
-                widen(qs(t0), &mut scratch.w16);
                 for (i, out) in out.chunks_exact_mut(TILE * n).enumerate() {
                     let t = t0 + i;
-                    let d = &self.d[t * per_tile..(t + 1) * per_tile];
-                    // The next tile's weights are widened row by row while
-                    // this one computes, so their loads from memory overlap
-                    // with arithmetic.
-                    let next = (i + 1 < tiles_here).then(|| qs(t + 1));
-                    tile(scratch, d, &xq, &xd, self.blocks, n, out, next);
-                    std::mem::swap(&mut scratch.w16, &mut scratch.next);
+                    let w = &self.qs[t * per_tile..(t + 1) * per_tile];
+                    let wd = &self.d[t * per_tile..(t + 1) * per_tile];
+                    tile(dd, w, wd, &acts, self.blocks, n, out);
                 }
             });
         let mut y = vec![0f32; n * self.out_dim];
@@ -174,75 +284,66 @@ impl Q8Matrix {
     }
 }
 
+/// Activation rows quantized to Q8_0, `[n][blocks]` each.
+pub struct QuantizedRows {
+    /// Quants.
+    qs: Vec<Quants>,
+    /// Their absolute values (as `u8`).
+    abs: Vec<Quants>,
+    /// Scales, f16 values widened to f32.
+    d: Vec<f32>,
+}
+
 /// Quantize `n` rows of `in_dim` (a multiple of 32) to Q8_0 as candle's
-/// `BlockQ8_0::from_float` does; returns the quants widened to i16 in
-/// `PERM` order and the f16 scales widened to f32, both `[n][blocks]`.
-pub fn quantize_rows(x: &[f32], n: usize, in_dim: usize) -> (Vec<[i16; QK]>, Vec<f32>) {
-    let blocks = in_dim / QK;
-    let mut qs = vec![[0i16; QK]; n * blocks];
-    let mut ds = vec![0f32; n * blocks];
-    for ((src, q), d) in x.chunks_exact(QK).zip(&mut qs).zip(&mut ds) {
-        // Max is exact, so 8 partial maxima (vectorizable) give candle's
-        // sequential `amax.max(|x|)`; a NaN never wins a `>` comparison,
-        // as `max` ignores it.
-        let mut m = [0f32; 8];
-        for k in 0..QK / 8 {
-            for (j, m) in m.iter_mut().enumerate() {
-                let a = src[8 * k + j].abs();
-                *m = if a > *m { a } else { *m };
-            }
-        }
-        let amax = m.iter().fold(0f32, |a, &b| if b > a { b } else { a });
-        let dd = amax / 127.0;
-        let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
-        *d = f16::from_f32(dd).to_f32();
-        let mut raw = [0i8; QK];
-        for (r, &v) in raw.iter_mut().zip(src) {
-            // Candle's `round(x·id) as i8` (saturating, NaN to 0), written
-            // so that it vectorizes: an integer-valued c in [-128, 127]
-            // plus 1.5·2^23 holds c in the low byte of its bits.
-            let y = f32::round(v * id);
-            let c = if y.is_nan() {
-                0.0
-            } else {
-                y.clamp(-128.0, 127.0)
-            };
-            *r = (c + 12_582_912.0).to_bits() as u8 as i8;
-        }
-        for (p, v) in q.iter_mut().enumerate() {
-            *v = raw[PERM[p]] as i16;
-        }
+/// `BlockQ8_0::from_float` does.
+pub fn quantize_rows(x: &[f32], n: usize, in_dim: usize) -> QuantizedRows {
+    let blocks = n * in_dim / QK;
+    let mut out = QuantizedRows {
+        qs: Vec::with_capacity(blocks),
+        abs: Vec::with_capacity(blocks),
+        d: Vec::with_capacity(blocks),
+    };
+    for src in x.chunks_exact(QK) {
+        let (q, abs, d) = quantize_block(src);
+        out.qs.push(lanes::quants(q));
+        out.abs.push(lanes::quants(abs));
+        out.d.push(d);
     }
-    (qs, ds)
+    out
 }
 
-/// Widen a tile's quants to i16 (a separate pass, so that the dot products
-/// below see two i16 operands and become `vpmaddwd`).
-fn widen(qs: &[[i8; QK]], w16: &mut Vec<[i16; QK]>) {
-    w16.clear();
-    widen_more(qs, w16);
-}
-
-/// Append `qs` widened to i16.
-fn widen_more(qs: &[[i8; QK]], w16: &mut Vec<[i16; QK]>) {
-    w16.extend(qs.iter().map(|b| b.map(i16::from)));
-}
-
-/// The 8 lane sums of one block product (see `PERM`).
-#[inline(always)]
-fn block_dot(w: &[i16; QK], x: &[i16; QK]) -> [i32; 8] {
-    let mut pairs = [0i32; 16];
-    for (j, p) in pairs.iter_mut().enumerate() {
-        // |w|, |x| <= 128: no overflow; wrapping ops keep overflow checks
-        // (test profile) out of the vectorized loop.
-        *p = (i32::from(w[2 * j]).wrapping_mul(i32::from(x[2 * j])))
-            .wrapping_add(i32::from(w[2 * j + 1]).wrapping_mul(i32::from(x[2 * j + 1])));
+/// One block: quants, their absolute values (as `u8` bits) and the scale.
+#[inline]
+fn quantize_block(src: &[f32]) -> ([i8; QK], [i8; QK], f32) {
+    // Max is exact, so 8 partial maxima (vectorizable) give candle's
+    // sequential `amax.max(|x|)`; a NaN never wins a `>` comparison, as
+    // `max` ignores it.
+    let mut m = [0f32; 8];
+    for k in 0..QK / 8 {
+        for (j, m) in m.iter_mut().enumerate() {
+            let a = src[8 * k + j].abs();
+            *m = if a > *m { a } else { *m };
+        }
     }
-    let mut s = [0i32; 8];
-    for (j, v) in s.iter_mut().enumerate() {
-        *v = pairs[j].wrapping_add(pairs[j + 8]);
+    let amax = m.iter().fold(0f32, |a, &b| if b > a { b } else { a });
+    let dd = amax / 127.0;
+    let id = if dd != 0.0 { 1.0 / dd } else { 0.0 };
+    let mut q = [0i8; QK];
+    let mut abs = [0i8; QK];
+    for ((q, a), &v) in q.iter_mut().zip(&mut abs).zip(src) {
+        // Candle's `round(x·id) as i8` (saturating, NaN to 0), written so
+        // that it vectorizes: an integer-valued c in [-128, 127] plus
+        // 1.5·2^23 holds c in the low byte of its bits.
+        let y = f32::round(v * id);
+        let c = if y.is_nan() {
+            0.0
+        } else {
+            y.clamp(-128.0, 127.0)
+        };
+        *q = (c + 12_582_912.0).to_bits() as u8 as i8;
+        *a = (c.abs() + 12_582_912.0).to_bits() as u8 as i8;
     }
-    s
+    (q, abs, f16::from_f32(dd).to_f32())
 }
 
 /// candle's `hsum_float_8` order.
@@ -251,142 +352,91 @@ fn hsum(a: &[f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
-/// One tile of `TILE` weight rows (`w16`, `wd`: row-major, `blocks` per
-/// row) against all `n` activation rows; `out` is `[TILE, n]`.
-///
-/// The loops are shaped so that LLVM keeps the accumulators in registers
-/// and emits full-width `vpmaddwd`: one weight row against up to 4
-/// activation rows, or 4 weight rows against one activation row (other
-/// shapes, e.g. weight-row tiles against column pairs, came out as
-/// shuffles). Every shape performs the same operations per output element
-/// in the same order.
-/// `next` (the following tile's quants, if any) is widened into
-/// `scratch.next` along the way.
-#[allow(clippy::too_many_arguments)]
+/// One tile of `TILE` weight rows (`w`, `wd`: `[blocks][TILE]`) against all
+/// `n` activation rows; `out` is `[TILE, n]`.
+/// `dd` is scratch for the scale products.
 fn tile(
-    scratch: &mut Scratch,
+    dd: &mut Vec<f32>,
+    w: &[Quants],
     wd: &[f32],
-    xq: &[[i16; QK]],
-    xd: &[f32],
+    acts: &QuantizedRows,
     blocks: usize,
     n: usize,
     out: &mut [f32],
-    next: Option<&[[i8; QK]]>,
 ) {
-    let Scratch {
-        w16,
-        dd,
-        next: next16,
-    } = scratch;
-    next16.clear();
-    let mut prefetch = |r: usize| {
-        if let Some(q) = next {
-            widen_more(&q[r * blocks..][..blocks], next16);
+    // The scale products f32(d_w)·f32(d_x), `[n][blocks][TILE]`, computed
+    // up front so that the block loop only loads them.
+    // Every element is written below: resizing (not clearing) is enough.
+    dd.resize(n * blocks * TILE, 0.0);
+    let wd = wd.as_chunks::<TILE>().0;
+    for (ddc, xd) in dd
+        .chunks_exact_mut(blocks * TILE)
+        .zip(acts.d.chunks_exact(blocks))
+    {
+        for ((ddb, wdb), &x) in ddc.as_chunks_mut::<TILE>().0.iter_mut().zip(wd).zip(xd) {
+            *ddb = lanes::scale4(*wdb, x);
         }
-    };
-    let w16 = &w16[..TILE * blocks];
-    let wrow = |r: usize| (&w16[r * blocks..][..blocks], &wd[r * blocks..][..blocks]);
-    let xrow = |c: usize| (&xq[c * blocks..][..blocks], &xd[c * blocks..][..blocks]);
-    // The scale products f32(d_w)·f32(d_x), computed up front (vectorized)
-    // so that the block loops only load them.
-    let scales = |dd: &mut Vec<f32>, pairs: &mut dyn Iterator<Item = (&[f32], &[f32])>| {
-        dd.clear();
-        for (a, b) in pairs {
-            dd.extend(a.iter().zip(b).map(|(a, b)| a * b));
-        }
-    };
+    }
     let mut c = 0;
-    while n - c >= 2 {
-        let take = (n - c).min(4);
-        for r in 0..TILE {
-            let (w, wd) = wrow(r);
-            scales(dd, &mut (c..c + take).map(|k| (wd, xrow(k).1)));
-            let dst = &mut out[r * n + c..][..take];
-            let ds = |k: usize| &dd[k * blocks..][..blocks];
-            match take {
-                4 => {
-                    let x: [_; 4] = std::array::from_fn(|k| xrow(c + k).0);
-                    dst.copy_from_slice(&row_cols(w, x, std::array::from_fn(ds)));
+    while c < n {
+        let take = (n - c).min(COLS);
+        let res: [f32; TILE * COLS] = match take {
+            COLS => kernel::<COLS>(w, acts, dd, blocks, c),
+            _ => {
+                let mut res = [0f32; TILE * COLS];
+                for k in 0..take {
+                    res[k * TILE..][..TILE]
+                        .copy_from_slice(&kernel::<1>(w, acts, dd, blocks, c + k)[..TILE]);
                 }
-                3 => {
-                    let x: [_; 3] = std::array::from_fn(|k| xrow(c + k).0);
-                    dst.copy_from_slice(&row_cols(w, x, std::array::from_fn(ds)));
-                }
-                _ => {
-                    let x: [_; 2] = std::array::from_fn(|k| xrow(c + k).0);
-                    dst.copy_from_slice(&row_cols(w, x, std::array::from_fn(ds)));
-                }
+                res
             }
-            if c == 0 {
-                prefetch(r);
+        };
+        for k in 0..take {
+            for r in 0..TILE {
+                out[r * n + c + k] = res[k * TILE + r];
             }
         }
         c += take;
     }
-    if c < n {
-        let (x, xd) = xrow(c);
-        scales(dd, &mut (0..TILE).map(|r| (wrow(r).1, xd)));
-        let w: [_; TILE] = std::array::from_fn(|r| wrow(r).0);
-        let ds: [_; TILE] = std::array::from_fn(|r| &dd[r * blocks..][..blocks]);
-        let res = rows_col(w, ds, x);
-        for (r, v) in res.into_iter().enumerate() {
-            out[r * n + c] = v;
-        }
-        if c == 0 {
-            (0..TILE).for_each(prefetch);
-        }
-    }
 }
 
-/// Per-thread buffers of the tile loop.
-#[derive(Default)]
-struct Scratch {
-    /// The tile's weights widened to i16.
-    w16: Vec<[i16; QK]>,
-    /// Scale products, one row of `blocks` per dot product of a call.
-    dd: Vec<f32>,
-    /// The next tile's weights widened to i16.
-    next: Vec<[i16; QK]>,
-}
-
-/// Accumulate one block product into `acc` (the per-element step).
-#[inline(always)]
-fn step(acc: &mut [f32; 8], w: &[i16; QK], x: &[i16; QK], d: f32) {
-    let s = block_dot(w, x);
-    for (a, &v) in acc.iter_mut().zip(&s) {
-        *a = (v as f32).mul_add(d, *a);
-    }
-}
-
-/// One weight row against `C` activation rows; `ds[k][b]` is the scale
-/// product of block `b` for activation row `k`. Not inlined: inlined into
-/// `tile` the loop was vectorized across rows with shuffles instead.
+/// `TILE` weight rows against activation rows `c0..c0 + C`; returns
+/// `[C][TILE]` (padded to `TILE · COLS`). Not inlined, so that LLVM
+/// allocates the accumulators to registers for this loop alone.
 #[inline(never)]
-fn row_cols<const C: usize>(w: &[[i16; QK]], xs: [&[[i16; QK]]; C], ds: [&[f32]; C]) -> [f32; C] {
-    // Equal lengths, visible to LLVM: no bounds checks in the loop.
-    let nb = w.len();
-    let (xs, ds) = (xs.map(|x| &x[..nb]), ds.map(|d| &d[..nb]));
-    let mut acc = [[0f32; 8]; C];
-    for b in 0..nb {
-        for k in 0..C {
-            step(&mut acc[k], &w[b], &xs[k][b], ds[k][b]);
+fn kernel<const C: usize>(
+    w: &[Quants],
+    acts: &QuantizedRows,
+    dd: &[f32],
+    blocks: usize,
+    c0: usize,
+) -> [f32; TILE * COLS] {
+    // Slices of exactly `blocks` elements, visible to LLVM: no bounds
+    // checks in the loop.
+    let w = &w.as_chunks::<TILE>().0[..blocks];
+    let xs: [&[Quants]; C] = std::array::from_fn(|k| &acts.qs[(c0 + k) * blocks..][..blocks]);
+    let ax: [&[Quants]; C] = std::array::from_fn(|k| &acts.abs[(c0 + k) * blocks..][..blocks]);
+    let ds: [&[[f32; TILE]]; C] =
+        std::array::from_fn(|k| &dd[(c0 + k) * blocks * TILE..].as_chunks::<TILE>().0[..blocks]);
+    let ones = lanes::ones();
+    let mut acc = [[lanes::zero(); C]; TILE];
+    for b in 0..blocks {
+        let x: [Quants; C] = std::array::from_fn(|k| xs[k][b]);
+        let a: [Quants; C] = std::array::from_fn(|k| ax[k][b]);
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let wr = w[b][r];
+            for k in 0..C {
+                acc[k] = lanes::step(acc[k], wr, x[k], a[k], ds[k][b][r], ones);
+            }
         }
     }
-    std::array::from_fn(|k| hsum(&acc[k]))
-}
-
-/// `R` weight rows against one activation row (not inlined, as above).
-#[inline(never)]
-fn rows_col<const R: usize>(ws: [&[[i16; QK]]; R], ds: [&[f32]; R], x: &[[i16; QK]]) -> [f32; R] {
-    let nb = x.len();
-    let (ws, ds) = (ws.map(|w| &w[..nb]), ds.map(|d| &d[..nb]));
-    let mut acc = [[0f32; 8]; R];
-    for b in 0..nb {
-        for r in 0..R {
-            step(&mut acc[r], &ws[r][b], &x[b], ds[r][b]);
+    let mut res = [0f32; TILE * COLS];
+    for (r, acc) in acc.iter().enumerate() {
+        for (k, acc) in acc.iter().enumerate() {
+            res[k * TILE + r] = hsum(&lanes::lanes(*acc));
         }
     }
-    std::array::from_fn(|r| hsum(&acc[r]))
+    res
 }
 
 #[cfg(test)]
@@ -425,15 +475,6 @@ mod tests {
         assert_eq!(a.len(), b.len());
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
             assert_eq!(x.to_bits(), y.to_bits(), "element {i}: {x} vs {y}");
-        }
-    }
-
-    #[test]
-    fn perm_is_a_permutation() {
-        let mut seen = [false; QK];
-        for &p in &PERM {
-            assert!(!seen[p]);
-            seen[p] = true;
         }
     }
 
@@ -564,14 +605,16 @@ mod tests {
         )
         .unwrap();
         let data = q.data().unwrap();
-        let (qs, ds) = quantize_rows(&x, 1, inp);
+        let rows = quantize_rows(&x, 1, inp);
         for (b, blk) in data.chunks_exact(BLOCK_BYTES).enumerate() {
             assert_eq!(
                 f16::from_le_bytes([blk[0], blk[1]]).to_f32().to_bits(),
-                ds[b].to_bits()
+                rows.d[b].to_bits()
             );
-            for p in 0..QK {
-                assert_eq!(qs[b][p], i16::from(blk[2 + PERM[p]] as i8));
+            let (q, abs) = (lanes::bytes(rows.qs[b]), lanes::bytes(rows.abs[b]));
+            for k in 0..QK {
+                assert_eq!(q[k], blk[2 + k] as i8);
+                assert_eq!(abs[k] as u8, (blk[2 + k] as i8).unsigned_abs());
             }
         }
     }
