@@ -23,7 +23,9 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use handoff_kv::{KvDtype, KvGeometry, KvLayout, KvPool, PageIndex, ShmRegion, ShmRegionHandle};
+use handoff_kv::{
+    KvDtype, KvGeometry, KvLayout, KvPool, PageIndex, PageLease, ShmRegion, ShmRegionHandle,
+};
 use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvDtype as WireDtype, KvLayoutKind};
 use handoff_proto::receiver_room::Source;
 use handoff_proto::room::RoomState;
@@ -768,6 +770,21 @@ async fn abort_release(
     Ok(latency(v))
 }
 
+/// Decode side: open `room` from `sources` and reserve `lease` for it.
+async fn open_reserved(
+    rx: &KvReceiver,
+    room: RoomId,
+    sources: &[Source],
+    lease: PageLease,
+) -> Result<(), String> {
+    rx.open(room, sources.to_vec())
+        .await
+        .map_err(|e| e.to_string())?;
+    rx.reserve(room, lease, AuxSlot(0))
+        .await
+        .map_err(|e| e.to_string())
+}
+
 /// The decode process: `bench-peer <prefill addr> <shm|tcp> <page bytes>
 /// <pool pages> <seed> [tcp streams]`, then commands on stdin (`ROOMS`, `ONE`, `ABORTS`,
 /// `RAW`, `PING`, `QUIT`), answers on stdout.
@@ -843,12 +860,7 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
                 for (room, dst) in rooms {
                     let room = RoomId::new(room).ok_or("room 0")?;
                     let lease = alloc.lease_exact(&dst).map_err(|e| e.to_string())?;
-                    rx.open(room, sources.clone())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    rx.reserve(room, lease, AuxSlot(0))
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    open_reserved(&rx, room, &sources, lease).await?;
                     let rx2 = rx.clone();
                     tokio::spawn(async move {
                         // Success hands the lease back; dropping it frees the pages.
@@ -865,12 +877,7 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
                         .lease_exact(&[PageIndex(i as u32)])
                         .map_err(|e| e.to_string())?;
                     let base = alloc.stats().leased - 1;
-                    rx.open(room, sources.clone())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    rx.reserve(room, lease, AuxSlot(0))
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    open_reserved(&rx, room, &sources, lease).await?;
                     // Let the destination reach prefill (WaitingForInput there).
                     tokio::time::sleep(Duration::from_millis(2)).await;
                     let t0 = Instant::now();

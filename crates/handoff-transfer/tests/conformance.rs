@@ -1206,20 +1206,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     assert!(all.iter().all(|b| *b == 0), "nothing written");
     assert!(rx.stats().await.unwrap().rejected_segments >= 3);
     // The lying prefill reports failure; decode fails the room and frees it.
-    control
-        .send(Message::Status(handoff_proto::message::Status {
-            room: r,
-            outcome: handoff_proto::message::Outcome::Failed {
-                kind: FailureKind::Internal,
-                reason: "gave up".into(),
-                http_status: Some(500),
-            },
-        }))
-        .await;
-    assert!(matches!(
-        receiver_outcome(&rx, r, Duration::from_secs(1)).await,
-        ReceiverPoll::Failed(_)
-    ));
+    raw_prefill_gives_up(&mut control, &rx, r).await;
     eventually("pages back", Duration::from_secs(1), || async {
         d_pool.allocator().stats().leased == 0
     })
@@ -1843,6 +1830,24 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
     drop(p_pool);
 }
 
+/// As a raw prefill: report `room` failed on `control`; decode fails it.
+async fn raw_prefill_gives_up(control: &mut RawDecode, rx: &KvReceiver, room: RoomId) {
+    control
+        .send(Message::Status(handoff_proto::message::Status {
+            room,
+            outcome: handoff_proto::message::Outcome::Failed {
+                kind: FailureKind::Internal,
+                reason: "gave up".into(),
+                http_status: Some(500),
+            },
+        }))
+        .await;
+    assert!(matches!(
+        receiver_outcome(rx, room, Duration::from_secs(1)).await,
+        ReceiverPoll::Failed(_)
+    ));
+}
+
 /// As a raw prefill: end `room` on `data` and check decode acknowledges it
 /// as not ok (some of its writes were refused).
 async fn end_room_expecting_a_refusal(data: &mut TcpStream, room: RoomId) {
@@ -2008,20 +2013,7 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
     assert!(all.iter().all(|b| *b == 0), "nothing else written");
     let want = bad.len() as u64 + u64::from(kind == TransportKind::Shm);
     assert_eq!(rx.stats().await.unwrap().rejected_segments, want);
-    control
-        .send(Message::Status(handoff_proto::message::Status {
-            room: r,
-            outcome: handoff_proto::message::Outcome::Failed {
-                kind: FailureKind::Internal,
-                reason: "gave up".into(),
-                http_status: Some(500),
-            },
-        }))
-        .await;
-    assert!(matches!(
-        receiver_outcome(&rx, r, Duration::from_secs(1)).await,
-        ReceiverPoll::Failed(_)
-    ));
+    raw_prefill_gives_up(&mut control, &rx, r).await;
     drop(control);
     drop(data);
     teardown_tp(&[], &[rx], &[d_pool]).await;
