@@ -6,6 +6,12 @@
 # n_prompt, n_gen, n_threads, avg_ts, stddev_ts, samples_ts, build_commit) on
 # stdout; everything else goes to stderr.
 #
+# With MODE=batched it runs llama-batched-bench instead: PP (32) prompt
+# tokens then TG (64) generated tokens for each of NPL (1,8) parallel
+# sequences, and prints its JSONL (one object per batch size, fields pl,
+# speed_tg, ...): llama.cpp's batched decode on the same workload as
+# `handoff bench-model`'s decode cases.
+#
 # Env: THREADS (2), REPS (3), PP (128,512), TG (64),
 #      REPACK (0) -- 0 passes `--repack 0` (no AMX / CPU_REPACK extra buffer
 #      types). This llama.cpp segfaults in ggml_backend_amx_mul_mat on AMX
@@ -18,7 +24,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 THREADS="${THREADS:-2}"
 REPS="${REPS:-3}"
-PP="${PP:-128,512}"
+if [ "${MODE:-bench}" = batched ]; then PP="${PP:-32}"; else PP="${PP:-128,512}"; fi
 TG="${TG:-64}"
 REPACK="${REPACK:-0}"
 
@@ -28,5 +34,12 @@ scripts/build-llamacpp.sh >/dev/null
 . .cache/llama.cpp/BUILD_INFO
 
 echo "[bench-llamacpp] loadavg before: $(cut -d' ' -f1-3 /proc/loadavg) (nproc $(nproc)); results are only meaningful on an idle machine" >&2
-"$bin/llama-bench" -m "$MODEL" -t "$THREADS" -p "$PP" -n "$TG" -r "$REPS" --repack "$REPACK" -o json "$@"
+if [ "${MODE:-bench}" = batched ]; then
+    NO_REPACK=(); [ "$REPACK" = 0 ] && NO_REPACK=(--no-repack)
+    "$bin/llama-batched-bench" -m "$MODEL" -t "$THREADS" -c 2048 -b 512 -ub 512 \
+        -npp "${PP:-32}" -ntg "$TG" -npl "${NPL:-1,8}" "${NO_REPACK[@]}" \
+        --output-format jsonl "$@" 2>/dev/null | grep '^{'
+else
+    "$bin/llama-bench" -m "$MODEL" -t "$THREADS" -p "$PP" -n "$TG" -r "$REPS" --repack "$REPACK" -o json "$@"
+fi
 echo "[bench-llamacpp] loadavg after: $(cut -d' ' -f1-3 /proc/loadavg)" >&2

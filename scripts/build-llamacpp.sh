@@ -83,9 +83,9 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
 fi
 
 # 4. build only the needed targets
-log "building llama llama-bench llama-simple llama-tokenize (-j$JOBS)"
+log "building llama llama-bench llama-batched-bench llama-simple llama-tokenize (-j$JOBS)"
 cmake --build "$BUILD" --config Release -j "$JOBS" \
-    --target llama llama-bench llama-simple llama-tokenize >&2
+    --target llama llama-bench llama-batched-bench llama-simple llama-tokenize >&2
 
 # 5. the greedy reference tool, linked statically against libllama + ggml
 GREEDY_BIN="$BIN/llamacpp-greedy"

@@ -9,7 +9,7 @@ use handoff_kv::{KvKind, KvPool, PageIndex};
 use rayon::prelude::*;
 
 use crate::error::ModelError;
-use crate::ops::{axpy, dots, softmax};
+use crate::ops::{axpy_rows, dots, softmax};
 
 /// Shape of attention for one model.
 #[derive(Debug, Clone, Copy)]
@@ -39,7 +39,9 @@ pub struct SeqAttn<'a> {
 }
 
 /// Attention for one token of one sequence, one query head, reading keys and
-/// values in place. `q` is the head's query; writes `[head_dim]` into `out`.
+/// values in place. `q` is the head's query; writes `[head_dim]` into `out`;
+/// `scores` is scratch (cleared here).
+#[allow(clippy::too_many_arguments)]
 fn attend_one(
     pool: &KvPool,
     layer: usize,
@@ -47,12 +49,14 @@ fn attend_one(
     kvh: usize,
     q: &[f32],
     scale: f32,
+    scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let g = *pool.geometry();
     let pos = seq.start;
     let len = pos + 1;
-    let mut scores = Vec::with_capacity(len);
+    scores.clear();
+    let base = pool.layout().slot_offset(kvh, 0);
     let mut left = len;
     for &page in seq.pages {
         if left == 0 {
@@ -60,15 +64,14 @@ fn attend_one(
         }
         let n = left.min(g.page_size);
         let kb = pool.block(layer, page, KvKind::K);
-        let base = pool.layout().slot_offset(kvh, 0);
         let from = scores.len();
-        dots(q, &kb[base..base + n * g.head_dim], &mut scores);
+        dots(q, &kb[base..base + n * g.head_dim], scores);
         for s in &mut scores[from..] {
             *s *= scale;
         }
         left -= n;
     }
-    softmax(&mut scores);
+    softmax(scores);
     out.fill(0.0);
     let mut i = 0;
     for &page in seq.pages {
@@ -77,20 +80,15 @@ fn attend_one(
         }
         let n = (len - i).min(g.page_size);
         let vb = pool.block(layer, page, KvKind::V);
-        let base = pool.layout().slot_offset(kvh, 0);
-        for s in 0..n {
-            axpy(
-                out,
-                scores[i + s],
-                &vb[base + s * g.head_dim..base + (s + 1) * g.head_dim],
-            );
-        }
+        axpy_rows(out, &scores[i..i + n], &vb[base..base + n * g.head_dim]);
         i += n;
     }
 }
 
 /// Decode path: each sequence has exactly one new token. `q` is
-/// `[seqs][heads*head_dim]`; returns the same shape.
+/// `[seqs][heads*head_dim]`; returns the same shape. One task per
+/// (sequence, KV head) computes that KV head's group of query heads, which
+/// read the same keys and values.
 pub fn attend_decode(
     pool: &KvPool,
     layer: usize,
@@ -99,15 +97,21 @@ pub fn attend_decode(
     shape: AttnShape,
 ) -> Vec<f32> {
     let d = shape.head_dim;
+    let group = shape.group();
     let width = shape.heads * d;
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![0.0f32; seqs.len() * width];
-    out.par_chunks_mut(d).enumerate().for_each(|(idx, o)| {
-        let (s, h) = (idx / shape.heads, idx % shape.heads);
-        let seq = &seqs[s];
-        let qh = &q[s * width + h * d..s * width + (h + 1) * d];
-        attend_one(pool, layer, seq, h / shape.group(), qh, scale, o);
-    });
+    out.par_chunks_mut(group * d)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (idx, o)| {
+            let (s, kvh) = (idx / shape.kv_heads, idx % shape.kv_heads);
+            let seq = &seqs[s];
+            for (g, o) in o.chunks_exact_mut(d).enumerate() {
+                let h = kvh * group + g;
+                let qh = &q[s * width + h * d..s * width + (h + 1) * d];
+                attend_one(pool, layer, seq, kvh, qh, scale, scores, o);
+            }
+        });
     out
 }
 

@@ -136,6 +136,37 @@ pub fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
     }
 }
 
+/// [`axpy`] with `ws[j]` and row `j` of `rows` (`ws.len()` rows of
+/// `acc.len()` elements), for each row in order: the same bits as calling
+/// [`axpy`] row by row. With AVX, 64 elements of `acc` at a time stay in
+/// registers across all rows instead of being loaded and stored per row.
+pub fn axpy_rows(acc: &mut [f32], ws: &[f32], rows: &[f32]) {
+    let d = acc.len();
+    debug_assert_eq!(rows.len(), ws.len() * d);
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx"))]
+    if d.is_multiple_of(64) {
+        use safe_arch::{add_m256, m256, mul_m256, set_splat_m256};
+        let load = |s: &[f32]| -> m256 { <[f32; 8]>::try_from(s).unwrap_or_default().into() };
+        for (c, chunk) in acc.chunks_exact_mut(64).enumerate() {
+            let mut a: [m256; 8] = std::array::from_fn(|l| load(&chunk[8 * l..8 * l + 8]));
+            for (&w, row) in ws.iter().zip(rows.chunks_exact(d)) {
+                let wv = set_splat_m256(w);
+                let x = &row[64 * c..64 * c + 64];
+                for (l, a) in a.iter_mut().enumerate() {
+                    *a = add_m256(*a, mul_m256(wv, load(&x[8 * l..8 * l + 8])));
+                }
+            }
+            for (l, a) in a.iter().enumerate() {
+                chunk[8 * l..8 * l + 8].copy_from_slice(&<[f32; 8]>::from(*a));
+            }
+        }
+        return;
+    }
+    for (&w, row) in ws.iter().zip(rows.chunks_exact(d)) {
+        axpy(acc, w, row);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +209,30 @@ mod tests {
             for (g, k) in got.iter().zip(rows.chunks_exact(d)) {
                 assert_eq!(g.to_bits(), dot(&q, k).to_bits());
             }
+        }
+    }
+
+    /// `axpy_rows` gives the bits of `axpy` row by row, for head sizes on
+    /// and off its 64-element register path.
+    #[test]
+    fn axpy_rows_equals_axpy_per_row() {
+        let mut seed = 7u32;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        };
+        for (d, n) in [(64, 16), (128, 5), (64, 1), (48, 7), (8, 3)] {
+            let init: Vec<f32> = (0..d).map(|_| rnd()).collect();
+            let ws: Vec<f32> = (0..n).map(|_| rnd()).collect();
+            let rows: Vec<f32> = (0..d * n).map(|_| rnd() * 3.0).collect();
+            let mut got = init.clone();
+            axpy_rows(&mut got, &ws, &rows);
+            let mut want = init;
+            for (&w, row) in ws.iter().zip(rows.chunks_exact(d)) {
+                axpy(&mut want, w, row);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "d={d} n={n}");
         }
     }
 

@@ -646,9 +646,17 @@ mod tests {
             (49152, 576, 1),
         ];
         let dev = Device::Cpu;
+        // Q8_DISTINCT=1: a distinct matrix per use (the model's ~143 MB
+        // stream from memory); default: one matrix per shape, used `times`
+        // times (cache-resident).
+        let distinct = std::env::var("Q8_DISTINCT").is_ok_and(|v| v == "1");
         let mats: Vec<(Q8Matrix, usize)> = shapes
             .iter()
-            .map(|&(out, inp, times)| {
+            .flat_map(|&(out, inp, times)| {
+                let (copies, uses) = if distinct { (times, 1) } else { (1, times) };
+                (0..copies).map(move |_| (out, inp, uses))
+            })
+            .map(|(out, inp, times)| {
                 let w = random(&mut rng, out * inp, 0.1);
                 let q = QTensor::quantize(
                     &Tensor::from_slice(&w, (out, inp), &dev).unwrap(),

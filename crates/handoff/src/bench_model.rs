@@ -31,6 +31,19 @@ pub struct BenchModelArgs {
     /// Skip llama.cpp (print only our figures).
     #[arg(long)]
     no_llamacpp: bool,
+    /// Run only these of our cases (for profiling one of them); the others
+    /// print "-". Default: all.
+    #[arg(long, value_delimiter = ',', value_enum)]
+    cases: Vec<Case>,
+}
+
+/// One of our measured cases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Case {
+    Prefill128,
+    Prefill512,
+    Decode1,
+    Decode8,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -136,6 +149,47 @@ fn llamacpp(threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
         .collect())
 }
 
+/// llama-batched-bench's generation tokens/s at batch 1 and batch 8 (32-token
+/// prompts, 64 generated tokens each: the workload of `decode_rate`), via
+/// `MODE=batched scripts/bench-llamacpp.sh`.
+fn llamacpp_batched(threads: u16) -> anyhow::Result<[Option<f64>; 2]> {
+    let out = Command::new("scripts/bench-llamacpp.sh")
+        .env("MODE", "batched")
+        .env("THREADS", threads.to_string())
+        .env("PP", "32")
+        .env("TG", "64")
+        .env("NPL", "1,8")
+        .output()
+        .context("running scripts/bench-llamacpp.sh (run from the repository root)")?;
+    if !out.status.success() {
+        bail!(
+            "MODE=batched scripts/bench-llamacpp.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut tg = [None; 2];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).context("parsing llama-batched-bench JSONL")?;
+        let slot = match v["pl"].as_u64() {
+            Some(1) => 0,
+            Some(8) => 1,
+            _ => continue,
+        };
+        tg[slot] = v["speed_tg"].as_f64();
+    }
+    Ok(tg)
+}
+
+/// A figure, or "-" for a case that was not run.
+fn fig(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else {
+        format!("{v:.1}")
+    }
+}
+
 /// Run the benchmark and print the table.
 pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let threads = args.threads as usize;
@@ -156,13 +210,26 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         formats.decode,
         loadavg()
     );
+    let wanted = |c: Case| args.cases.is_empty() || args.cases.contains(&c);
     let ours = pool.install(|| -> anyhow::Result<[f64; 4]> {
-        Ok([
-            prefill_rate(&model, 128, reps)?,
-            prefill_rate(&model, 512, reps)?,
-            decode_rate(&model, 1, 64, reps)?,
-            decode_rate(&model, 8, 64, reps)?,
-        ])
+        let mut out = [f64::NAN; 4];
+        let cases = [
+            Case::Prefill128,
+            Case::Prefill512,
+            Case::Decode1,
+            Case::Decode8,
+        ];
+        for (slot, case) in out.iter_mut().zip(cases) {
+            if wanted(case) {
+                *slot = match case {
+                    Case::Prefill128 => prefill_rate(&model, 128, reps)?,
+                    Case::Prefill512 => prefill_rate(&model, 512, reps)?,
+                    Case::Decode1 => decode_rate(&model, 1, 64, reps)?,
+                    Case::Decode8 => decode_rate(&model, 8, 64, reps)?,
+                };
+            }
+        }
+        Ok(out)
     })?;
     let theirs = if args.no_llamacpp {
         None
@@ -171,28 +238,57 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         let find = |p: u64, g: u64| rows.iter().find(|r| r.0 == p && r.1 == g).map(|r| r.2);
         Some([find(128, 0), find(512, 0), find(0, 64)])
     };
+    let batched = if args.no_llamacpp {
+        None
+    } else {
+        Some(llamacpp_batched(args.threads)?)
+    };
     println!(
         "{:<22} {:>12} {:>14} {:>8}",
         "case", "handoff t/s", "llama.cpp t/s", "ratio"
     );
     let names = ["prefill 128", "prefill 512", "decode batch 1"];
     for (i, name) in names.iter().enumerate() {
-        match theirs.and_then(|t| t[i]) {
+        match theirs.and_then(|t| t[i]).filter(|_| !ours[i].is_nan()) {
             Some(t) => println!(
-                "{name:<22} {:>12.1} {:>14.1} {:>8.2}",
-                ours[i],
+                "{name:<22} {:>12} {:>14.1} {:>8.2}",
+                fig(ours[i]),
                 t,
                 ours[i] / t
             ),
-            None => println!("{name:<22} {:>12.1} {:>14} {:>8}", ours[i], "-", "-"),
+            None => println!(
+                "{name:<22} {:>12} {:>14} {:>8}",
+                fig(ours[i]),
+                theirs.and_then(|t| t[i]).map_or("-".into(), fig),
+                "-"
+            ),
         }
     }
+    match batched.and_then(|b| b[1]).filter(|_| !ours[3].is_nan()) {
+        Some(t) => println!(
+            "{:<22} {:>12} {:>14.1} {:>8.2}  (llama.cpp: llama-batched-bench)",
+            "decode batch 8",
+            fig(ours[3]),
+            t,
+            ours[3] / t
+        ),
+        None => println!(
+            "{:<22} {:>12} {:>14} {:>8}",
+            "decode batch 8",
+            fig(ours[3]),
+            "-",
+            "-"
+        ),
+    }
     println!(
-        "{:<22} {:>12.1} {:>14} {:>8.2}  (vs our batch 1)",
-        "decode batch 8",
-        ours[3],
-        "-",
-        ours[3] / ours[2]
+        "{:<22} {:>12.2} {:>14} {:>8}  (batch-8 t/s over batch-1 t/s)",
+        "batch 8 / batch 1",
+        ours[3] / ours[2],
+        match batched {
+            Some([Some(b1), Some(b8)]) => format!("{:.2}", b8 / b1),
+            _ => "-".into(),
+        },
+        "",
     );
     println!("loadavg after: {}", loadavg());
     Ok(())
