@@ -96,6 +96,10 @@ pub struct BenchConfig {
     /// its pages as that many concurrent rooms (a room travels on one
     /// stream), reported as transport `tcp-<N>streams`.
     pub tcp_streams: u8,
+    /// Only the latency measurements (4 KiB case: tcp and shm, the raw
+    /// ping-pong, abort → release), no bandwidth runs. The pools are sized
+    /// from `bytes` as in the full run.
+    pub latency_only: bool,
 }
 
 impl BenchConfig {
@@ -112,6 +116,7 @@ impl BenchConfig {
             latency_iters: 200,
             peer_exe,
             tcp_streams: 1,
+            latency_only: false,
         }
     }
 }
@@ -430,7 +435,11 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
     let io = IoRuntime::new()?;
     let mut report = BenchReport::default();
     let mut ctx = Ctx { next_room: 0 };
+    let latency_case = PageCase::Paged(4 << 10);
     for case in &cfg.cases {
+        if cfg.latency_only && *case != latency_case {
+            continue;
+        }
         let page = case.page_bytes();
         let n = cfg.bytes / page;
         let contiguous = matches!(case, PageCase::Contiguous);
@@ -483,7 +492,12 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 cpu_s_runs: vec![],
                 ratio: None,
             };
-            for run in 0..cfg.warmup + cfg.runs {
+            let runs = if cfg.latency_only {
+                0
+            } else {
+                cfg.warmup + cfg.runs
+            };
+            for run in 0..runs {
                 zero(&peer.region, &d, page);
                 let rooms: Vec<RoomId> = (0..k).map(|_| ctx.room()).collect();
                 for room in &rooms {
@@ -535,12 +549,12 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 }
             }
             rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
-            if *kind == TransportKind::Tcp {
+            if *kind == TransportKind::Tcp && !cfg.latency_only {
                 report
                     .cases
                     .push(raw_tcp(cfg, &mut peer, &src, &s, &d, page, case)?);
             }
-            if *case == PageCase::Paged(4 << 10) {
+            if *case == latency_case {
                 let lat = latency_4k(cfg, &tx, &mut peer, &mut ctx, &src_arc).await?;
                 match kind {
                     TransportKind::Tcp => report.latency_4k = lat,
@@ -551,8 +565,14 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                     report.abort_release = abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
                 }
             }
-            ours.push(rep);
+            if !cfg.latency_only {
+                ours.push(rep);
+            }
             drop(peer);
+        }
+        if cfg.latency_only {
+            tx.shutdown();
+            continue;
         }
         report.cases.push(memcpy(cfg, &src, &s, &d, page, case)?);
         for mut rep in ours {
