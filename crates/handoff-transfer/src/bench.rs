@@ -1027,10 +1027,12 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
 /// Human-readable report: one line per case with ratios.
 pub fn render(r: &BenchReport) -> String {
     let mut out = String::new();
-    out.push_str(&format!(
-        "{:<10} {:<11} {:>9} {:>26} {:>8} {:>9} {:>8}\n",
-        "transport", "page", "GB/s med", "GB/s runs", "ratio", "CPU s/run", "verified"
-    ));
+    if !r.cases.is_empty() {
+        out.push_str(&format!(
+            "{:<10} {:<11} {:>9} {:>26} {:>8} {:>9} {:>8}\n",
+            "transport", "page", "GB/s med", "GB/s runs", "ratio", "CPU s/run", "verified"
+        ));
+    }
     for c in &r.cases {
         let runs: Vec<String> = c.gbps_runs.iter().map(|x| format!("{x:.2}")).collect();
         let cpu = if c.cpu_s_runs.is_empty() {
