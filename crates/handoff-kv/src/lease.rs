@@ -13,8 +13,55 @@ use std::time::{Duration, Instant};
 use crate::error::KvError;
 use crate::layout::PageIndex;
 
+/// Free pages as a stack (leases pop from the end), with each page's
+/// position in it so an exact lease takes its pages in O(pages wanted),
+/// never O(pool).
+struct FreeList {
+    stack: Vec<PageIndex>,
+    /// Page → its index in `stack`, or [`NOT_FREE`].
+    pos: Vec<u32>,
+}
+
+/// `FreeList::pos` of a page that is leased.
+const NOT_FREE: u32 = u32::MAX;
+
+impl FreeList {
+    fn is_free(&self, p: PageIndex) -> bool {
+        self.pos.get(p.0 as usize).is_some_and(|i| *i != NOT_FREE)
+    }
+
+    fn push(&mut self, p: PageIndex) {
+        if let Some(slot) = self.pos.get_mut(p.0 as usize) {
+            *slot = self.stack.len() as u32;
+            self.stack.push(p);
+        }
+    }
+
+    /// Take the last `n` pages (the caller checked there are `n`).
+    fn pop_n(&mut self, n: usize) -> Vec<PageIndex> {
+        let at = self.stack.len() - n;
+        let pages = self.stack.split_off(at);
+        for p in &pages {
+            self.pos[p.0 as usize] = NOT_FREE;
+        }
+        pages
+    }
+
+    /// Take free page `p` out of the stack: the last page moves into its slot.
+    fn remove(&mut self, p: PageIndex) {
+        let i = self.pos[p.0 as usize] as usize;
+        self.pos[p.0 as usize] = NOT_FREE;
+        if let Some(last) = self.stack.pop() {
+            if last != p {
+                self.stack[i] = last;
+                self.pos[last.0 as usize] = i as u32;
+            }
+        }
+    }
+}
+
 struct AllocInner {
-    free: Mutex<Vec<PageIndex>>,
+    free: Mutex<FreeList>,
     returned: Condvar,
     total: usize,
     leased: AtomicUsize,
@@ -22,7 +69,7 @@ struct AllocInner {
 }
 
 impl AllocInner {
-    fn free_list(&self) -> MutexGuard<'_, Vec<PageIndex>> {
+    fn free_list(&self) -> MutexGuard<'_, FreeList> {
         // A poisoned free list still holds valid page indices: keep going.
         self.free.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -30,7 +77,9 @@ impl AllocInner {
     fn give_back(&self, pages: &mut Vec<PageIndex>) {
         let n = pages.len();
         let mut free = self.free_list();
-        free.append(pages);
+        for p in pages.drain(..) {
+            free.push(p);
+        }
         self.leased.fetch_sub(n, Ordering::AcqRel);
         drop(free);
         self.returned.notify_all();
@@ -65,10 +114,13 @@ impl PageAllocator {
     /// An allocator for pages `0..num_pages`, all free.
     pub fn new(num_pages: usize) -> Self {
         // Pop from the end: hand out low page numbers first.
-        let free = (0..num_pages as u32).rev().map(PageIndex).collect();
+        let stack: Vec<PageIndex> = (0..num_pages as u32).rev().map(PageIndex).collect();
+        let pos = (0..num_pages as u32)
+            .map(|p| num_pages as u32 - 1 - p)
+            .collect();
         Self {
             inner: Arc::new(AllocInner {
-                free: Mutex::new(free),
+                free: Mutex::new(FreeList { stack, pos }),
                 returned: Condvar::new(),
                 total: num_pages,
                 leased: AtomicUsize::new(0),
@@ -111,14 +163,16 @@ impl PageAllocator {
         }
         {
             let mut free = self.inner.free_list();
-            let available = free.iter().filter(|p| wanted.contains(p)).count();
+            let available = pages.iter().filter(|p| free.is_free(**p)).count();
             if available != pages.len() {
                 return Err(KvError::OutOfPages {
                     needed: pages.len(),
                     free: available,
                 });
             }
-            free.retain(|p| !wanted.contains(p));
+            for p in pages {
+                free.remove(*p);
+            }
             self.inner.leased.fetch_add(pages.len(), Ordering::AcqRel);
         }
         self.inner.leases.fetch_add(1, Ordering::AcqRel);
@@ -134,14 +188,13 @@ impl PageAllocator {
 
     fn take(&self, n: usize) -> Result<Vec<PageIndex>, KvError> {
         let mut free = self.inner.free_list();
-        if free.len() < n {
+        if free.stack.len() < n {
             return Err(KvError::OutOfPages {
                 needed: n,
-                free: free.len(),
+                free: free.stack.len(),
             });
         }
-        let at = free.len() - n;
-        let mut pages = free.split_off(at);
+        let mut pages = free.pop_n(n);
         pages.reverse();
         self.inner.leased.fetch_add(n, Ordering::AcqRel);
         Ok(pages)
@@ -317,6 +370,37 @@ mod tests {
         assert!(!rest.pages().contains(&PageIndex(6)));
         drop((a, rest));
         assert_eq!(alloc.stats().leased, 0);
+    }
+
+    #[test]
+    fn exact_leases_keep_the_free_list_consistent() {
+        // Exact leases punch holes anywhere in the free stack; every page
+        // must still be handed out exactly once, and come back.
+        let alloc = PageAllocator::new(32);
+        let holes: Vec<_> = [31u32, 0, 17, 5, 16]
+            .into_iter()
+            .map(|p| alloc.lease_exact(&[PageIndex(p)]).unwrap())
+            .collect();
+        let pair = alloc.lease_exact(&[PageIndex(9), PageIndex(8)]).unwrap();
+        let rest = alloc.lease(25).unwrap();
+        assert!(alloc.lease(1).is_err(), "every page is leased");
+        let mut seen: Vec<u32> = holes
+            .iter()
+            .chain([&pair, &rest])
+            .flat_map(|l| l.pages().iter().map(|p| p.0))
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..32).collect::<Vec<_>>());
+        drop(rest);
+        drop(holes);
+        assert!(
+            alloc.lease_exact(&[PageIndex(8)]).is_err(),
+            "8 is still leased"
+        );
+        let again = alloc.lease_exact(&[PageIndex(17), PageIndex(3)]).unwrap();
+        assert_eq!(alloc.stats().leased, 4);
+        drop((pair, again));
+        assert_eq!(alloc.lease(32).unwrap().len(), 32);
     }
 
     #[test]

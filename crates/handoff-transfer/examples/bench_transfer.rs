@@ -1,7 +1,7 @@
 //! `bench-transfer`: KV transfer bandwidth and latency per transport and
 //! page size, with memcpy and raw loopback TCP measured in the same run.
 //!
-//! `cargo run --release -p handoff-transfer --example bench_transfer -- [--json] [--bytes N] [--runs N] [--tcp-streams N]`
+//! `cargo run --release -p handoff-transfer --example bench_transfer -- [--json] [--bytes N] [--runs N] [--tcp-streams N] [--latency-iters N] [--only latency]`
 //!
 //! The same executable is the decode process (`bench-peer ...`).
 
@@ -45,6 +45,13 @@ fn main() {
             "--tcp-streams" => {
                 cfg.tcp_streams = it.next().and_then(|x| x.parse().ok()).unwrap_or(1)
             }
+            "--only" => match it.next().map(String::as_str) {
+                Some("latency") => cfg.latency_only = true,
+                other => {
+                    eprintln!("--only takes `latency`, not {other:?}");
+                    std::process::exit(2);
+                }
+            },
             "--latency-iters" => {
                 cfg.latency_iters = it.next().and_then(|x| x.parse().ok()).unwrap_or(200)
             }

@@ -11,8 +11,10 @@
 //! seeded); 1 warm-up, 3 timed runs, median; timing ends when the data is in
 //! the destination memory (prefill's room succeeds only after decode
 //! acknowledged every byte); every run verified outside the timing. Also the
-//! single 4 KiB transfer latency and abort → room released latency (median,
-//! p99), and for the same cases single-thread memcpy and raw loopback TCP
+//! single 4 KiB transfer latency (the room's last send, finish and wait
+//! issued from a task on the endpoint's I/O runtime, as the prefill engine
+//! runs its rooms, and once more from outside it) and abort → room released
+//! latency (median, p99), and for the same cases single-thread memcpy and raw loopback TCP
 //! (one stream, one write/read per page, payload only), each of ours printed
 //! as a ratio to them, plus CPU-seconds (both processes) per run.
 
@@ -96,6 +98,10 @@ pub struct BenchConfig {
     /// its pages as that many concurrent rooms (a room travels on one
     /// stream), reported as transport `tcp-<N>streams`.
     pub tcp_streams: u8,
+    /// Only the latency measurements (4 KiB case: tcp and shm, the raw
+    /// ping-pong, abort → release), no bandwidth runs. The pools are sized
+    /// from `bytes` as in the full run.
+    pub latency_only: bool,
 }
 
 impl BenchConfig {
@@ -112,6 +118,7 @@ impl BenchConfig {
             latency_iters: 200,
             peer_exe,
             tcp_streams: 1,
+            latency_only: false,
         }
     }
 }
@@ -151,8 +158,13 @@ pub struct LatencyReport {
 pub struct BenchReport {
     /// Bandwidth cases.
     pub cases: Vec<CaseReport>,
-    /// Single 4 KiB transfer over tcp, open to data-in-decode-memory.
+    /// Single 4 KiB transfer over tcp: the room's send, finish and wait
+    /// issued from a task on the endpoint's I/O runtime (where the prefill
+    /// engine runs each room), until prefill's room succeeded.
     pub latency_4k: LatencyReport,
+    /// The same over tcp with the caller on another runtime's thread: one
+    /// more cross-thread hop each way (command in, outcome out).
+    pub latency_4k_off_runtime: LatencyReport,
     /// Single 4 KiB transfer over shm.
     pub latency_4k_shm: LatencyReport,
     /// Raw TCP ping-pong: 4 KiB one way, 1 byte back.
@@ -430,7 +442,11 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
     let io = IoRuntime::new()?;
     let mut report = BenchReport::default();
     let mut ctx = Ctx { next_room: 0 };
+    let latency_case = PageCase::Paged(4 << 10);
     for case in &cfg.cases {
+        if cfg.latency_only && *case != latency_case {
+            continue;
+        }
         let page = case.page_bytes();
         let n = cfg.bytes / page;
         let contiguous = matches!(case, PageCase::Contiguous);
@@ -483,7 +499,12 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 cpu_s_runs: vec![],
                 ratio: None,
             };
-            for run in 0..cfg.warmup + cfg.runs {
+            let runs = if cfg.latency_only {
+                0
+            } else {
+                cfg.warmup + cfg.runs
+            };
+            for run in 0..runs {
                 zero(&peer.region, &d, page);
                 let rooms: Vec<RoomId> = (0..k).map(|_| ctx.room()).collect();
                 for room in &rooms {
@@ -535,13 +556,18 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 }
             }
             rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
-            if *kind == TransportKind::Tcp {
+            if *kind == TransportKind::Tcp && !cfg.latency_only {
                 report
                     .cases
                     .push(raw_tcp(cfg, &mut peer, &src, &s, &d, page, case)?);
             }
-            if *case == PageCase::Paged(4 << 10) {
-                let lat = latency_4k(cfg, &tx, &mut peer, &mut ctx, &src_arc).await?;
+            if *case == latency_case {
+                let lat =
+                    latency_4k(cfg, &tx, &mut peer, &mut ctx, &src_arc, Some(io.handle())).await?;
+                if *kind == TransportKind::Tcp {
+                    report.latency_4k_off_runtime =
+                        latency_4k(cfg, &tx, &mut peer, &mut ctx, &src_arc, None).await?;
+                }
                 match kind {
                     TransportKind::Tcp => report.latency_4k = lat,
                     TransportKind::Shm => report.latency_4k_shm = lat,
@@ -551,8 +577,14 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                     report.abort_release = abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
                 }
             }
-            ours.push(rep);
+            if !cfg.latency_only {
+                ours.push(rep);
+            }
             drop(peer);
+        }
+        if cfg.latency_only {
+            tx.shutdown();
+            continue;
         }
         report.cases.push(memcpy(cfg, &src, &s, &d, page, case)?);
         for mut rep in ours {
@@ -706,41 +738,67 @@ fn raw_ping(cfg: &BenchConfig, peer: &mut Peer) -> Result<LatencyReport, String>
     Ok(latency(v))
 }
 
+/// The timed part of one latency room: send, finish and wait issued
+/// together, as a room's last write, its end and its outcome.
+async fn one_room(
+    tx: &KvSender,
+    room: RoomId,
+    src: Arc<[PageIndex]>,
+) -> (Duration, Result<SenderPoll, String>) {
+    let t0 = Instant::now();
+    // The three commands are queued at once, in order: the driver
+    // queues the write, the end, and registers the waiter in one go.
+    let (a, b, out) = tokio::join!(
+        tx.send(room, 0..1, 0..1, src),
+        tx.finish(
+            room,
+            AuxData {
+                first_token: 1,
+                logprob: 0.0
+            }
+        ),
+        tx.wait(room)
+    );
+    let dt = t0.elapsed();
+    let out = a.and(b).and(out).map_err(|e| e.to_string());
+    (dt, out)
+}
+
+/// Single 4 KiB rooms, one at a time. With `io`, each room's timed part
+/// runs as a task on the endpoint's I/O runtime, as the prefill engine runs
+/// its rooms (`handoff_engine::pd::prefill`); without, on the caller's own
+/// runtime. Decode's destination page is touched before each room, so no
+/// first-touch page fault of its fresh pool lands in the timing.
 async fn latency_4k(
     cfg: &BenchConfig,
     tx: &KvSender,
     peer: &mut Peer,
     ctx: &mut Ctx,
     src: &Arc<[PageIndex]>,
+    io: Option<&tokio::runtime::Handle>,
 ) -> Result<LatencyReport, String> {
     let mut v = Vec::new();
     for i in 0..cfg.latency_iters {
         let room = ctx.room();
         tx.open(room).await.map_err(|e| e.to_string())?;
+        zero(&peer.region, &[PageIndex(i as u32)], 4 << 10);
         let ok = peer.cmd(&format!("ONE {} {i}", room.get()))?;
         if ok != "OK" {
             return Err(format!("decode peer: {ok}"));
         }
         wait_waiting(tx, room).await?;
-        let t0 = Instant::now();
-        // The three commands are queued at once, in order: the driver
-        // queues the write, the end, and registers the waiter in one go.
-        let (a, b, out) = tokio::join!(
-            tx.send(room, 0..1, 0..1, src.clone()),
-            tx.finish(
-                room,
-                AuxData {
-                    first_token: 1,
-                    logprob: 0.0
-                }
-            ),
-            tx.wait(room)
-        );
-        v.push(t0.elapsed().as_secs_f64() * 1e6);
-        a.and(b).map_err(|e| e.to_string())?;
-        let out = out.map_err(|e| e.to_string())?;
-        if out != SenderPoll::Success {
-            return Err(format!("latency room: {out:?}"));
+        let (dt, out) = match io {
+            Some(io) => {
+                let (tx, src) = (tx.clone(), src.clone());
+                io.spawn(async move { one_room(&tx, room, src).await })
+                    .await
+                    .map_err(|e| e.to_string())?
+            }
+            None => one_room(tx, room, src.clone()).await,
+        };
+        v.push(dt.as_secs_f64() * 1e6);
+        if out? != SenderPoll::Success {
+            return Err(format!("latency room {}: not a success", room.get()));
         }
     }
     Ok(latency(v))
@@ -969,10 +1027,12 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
 /// Human-readable report: one line per case with ratios.
 pub fn render(r: &BenchReport) -> String {
     let mut out = String::new();
-    out.push_str(&format!(
-        "{:<10} {:<11} {:>9} {:>26} {:>8} {:>9} {:>8}\n",
-        "transport", "page", "GB/s med", "GB/s runs", "ratio", "CPU s/run", "verified"
-    ));
+    if !r.cases.is_empty() {
+        out.push_str(&format!(
+            "{:<10} {:<11} {:>9} {:>26} {:>8} {:>9} {:>8}\n",
+            "transport", "page", "GB/s med", "GB/s runs", "ratio", "CPU s/run", "verified"
+        ));
+    }
     for c in &r.cases {
         let runs: Vec<String> = c.gbps_runs.iter().map(|x| format!("{x:.2}")).collect();
         let cpu = if c.cpu_s_runs.is_empty() {
@@ -998,6 +1058,7 @@ pub fn render(r: &BenchReport) -> String {
         )
     };
     out.push_str(&l("4 KiB latency tcp", &r.latency_4k));
+    out.push_str(&l("  caller off the runtime", &r.latency_4k_off_runtime));
     out.push_str(&l("4 KiB latency shm", &r.latency_4k_shm));
     out.push_str(&l("4 KiB raw TCP ping-pong", &r.latency_4k_raw_tcp));
     out.push_str(&l("abort -> pages released", &r.abort_release));

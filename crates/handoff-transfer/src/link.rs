@@ -452,25 +452,60 @@ impl AcceptedLink {
                 });
             }
         });
-        let mut acks = self.acks;
+        let acks = self.acks;
         tasks.spawn(async move {
-            let mut b = [0u8; ACK_LEN];
-            let reason = loop {
-                match acks.read_exact(&mut b).await {
-                    Ok(_) => match Ack::decode(&b) {
-                        Ok(ack) => {
-                            if !send(LinkEvent::Acked { rank, link, ack }) {
-                                return;
-                            }
-                        }
-                        Err(e) => break e.to_string(),
-                    },
-                    Err(e) => break format!("link closed: {e}"),
-                }
-            };
-            send(LinkEvent::Closed { rank, link, reason });
+            let deliver = |ack| send(LinkEvent::Acked { rank, link, ack });
+            if let Some(reason) = read_acks(acks, deliver).await {
+                send(LinkEvent::Closed { rank, link, reason });
+            }
         });
         tx
+    }
+}
+
+/// Acks taken in one read at most.
+const ACK_BATCH: usize = 256;
+
+/// Prefill side: read decode's acks on `r` as they come (as many as arrived
+/// per read) and hand each to `deliver`, until the link closes (the reason)
+/// or `deliver` refuses one (the driver is gone: `None`). After delivering,
+/// the task yields once before it reads again, so the driver completes the
+/// acked rooms and their waiters run first: the socket's next read (usually
+/// `EAGAIN`) is not on the room's path.
+async fn read_acks<F>(r: OwnedReadHalf, deliver: F) -> Option<String>
+where
+    F: Fn(Ack) -> bool,
+{
+    let mut buf = [0u8; ACK_LEN * ACK_BATCH];
+    let mut len = 0usize;
+    loop {
+        if let Err(e) = r.readable().await {
+            return Some(format!("link closed: {e}"));
+        }
+        match r.try_read(&mut buf[len..]) {
+            Ok(0) => return Some("link closed: end of stream".into()),
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Some(format!("link closed: {e}")),
+        }
+        let whole = len - len % ACK_LEN;
+        for b in buf[..whole].chunks_exact(ACK_LEN) {
+            let mut one = [0u8; ACK_LEN];
+            one.copy_from_slice(b);
+            match Ack::decode(&one) {
+                Ok(ack) => {
+                    if !deliver(ack) {
+                        return None;
+                    }
+                }
+                Err(e) => return Some(e.to_string()),
+            }
+        }
+        buf.copy_within(whole..len, 0);
+        len -= whole;
+        if whole > 0 {
+            tokio::task::yield_now().await;
+        }
     }
 }
 
@@ -963,6 +998,77 @@ mod tests {
             .unwrap();
         let calls = std::mem::take(&mut *calls.lock().unwrap());
         calls
+    }
+
+    /// A connected pair: (prefill's ack read half, decode's side).
+    async fn ack_pair() -> (OwnedReadHalf, TcpStream) {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (c, a) = tokio::join!(TcpStream::connect(addr), l.accept());
+        // Dropping our write half only ends our direction (as in a link
+        // whose writer is idle); the read half is what is under test.
+        let (r, _) = c.unwrap().into_split();
+        (r, a.unwrap().0)
+    }
+
+    #[tokio::test]
+    async fn acks_split_across_reads_or_packed_in_one_arrive_in_order() {
+        let (r, mut decode) = ack_pair().await;
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        let task = tokio::spawn(read_acks(r, move |a: Ack| {
+            s2.lock().unwrap().push((a.room.get(), a.ok));
+            true
+        }));
+        let bytes: Vec<u8> = (1..=5)
+            .flat_map(|n| {
+                Ack {
+                    room: room(n),
+                    ok: n != 3,
+                }
+                .encode()
+            })
+            .collect();
+        // Half an ack, then the rest of it with three more, then the last.
+        for part in [&bytes[..4], &bytes[4..40], &bytes[40..]] {
+            decode.write_all(part).await.unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        drop(decode);
+        let reason = task.await.unwrap();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![(1, true), (2, true), (3, false), (4, true), (5, true)]
+        );
+        assert_eq!(reason.as_deref(), Some("link closed: end of stream"));
+    }
+
+    #[tokio::test]
+    async fn a_bad_ack_closes_the_link_and_a_gone_driver_stops_the_reader() {
+        let (r, mut decode) = ack_pair().await;
+        let task = tokio::spawn(read_acks(r, |_| true));
+        let mut bad = Ack {
+            room: room(1),
+            ok: true,
+        }
+        .encode();
+        bad[9] = 7;
+        decode.write_all(&bad).await.unwrap();
+        let reason = task.await.unwrap().unwrap_or_default();
+        assert!(reason.contains("bad ack"), "{reason}");
+
+        let (r, mut decode) = ack_pair().await;
+        let task = tokio::spawn(read_acks(r, |_| false));
+        let ack = Ack {
+            room: room(2),
+            ok: true,
+        };
+        decode.write_all(&ack.encode()).await.unwrap();
+        assert_eq!(
+            task.await.unwrap(),
+            None,
+            "no close reported to a gone driver"
+        );
     }
 
     #[tokio::test]

@@ -22,6 +22,13 @@ pub struct BenchTransferArgs {
     /// its pages as that many concurrent rooms.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
     tcp_streams: u8,
+    /// Iterations of each latency measurement.
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    latency_iters: u32,
+    /// Run only this part: `latency` (4 KiB latency over tcp and shm, the
+    /// raw ping-pong, abort → release; no bandwidth runs).
+    #[arg(long, value_parser = ["latency"])]
+    only: Option<String>,
 }
 
 /// Arguments of the hidden decode-side process.
@@ -45,6 +52,8 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     cfg.bytes = args.bytes;
     cfg.runs = args.runs as usize;
     cfg.tcp_streams = args.tcp_streams;
+    cfg.latency_iters = args.latency_iters as usize;
+    cfg.latency_only = args.only.as_deref() == Some("latency");
     let report = runtime()?
         .block_on(bench::run(&cfg))
         .map_err(|e| anyhow::anyhow!("bench-transfer failed: {e}"))?;
