@@ -1071,37 +1071,35 @@ mod tests {
         );
     }
 
+    /// A segments job of one page for `room`.
+    fn seg_job(room: RoomId, page: u32, cancel: &Arc<AtomicBool>) -> LinkJob {
+        LinkJob::Segments {
+            room,
+            segs: segs(room, page),
+            cancel: cancel.clone(),
+        }
+    }
+
+    /// A finish job for `room`.
+    fn finish_job(room: RoomId, aux: Option<(u32, AuxData)>, cancel: &Arc<AtomicBool>) -> LinkJob {
+        LinkJob::Finish {
+            room,
+            aux,
+            cancel: cancel.clone(),
+        }
+    }
+
     #[tokio::test]
     async fn a_rooms_queued_segments_and_finish_become_one_write() {
         let (a, b) = (room(1), room(2));
         let live = Arc::new(AtomicBool::new(false));
         let calls = run_jobs(
             vec![
-                LinkJob::Segments {
-                    room: a,
-                    segs: segs(a, 3),
-                    cancel: live.clone(),
-                },
-                LinkJob::Segments {
-                    room: a,
-                    segs: segs(a, 5),
-                    cancel: live.clone(),
-                },
-                LinkJob::Finish {
-                    room: a,
-                    aux: Some((9, AUX)),
-                    cancel: live.clone(),
-                },
-                LinkJob::Segments {
-                    room: b,
-                    segs: segs(b, 4),
-                    cancel: live.clone(),
-                },
-                LinkJob::Finish {
-                    room: b,
-                    aux: None,
-                    cancel: live.clone(),
-                },
+                seg_job(a, 3, &live),
+                seg_job(a, 5, &live),
+                finish_job(a, Some((9, AUX)), &live),
+                seg_job(b, 4, &live),
+                finish_job(b, None, &live),
             ],
             false,
         )
@@ -1141,16 +1139,8 @@ mod tests {
         let cancelled = Arc::new(AtomicBool::new(true));
         let calls = run_jobs(
             vec![
-                LinkJob::Segments {
-                    room: a,
-                    segs: segs(a, 3),
-                    cancel: cancelled.clone(),
-                },
-                LinkJob::Finish {
-                    room: a,
-                    aux: Some((9, AUX)),
-                    cancel: cancelled.clone(),
-                },
+                seg_job(a, 3, &cancelled),
+                finish_job(a, Some((9, AUX)), &cancelled),
             ],
             false,
         )
@@ -1169,18 +1159,7 @@ mod tests {
         let a = room(1);
         let live = Arc::new(AtomicBool::new(false));
         let calls = run_jobs(
-            vec![
-                LinkJob::Segments {
-                    room: a,
-                    segs: segs(a, 3),
-                    cancel: live.clone(),
-                },
-                LinkJob::Finish {
-                    room: a,
-                    aux: Some((9, AUX)),
-                    cancel: live.clone(),
-                },
-            ],
+            vec![seg_job(a, 3, &live), finish_job(a, Some((9, AUX)), &live)],
             true,
         )
         .await;
