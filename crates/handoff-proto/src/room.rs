@@ -131,10 +131,16 @@ impl Tombstone {
 
 /// Capped, expiring map from room to something (tombstones, parked
 /// messages). Insertion order is expiry order because the TTL is fixed.
+///
+/// Every operation is O(1) amortised: a removed or replaced entry leaves
+/// its place in the order queue behind (it no longer matches the map's
+/// sequence number) and is skipped when it reaches the front; the queue is
+/// compacted once it holds more than twice the live entries.
 #[derive(Debug)]
 pub struct Expiring<T> {
-    map: HashMap<RoomId, (Instant, T)>,
-    order: VecDeque<(Instant, RoomId)>,
+    map: HashMap<RoomId, (Instant, u64, T)>,
+    order: VecDeque<(Instant, RoomId, u64)>,
+    next_seq: u64,
     cap: usize,
     /// Entries forgotten because the cap was reached.
     pub evicted: u64,
@@ -146,63 +152,85 @@ impl<T> Expiring<T> {
         Self {
             map: HashMap::new(),
             order: VecDeque::new(),
+            next_seq: 0,
             cap,
             evicted: 0,
         }
     }
 
+    /// Whether the order entry `(room, seq)` is still the room's entry.
+    fn is_live(&self, room: RoomId, seq: u64) -> bool {
+        self.map.get(&room).is_some_and(|(_, s, _)| *s == seq)
+    }
+
+    /// Drop stale entries at the front of the order (so the front is live)
+    /// and compact the queue when stale entries dominate it.
+    fn tidy(&mut self) {
+        while let Some(&(_, room, seq)) = self.order.front() {
+            if self.is_live(room, seq) {
+                break;
+            }
+            self.order.pop_front();
+        }
+        if self.order.len() > 2 * self.map.len() + 64 {
+            let map = &self.map;
+            self.order
+                .retain(|(_, r, s)| map.get(r).is_some_and(|(_, live, _)| live == s));
+        }
+    }
+
     /// Insert or replace `room`'s entry, expiring at `expires`.
     pub fn insert(&mut self, room: RoomId, value: T, expires: Instant) {
-        if self.map.insert(room, (expires, value)).is_none() {
-            self.order.push_back((expires, room));
-        } else {
-            // Refresh the order entry for a replaced value.
-            self.order.retain(|(_, r)| *r != room);
-            self.order.push_back((expires, room));
-        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.map.insert(room, (expires, seq, value));
+        self.order.push_back((expires, room, seq));
         while self.map.len() > self.cap {
-            let Some((_, oldest)) = self.order.pop_front() else {
+            let Some((_, oldest, seq)) = self.order.pop_front() else {
                 break;
             };
-            if self.map.remove(&oldest).is_some() {
+            if self.is_live(oldest, seq) {
+                self.map.remove(&oldest);
                 self.evicted += 1;
             }
         }
+        self.tidy();
     }
 
     /// The entry for `room`.
     pub fn get(&self, room: RoomId) -> Option<&T> {
-        self.map.get(&room).map(|(_, v)| v)
+        self.map.get(&room).map(|(_, _, v)| v)
     }
 
     /// Mutable entry for `room`.
     pub fn get_mut(&mut self, room: RoomId) -> Option<&mut T> {
-        self.map.get_mut(&room).map(|(_, v)| v)
+        self.map.get_mut(&room).map(|(_, _, v)| v)
     }
 
     /// Remove and return `room`'s entry.
     pub fn remove(&mut self, room: RoomId) -> Option<T> {
-        let (_, v) = self.map.remove(&room)?;
-        self.order.retain(|(_, r)| *r != room);
+        let (_, _, v) = self.map.remove(&room)?;
+        self.tidy();
         Some(v)
     }
 
     /// Drop every entry that expired at or before `now`.
     pub fn expire(&mut self, now: Instant) {
-        while let Some(&(at, room)) = self.order.front() {
+        while let Some(&(at, room, seq)) = self.order.front() {
             if at > now {
                 break;
             }
             self.order.pop_front();
-            if self.map.get(&room).is_some_and(|(e, _)| *e <= now) {
+            if self.is_live(room, seq) {
                 self.map.remove(&room);
             }
         }
+        self.tidy();
     }
 
     /// Earliest expiry.
     pub fn next_expiry(&self) -> Option<Instant> {
-        self.order.front().map(|(at, _)| *at)
+        self.order.front().map(|(at, _, _)| *at)
     }
 
     /// Entries held.
@@ -316,6 +344,100 @@ mod tests {
         assert_eq!(m.remove(r(3)), Some("c"));
         assert!(m.is_empty());
         assert_eq!(m.next_expiry(), None);
+    }
+
+    #[test]
+    fn churn_behind_a_long_lived_entry_keeps_the_order_queue_bounded() {
+        let t0 = Instant::now();
+        let ttl = Duration::from_secs(60);
+        let mut m = Expiring::new(1000);
+        m.insert(r(1), 0, t0 + ttl);
+        for i in 0..10_000u32 {
+            let at = t0 + ttl + Duration::from_micros(u64::from(i));
+            m.insert(r(2), i, at);
+            if i % 2 == 0 {
+                assert_eq!(m.remove(r(2)), Some(i));
+            }
+        }
+        assert_eq!(m.len(), 2);
+        assert_eq!(m.get(r(2)), Some(&9_999));
+        assert!(m.order.len() <= 2 * m.len() + 65, "{}", m.order.len());
+        m.expire(t0 + ttl);
+        assert_eq!((m.get(r(1)), m.len()), (None, 1));
+        assert_eq!(
+            m.next_expiry(),
+            Some(t0 + ttl + Duration::from_micros(9_999))
+        );
+    }
+
+    /// The map as first written (each removal rescans the order queue):
+    /// the reference the amortised version must agree with.
+    struct NaiveExpiring {
+        entries: Vec<(RoomId, Instant, u32)>,
+        cap: usize,
+        evicted: u64,
+    }
+
+    impl NaiveExpiring {
+        fn insert(&mut self, room: RoomId, v: u32, at: Instant) {
+            self.entries.retain(|(r, _, _)| *r != room);
+            self.entries.push((room, at, v));
+            while self.entries.len() > self.cap {
+                self.entries.remove(0);
+                self.evicted += 1;
+            }
+        }
+        fn remove(&mut self, room: RoomId) -> Option<u32> {
+            let i = self.entries.iter().position(|(r, _, _)| *r == room)?;
+            Some(self.entries.remove(i).2)
+        }
+        fn expire(&mut self, now: Instant) {
+            while self.entries.first().is_some_and(|(_, at, _)| *at <= now) {
+                self.entries.remove(0);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// Random inserts, replacements, removals and expiries (time only
+        /// moves forward, the TTL is fixed) leave the amortised map equal to
+        /// the naive one after every step: the same entries, the same
+        /// evictions, the same next expiry, and an order queue that stays
+        /// bounded.
+        #[test]
+        fn expiring_agrees_with_the_naive_map(
+            ops in proptest::collection::vec((0u8..4, 1u64..12, 0u64..3), 1..400),
+            cap in 0usize..64,
+            ttl_ms in 1u64..2000,
+        ) {
+            let t0 = Instant::now();
+            let ttl = Duration::from_millis(ttl_ms);
+            let mut now = t0;
+            let mut m = Expiring::new(cap);
+            let mut naive = NaiveExpiring { entries: vec![], cap, evicted: 0 };
+            for (i, (op, room, dt)) in ops.into_iter().enumerate() {
+                now += Duration::from_millis(dt);
+                let room = r(room);
+                match op {
+                    0 | 1 => {
+                        m.insert(room, i as u32, now + ttl);
+                        naive.insert(room, i as u32, now + ttl);
+                    }
+                    2 => proptest::prop_assert_eq!(m.remove(room), naive.remove(room)),
+                    _ => {
+                        m.expire(now);
+                        naive.expire(now);
+                    }
+                }
+                proptest::prop_assert_eq!(m.len(), naive.entries.len());
+                proptest::prop_assert_eq!(m.evicted, naive.evicted);
+                proptest::prop_assert_eq!(m.next_expiry(), naive.entries.first().map(|e| e.1));
+                for (room, _, v) in &naive.entries {
+                    proptest::prop_assert_eq!(m.get(*room), Some(v));
+                }
+                proptest::prop_assert!(m.order.len() <= 2 * m.len() + 65);
+            }
+        }
     }
 
     #[test]
