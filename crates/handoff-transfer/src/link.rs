@@ -371,6 +371,7 @@ fn finish_records(room: RoomId, aux: Option<(u32, AuxData)>, cancel: &AtomicBool
 async fn run_writer<T: Transport>(
     mut t: T,
     mut jobs: mpsc::UnboundedReceiver<LinkJob>,
+    ended: &tokio::sync::Notify,
 ) -> Result<(), TransportError> {
     let mut queued = Vec::with_capacity(WRITER_BATCH);
     while jobs.recv_many(&mut queued, WRITER_BATCH).await > 0 {
@@ -411,9 +412,13 @@ async fn run_writer<T: Transport>(
                         }])
                         .await?;
                     }
+                    if !trailer.is_empty() {
+                        ended.notify_one();
+                    }
                 }
                 LinkJob::Finish { room, aux, cancel } => {
                     t.write_records(&finish_records(room, aux, &cancel)).await?;
+                    ended.notify_one();
                 }
             }
         }
@@ -438,10 +443,12 @@ impl AcceptedLink {
         let rank = self.rank;
         let send = Arc::new(send);
         let s1 = send.clone();
+        let ended = Arc::new(tokio::sync::Notify::new());
+        let ended2 = ended.clone();
         tasks.spawn(async move {
             let r = match self.writer.confirm().await {
-                Ok(LinkWriter::Shm(t)) => run_writer(t, rx).await,
-                Ok(LinkWriter::Tcp(t)) => run_writer(t, rx).await,
+                Ok(LinkWriter::Shm(t)) => run_writer(t, rx, &ended2).await,
+                Ok(LinkWriter::Tcp(t)) => run_writer(t, rx, &ended2).await,
                 Err(e) => Err(e),
             };
             if let Err(e) = r {
@@ -455,7 +462,7 @@ impl AcceptedLink {
         let acks = self.acks;
         tasks.spawn(async move {
             let deliver = |ack| send(LinkEvent::Acked { rank, link, ack });
-            if let Some(reason) = read_acks(acks, deliver).await {
+            if let Some(reason) = read_acks(acks, ended, deliver).await {
                 send(LinkEvent::Closed { rank, link, reason });
             }
         });
@@ -472,17 +479,40 @@ const ACK_BATCH: usize = 256;
 /// the task yields once before it reads again, so the driver completes the
 /// acked rooms and their waiters run first: the socket's next read (usually
 /// `EAGAIN`) is not on the room's path.
-async fn read_acks<F>(r: OwnedReadHalf, deliver: F) -> Option<String>
+///
+/// `ended` is signalled by the writer each time a room's end went out. The
+/// task then reads at once, past tokio's readiness cache: when decode runs
+/// on the same CPU its ack is usually in the socket before the writer's
+/// `writev` even returned, and waiting for the runtime's next `epoll_wait`
+/// to report it costs a whole extra turn of the I/O driver. If nothing is
+/// there yet the read says `WouldBlock` and the task waits as before.
+async fn read_acks<F>(
+    r: OwnedReadHalf,
+    ended: Arc<tokio::sync::Notify>,
+    deliver: F,
+) -> Option<String>
 where
     F: Fn(Ack) -> bool,
 {
+    use std::io::Read;
     let mut buf = [0u8; ACK_LEN * ACK_BATCH];
     let mut len = 0usize;
     loop {
-        if let Err(e) = r.readable().await {
-            return Some(format!("link closed: {e}"));
-        }
-        match r.try_read(&mut buf[len..]) {
+        let direct = tokio::select! {
+            biased;
+            r = r.readable() => match r {
+                Ok(()) => false,
+                Err(e) => return Some(format!("link closed: {e}")),
+            },
+            () = ended.notified() => true,
+        };
+        let got = if direct {
+            let sock = socket2::SockRef::from(r.as_ref());
+            (&*sock).read(&mut buf[len..])
+        } else {
+            r.try_read(&mut buf[len..])
+        };
+        match got {
             Ok(0) => return Some("link closed: end of stream".into()),
             Ok(n) => len += n,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
@@ -993,9 +1023,13 @@ mod tests {
             tx.send(j).unwrap();
         }
         drop(tx);
-        run_writer(Recorder(calls.clone(), cancel_mid_write), rx)
-            .await
-            .unwrap();
+        run_writer(
+            Recorder(calls.clone(), cancel_mid_write),
+            rx,
+            &tokio::sync::Notify::new(),
+        )
+        .await
+        .unwrap();
         let calls = std::mem::take(&mut *calls.lock().unwrap());
         calls
     }
@@ -1016,7 +1050,7 @@ mod tests {
         let (r, mut decode) = ack_pair().await;
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let s2 = seen.clone();
-        let task = tokio::spawn(read_acks(r, move |a: Ack| {
+        let task = tokio::spawn(read_acks(r, Default::default(), move |a: Ack| {
             s2.lock().unwrap().push((a.room.get(), a.ok));
             true
         }));
@@ -1046,7 +1080,7 @@ mod tests {
     #[tokio::test]
     async fn a_bad_ack_closes_the_link_and_a_gone_driver_stops_the_reader() {
         let (r, mut decode) = ack_pair().await;
-        let task = tokio::spawn(read_acks(r, |_| true));
+        let task = tokio::spawn(read_acks(r, Default::default(), |_| true));
         let mut bad = Ack {
             room: room(1),
             ok: true,
@@ -1058,7 +1092,7 @@ mod tests {
         assert!(reason.contains("bad ack"), "{reason}");
 
         let (r, mut decode) = ack_pair().await;
-        let task = tokio::spawn(read_acks(r, |_| false));
+        let task = tokio::spawn(read_acks(r, Default::default(), |_| false));
         let ack = Ack {
             room: room(2),
             ok: true,
@@ -1068,6 +1102,37 @@ mod tests {
             task.await.unwrap(),
             None,
             "no close reported to a gone driver"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_end_signal_reads_a_waiting_ack_and_is_harmless_with_none() {
+        let (r, mut decode) = ack_pair().await;
+        let ended = Arc::new(tokio::sync::Notify::new());
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(read_acks(r, ended.clone(), move |a: Ack| {
+            tx.send(a.room.get()).is_ok()
+        }));
+        // Nothing there: the direct read says WouldBlock, the link stays up.
+        ended.notify_one();
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        assert!(rx.try_recv().is_err());
+        assert!(!task.is_finished());
+        // An ack already waiting when the signal comes is delivered.
+        for n in [7, 8] {
+            let ack = Ack {
+                room: room(n),
+                ok: true,
+            };
+            decode.write_all(&ack.encode()).await.unwrap();
+            ended.notify_one();
+            let got = tokio::time::timeout(std::time::Duration::from_secs(5), rx.recv()).await;
+            assert_eq!(got.unwrap(), Some(n));
+        }
+        drop(decode);
+        assert_eq!(
+            task.await.unwrap().as_deref(),
+            Some("link closed: end of stream")
         );
     }
 
