@@ -17,6 +17,13 @@
 //! latency (median, p99), and for the same cases single-thread memcpy and raw loopback TCP
 //! (one stream, one write/read per page, payload only), each of ours printed
 //! as a ratio to them, plus CPU-seconds (both processes) per run.
+//!
+//! The tcp latency and the raw ping-pong (4 KiB out, 1 byte back, blocking
+//! threads) alternate in [`LATENCY_ROUNDS`] rounds, so a slow phase of a
+//! shared host lands on both. On a VM the placement matters more than
+//! anything else: two processes that wake each other on one CPU pay no
+//! inter-processor interrupt, across two CPUs they pay one per wake-up.
+//! `--pin same|split` (the `handoff` CLI, through [`PEER_CPU_ENV`]) fixes it.
 
 use std::io::{BufRead, Read, Write};
 use std::net::SocketAddr;
@@ -102,6 +109,9 @@ pub struct BenchConfig {
     /// ping-pong, abort → release), no bandwidth runs. The pools are sized
     /// from `bytes` as in the full run.
     pub latency_only: bool,
+    /// Set as `HANDOFF_BENCH_PEER_CPU` in the decode process's environment:
+    /// the CPU its `bench-peer` entry pins it to (`--pin`).
+    pub peer_cpu: Option<usize>,
 }
 
 impl BenchConfig {
@@ -119,6 +129,7 @@ impl BenchConfig {
             peer_exe,
             tcp_streams: 1,
             latency_only: false,
+            peer_cpu: None,
         }
     }
 }
@@ -167,8 +178,12 @@ pub struct BenchReport {
     pub latency_4k_off_runtime: LatencyReport,
     /// Single 4 KiB transfer over shm.
     pub latency_4k_shm: LatencyReport,
-    /// Raw TCP ping-pong: 4 KiB one way, 1 byte back.
+    /// Raw TCP ping-pong: 4 KiB one way, 1 byte back. Measured in rounds
+    /// interleaved with `latency_4k`'s, so both see the same phases of a
+    /// shared host and the same placement of the two processes on its CPUs.
     pub latency_4k_raw_tcp: LatencyReport,
+    /// `latency_4k`'s median over the ping-pong's.
+    pub latency_4k_vs_raw_tcp: f64,
     /// Decode abort → its pages back in the free list.
     pub abort_release: LatencyReport,
 }
@@ -180,6 +195,20 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     let i = ((v.len() - 1) as f64 * q).round() as usize;
     v[i.min(v.len() - 1)]
+}
+
+/// Environment variable naming the CPU the decode process pins itself to.
+pub const PEER_CPU_ENV: &str = "HANDOFF_BENCH_PEER_CPU";
+
+/// Rounds the tcp latency and the raw ping-pong alternate in.
+const LATENCY_ROUNDS: usize = 10;
+
+/// A batch of single-page latency rooms: `n` of them, on destination pages
+/// `first_page..first_page + n`.
+#[derive(Debug, Clone, Copy)]
+struct Rooms {
+    n: usize,
+    first_page: usize,
 }
 
 fn latency(mut v: Vec<f64>) -> LatencyReport {
@@ -295,16 +324,21 @@ struct Peer {
 }
 
 impl Peer {
+    /// Start `cfg.peer_exe bench-peer` (seeded and pinned as `cfg` says).
     fn spawn(
-        exe: &PathBuf,
+        cfg: &BenchConfig,
         addr: SocketAddr,
         kind: TransportKind,
         page: usize,
         pages: usize,
-        seed: u64,
         streams: u8,
     ) -> Result<Peer, String> {
-        let mut child = Command::new(exe)
+        let (exe, seed) = (&cfg.peer_exe, cfg.seed);
+        let mut cmd = Command::new(exe);
+        if let Some(cpu) = cfg.peer_cpu {
+            cmd.env(PEER_CPU_ENV, cpu.to_string());
+        }
+        let mut child = cmd
             .args([
                 "bench-peer".to_string(),
                 addr.to_string(),
@@ -471,15 +505,7 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 TransportKind::Tcp => cfg.tcp_streams.max(1),
                 TransportKind::Shm => 1,
             };
-            let mut peer = Peer::spawn(
-                &cfg.peer_exe,
-                tx.local_addr(),
-                *kind,
-                page,
-                2 * n,
-                cfg.seed,
-                streams,
-            )?;
+            let mut peer = Peer::spawn(cfg, tx.local_addr(), *kind, page, 2 * n, streams)?;
             // One room per stream, each a contiguous share of the pages.
             let k = usize::from(streams);
             let shares: Vec<Arc<[PageIndex]>> = (0..k)
@@ -562,19 +588,46 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                     .push(raw_tcp(cfg, &mut peer, &src, &s, &d, page, case)?);
             }
             if *case == latency_case {
-                let lat =
-                    latency_4k(cfg, &tx, &mut peer, &mut ctx, &src_arc, Some(io.handle())).await?;
-                if *kind == TransportKind::Tcp {
-                    report.latency_4k_off_runtime =
-                        latency_4k(cfg, &tx, &mut peer, &mut ctx, &src_arc, None).await?;
-                }
+                let iters = cfg.latency_iters;
+                let on_io = Some(io.handle());
                 match kind {
-                    TransportKind::Tcp => report.latency_4k = lat,
-                    TransportKind::Shm => report.latency_4k_shm = lat,
-                }
-                if *kind == TransportKind::Tcp {
-                    report.latency_4k_raw_tcp = raw_ping(cfg, &mut peer)?;
-                    report.abort_release = abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
+                    TransportKind::Tcp => {
+                        let rounds = LATENCY_ROUNDS.clamp(1, iters.max(1));
+                        let per = iters.div_ceil(rounds);
+                        let (mut ours, mut raw) = (Vec::new(), Vec::new());
+                        for round in 0..rounds {
+                            let rooms = Rooms {
+                                n: per,
+                                first_page: round * per,
+                            };
+                            let mut v =
+                                latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, on_io)
+                                    .await?;
+                            ours.append(&mut v);
+                            raw.append(&mut raw_ping(per, &mut peer)?);
+                        }
+                        report.latency_4k = latency(ours);
+                        report.latency_4k_raw_tcp = latency(raw);
+                        report.latency_4k_vs_raw_tcp =
+                            report.latency_4k.median_us / report.latency_4k_raw_tcp.median_us;
+                        let rooms = Rooms {
+                            n: iters,
+                            first_page: 0,
+                        };
+                        report.latency_4k_off_runtime = latency(
+                            latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, None).await?,
+                        );
+                        report.abort_release = abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
+                    }
+                    TransportKind::Shm => {
+                        let rooms = Rooms {
+                            n: iters,
+                            first_page: 0,
+                        };
+                        report.latency_4k_shm = latency(
+                            latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, on_io).await?,
+                        );
+                    }
                 }
             }
             if !cfg.latency_only {
@@ -712,17 +765,18 @@ fn raw_tcp(
     Ok(rep)
 }
 
-fn raw_ping(cfg: &BenchConfig, peer: &mut Peer) -> Result<LatencyReport, String> {
+/// `n` round trips of the raw ping-pong; the samples in µs.
+fn raw_ping(n: usize, peer: &mut Peer) -> Result<Vec<f64>, String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    writeln!(peer.stdin, "PING {addr} {}", cfg.latency_iters).map_err(|e| e.to_string())?;
+    writeln!(peer.stdin, "PING {addr} {n}").map_err(|e| e.to_string())?;
     peer.stdin.flush().map_err(|e| e.to_string())?;
     let (mut sock, _) = listener.accept().map_err(|e| e.to_string())?;
     let _ = sock.set_nodelay(true);
     let buf = vec![7u8; 4096];
     let mut one = [0u8; 1];
     let mut v = Vec::new();
-    for _ in 0..cfg.latency_iters {
+    for _ in 0..n {
         let t0 = Instant::now();
         sock.write_all(&buf).map_err(|e| e.to_string())?;
         sock.read_exact(&mut one).map_err(|e| e.to_string())?;
@@ -735,7 +789,7 @@ fn raw_ping(cfg: &BenchConfig, peer: &mut Peer) -> Result<LatencyReport, String>
     if done != "DONE" {
         return Err(format!("ping peer: {done}"));
     }
-    Ok(latency(v))
+    Ok(v)
 }
 
 /// The timed part of one latency room: send, finish and wait issued
@@ -764,21 +818,21 @@ async fn one_room(
     (dt, out)
 }
 
-/// Single 4 KiB rooms, one at a time. With `io`, each room's timed part
+/// `rooms.n` single 4 KiB rooms, one at a time; the samples in µs. With `io`, each room's timed part
 /// runs as a task on the endpoint's I/O runtime, as the prefill engine runs
 /// its rooms (`handoff_engine::pd::prefill`); without, on the caller's own
 /// runtime. Decode's destination page is touched before each room, so no
 /// first-touch page fault of its fresh pool lands in the timing.
 async fn latency_4k(
-    cfg: &BenchConfig,
+    rooms: Rooms,
     tx: &KvSender,
     peer: &mut Peer,
     ctx: &mut Ctx,
     src: &Arc<[PageIndex]>,
     io: Option<&tokio::runtime::Handle>,
-) -> Result<LatencyReport, String> {
+) -> Result<Vec<f64>, String> {
     let mut v = Vec::new();
-    for i in 0..cfg.latency_iters {
+    for i in rooms.first_page..rooms.first_page + rooms.n {
         let room = ctx.room();
         tx.open(room).await.map_err(|e| e.to_string())?;
         zero(&peer.region, &[PageIndex(i as u32)], 4 << 10);
@@ -801,7 +855,7 @@ async fn latency_4k(
             return Err(format!("latency room {}: not a success", room.get()));
         }
     }
-    Ok(latency(v))
+    Ok(v)
 }
 
 async fn abort_release(
@@ -1061,6 +1115,10 @@ pub fn render(r: &BenchReport) -> String {
     out.push_str(&l("  caller off the runtime", &r.latency_4k_off_runtime));
     out.push_str(&l("4 KiB latency shm", &r.latency_4k_shm));
     out.push_str(&l("4 KiB raw TCP ping-pong", &r.latency_4k_raw_tcp));
+    out.push_str(&format!(
+        "4 KiB tcp / ping-pong      {:.2}x (medians; the two alternate in {LATENCY_ROUNDS} rounds)\n",
+        r.latency_4k_vs_raw_tcp
+    ));
     out.push_str(&l("abort -> pages released", &r.abort_release));
     out
 }

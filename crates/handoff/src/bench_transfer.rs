@@ -29,6 +29,46 @@ pub struct BenchTransferArgs {
     /// raw ping-pong, abort → release; no bandwidth runs).
     #[arg(long, value_parser = ["latency"])]
     only: Option<String>,
+    /// Pin the two processes (this one and the decode child) for a
+    /// reproducible placement: `same` puts both on CPU 0, `split` this one
+    /// on CPU 0 and decode on CPU 1. Latency on a VM depends mostly on
+    /// whether the two wake each other on one CPU or across two.
+    #[arg(long, value_enum)]
+    pin: Option<Pin>,
+}
+
+/// Where `--pin` puts the two benchmark processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Pin {
+    /// Both on CPU 0.
+    Same,
+    /// Prefill (this process) on CPU 0, decode on CPU 1.
+    Split,
+}
+
+/// Fail clearly unless this process may run on each of `cpus`.
+fn check_cpus(cpus: &[usize]) -> anyhow::Result<()> {
+    use nix::sched::sched_getaffinity;
+    use nix::unistd::Pid;
+    let allowed = sched_getaffinity(Pid::from_raw(0)).context("reading this process's CPUs")?;
+    for &cpu in cpus {
+        if !allowed.is_set(cpu).unwrap_or(false) {
+            anyhow::bail!(
+                "cannot pin to CPU {cpu}: this process may not run there \
+                 (`--pin split` needs CPUs 0 and 1, `--pin same` CPU 0)"
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Pin the calling thread (and so every thread it starts later) to `cpu`.
+fn pin_to(cpu: usize) -> anyhow::Result<()> {
+    use nix::sched::{sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+    let mut set = CpuSet::new();
+    set.set(cpu).context("CPU set")?;
+    sched_setaffinity(Pid::from_raw(0), &set).with_context(|| format!("pinning to CPU {cpu}"))
 }
 
 /// Arguments of the hidden decode-side process.
@@ -54,6 +94,16 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     cfg.tcp_streams = args.tcp_streams;
     cfg.latency_iters = args.latency_iters as usize;
     cfg.latency_only = args.only.as_deref() == Some("latency");
+    if let Some(pin) = args.pin {
+        let peer_cpu = match pin {
+            Pin::Same => 0,
+            Pin::Split => 1,
+        };
+        check_cpus(&[0, peer_cpu])?;
+        // Before the runtime starts, so its threads inherit the mask.
+        pin_to(0)?;
+        cfg.peer_cpu = Some(peer_cpu);
+    }
     let report = runtime()?
         .block_on(bench::run(&cfg))
         .map_err(|e| anyhow::anyhow!("bench-transfer failed: {e}"))?;
@@ -67,6 +117,12 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
 
 /// The decode side of the benchmark.
 pub fn peer(args: BenchPeerArgs) -> anyhow::Result<()> {
+    if let Ok(cpu) = std::env::var(bench::PEER_CPU_ENV) {
+        let cpu: usize = cpu
+            .parse()
+            .with_context(|| format!("{}={cpu:?} is not a CPU number", bench::PEER_CPU_ENV))?;
+        pin_to(cpu)?;
+    }
     runtime()?
         .block_on(bench::peer_main(&args.args))
         .map_err(|e| anyhow::anyhow!("bench peer failed: {e}"))

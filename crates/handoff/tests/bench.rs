@@ -182,3 +182,57 @@ fn bench_against_serve_counts_every_request_and_token() {
     assert_eq!(run["per_class"][1]["ok"], per_class[1]);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The latency part of `bench-transfer` on a small pool: every latency
+/// figure is there, the tcp/ping-pong ratio is the ratio of the two medians
+/// printed, and a bad `--pin` is refused with the values it takes.
+#[test]
+fn bench_transfer_latency_report_is_complete() {
+    let out = handoff()
+        .args([
+            "bench-transfer",
+            "--only",
+            "latency",
+            "--latency-iters",
+            "20",
+            "--bytes",
+            "4194304",
+            "--json",
+        ])
+        .output()
+        .expect("run handoff bench-transfer");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    let med = |k: &str| r[k]["median_us"].as_f64().unwrap_or(0.0);
+    for k in [
+        "latency_4k",
+        "latency_4k_raw_tcp",
+        "latency_4k_shm",
+        "latency_4k_off_runtime",
+        "abort_release",
+    ] {
+        assert!(med(k) > 0.0, "{k}: {}", r[k]);
+        assert!(r[k]["p99_us"].as_f64().unwrap_or(0.0) >= med(k), "{k}");
+    }
+    let ratio = r["latency_4k_vs_raw_tcp"].as_f64().expect("ratio");
+    assert!(
+        (ratio - med("latency_4k") / med("latency_4k_raw_tcp")).abs() < 1e-9,
+        "{ratio}"
+    );
+    assert_eq!(r["cases"].as_array().map(Vec::len), Some(0), "latency only");
+
+    let out = handoff()
+        .args(["bench-transfer", "--pin", "both"])
+        .output()
+        .expect("run handoff bench-transfer");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("invalid value 'both' for '--pin <PIN>'") && err.contains("same, split"),
+        "{err}"
+    );
+}
