@@ -201,7 +201,12 @@ pub fn run(
 ) -> anyhow::Result<()> {
     // Fetch the default model once, before the workers start.
     let model = engine.model_path()?;
-    let bootstrap = free_port()?;
+    // The prefill worker's transfer endpoint: the port asked for, or a free
+    // one (the router must know it, so 0 is resolved here too).
+    let bootstrap = match pd.disaggregation_bootstrap_port {
+        Some(port) if port != 0 => port,
+        _ => free_port()?,
+    };
     let transfer = pd.disaggregation_transfer_backend.to_string();
     // Transfer flags both workers take.
     let mut common = vec![

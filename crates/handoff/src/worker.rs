@@ -22,9 +22,12 @@ pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 #[derive(Debug, Clone, Args)]
 pub struct PdArgs {
     /// Prefill: port of the KV transfer endpoint that decode workers connect
-    /// to (give it to the router: `--prefill URL PORT`). 0 picks a free port.
-    #[arg(long, default_value_t = DEFAULT_BOOTSTRAP_PORT)]
-    pub disaggregation_bootstrap_port: u16,
+    /// to (give it to the router: `--prefill URL PORT`); 8998 (SGLang's) if
+    /// not given, 0 picks a free port. Under the disaggregated `handoff
+    /// serve`, the port its prefill worker listens on (a free loopback port
+    /// if not given).
+    #[arg(long, value_name = "PORT")]
+    pub disaggregation_bootstrap_port: Option<u16>,
     /// Decode: KV transport: auto (shm for a prefill on a loopback address,
     /// tcp otherwise), shm or tcp.
     #[arg(long, alias = "transfer", default_value = "auto")]
@@ -83,7 +86,11 @@ impl PdArgs {
                 format!("--host {h} is not an IP address (the transfer endpoint binds it)")
             })?,
         };
-        pd.listen = SocketAddr::new(ip, self.disaggregation_bootstrap_port);
+        pd.listen = SocketAddr::new(
+            ip,
+            self.disaggregation_bootstrap_port
+                .unwrap_or(DEFAULT_BOOTSTRAP_PORT),
+        );
         if let Some(path) = &self.transfer_secret_file {
             let secret = std::fs::read(path)
                 .with_context(|| format!("reading --transfer-secret-file {}", path.display()))?;

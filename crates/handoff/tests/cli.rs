@@ -192,7 +192,42 @@ fn serve_answers_and_stops_on_sigterm() {
 #[cfg(unix)]
 #[test]
 fn serve_pd_answers_and_stops_its_workers_on_sigterm() {
-    serve_answers_and_stops(&[], "pd");
+    // The prefill worker's transfer endpoint on the port asked for.
+    let port = free_port().to_string();
+    serve_answers_and_stops(&["--disaggregation-bootstrap-port", &port], "pd");
+}
+
+/// A loopback port free a moment ago.
+fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A bootstrap port already taken: `handoff serve` stops with the prefill
+/// worker's bind error and says which worker failed.
+#[cfg(unix)]
+#[test]
+fn serve_pd_with_a_taken_bootstrap_port_fails_clearly() {
+    let dir = std::env::temp_dir().join(format!("handoff-cli-test-{}-busy", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    handoff_model::tiny::write_tiny_gguf(&model, 3).expect("tiny GGUF");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let out = handoff()
+        .args(["serve", "--port", "0", "--kv-pages", "64"])
+        .args(["--disaggregation-bootstrap-port", &port])
+        .arg("--model")
+        .arg(&model)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run handoff serve");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("the prefill worker exited") && err.contains(&format!(":{port}")),
+        "{err}"
+    );
 }
 
 /// The generated text of a completion response (ids and times differ).
@@ -262,6 +297,7 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
     let _reap = KillOnPanic(child.id());
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let mut addr = None;
+    let mut bootstrap = None;
     let mut prefill_pid = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
@@ -275,12 +311,28 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
                 .find_map(|w| w.strip_prefix("pid="))
                 .map(str::to_string);
         }
+        if let Some(w) = line
+            .split_whitespace()
+            .find(|w| w.starts_with("bootstrap="))
+        {
+            bootstrap = Some(w["bootstrap=".len()..].to_string());
+        }
         if let Some(i) = line.find("listening on http://") {
             addr = Some(line[i + "listening on http://".len()..].trim().to_string());
             break;
         }
     }
     let addr = addr.expect("server logs its address");
+    // `--disaggregation-bootstrap-port P` is where the prefill worker's
+    // transfer endpoint listens.
+    if let Some(i) = mode
+        .iter()
+        .position(|a| *a == "--disaggregation-bootstrap-port")
+    {
+        let port = mode[i + 1];
+        assert_eq!(bootstrap.as_deref(), Some(port));
+        assert!(TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_ok());
+    }
     let models = http_get(&addr, "/v1/models");
     assert!(models.starts_with("HTTP/1.1 200"), "{models}");
     assert!(models.contains("\"id\":\"tiny-cli\""), "{models}");
