@@ -163,7 +163,6 @@ impl KvSender {
             counters,
             tasks: tasks.clone(),
             next_link: 0,
-            outbox: Vec::new(),
         };
         tasks.spawn(driver.run(rx, accept));
         Ok(KvSender { tx, addr, tasks })
@@ -487,14 +486,7 @@ struct Driver {
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
-    /// Link jobs of the events being handled, handed to their writers
-    /// together once the batch is done ([`Driver::flush_links`]).
-    outbox: Vec<(mpsc::UnboundedSender<LinkJob>, LinkJob)>,
 }
-
-/// Events the driver handles per wake-up at most before it flushes its
-/// link jobs and checks its timers again.
-const DRIVER_BATCH: usize = 64;
 
 fn now() -> std::time::Instant {
     std::time::Instant::now()
@@ -528,37 +520,19 @@ impl Driver {
                 _ = sleep => {
                     self.on_timeout();
                     self.pump();
-                    self.flush_links();
                     self.wake_input_waiters();
                     continue;
                 }
             };
-            // Handle what is queued now (a room's send, finish and wait
-            // usually arrive together), one event and pump at a time.
-            let mut next = ev;
-            let mut handled = 0;
-            let mut stop = next.is_none();
-            while let Some(ev) = next.take() {
-                match ev {
-                    Ev::Cmd(Cmd::Shutdown) => {
-                        stop = true;
-                        break;
-                    }
-                    Ev::Cmd(c) => self.command(c),
-                    Ev::Ctl(e) => self.control(e),
-                    Ev::Link(e) => self.link_event(e),
-                    Ev::Accepted(l) => self.accepted(*l, &self_tx),
-                }
-                self.pump();
-                handled += 1;
-                if handled < DRIVER_BATCH {
-                    next = rx.try_recv().ok().or_else(|| self_rx.try_recv().ok());
-                }
+            let Some(ev) = ev else { break };
+            match ev {
+                Ev::Cmd(Cmd::Shutdown) => break,
+                Ev::Cmd(c) => self.command(c),
+                Ev::Ctl(e) => self.control(e),
+                Ev::Link(e) => self.link_event(e),
+                Ev::Accepted(l) => self.accepted(*l, &self_tx),
             }
-            self.flush_links();
-            if stop {
-                break;
-            }
+            self.pump();
             self.wake_input_waiters();
         }
         accept.abort();
@@ -567,16 +541,6 @@ impl Driver {
         self.pending_links.clear();
         for (_, io) in self.io.drain() {
             io.cancel.store(true, Ordering::Release);
-        }
-    }
-
-    /// Hand the queued link jobs to their writers, in order. The writers
-    /// are woken after the replies and outcomes of the batch were sent, so
-    /// the runtime runs the last one woken, a writer, first: the room's
-    /// bytes go out before its caller is polled again.
-    fn flush_links(&mut self) {
-        for (tx, job) in self.outbox.drain(..) {
-            let _ = tx.send(job);
         }
     }
 
@@ -770,14 +734,11 @@ impl Driver {
                             io.ended = true;
                             for (rank, d) in &io.dests {
                                 if let Some(l) = self.links.get(rank) {
-                                    self.outbox.push((
-                                        l.tx(room).clone(),
-                                        LinkJob::Finish {
-                                            room,
-                                            aux: Some((d.aux_slot.0, aux)),
-                                            cancel: io.cancel.clone(),
-                                        },
-                                    ));
+                                    let _ = l.tx(room).send(LinkJob::Finish {
+                                        room,
+                                        aux: Some((d.aux_slot.0, aux)),
+                                        cancel: io.cancel.clone(),
+                                    });
                                 }
                             }
                         }
@@ -972,14 +933,11 @@ impl Driver {
                     }
                 },
             };
-            self.outbox.push((
-                link.tx(room).clone(),
-                LinkJob::Segments {
-                    room,
-                    segs,
-                    cancel: io.cancel.clone(),
-                },
-            ));
+            let _ = link.tx(room).send(LinkJob::Segments {
+                room,
+                segs,
+                cancel: io.cancel.clone(),
+            });
         }
         let t = now();
         for (rank, e) in failed {
@@ -1035,14 +993,11 @@ impl Driver {
                     for (rank, _) in &io.dests {
                         match self.links.get(rank) {
                             Some(l) if !io.ended => {
-                                self.outbox.push((
-                                    l.tx(room).clone(),
-                                    LinkJob::Finish {
-                                        room,
-                                        aux: None,
-                                        cancel: io.cancel.clone(),
-                                    },
-                                ));
+                                let _ = l.tx(room).send(LinkJob::Finish {
+                                    room,
+                                    aux: None,
+                                    cancel: io.cancel.clone(),
+                                });
                             }
                             Some(_) => {}
                             None => orphans.push(*rank),
