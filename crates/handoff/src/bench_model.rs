@@ -74,50 +74,63 @@ fn prefill_rate(model: &Llama, n: usize, reps: usize) -> anyhow::Result<f64> {
     Ok(median(rates))
 }
 
-/// Generated tokens/s of `batch` sequences decoding `steps` tokens each after a 32-token prompt.
-fn decode_rate(model: &Llama, batch: usize, steps: usize, reps: usize) -> anyhow::Result<f64> {
+/// Generated tokens/s of one run: `batch` sequences decoding `steps` tokens
+/// each after a 32-token prompt.
+fn decode_once(model: &Llama, batch: usize, steps: usize) -> anyhow::Result<f64> {
     let per_seq = (32 + steps).div_ceil(16);
     let tokens: Vec<u32> = (0..(32 + steps) as u32)
         .map(|i| 100 + (i * 7919) % 40_000)
         .collect();
-    let mut rates = Vec::new();
-    for _ in 0..reps + 1 {
-        let mut kv = KvPool::new(model.kv_geometry(16), per_seq * batch)?;
-        let pages: Vec<Vec<PageIndex>> = (0..batch)
-            .map(|b| {
-                (0..per_seq)
-                    .map(|p| PageIndex((b * per_seq + p) as u32))
-                    .collect()
+    let mut kv = KvPool::new(model.kv_geometry(16), per_seq * batch)?;
+    let pages: Vec<Vec<PageIndex>> = (0..batch)
+        .map(|b| {
+            (0..per_seq)
+                .map(|p| PageIndex((b * per_seq + p) as u32))
+                .collect()
+        })
+        .collect();
+    for p in &pages {
+        model.forward(
+            &mut kv,
+            &[SeqChunk {
+                tokens: &tokens[..32],
+                start_pos: 0,
+                pages: p,
+            }],
+            Phase::Prefill,
+        )?;
+    }
+    let t = Instant::now();
+    for step in 0..steps {
+        let pos = 32 + step;
+        let chunks: Vec<SeqChunk<'_>> = pages
+            .iter()
+            .map(|p| SeqChunk {
+                tokens: &tokens[pos..pos + 1],
+                start_pos: pos,
+                pages: p,
             })
             .collect();
-        for p in &pages {
-            model.forward(
-                &mut kv,
-                &[SeqChunk {
-                    tokens: &tokens[..32],
-                    start_pos: 0,
-                    pages: p,
-                }],
-                Phase::Prefill,
-            )?;
-        }
-        let t = Instant::now();
-        for step in 0..steps {
-            let pos = 32 + step;
-            let chunks: Vec<SeqChunk<'_>> = pages
-                .iter()
-                .map(|p| SeqChunk {
-                    tokens: &tokens[pos..pos + 1],
-                    start_pos: pos,
-                    pages: p,
-                })
-                .collect();
-            model.forward(&mut kv, &chunks, Phase::Decode)?;
-        }
-        rates.push((batch * steps) as f64 / t.elapsed().as_secs_f64());
+        model.forward(&mut kv, &chunks, Phase::Decode)?;
     }
-    rates.remove(0);
-    Ok(median(rates))
+    Ok((batch * steps) as f64 / t.elapsed().as_secs_f64())
+}
+
+/// Median decode tokens/s for each of `batches` (64 tokens after a 32-token
+/// prompt), the batch sizes taking turns run by run (one warm-up round
+/// dropped), so a slow phase of a shared host lands on all of them and the
+/// ratio between them is measured in the same conditions.
+fn decode_rates(model: &Llama, batches: &[usize], reps: usize) -> anyhow::Result<Vec<f64>> {
+    let mut rates = vec![Vec::new(); batches.len()];
+    for round in 0..reps + 1 {
+        for (r, &batch) in rates.iter_mut().zip(batches) {
+            let rate = decode_once(model, batch, 64)?;
+            if round > 0 {
+                r.push(rate);
+            }
+        }
+    }
+    Ok(rates.into_iter().map(median).collect())
 }
 
 /// llama-bench's tokens/s for (n_prompt, n_gen) pairs, via scripts/bench-llamacpp.sh.
@@ -219,15 +232,20 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
             Case::Decode1,
             Case::Decode8,
         ];
-        for (slot, case) in out.iter_mut().zip(cases) {
+        let mut decode = Vec::new();
+        for (i, case) in cases.into_iter().enumerate() {
             if wanted(case) {
-                *slot = match case {
-                    Case::Prefill128 => prefill_rate(&model, 128, reps)?,
-                    Case::Prefill512 => prefill_rate(&model, 512, reps)?,
-                    Case::Decode1 => decode_rate(&model, 1, 64, reps)?,
-                    Case::Decode8 => decode_rate(&model, 8, 64, reps)?,
-                };
+                match case {
+                    Case::Prefill128 => out[i] = prefill_rate(&model, 128, reps)?,
+                    Case::Prefill512 => out[i] = prefill_rate(&model, 512, reps)?,
+                    Case::Decode1 => decode.push((i, 1)),
+                    Case::Decode8 => decode.push((i, 8)),
+                }
             }
+        }
+        let batches: Vec<usize> = decode.iter().map(|d| d.1).collect();
+        for ((i, _), rate) in decode.iter().zip(decode_rates(&model, &batches, reps)?) {
+            out[*i] = rate;
         }
         Ok(out)
     })?;
