@@ -43,14 +43,15 @@ impl TaskCounter {
     }
 
     /// Spawn `fut` as a counted task.
-    pub fn spawn<F>(&self, fut: F) -> tokio::task::JoinHandle<()>
+    pub fn spawn<F>(&self, fut: F) -> tokio::task::JoinHandle<F::Output>
     where
-        F: std::future::Future<Output = ()> + Send + 'static,
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
     {
         let guard = self.enter();
         tokio::spawn(async move {
             let _guard = guard;
-            fut.await;
+            fut.await
         })
     }
 }

@@ -227,6 +227,14 @@ impl KvReceiver {
             self.tasks.clone(),
             send,
         ));
+        // From here on, leaving early (an error, or the caller dropping
+        // this future) abandons the rank: its control connection and any
+        // data link go.
+        let mut abandon = AbandonOnDrop {
+            tx: self.tx.clone(),
+            rank,
+            armed: true,
+        };
         let count = match transport {
             TransportKind::Shm => 1,
             TransportKind::Tcp => self.config.tcp_streams.clamp(1, MAX_TCP_STREAMS),
@@ -244,7 +252,7 @@ impl KvReceiver {
                     index,
                     count,
                 };
-                tokio::spawn(async move {
+                self.tasks.spawn(async move {
                     connect_link_stream(
                         addr, endpoint, config, timeout, transport, &pool, num_pages, setup,
                     )
@@ -252,10 +260,12 @@ impl KvReceiver {
                 })
             })
             .collect();
-        let mut sockets = Vec::with_capacity(pending.len());
+        // Stream connects still running when this future is dropped stop.
+        let mut pending = AbortOnDrop(pending);
+        let mut sockets = Vec::with_capacity(pending.0.len());
         let mut prefill = None;
         let mut failed = None;
-        for p in pending {
+        for p in &mut pending.0 {
             match p.await {
                 Ok(Ok((stream, fp))) => {
                     sockets.push(stream);
@@ -284,14 +294,9 @@ impl KvReceiver {
             })
             .map_err(TransportError::Config),
         };
-        let link = match link {
-            Ok(l) => l,
-            Err(e) => {
-                // Do not keep a control connection without its data link.
-                let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
-                return Err(e);
-            }
-        };
+        // Do not keep a control connection without its data link: an error
+        // here returns with `abandon` armed.
+        let link = link?;
         self.tx
             .send(Ev::Cmd(Cmd::AddLink(rank, link)))
             .map_err(|_| TransportError::Shutdown)?;
@@ -299,10 +304,10 @@ impl KvReceiver {
         let deadline = tokio::time::Instant::now() + self.config.handshake_timeout;
         loop {
             if self.ask(Cmd::Stats).await?.peers_ranks.contains(&rank) {
+                abandon.armed = false;
                 return Ok(rank);
             }
             if tokio::time::Instant::now() >= deadline {
-                let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(rank)));
                 return Err(TransportError::Handshake(
                     handoff_proto::HandshakeError::TimedOut(self.config.handshake_timeout),
                 ));
@@ -376,6 +381,33 @@ impl KvReceiver {
 }
 
 /// A data link whose streams connected, for the driver to start.
+/// Sends `Abandon(rank)` to the driver when dropped armed: a connect that
+/// failed or was cancelled leaves no control connection or link behind.
+struct AbandonOnDrop {
+    tx: mpsc::UnboundedSender<Ev>,
+    rank: RankId,
+    armed: bool,
+}
+
+impl Drop for AbandonOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(self.rank)));
+        }
+    }
+}
+
+/// Aborts the tasks when dropped (a no-op for those that finished).
+struct AbortOnDrop<T>(Vec<tokio::task::JoinHandle<T>>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
+}
+
 struct NewLink {
     kind: TransportKind,
     sockets: Vec<TcpStream>,
@@ -503,6 +535,10 @@ impl Driver {
                     if self.ctl.get(&rank).is_some_and(|(c, _)| *c == conn) {
                         self.ctl.remove(&rank);
                         self.liveness.remove_peer(rank);
+                        // Its data link goes too (dropping the reader closes
+                        // the sockets, and prefill drops its side): a link
+                        // without its control connection serves no room.
+                        self.links.remove(&rank);
                         self.rooms.handle_peer_dead(rank, t);
                     }
                 }

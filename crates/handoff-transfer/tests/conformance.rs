@@ -64,6 +64,7 @@ conformance!(
     pages_are_not_reused_while_a_frozen_writer_may_write,
     frozen_peers_are_declared_dead_by_heartbeat,
     peers_of_the_same_tp_rank_do_not_collide,
+    a_cancelled_connect_leaves_no_peer_or_link_behind,
     fan_in_two_prefill_ranks_fill_one_decode_rank,
     fan_out_one_prefill_rank_feeds_two_decode_ranks,
     decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else,
@@ -1431,6 +1432,47 @@ async fn peers_of_the_same_tp_rank_do_not_collide(kind: TransportKind) {
     })
     .await;
     assert_eq!(d2_pool.allocator().stats().leased, 0);
+    teardown(a).await;
+}
+
+/// A connect dropped part-way (as when the request that started it is
+/// cancelled) leaves no control connection, data link or pending stream on
+/// either side, wherever it was cut. (A new connect from the same decode
+/// endpoint to the same prefill supersedes the earlier connection, so what
+/// may remain is the last connect that finished, or nothing.) A connect
+/// left to finish afterwards gives one peer and one link that carry a room.
+async fn a_cancelled_connect_leaves_no_peer_or_link_behind(kind: TransportKind) {
+    let a = pair(kind).await;
+    let mut rank = a.rank;
+    let mut cut = 0;
+    // Longest first: the connects cut short come last, so no finished one
+    // supersedes what they might leave behind.
+    for i in (0..80u64).rev() {
+        let within = Duration::from_micros(i * 50);
+        match tokio::time::timeout(within, a.rx.connect(a.tx.local_addr())).await {
+            Ok(Ok(r)) => rank = r,
+            Ok(Err(e)) => panic!("connect failed: {e}"),
+            Err(_) => cut += 1,
+        }
+    }
+    assert!(cut > 0, "no connect was cut short");
+    eventually(
+        "no peer or link but the last finished connect's",
+        Duration::from_secs(5),
+        || async {
+            let (r, t) = (a.rx.stats().await.unwrap(), a.tx.stats().await.unwrap());
+            r.peers_ranks.iter().all(|p| *p == rank)
+                && (r.links, t.peers, t.links) == (r.peers, r.peers, r.peers)
+        },
+    )
+    .await;
+    let rank = a.rx.connect(a.tx.local_addr()).await.unwrap();
+    eventually("one peer and one link", Duration::from_secs(5), || async {
+        let (r, t) = (a.rx.stats().await.unwrap(), a.tx.stats().await.unwrap());
+        (r.peers, r.links, t.peers, t.links) == (1, 1, 1, 1)
+    })
+    .await;
+    one_room(&a.tx, &a.rx, rank, &a.d_pool, &a.p_pool, room(911)).await;
     teardown(a).await;
 }
 
