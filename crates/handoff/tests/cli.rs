@@ -197,6 +197,15 @@ fn serve_pd_answers_and_stops_its_workers_on_sigterm() {
     serve_answers_and_stops(&["--disaggregation-bootstrap-port", &port], "pd");
 }
 
+/// The tiny model written for the test `label`.
+fn tiny_model(label: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("handoff-cli-test-{}-{label}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    handoff_model::tiny::write_tiny_gguf(&model, 3).expect("tiny GGUF");
+    model
+}
+
 /// A loopback port free a moment ago.
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -208,10 +217,7 @@ fn free_port() -> u16 {
 #[cfg(unix)]
 #[test]
 fn serve_pd_with_a_taken_bootstrap_port_fails_clearly() {
-    let dir = std::env::temp_dir().join(format!("handoff-cli-test-{}-busy", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let model = dir.join("tiny.gguf");
-    handoff_model::tiny::write_tiny_gguf(&model, 3).expect("tiny GGUF");
+    let model = tiny_model("busy");
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = taken.local_addr().unwrap().port().to_string();
     let out = handoff()
@@ -272,10 +278,7 @@ impl Drop for KillOnPanic {
 
 #[cfg(unix)]
 fn serve_answers_and_stops(mode: &[&str], label: &str) {
-    let dir = std::env::temp_dir().join(format!("handoff-cli-test-{}-{label}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let model = dir.join("tiny.gguf");
-    handoff_model::tiny::write_tiny_gguf(&model, 3).expect("tiny GGUF");
+    let model = tiny_model(label);
     let mut child = handoff()
         .args([
             "serve",
