@@ -515,7 +515,14 @@ where
         match got {
             Ok(0) => return Some("link closed: end of stream".into()),
             Ok(n) => len += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                continue
+            }
             Err(e) => return Some(format!("link closed: {e}")),
         }
         let whole = len - len % ACK_LEN;
