@@ -485,6 +485,10 @@ impl Driver {
                     for dead in self.liveness.handle_timeout(t) {
                         tracing::warn!(rank = dead.0, "prefill peer missed heartbeats");
                         self.ctl.remove(&dead);
+                        // Its link's reader stops (no write of ours is
+                        // under way then); the rooms' pages stay held
+                        // until their fence, as for any dead peer.
+                        self.links.remove(&dead);
                         self.rooms.handle_peer_dead(dead, t);
                     }
                     self.pump();

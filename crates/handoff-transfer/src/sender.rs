@@ -578,6 +578,9 @@ impl Driver {
             tracing::warn!(rank = dead.0, "decode peer missed heartbeats");
             self.ctl.remove(&dead);
             self.pending_links.remove(&dead);
+            // Its writers finish the job in hand and stop; the rooms fail
+            // as the peer is dead.
+            self.links.remove(&dead);
             self.rooms.handle_peer_dead(dead, t);
         }
     }
@@ -661,6 +664,7 @@ impl Driver {
                     if self.ctl.get(&rank).is_some_and(|(c, _)| *c == conn) {
                         self.ctl.remove(&rank);
                         self.pending_links.remove(&rank);
+                        self.links.remove(&rank);
                         self.liveness.remove_peer(rank);
                         self.rooms.handle_peer_dead(rank, t);
                     }

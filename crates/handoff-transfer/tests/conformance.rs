@@ -1289,6 +1289,14 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
     let took = t0.elapsed();
     assert_eq!(e.kind(), FailureKind::PeerDead, "{e}");
     assert!(took <= bound, "frozen prefill declared dead after {took:?}");
+    // Its data link goes with it, while it is still frozen (its sockets
+    // are open): a dead peer's link and tasks do not linger.
+    let s = rx.stats().await.unwrap();
+    assert_eq!(
+        (s.peers, s.links),
+        (0, 0),
+        "decode still holds the dead prefill"
+    );
     eventually(
         "pages back after the fence",
         Duration::from_secs(3),
@@ -1335,7 +1343,13 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
     let took = t0.elapsed();
     assert_eq!(e.kind(), FailureKind::PeerDead, "{e}");
     assert!(took <= bound, "frozen decode declared dead after {took:?}");
-    assert_eq!(tx.stats().await.unwrap().live_rooms, 0);
+    let s = tx.stats().await.unwrap();
+    assert_eq!(s.live_rooms, 0);
+    assert_eq!(
+        (s.peers, s.links),
+        (0, 0),
+        "prefill still holds the dead decode"
+    );
     signal(&child.0, "-CONT");
     drop(child);
     tx.shutdown();
