@@ -190,6 +190,11 @@ impl KvReceiver {
     /// [`Source::rank`] of the rooms it serves) once both are up; a
     /// version, fingerprint or secret mismatch fails here, not at the first
     /// request.
+    ///
+    /// Cancel-safe: dropped before it returns, it leaves no control
+    /// connection, data link or task behind. Prefill keeps one connection
+    /// per decode endpoint, so connecting again to the same prefill
+    /// replaces the earlier connection (its rank stops working).
     pub async fn connect(&self, addr: SocketAddr) -> Result<RankId, TransportError> {
         self.connect_with(addr, self.config.transport).await
     }
