@@ -385,7 +385,6 @@ impl KvReceiver {
     }
 }
 
-/// A data link whose streams connected, for the driver to start.
 /// Sends `Abandon(rank)` to the driver when dropped armed: a connect that
 /// failed or was cancelled leaves no control connection or link behind.
 struct AbandonOnDrop {
@@ -413,6 +412,7 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
+/// A data link whose streams connected, for the driver to start.
 struct NewLink {
     kind: TransportKind,
     sockets: Vec<TcpStream>,
@@ -490,9 +490,10 @@ impl Driver {
                     for dead in self.liveness.handle_timeout(t) {
                         tracing::warn!(rank = dead.0, "prefill peer missed heartbeats");
                         self.ctl.remove(&dead);
-                        // Its link's reader stops (no write of ours is
-                        // under way then); the rooms' pages stay held
-                        // until their fence, as for any dead peer.
+                        // Its link's reader stops at its next step (the
+                        // writer guards it holds keep their pages until
+                        // then); the rooms' leases stay held until their
+                        // fence, as for any dead peer.
                         self.links.remove(&dead);
                         self.rooms.handle_peer_dead(dead, t);
                     }
