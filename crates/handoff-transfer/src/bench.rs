@@ -818,10 +818,11 @@ async fn one_room(
     (dt, out)
 }
 
-/// `rooms.n` single 4 KiB rooms, one at a time; the samples in µs. With `io`, each room's timed part
-/// runs as a task on the endpoint's I/O runtime, as the prefill engine runs
-/// its rooms (`handoff_engine::pd::prefill`); without, on the caller's own
-/// runtime. Decode's destination page is touched before each room, so no
+/// `rooms.n` single 4 KiB rooms, one at a time; the samples in µs. With
+/// `io`, each room's timed part runs as a task on the endpoint's I/O
+/// runtime, as the prefill engine runs its rooms
+/// (`handoff_engine::pd::prefill`); without, on the caller's own runtime.
+/// Decode's destination page is touched before each room, so no
 /// first-touch page fault of its fresh pool lands in the timing.
 async fn latency_4k(
     rooms: Rooms,
