@@ -152,7 +152,7 @@ impl KvReceiver {
             aux: HashMap::new(),
             outcomes: Expiring::new(config.rooms.max_live_rooms),
             ttl: config.rooms.timers.get(Timer::UnknownRoomTtl),
-            abandoned: std::collections::HashSet::new(),
+            abandoned: Abandoned::new(2 * config.handshake_timeout),
             sources: HashMap::new(),
             waiters: HashMap::new(),
             counters,
@@ -412,6 +412,36 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
+/// Ranks abandoned before their control handshake finished, each kept
+/// until that handshake must have ended one way or the other (`ttl`, twice
+/// the handshake timeout): one that still comes up within it is dropped,
+/// and one that fails or times out leaves nothing behind for long.
+#[derive(Debug)]
+struct Abandoned {
+    until: HashMap<RankId, std::time::Instant>,
+    ttl: Duration,
+}
+
+impl Abandoned {
+    fn new(ttl: Duration) -> Self {
+        Self {
+            until: HashMap::new(),
+            ttl,
+        }
+    }
+
+    /// Remember `rank` (and forget those whose handshake has ended).
+    fn insert(&mut self, rank: RankId, now: std::time::Instant) {
+        self.until.retain(|_, until| *until > now);
+        self.until.insert(rank, now + self.ttl);
+    }
+
+    /// Whether `rank` was abandoned (and still remembered); forgets it.
+    fn take(&mut self, rank: RankId, now: std::time::Instant) -> bool {
+        self.until.remove(&rank).is_some_and(|until| until > now)
+    }
+}
+
 /// A data link whose streams connected, for the driver to start.
 struct NewLink {
     kind: TransportKind,
@@ -448,8 +478,9 @@ struct Driver {
     ttl: Duration,
     /// Sources of rooms still waiting for their pages.
     sources: HashMap<RoomId, Vec<RankId>>,
-    /// Peers whose `connect` failed: their control connection is dropped.
-    abandoned: std::collections::HashSet<RankId>,
+    /// Peers whose `connect` failed or was cancelled before their control
+    /// connection was up: it is dropped if it still comes up.
+    abandoned: Abandoned,
     waiters: HashMap<RoomId, oneshot::Sender<ReceiverPoll>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
@@ -520,7 +551,7 @@ impl Driver {
         let t = now();
         match e {
             CtlEvent::Established { conn, rank, tx } => {
-                if self.abandoned.remove(&rank) {
+                if self.abandoned.take(rank, t) {
                     return; // dropping `tx` closes the connection
                 }
                 self.ctl.insert(rank, (conn, tx));
@@ -679,7 +710,7 @@ impl Driver {
             }
             Cmd::Abandon(rank) => {
                 if self.ctl.remove(&rank).is_none() {
-                    self.abandoned.insert(rank);
+                    self.abandoned.insert(rank, now());
                 }
                 self.liveness.remove_peer(rank);
                 self.links.remove(&rank);
@@ -830,5 +861,29 @@ impl Driver {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn abandoned_ranks_are_forgotten_once_their_handshake_has_ended() {
+        let t0 = std::time::Instant::now();
+        let ttl = Duration::from_secs(10);
+        let mut a = Abandoned::new(ttl);
+        for r in 0..100 {
+            a.insert(RankId(r), t0);
+        }
+        // Within the TTL: a rank that comes up late is recognised, once.
+        assert!(a.take(RankId(7), t0 + ttl / 2));
+        assert!(!a.take(RankId(7), t0 + ttl / 2));
+        assert_eq!(a.until.len(), 99);
+        // Past it, the next abandon forgets all of them.
+        a.insert(RankId(500), t0 + ttl + Duration::from_millis(1));
+        assert_eq!(a.until.len(), 1);
+        assert!(!a.take(RankId(8), t0 + ttl + Duration::from_millis(1)));
+        assert!(a.take(RankId(500), t0 + ttl + Duration::from_millis(2)));
     }
 }
