@@ -191,15 +191,20 @@ mod tests {
         assert!(r[1] > r[2] && r[2] > r[0] && r[0] > r[3]);
     }
 
+    /// A seeded stream of values in [-1, 1) (a linear congruential
+    /// generator: the tests' inputs, reproducible without a crate).
+    fn lcg(mut seed: u32) -> impl FnMut() -> f32 {
+        move || {
+            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
+        }
+    }
+
     /// `dots` gives `dot`'s bits for every row, with and without a
     /// multiple of 8 rows or of 8 elements.
     #[test]
     fn dots_equal_dot() {
-        let mut seed = 1u32;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = lcg(1);
         for (d, n) in [(64, 16), (64, 13), (8, 9), (12, 10), (64, 3)] {
             let q: Vec<f32> = (0..d).map(|_| rnd()).collect();
             let rows: Vec<f32> = (0..d * n).map(|_| rnd() * 3.0).collect();
@@ -216,11 +221,7 @@ mod tests {
     /// and off its 64-element register path.
     #[test]
     fn axpy_rows_equals_axpy_per_row() {
-        let mut seed = 7u32;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rnd = lcg(7);
         for (d, n) in [(64, 16), (128, 5), (64, 1), (48, 7), (8, 3)] {
             let init: Vec<f32> = (0..d).map(|_| rnd()).collect();
             let ws: Vec<f32> = (0..n).map(|_| rnd()).collect();

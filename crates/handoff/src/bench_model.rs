@@ -133,22 +133,32 @@ fn decode_rates(model: &Llama, batches: &[usize], reps: usize) -> anyhow::Result
     Ok(rates.into_iter().map(median).collect())
 }
 
-/// llama-bench's tokens/s for (n_prompt, n_gen) pairs, via scripts/bench-llamacpp.sh.
-fn llamacpp(threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
+/// Standard output of `scripts/bench-llamacpp.sh` run with `env`; its
+/// standard error in the error when it fails.
+fn bench_script(env: &[(&str, String)]) -> anyhow::Result<Vec<u8>> {
+    let shown: Vec<String> = env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let out = Command::new("scripts/bench-llamacpp.sh")
-        .env("THREADS", threads.to_string())
-        .env("REPS", reps.to_string())
-        .env("TG", "64")
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
         .context("running scripts/bench-llamacpp.sh (run from the repository root)")?;
     if !out.status.success() {
         bail!(
-            "scripts/bench-llamacpp.sh failed: {}",
+            "{} scripts/bench-llamacpp.sh failed: {}",
+            shown.join(" "),
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let v: serde_json::Value =
-        serde_json::from_slice(&out.stdout).context("parsing llama-bench JSON")?;
+    Ok(out.stdout)
+}
+
+/// llama-bench's tokens/s for (n_prompt, n_gen) pairs, via scripts/bench-llamacpp.sh.
+fn llamacpp(threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
+    let out = bench_script(&[
+        ("THREADS", threads.to_string()),
+        ("REPS", reps.to_string()),
+        ("TG", "64".into()),
+    ])?;
+    let v: serde_json::Value = serde_json::from_slice(&out).context("parsing llama-bench JSON")?;
     let rows = v.as_array().context("llama-bench JSON is not an array")?;
     Ok(rows
         .iter()
@@ -163,25 +173,18 @@ fn llamacpp(threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
 }
 
 /// llama-batched-bench's generation tokens/s at batch 1 and batch 8 (32-token
-/// prompts, 64 generated tokens each: the workload of `decode_rate`), via
+/// prompts, 64 generated tokens each: the workload of `decode_once`), via
 /// `MODE=batched scripts/bench-llamacpp.sh`.
 fn llamacpp_batched(threads: u16) -> anyhow::Result<[Option<f64>; 2]> {
-    let out = Command::new("scripts/bench-llamacpp.sh")
-        .env("MODE", "batched")
-        .env("THREADS", threads.to_string())
-        .env("PP", "32")
-        .env("TG", "64")
-        .env("NPL", "1,8")
-        .output()
-        .context("running scripts/bench-llamacpp.sh (run from the repository root)")?;
-    if !out.status.success() {
-        bail!(
-            "MODE=batched scripts/bench-llamacpp.sh failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let out = bench_script(&[
+        ("MODE", "batched".into()),
+        ("THREADS", threads.to_string()),
+        ("PP", "32".into()),
+        ("TG", "64".into()),
+        ("NPL", "1,8".into()),
+    ])?;
     let mut tg = [None; 2];
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
+    for line in String::from_utf8_lossy(&out).lines() {
         let v: serde_json::Value =
             serde_json::from_str(line).context("parsing llama-batched-bench JSONL")?;
         let slot = match v["pl"].as_u64() {
