@@ -96,7 +96,11 @@ fn io_err(what: &str, e: impl std::fmt::Display) -> KvError {
 
 impl ShmRegion {
     /// A new zeroed region of `len` bytes (`len > 0`), named `name` in
-    /// `/proc/<pid>/fd` listings.
+    /// `/proc/<pid>/fd` listings. Its pages are allocated and mapped now
+    /// (`MAP_POPULATE`), as a heap pool's are when it is zero-filled: no
+    /// write into it (a transfer landing, an attention step) takes a page
+    /// fault on a page's first use. A peer's [`Self::open`] maps lazily, so
+    /// opening a large region does not stall the opener.
     pub fn create(name: &str, len: usize) -> Result<Self, KvError> {
         if len == 0 {
             return Err(KvError::Shm(
@@ -106,7 +110,7 @@ impl ShmRegion {
         let fd: OwnedFd = rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)
             .map_err(|e| io_err("memfd_create", e))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(|e| io_err("ftruncate", e))?;
-        Self::map(File::from(fd), len)
+        Self::map(File::from(fd), len, true)
     }
 
     /// Map the region another process described in `handle`, through
@@ -120,25 +124,27 @@ impl ShmRegion {
             .map_err(|e| io_err(&format!("open {path}"), e))?;
         let len = usize::try_from(handle.len)
             .map_err(|_| KvError::Shm(format!("region of {} bytes", handle.len)))?;
-        Self::map(file, len)
+        Self::map(file, len, false)
     }
 
     /// Map a region from a descriptor received from another process.
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<Self, KvError> {
-        Self::map(File::from(fd), len)
+        Self::map(File::from(fd), len, false)
     }
 
-    fn map(file: File, len: usize) -> Result<Self, KvError> {
+    fn map(file: File, len: usize, populate: bool) -> Result<Self, KvError> {
         let actual = file.metadata().map_err(|e| io_err("fstat", e))?.len();
         if len == 0 || actual < len as u64 {
             return Err(KvError::Shm(format!(
                 "region file holds {actual} bytes, {len} expected"
             )));
         }
-        let map = memmap2::MmapOptions::new()
-            .len(len)
-            .map_raw(&file)
-            .map_err(|e| io_err("mmap", e))?;
+        let mut options = memmap2::MmapOptions::new();
+        options.len(len);
+        if populate {
+            options.populate();
+        }
+        let map = options.map_raw(&file).map_err(|e| io_err("mmap", e))?;
         Ok(Self { map, file, len })
     }
 
@@ -344,6 +350,35 @@ mod tests {
         assert_eq!(&out[..3], b"abc");
         let h = a.handle();
         assert_eq!(ShmRegionHandle::from_bytes(&h.to_bytes()), h);
+    }
+
+    /// Resident bytes of the mapping that starts at `addr`, from
+    /// `/proc/self/smaps`.
+    fn rss_of(addr: usize) -> usize {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut lines = smaps.lines();
+        while let Some(l) = lines.next() {
+            let start = l.split('-').next().unwrap_or("");
+            if usize::from_str_radix(start, 16).ok() != Some(addr) {
+                continue;
+            }
+            for l in lines.by_ref() {
+                if let Some(kb) = l.strip_prefix("Rss:") {
+                    let kb = kb.trim().trim_end_matches("kB").trim();
+                    return kb.parse::<usize>().unwrap() * 1024;
+                }
+            }
+        }
+        panic!("no mapping at {addr:#x}");
+    }
+
+    #[test]
+    fn a_created_region_is_resident_and_an_opened_one_maps_lazily() {
+        let len = 4 << 20;
+        let a = ShmRegion::create("populated", len).unwrap();
+        assert_eq!(rss_of(a.map.as_ptr() as usize), len);
+        let b = ShmRegion::open(&a.handle()).unwrap();
+        assert_eq!(rss_of(b.map.as_ptr() as usize), 0);
     }
 
     #[test]
