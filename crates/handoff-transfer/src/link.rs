@@ -546,6 +546,29 @@ where
     }
 }
 
+/// One read into `buf`. A read that leaves `buf` short has drained the
+/// socket, so it also clears tokio's readiness (as tokio's own `poll_read`
+/// does, for the readiness seen before the read): the reader's next wait
+/// then goes straight to the I/O driver, without a read that could only say
+/// `WouldBlock`. Data that arrives later raises a new readiness event.
+fn read_once(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::io::Read;
+    let want = buf.len();
+    let mut short = None;
+    let r = stream.try_io(tokio::io::Interest::READABLE, || {
+        let n = (&*socket2::SockRef::from(stream)).read(buf)?;
+        if n > 0 && n < want {
+            short = Some(n);
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        Ok(n)
+    });
+    match short {
+        Some(n) => Ok(n),
+        None => r,
+    }
+}
+
 /// Decode side: commands from the driver to a link reader.
 pub enum ReaderCmd {
     /// `room` may receive writes into `pages` (sorted) and `aux_slot`.
@@ -619,6 +642,10 @@ pub struct LinkReader {
     len: usize,
     /// Size of the last segment payload (picks the next read's size).
     last_payload: usize,
+    /// Acks of the rooms whose end was read, not yet written.
+    acks: Vec<u8>,
+    /// Events for the driver, sent before the acks gathered with them.
+    events: Vec<ReaderEvent>,
 }
 
 /// Most bytes a reader moves before it looks at its commands again.
@@ -651,6 +678,8 @@ impl LinkReader {
             pos: 0,
             len: 0,
             last_payload: 0,
+            acks: Vec::new(),
+            events: Vec::new(),
         }
     }
 
@@ -779,7 +808,8 @@ impl LinkReader {
     {
         let mut budget = READ_BUDGET;
         while budget > 0 {
-            self.drain_staging(send).await?;
+            self.drain_staging()?;
+            self.flush(send).await?;
             // A large payload remainder goes straight into the pool (no
             // copy); everything else through the staging buffer, so many
             // small records cost one read() between them.
@@ -796,7 +826,7 @@ impl LinkReader {
                 let want = dst.start + *filled..dst.end;
                 let stream = &self.stream;
                 self.pool
-                    .with_mut(want, |b| stream.try_read(b))
+                    .with_mut(want, |b| read_once(stream, b))
                     .map_err(|e| e.to_string())?
             } else {
                 if self.pos == self.len {
@@ -818,12 +848,13 @@ impl LinkReader {
                         self.buf.len() - self.len
                     };
                 let end = (self.len + want).min(self.buf.len());
-                self.stream.try_read(&mut self.buf[self.len..end])
+                read_once(&self.stream, &mut self.buf[self.len..end])
             };
             let n = match res {
                 Ok(0) => return Ok(false),
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(true),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e.to_string()),
             };
             budget = budget.saturating_sub(n);
@@ -833,8 +864,30 @@ impl LinkReader {
                 self.len += n;
             }
         }
-        self.drain_staging(send).await?;
+        self.drain_staging()?;
+        self.flush(send).await?;
         Ok(true)
+    }
+
+    /// Hand the driver the events gathered so far, then write the acks
+    /// (in the order their ends arrived). Events go first: a room's aux
+    /// reaches the driver before prefill can learn, from the ack, that the
+    /// room ended.
+    async fn flush<F>(&mut self, send: &F) -> Result<(), String>
+    where
+        F: Fn(ReaderEvent) -> bool,
+    {
+        for e in self.events.drain(..) {
+            send(e);
+        }
+        if !self.acks.is_empty() {
+            self.stream
+                .write_all(&self.acks)
+                .await
+                .map_err(|e| e.to_string())?;
+            self.acks.clear();
+        }
+        Ok(())
     }
 
     fn advance_payload(&mut self, n: usize) {
@@ -855,10 +908,7 @@ impl LinkReader {
     }
 
     /// Act on every complete record and payload byte in the staging buffer.
-    async fn drain_staging<F>(&mut self, send: &F) -> Result<(), String>
-    where
-        F: Fn(ReaderEvent) -> bool,
-    {
+    fn drain_staging(&mut self) -> Result<(), String> {
         while self.pos < self.len {
             match &self.state {
                 ReadState::Header => {
@@ -869,7 +919,7 @@ impl LinkReader {
                     h.copy_from_slice(&self.buf[self.pos..self.pos + RECORD_LEN]);
                     self.pos += RECORD_LEN;
                     let rec = Record::decode(&h).map_err(|e| e.to_string())?;
-                    self.record(rec, send).await?;
+                    self.record(rec)?;
                 }
                 ReadState::Payload {
                     dst, filled, keep, ..
@@ -888,10 +938,7 @@ impl LinkReader {
         Ok(())
     }
 
-    async fn record<F>(&mut self, rec: Record, send: &F) -> Result<(), String>
-    where
-        F: Fn(ReaderEvent) -> bool,
-    {
+    fn record(&mut self, rec: Record) -> Result<(), String> {
         match rec {
             Record::Segment(h) => {
                 let g = &self.layout.geometry;
@@ -923,7 +970,7 @@ impl LinkReader {
                 aux,
             } => match self.rooms.get_mut(&room) {
                 Some(slot) if slot.aux_slot == aux_slot => {
-                    send(ReaderEvent::Aux {
+                    self.events.push(ReaderEvent::Aux {
                         room,
                         written_room,
                         aux,
@@ -938,10 +985,7 @@ impl LinkReader {
             },
             Record::End { room, .. } => {
                 let ok = self.rooms.get(&room).is_some_and(|s| !s.rejected);
-                self.stream
-                    .write_all(&Ack { room, ok }.encode())
-                    .await
-                    .map_err(|e| e.to_string())?;
+                self.acks.extend_from_slice(&Ack { room, ok }.encode());
             }
         }
         Ok(())
@@ -1050,6 +1094,47 @@ mod tests {
         // whose writer is idle); the read half is what is under test.
         let (r, _) = c.unwrap().into_split();
         (r, a.unwrap().0)
+    }
+
+    #[tokio::test]
+    async fn a_short_read_clears_readiness_and_later_data_still_wakes_the_reader() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let (c, a) = tokio::join!(TcpStream::connect(addr), l.accept());
+        let (reader, mut peer) = (c.unwrap(), a.unwrap().0);
+        let mut buf = [0u8; 64];
+        let soon = Duration::from_secs(5);
+        // A read that fills its buffer leaves readiness as it was: the
+        // next read asks the socket, which has nothing.
+        peer.write_all(&[1; 10]).await.unwrap();
+        reader.readable().await.unwrap();
+        assert_eq!(read_once(&reader, &mut buf[..10]).unwrap(), 10);
+        let again = read_once(&reader, &mut buf);
+        assert_eq!(again.unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+        // A short read drained the socket: readiness is cleared with it, so
+        // the reader waits, and bytes sent later wake it up.
+        peer.write_all(&[2; 7]).await.unwrap();
+        tokio::time::timeout(soon, reader.readable())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(read_once(&reader, &mut buf).unwrap(), 7);
+        assert_eq!(&buf[..7], &[2; 7]);
+        let waiting = tokio::time::timeout(Duration::from_millis(50), reader.readable()).await;
+        assert!(waiting.is_err(), "readiness outlived a short read");
+        peer.write_all(&[3; 5]).await.unwrap();
+        tokio::time::timeout(soon, reader.readable())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(read_once(&reader, &mut buf).unwrap(), 5);
+        // End of stream reads as 0.
+        drop(peer);
+        tokio::time::timeout(soon, reader.readable())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(read_once(&reader, &mut buf).unwrap(), 0);
     }
 
     #[tokio::test]
