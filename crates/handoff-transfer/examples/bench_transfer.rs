@@ -21,7 +21,7 @@ fn main() {
         }
     };
     if args.get(1).map(String::as_str) == Some("bench-peer") {
-        if let Err(e) = rt.block_on(bench::peer_main(&args[2..])) {
+        if let Err(e) = rt.block_on(bench::peer_main(&args[2..], None)) {
             eprintln!("bench peer: {e}");
             std::process::exit(1);
         }

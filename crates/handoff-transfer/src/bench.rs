@@ -112,6 +112,45 @@ pub struct BenchConfig {
     /// Set as `HANDOFF_BENCH_PEER_CPU` in the decode process's environment:
     /// the CPU its `bench-peer` entry pins it to (`--pin`).
     pub peer_cpu: Option<usize>,
+    /// Placements the tcp latency and the raw ping-pong are compared in
+    /// again, after the comparison in the run's own placement. Needs
+    /// `pin_threads` (in this process and in the decode process's
+    /// `peer_main`).
+    pub placements: Vec<Placement>,
+    /// Re-pins every thread of the calling process (see [`PinThreads`]).
+    pub pin_threads: Option<PinThreads>,
+}
+
+/// Re-pins every thread of the calling process: `Some(cpu)` onto that CPU,
+/// `None` back onto the CPUs it started with. Threads it starts later
+/// inherit the mask.
+pub type PinThreads = fn(Option<usize>) -> Result<(), String>;
+
+/// Where the two processes run for one latency comparison.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// Its name in the report.
+    pub name: &'static str,
+    /// The CPU of this (prefill) process.
+    pub prefill_cpu: usize,
+    /// The CPU of the decode process.
+    pub decode_cpu: usize,
+}
+
+impl Placement {
+    /// Prefill on CPU 0, decode on CPU 1: every wake-up crosses CPUs, as
+    /// between a prefill and a decode worker on separate devices.
+    pub const SPLIT: Placement = Placement {
+        name: "split",
+        prefill_cpu: 0,
+        decode_cpu: 1,
+    };
+    /// Both on CPU 0: every wake-up is a context switch on one CPU.
+    pub const SAME: Placement = Placement {
+        name: "same",
+        prefill_cpu: 0,
+        decode_cpu: 0,
+    };
 }
 
 impl BenchConfig {
@@ -130,6 +169,8 @@ impl BenchConfig {
             tcp_streams: 1,
             latency_only: false,
             peer_cpu: None,
+            placements: Vec::new(),
+            pin_threads: None,
         }
     }
 }
@@ -186,6 +227,22 @@ pub struct BenchReport {
     pub latency_4k_vs_raw_tcp: f64,
     /// Decode abort → its pages back in the free list.
     pub abort_release: LatencyReport,
+    /// The tcp latency and the raw ping-pong again, in each of
+    /// [`BenchConfig::placements`] (both processes pinned).
+    pub latency_4k_placed: Vec<PlacedLatency>,
+}
+
+/// The tcp latency against the raw ping-pong in one placement.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct PlacedLatency {
+    /// [`Placement::name`].
+    pub placement: String,
+    /// Single 4 KiB transfer over tcp, as [`BenchReport::latency_4k`].
+    pub tcp: LatencyReport,
+    /// The raw ping-pong, alternating with `tcp` in rounds.
+    pub raw_tcp: LatencyReport,
+    /// `tcp`'s median over `raw_tcp`'s.
+    pub tcp_vs_raw_tcp: f64,
 }
 
 fn percentile(v: &mut [f64], q: f64) -> f64 {
@@ -592,24 +649,27 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 let on_io = Some(io.handle());
                 match kind {
                     TransportKind::Tcp => {
-                        let rounds = LATENCY_ROUNDS.clamp(1, iters.max(1));
-                        let per = iters.div_ceil(rounds);
-                        let (mut ours, mut raw) = (Vec::new(), Vec::new());
-                        for round in 0..rounds {
-                            let rooms = Rooms {
-                                n: per,
-                                first_page: round * per,
-                            };
-                            let mut v =
-                                latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, on_io)
-                                    .await?;
-                            ours.append(&mut v);
-                            raw.append(&mut raw_ping(per, &mut peer)?);
+                        let mut cmp = TcpVsPing {
+                            iters,
+                            tx: &tx,
+                            peer: &mut peer,
+                            ctx: &mut ctx,
+                            src: &src_arc,
+                            io: on_io,
+                        };
+                        let here = cmp.run().await?;
+                        report.latency_4k = here.tcp;
+                        report.latency_4k_raw_tcp = here.raw_tcp;
+                        report.latency_4k_vs_raw_tcp = here.tcp_vs_raw_tcp;
+                        if let (Some(pin), false) = (cfg.pin_threads, cfg.placements.is_empty()) {
+                            for p in &cfg.placements {
+                                let placed = cmp.run_placed(pin, p).await;
+                                // Back to where the run started, even after a failure.
+                                let restored = cmp.pin_both(pin, None, None);
+                                report.latency_4k_placed.push(placed?);
+                                restored?;
+                            }
                         }
-                        report.latency_4k = latency(ours);
-                        report.latency_4k_raw_tcp = latency(raw);
-                        report.latency_4k_vs_raw_tcp =
-                            report.latency_4k.median_us / report.latency_4k_raw_tcp.median_us;
                         let rooms = Rooms {
                             n: iters,
                             first_page: 0,
@@ -792,6 +852,69 @@ fn raw_ping(n: usize, peer: &mut Peer) -> Result<Vec<f64>, String> {
     Ok(v)
 }
 
+/// The tcp latency against the raw ping-pong: `iters` of each, alternating
+/// in [`LATENCY_ROUNDS`] rounds so both see the same phases of the host.
+struct TcpVsPing<'a> {
+    iters: usize,
+    tx: &'a KvSender,
+    peer: &'a mut Peer,
+    ctx: &'a mut Ctx,
+    src: &'a Arc<[PageIndex]>,
+    io: Option<&'a tokio::runtime::Handle>,
+}
+
+impl TcpVsPing<'_> {
+    async fn run(&mut self) -> Result<PlacedLatency, String> {
+        let rounds = LATENCY_ROUNDS.clamp(1, self.iters.max(1));
+        let per = self.iters.div_ceil(rounds);
+        let (mut ours, mut raw) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let rooms = Rooms {
+                n: per,
+                first_page: round * per,
+            };
+            let mut v = latency_4k(rooms, self.tx, self.peer, self.ctx, self.src, self.io).await?;
+            ours.append(&mut v);
+            raw.append(&mut raw_ping(per, self.peer)?);
+        }
+        let (tcp, raw_tcp) = (latency(ours), latency(raw));
+        Ok(PlacedLatency {
+            placement: String::new(),
+            tcp_vs_raw_tcp: tcp.median_us / raw_tcp.median_us,
+            tcp,
+            raw_tcp,
+        })
+    }
+
+    /// Pin both processes as `p` says, then [`Self::run`].
+    async fn run_placed(
+        &mut self,
+        pin: PinThreads,
+        p: &Placement,
+    ) -> Result<PlacedLatency, String> {
+        self.pin_both(pin, Some(p.prefill_cpu), Some(p.decode_cpu))?;
+        let mut r = self.run().await?;
+        r.placement = p.name.to_string();
+        Ok(r)
+    }
+
+    /// Re-pin this process's threads and the decode process's (`None`:
+    /// back to the CPUs each started with).
+    fn pin_both(
+        &mut self,
+        pin: PinThreads,
+        prefill: Option<usize>,
+        decode: Option<usize>,
+    ) -> Result<(), String> {
+        pin(prefill)?;
+        let arg = decode.map_or("all".to_string(), |c| c.to_string());
+        match self.peer.cmd(&format!("PIN {arg}"))?.as_str() {
+            "OK" => Ok(()),
+            other => Err(format!("decode peer: {other}")),
+        }
+    }
+}
+
 /// The timed part of one latency room: send, finish and wait issued
 /// together, as a room's last write, its end and its outcome.
 async fn one_room(
@@ -901,7 +1024,7 @@ async fn open_reserved(
 /// The decode process: `bench-peer <prefill addr> <shm|tcp> <page bytes>
 /// <pool pages> <seed> [tcp streams]`, then commands on stdin (`ROOMS`, `ONE`, `ABORTS`,
 /// `RAW`, `PING`, `QUIT`), answers on stdout.
-pub async fn peer_main(args: &[String]) -> Result<(), String> {
+pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), String> {
     let get = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
     let addr: SocketAddr = get(0)?.parse().map_err(|e| format!("{e}"))?;
     let kind = if get(1)? == "shm" {
@@ -1071,6 +1194,22 @@ pub async fn peer_main(args: &[String]) -> Result<(), String> {
                 .map_err(|e| e.to_string())??;
                 println!("DONE");
             }
+            // `PIN <cpu>|all`: re-pin this process's threads.
+            Some("PIN") => {
+                let cpu = match f.get(1).copied() {
+                    Some("all") => Ok(None),
+                    Some(c) => c
+                        .parse::<usize>()
+                        .map(Some)
+                        .map_err(|e| format!("PIN {c}: {e}")),
+                    None => Err("PIN needs a CPU or `all`".to_string()),
+                };
+                let r = cpu.and_then(|c| pin.ok_or("pinning not available".to_string())?(c));
+                match r {
+                    Ok(()) => println!("OK"),
+                    Err(e) => println!("ERR {e}"),
+                }
+            }
             Some("QUIT") | None => break,
             Some(other) => println!("ERR unknown command {other}"),
         }
@@ -1120,6 +1259,12 @@ pub fn render(r: &BenchReport) -> String {
         "4 KiB tcp / ping-pong      {:.2}x (medians; the two alternate in {LATENCY_ROUNDS} rounds)\n",
         r.latency_4k_vs_raw_tcp
     ));
+    for p in &r.latency_4k_placed {
+        out.push_str(&format!(
+            "pinned {:<6} tcp {:>7.1} us, ping-pong {:>7.1} us: {:.2}x (medians)\n",
+            p.placement, p.tcp.median_us, p.raw_tcp.median_us, p.tcp_vs_raw_tcp
+        ));
+    }
     out.push_str(&l("abort -> pages released", &r.abort_release));
     out
 }

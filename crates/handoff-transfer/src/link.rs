@@ -477,8 +477,9 @@ const ACK_BATCH: usize = 256;
 /// per read) and hand each to `deliver`, until the link closes (the reason)
 /// or `deliver` refuses one (the driver is gone: `None`). After delivering,
 /// the task yields once before it reads again, so the driver completes the
-/// acked rooms and their waiters run first: the socket's next read (usually
-/// `EAGAIN`) is not on the room's path.
+/// acked rooms and their waiters run first. A short read clears readiness
+/// ([`read_once`]), so the next wait needs no read that could only say
+/// `EAGAIN`.
 ///
 /// `ended` is signalled by the writer each time a room's end went out. The
 /// task then reads at once, past tokio's readiness cache: when decode runs
@@ -510,7 +511,7 @@ where
             let sock = socket2::SockRef::from(r.as_ref());
             (&*sock).read(&mut buf[len..])
         } else {
-            r.try_read(&mut buf[len..])
+            read_once(r.as_ref(), &mut buf[len..])
         };
         match got {
             Ok(0) => return Some("link closed: end of stream".into()),

@@ -71,6 +71,42 @@ fn pin_to(cpu: usize) -> anyhow::Result<()> {
     sched_setaffinity(Pid::from_raw(0), &set).with_context(|| format!("pinning to CPU {cpu}"))
 }
 
+/// Re-pin every thread of this process: onto `cpu`, or back onto the CPUs
+/// the process started with (`None`). Threads started later inherit the
+/// mask of the thread that starts them.
+fn pin_threads(cpu: Option<usize>) -> Result<(), String> {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    use nix::unistd::Pid;
+    static START: std::sync::OnceLock<Result<CpuSet, String>> = std::sync::OnceLock::new();
+    let start = START
+        .get_or_init(|| {
+            sched_getaffinity(Pid::from_raw(0))
+                .map_err(|e| format!("reading this process's CPUs: {e}"))
+        })
+        .clone()?;
+    let set = match cpu {
+        Some(c) => {
+            let mut s = CpuSet::new();
+            s.set(c).map_err(|e| format!("CPU {c}: {e}"))?;
+            s
+        }
+        None => start,
+    };
+    let tasks =
+        std::fs::read_dir("/proc/self/task").map_err(|e| format!("/proc/self/task: {e}"))?;
+    for t in tasks.flatten() {
+        let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        match sched_setaffinity(Pid::from_raw(tid), &set) {
+            // A thread that ended since the listing needs nothing.
+            Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+            Err(e) => return Err(format!("pinning thread {tid} to {cpu:?}: {e}")),
+        }
+    }
+    Ok(())
+}
+
 /// Arguments of the hidden decode-side process.
 #[derive(Debug, clap::Args)]
 pub struct BenchPeerArgs {
@@ -103,6 +139,13 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         // Before the runtime starts, so its threads inherit the mask.
         pin_to(0)?;
         cfg.peer_cpu = Some(peer_cpu);
+    } else if check_cpus(&[0, 1]).is_ok() {
+        // Unpinned, the kernel decides whether the two processes wake each
+        // other on one CPU or across two, and it need not decide alike for
+        // our tasks and for the ping-pong's two blocking threads: compare
+        // them again in both fixed placements.
+        cfg.placements = vec![bench::Placement::SPLIT, bench::Placement::SAME];
+        cfg.pin_threads = Some(pin_threads);
     }
     let report = runtime()?
         .block_on(bench::run(&cfg))
@@ -124,6 +167,6 @@ pub fn peer(args: BenchPeerArgs) -> anyhow::Result<()> {
         pin_to(cpu)?;
     }
     runtime()?
-        .block_on(bench::peer_main(&args.args))
+        .block_on(bench::peer_main(&args.args, Some(pin_threads)))
         .map_err(|e| anyhow::anyhow!("bench peer failed: {e}"))
 }

@@ -185,7 +185,8 @@ fn bench_against_serve_counts_every_request_and_token() {
 
 /// The latency part of `bench-transfer` on a small pool: every latency
 /// figure is there, the tcp/ping-pong ratio is the ratio of the two medians
-/// printed, and a bad `--pin` is refused with the values it takes.
+/// printed (also in each pinned placement), and a bad `--pin` is refused
+/// with the values it takes.
 #[test]
 fn bench_transfer_latency_report_is_complete() {
     let out = handoff()
@@ -224,6 +225,25 @@ fn bench_transfer_latency_report_is_complete() {
         "{ratio}"
     );
     assert_eq!(r["cases"].as_array().map(Vec::len), Some(0), "latency only");
+    // Unpinned, the comparison is made again with both processes pinned
+    // apart and together (this machine has CPUs 0 and 1).
+    let placed = r["latency_4k_placed"].as_array().expect("placed latencies");
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) >= 2 {
+        let names: Vec<&str> = placed
+            .iter()
+            .filter_map(|p| p["placement"].as_str())
+            .collect();
+        assert_eq!(names, ["split", "same"]);
+        for p in placed {
+            let (tcp, raw) = (
+                p["tcp"]["median_us"].as_f64().unwrap_or(0.0),
+                p["raw_tcp"]["median_us"].as_f64().unwrap_or(0.0),
+            );
+            assert!(tcp > 0.0 && raw > 0.0, "{p}");
+            let ratio = p["tcp_vs_raw_tcp"].as_f64().expect("placed ratio");
+            assert!((ratio - tcp / raw).abs() < 1e-9, "{p}");
+        }
+    }
 
     let out = handoff()
         .args(["bench-transfer", "--pin", "both"])
