@@ -1087,24 +1087,30 @@ mod tests {
     }
 
     /// A connected pair: (prefill's ack read half, decode's side).
-    async fn ack_pair() -> (OwnedReadHalf, TcpStream) {
+    /// Both ends of a loopback TCP connection (connecting, accepted).
+    async fn tcp_pair() -> (TcpStream, TcpStream) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let (c, a) = tokio::join!(TcpStream::connect(addr), l.accept());
+        (c.unwrap(), a.unwrap().0)
+    }
+
+    async fn ack_pair() -> (OwnedReadHalf, TcpStream) {
+        let (c, a) = tcp_pair().await;
         // Dropping our write half only ends our direction (as in a link
         // whose writer is idle); the read half is what is under test.
-        let (r, _) = c.unwrap().into_split();
-        (r, a.unwrap().0)
+        let (r, _) = c.into_split();
+        (r, a)
     }
 
     #[tokio::test]
     async fn a_short_read_clears_readiness_and_later_data_still_wakes_the_reader() {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let (c, a) = tokio::join!(TcpStream::connect(addr), l.accept());
-        let (reader, mut peer) = (c.unwrap(), a.unwrap().0);
+        let (reader, mut peer) = tcp_pair().await;
         let mut buf = [0u8; 64];
-        let soon = Duration::from_secs(5);
+        async fn woken(r: &TcpStream) {
+            let ready = tokio::time::timeout(Duration::from_secs(5), r.readable());
+            ready.await.expect("no wake-up").expect("readable");
+        }
         // A read that fills its buffer leaves readiness as it was: the
         // next read asks the socket, which has nothing.
         peer.write_all(&[1; 10]).await.unwrap();
@@ -1115,26 +1121,17 @@ mod tests {
         // A short read drained the socket: readiness is cleared with it, so
         // the reader waits, and bytes sent later wake it up.
         peer.write_all(&[2; 7]).await.unwrap();
-        tokio::time::timeout(soon, reader.readable())
-            .await
-            .unwrap()
-            .unwrap();
+        woken(&reader).await;
         assert_eq!(read_once(&reader, &mut buf).unwrap(), 7);
         assert_eq!(&buf[..7], &[2; 7]);
         let waiting = tokio::time::timeout(Duration::from_millis(50), reader.readable()).await;
         assert!(waiting.is_err(), "readiness outlived a short read");
         peer.write_all(&[3; 5]).await.unwrap();
-        tokio::time::timeout(soon, reader.readable())
-            .await
-            .unwrap()
-            .unwrap();
+        woken(&reader).await;
         assert_eq!(read_once(&reader, &mut buf).unwrap(), 5);
         // End of stream reads as 0.
         drop(peer);
-        tokio::time::timeout(soon, reader.readable())
-            .await
-            .unwrap()
-            .unwrap();
+        woken(&reader).await;
         assert_eq!(read_once(&reader, &mut buf).unwrap(), 0);
     }
 
