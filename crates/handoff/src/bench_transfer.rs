@@ -62,15 +62,6 @@ fn check_cpus(cpus: &[usize]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Pin the calling thread (and so every thread it starts later) to `cpu`.
-fn pin_to(cpu: usize) -> anyhow::Result<()> {
-    use nix::sched::{sched_setaffinity, CpuSet};
-    use nix::unistd::Pid;
-    let mut set = CpuSet::new();
-    set.set(cpu).context("CPU set")?;
-    sched_setaffinity(Pid::from_raw(0), &set).with_context(|| format!("pinning to CPU {cpu}"))
-}
-
 /// Re-pin every thread of this process: onto `cpu`, or back onto the CPUs
 /// the process started with (`None`). Threads started later inherit the
 /// mask of the thread that starts them.
@@ -137,7 +128,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         };
         check_cpus(&[0, peer_cpu])?;
         // Before the runtime starts, so its threads inherit the mask.
-        pin_to(0)?;
+        pin_threads(Some(0)).map_err(anyhow::Error::msg)?;
         cfg.peer_cpu = Some(peer_cpu);
     } else if check_cpus(&[0, 1]).is_ok() {
         // Unpinned, the kernel decides whether the two processes wake each
@@ -164,7 +155,7 @@ pub fn peer(args: BenchPeerArgs) -> anyhow::Result<()> {
         let cpu: usize = cpu
             .parse()
             .with_context(|| format!("{}={cpu:?} is not a CPU number", bench::PEER_CPU_ENV))?;
-        pin_to(cpu)?;
+        pin_threads(Some(cpu)).map_err(anyhow::Error::msg)?;
     }
     runtime()?
         .block_on(bench::peer_main(&args.args, Some(pin_threads)))
