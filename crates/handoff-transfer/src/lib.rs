@@ -81,6 +81,7 @@ pub mod receiver;
 pub mod sender;
 pub mod testing;
 pub mod transport;
+mod wakeup;
 pub mod wire;
 
 pub use error::TransportError;

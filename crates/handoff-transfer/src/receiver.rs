@@ -498,6 +498,7 @@ fn now() -> std::time::Instant {
 
 impl Driver {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Ev>) {
+        let mut wakeup = crate::wakeup::Wakeup::new();
         loop {
             let deadline = self
                 .rooms
@@ -506,12 +507,7 @@ impl Driver {
                 .chain(self.liveness.poll_timeout())
                 .chain(self.outcomes.next_expiry())
                 .min();
-            let sleep = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = wakeup.until(deadline);
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 _ = sleep => {

@@ -500,6 +500,7 @@ impl Driver {
     ) {
         // The driver keeps a sender to itself for link tasks.
         let (self_tx, mut self_rx) = mpsc::unbounded_channel::<Ev>();
+        let mut wakeup = crate::wakeup::Wakeup::new();
         loop {
             let deadline = self
                 .rooms
@@ -508,12 +509,7 @@ impl Driver {
                 .chain(self.liveness.poll_timeout())
                 .chain(self.outcomes.next_expiry())
                 .min();
-            let sleep = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(tokio::time::Instant::from_std(d)).await,
-                    None => std::future::pending().await,
-                }
-            };
+            let sleep = wakeup.until(deadline);
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 ev = self_rx.recv() => ev,
