@@ -661,7 +661,7 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                         report.latency_4k = here.tcp;
                         report.latency_4k_raw_tcp = here.raw_tcp;
                         report.latency_4k_vs_raw_tcp = here.tcp_vs_raw_tcp;
-                        if let (Some(pin), false) = (cfg.pin_threads, cfg.placements.is_empty()) {
+                        if let Some(pin) = cfg.pin_threads {
                             for p in &cfg.placements {
                                 let placed = cmp.run_placed(pin, p).await;
                                 // Back to where the run started, even after a failure.
@@ -1196,15 +1196,15 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
             }
             // `PIN <cpu>|all`: re-pin this process's threads.
             Some("PIN") => {
-                let cpu = match f.get(1).copied() {
-                    Some("all") => Ok(None),
-                    Some(c) => c
-                        .parse::<usize>()
-                        .map(Some)
-                        .map_err(|e| format!("PIN {c}: {e}")),
-                    None => Err("PIN needs a CPU or `all`".to_string()),
+                let r = match (f.get(1).copied(), pin) {
+                    (_, None) => Err("pinning not available".to_string()),
+                    (Some("all"), Some(pin)) => pin(None),
+                    (Some(c), Some(pin)) => match c.parse::<usize>() {
+                        Ok(cpu) => pin(Some(cpu)),
+                        Err(e) => Err(format!("PIN {c}: {e}")),
+                    },
+                    (None, _) => Err("PIN needs a CPU or `all`".to_string()),
                 };
-                let r = cpu.and_then(|c| pin.ok_or("pinning not available".to_string())?(c));
                 match r {
                     Ok(()) => println!("OK"),
                     Err(e) => println!("ERR {e}"),

@@ -495,7 +495,6 @@ async fn read_acks<F>(
 where
     F: Fn(Ack) -> bool,
 {
-    use std::io::Read;
     let mut buf = [0u8; ACK_LEN * ACK_BATCH];
     let mut len = 0usize;
     loop {
@@ -508,8 +507,7 @@ where
             () = ended.notified() => true,
         };
         let got = if direct {
-            let sock = socket2::SockRef::from(r.as_ref());
-            (&*sock).read(&mut buf[len..])
+            read_past_readiness(r.as_ref(), &mut buf[len..])
         } else {
             read_once(r.as_ref(), &mut buf[len..])
         };
@@ -553,11 +551,10 @@ where
 /// then goes straight to the I/O driver, without a read that could only say
 /// `WouldBlock`. Data that arrives later raises a new readiness event.
 fn read_once(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
-    use std::io::Read;
     let want = buf.len();
     let mut short = None;
     let r = stream.try_io(tokio::io::Interest::READABLE, || {
-        let n = (&*socket2::SockRef::from(stream)).read(buf)?;
+        let n = read_past_readiness(stream, buf)?;
         if n > 0 && n < want {
             short = Some(n);
             return Err(std::io::ErrorKind::WouldBlock.into());
@@ -568,6 +565,13 @@ fn read_once(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
         Some(n) => Ok(n),
         None => r,
     }
+}
+
+/// A plain `read(2)` on the socket, whatever tokio's readiness cache says
+/// (it neither consults nor updates it).
+fn read_past_readiness(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+    use std::io::Read;
+    (&*socket2::SockRef::from(stream)).read(buf)
 }
 
 /// Decode side: commands from the driver to a link reader.
@@ -1086,7 +1090,6 @@ mod tests {
         calls
     }
 
-    /// A connected pair: (prefill's ack read half, decode's side).
     /// Both ends of a loopback TCP connection (connecting, accepted).
     async fn tcp_pair() -> (TcpStream, TcpStream) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1095,6 +1098,7 @@ mod tests {
         (c.unwrap(), a.unwrap().0)
     }
 
+    /// A connected pair: (prefill's ack read half, decode's side).
     async fn ack_pair() -> (OwnedReadHalf, TcpStream) {
         let (c, a) = tcp_pair().await;
         // Dropping our write half only ends our direction (as in a link
