@@ -116,4 +116,7 @@ pub struct EndpointStats {
     pub handshakes_failed: u64,
     /// Live tasks.
     pub tasks: usize,
+    /// How much later than due the driver woke, in all: its process or
+    /// machine stalled. Not counted as any peer's heartbeat silence.
+    pub stalled: std::time::Duration,
 }

@@ -789,6 +789,7 @@ impl Driver {
                     rejected_segments: self.counters.rejected_segments.load(Ordering::Relaxed),
                     handshakes_failed: self.counters.handshakes_failed.load(Ordering::Relaxed),
                     tasks: 0,
+                    stalled: self.liveness.stalled(),
                 });
             }
             Cmd::Shutdown => {}

@@ -1253,6 +1253,51 @@ fn signal(child: &Child, sig: &str) {
         .success());
 }
 
+/// A stall of a whole process holding both ends (a VM pause, `SIGSTOP`),
+/// three times the heartbeat miss bound, is no peer's silence: the room in
+/// flight through it completes on both ends, both still hold their peer,
+/// and both counted the stall. (The ends live in a child, so the freeze
+/// does not touch this suite's other tests.)
+fn a_stall_of_the_whole_process_kills_no_live_peer(kind: TransportKind) {
+    use std::io::Write;
+    let stall = testing::timers().heartbeat_miss * 3;
+    let mut child = ChildGuard(
+        Command::new(peer_bin())
+            .args(["pair", kind.name()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let lines = Lines::of(&mut child.0);
+    assert_eq!(lines.next(), "READY");
+    signal(&child.0, "-STOP");
+    std::thread::sleep(stall);
+    signal(&child.0, "-CONT");
+    writeln!(child.0.stdin.as_mut().unwrap(), "go").unwrap();
+    let out = lines.next();
+    let stalled = out
+        .strip_prefix("decode=success prefill=success peers=1/1 stalled=")
+        .unwrap_or_else(|| panic!("the stall broke the pair: {out}"));
+    for ms in stalled.split('/') {
+        let ms: u64 = ms.parse().unwrap();
+        assert!(
+            Duration::from_millis(ms) >= stall / 2 && Duration::from_millis(ms) <= stall * 3,
+            "stall of {stall:?} counted as {ms} ms: {out}"
+        );
+    }
+}
+
+#[test]
+fn a_stall_of_the_whole_process_kills_no_live_peer_shm() {
+    a_stall_of_the_whole_process_kills_no_live_peer(TransportKind::Shm);
+}
+
+#[test]
+fn a_stall_of_the_whole_process_kills_no_live_peer_tcp() {
+    a_stall_of_the_whole_process_kills_no_live_peer(TransportKind::Tcp);
+}
+
 /// A hung peer keeps its sockets open: only heartbeats can tell. Both
 /// directions: a frozen prefill fails decode's room, a frozen decode fails
 /// prefill's room, each with a peer-dead error within the miss bound.

@@ -7,6 +7,11 @@
 //! `handoff-transfer-peer prefill <shm|tcp> <state>`: listen, print the
 //! address, open room 77 and, once decode's destination arrived, drive it to
 //! `state` (waiting, transferring), print `READY`, then wait forever.
+//! `handoff-transfer-peer pair <shm|tcp>`: prefill and decode both in this
+//! process, room 77 half sent; print `READY`, wait for a line on stdin (the
+//! test freezes and thaws the whole process meanwhile), finish the room,
+//! then print both outcomes, both peer counts and both endpoints' stall
+//! time in ms: `decode=success prefill=success peers=1/1 stalled=812/809`.
 #![forbid(unsafe_code)]
 
 use std::sync::Arc;
@@ -89,7 +94,72 @@ async fn run(args: &[String]) -> Result<(), String> {
             println!("READY");
             std::future::pending::<()>().await;
         }
-        _ => return Err("usage: handoff-transfer-peer decode|prefill ...".into()),
+        Some("pair") => pair(kind(args.get(2).ok_or("transport")?))
+            .await
+            .map_err(|e| e.to_string())?,
+        _ => return Err("usage: handoff-transfer-peer decode|prefill|pair ...".into()),
     }
+    Ok(())
+}
+
+async fn pair(k: TransportKind) -> Result<(), handoff_transfer::TransportError> {
+    use handoff_transfer::{AuxData, ReceiverPoll, SenderPoll};
+    let room = handoff_proto::RoomId::new(77).expect("non-zero");
+    let (p_pool, _) = testing::pool();
+    let (d_pool, _) = testing::pool();
+    let shared = |p: &handoff_kv::KvPool| p.shared_region().expect("shared pool").clone();
+    let tx = KvSender::start(testing::sender_config(), shared(&p_pool), *p_pool.layout()).await?;
+    let rx = KvReceiver::start(
+        testing::receiver_config(k),
+        shared(&d_pool),
+        *d_pool.layout(),
+    );
+    let rank = rx.connect(tx.local_addr()).await?;
+    rx.open(room, testing::sources(rank)).await?;
+    tx.open(room).await?;
+    let lease = d_pool
+        .allocator()
+        .lease(4)
+        .map_err(|e| handoff_transfer::TransportError::Bootstrap(e.to_string()))?;
+    rx.reserve(room, lease, handoff_proto::AuxSlot(1)).await?;
+    testing::wait_sender_state(&tx, room, handoff_proto::room::RoomState::WaitingForInput).await?;
+    let src: Arc<[handoff_kv::PageIndex]> =
+        (0..4).map(handoff_kv::PageIndex).collect::<Vec<_>>().into();
+    tx.send(room, 0..1, 0..4, src.clone()).await?;
+    println!("READY");
+    let (go, went) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::stdin().read_line(&mut line);
+        let _ = go.send(());
+    });
+    let _ = went.await;
+    // The room's rest goes only if the stall left the peers paired.
+    let _ = tx.send(room, 1..2, 0..4, src).await;
+    let _ = tx
+        .finish(
+            room,
+            AuxData {
+                first_token: 7,
+                logprob: 0.0,
+            },
+        )
+        .await;
+    let decode = match rx.wait(room).await? {
+        ReceiverPoll::Success { .. } => "success".to_string(),
+        other => format!("{other:?}"),
+    };
+    let prefill = match tx.wait(room).await? {
+        SenderPoll::Success => "success".to_string(),
+        other => format!("{other:?}"),
+    };
+    let (ps, ds) = (tx.stats().await?, rx.stats().await?);
+    println!(
+        "decode={decode} prefill={prefill} peers={}/{} stalled={}/{}",
+        ps.peers,
+        ds.peers,
+        ps.stalled.as_millis(),
+        ds.stalled.as_millis()
+    );
     Ok(())
 }
