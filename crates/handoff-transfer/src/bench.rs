@@ -16,7 +16,10 @@
 //! runs its rooms, and once more from outside it) and abort → room released
 //! latency (median, p99), and for the same cases single-thread memcpy and raw loopback TCP
 //! (one stream, one write/read per page, payload only), each of ours printed
-//! as a ratio to them, plus CPU-seconds (both processes) per run.
+//! as a ratio to them, plus CPU-seconds (both processes) per run. Each
+//! baseline run follows one of ours (shm then memcpy, tcp then raw TCP,
+//! warm-up included), so a slow phase of a shared host lands on both sides
+//! of the ratio.
 //!
 //! The tcp latency and the raw ping-pong (4 KiB out, 1 byte back, blocking
 //! threads) alternate in [`LATENCY_ROUNDS`] rounds, so a slow phase of a
@@ -194,6 +197,38 @@ pub struct CaseReport {
     pub cpu_s_runs: Vec<f64>,
     /// Ours / the matching baseline (shm / memcpy, tcp / raw_tcp).
     pub ratio: Option<f64>,
+}
+
+/// One run of a case: its rate, CPU time and whether it landed byte-exact.
+struct Sample {
+    gbps: f64,
+    cpu_s: f64,
+    verified: bool,
+}
+
+impl CaseReport {
+    fn new(transport: String, case: &PageCase, bytes: usize) -> Self {
+        CaseReport {
+            transport,
+            page: case.label(),
+            bytes: bytes as u64,
+            gbps_runs: vec![],
+            gbps_median: 0.0,
+            verified: true,
+            cpu_s_runs: vec![],
+            ratio: None,
+        }
+    }
+
+    /// Take a run's sample (a warm-up only counts towards `verified`).
+    fn record(&mut self, timed: bool, x: Sample) {
+        self.verified &= x.verified;
+        if timed {
+            self.gbps_runs.push(x.gbps);
+            self.cpu_s_runs.push(x.cpu_s);
+            self.gbps_median = percentile(&mut self.gbps_runs.clone(), 0.5);
+        }
+    }
 }
 
 /// Median and 99th percentile in microseconds.
@@ -568,24 +603,33 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
             let shares: Vec<Arc<[PageIndex]>> = (0..k)
                 .map(|i| s[i * n / k..(i + 1) * n / k].into())
                 .collect();
-            let mut rep = CaseReport {
-                transport: if streams > 1 {
-                    format!("{}-{streams}streams", kind.name())
-                } else {
-                    kind.name().into()
-                },
-                page: case.label(),
-                bytes: (n * page) as u64,
-                gbps_runs: vec![],
-                gbps_median: 0.0,
-                verified: true,
-                cpu_s_runs: vec![],
-                ratio: None,
+            let label = if streams > 1 {
+                format!("{}-{streams}streams", kind.name())
+            } else {
+                kind.name().into()
             };
+            let mut rep = CaseReport::new(label, case, n * page);
+            // The baseline's runs alternate with ours, so a slow phase of a
+            // shared host lands on both sides of the ratio.
+            let mut base = CaseReport::new(
+                match kind {
+                    TransportKind::Shm => "memcpy",
+                    TransportKind::Tcp => "raw_tcp",
+                }
+                .into(),
+                case,
+                n * page,
+            );
             let runs = if cfg.latency_only {
                 0
             } else {
                 cfg.warmup + cfg.runs
+            };
+            let memcpy_dst = match kind {
+                TransportKind::Shm if runs > 0 => {
+                    Some(ShmRegion::create("bench-memcpy", src.len()).map_err(|e| e.to_string())?)
+                }
+                _ => None,
             };
             for run in 0..runs {
                 zero(&peer.region, &d, page);
@@ -632,17 +676,25 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                 if out != SenderPoll::Success {
                     return Err(format!("{} {}: {out:?}", kind.name(), case.label()));
                 }
-                rep.verified &= verify(&src, &s, &peer.region, &d, page);
-                if run >= cfg.warmup {
-                    rep.gbps_runs.push(gbps(n * page, dt));
-                    rep.cpu_s_runs.push(cpu);
-                }
+                let timed = run >= cfg.warmup;
+                rep.record(
+                    timed,
+                    Sample {
+                        gbps: gbps(n * page, dt),
+                        cpu_s: cpu,
+                        verified: verify(&src, &s, &peer.region, &d, page),
+                    },
+                );
+                let b = match &memcpy_dst {
+                    Some(dst) => memcpy_run(&src, dst, &s, &d, page, contiguous)?,
+                    None => raw_tcp_run(&mut peer, &src, &s, &d, page, contiguous)?,
+                };
+                base.record(timed, b);
             }
-            rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
-            if *kind == TransportKind::Tcp && !cfg.latency_only {
-                report
-                    .cases
-                    .push(raw_tcp(cfg, &mut peer, &src, &s, &d, page, case)?);
+            drop(memcpy_dst);
+            if runs > 0 {
+                rep.ratio = Some(rep.gbps_median / base.gbps_median);
+                report.cases.push(base);
             }
             if *case == latency_case {
                 let iters = cfg.latency_iters;
@@ -699,130 +751,88 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
             tx.shutdown();
             continue;
         }
-        report.cases.push(memcpy(cfg, &src, &s, &d, page, case)?);
-        for mut rep in ours {
-            let base = if rep.transport == "shm" {
-                "memcpy"
-            } else {
-                "raw_tcp"
-            };
-            rep.ratio = report
-                .cases
-                .iter()
-                .find(|c| c.transport == base && c.page == rep.page)
-                .map(|b| rep.gbps_median / b.gbps_median);
-            report.cases.push(rep);
-        }
+        report.cases.append(&mut ours);
         tx.shutdown();
     }
     Ok(report)
 }
 
-fn memcpy(
-    cfg: &BenchConfig,
+/// One run of the memcpy baseline: single-thread copies of the same pages
+/// from `src` into `dst` (a region the size of decode's pool).
+fn memcpy_run(
     src: &ShmRegion,
+    dst: &ShmRegion,
     s: &[PageIndex],
     d: &[PageIndex],
     page: usize,
-    case: &PageCase,
-) -> Result<CaseReport, String> {
-    let dst = ShmRegion::create("bench-memcpy", src.len()).map_err(|e| e.to_string())?;
-    let mut rep = CaseReport {
-        transport: "memcpy".into(),
-        page: case.label(),
-        bytes: (s.len() * page) as u64,
-        gbps_runs: vec![],
-        gbps_median: 0.0,
-        verified: true,
-        cpu_s_runs: vec![],
-        ratio: None,
-    };
-    let contiguous = matches!(case, PageCase::Contiguous);
-    for run in 0..cfg.warmup + cfg.runs {
-        zero(&dst, d, page);
-        let cpu0 = cpu_seconds(std::process::id());
-        let t0 = Instant::now();
-        if contiguous {
-            dst.copy_from(0, src, 0, s.len() * page)
+    contiguous: bool,
+) -> Result<Sample, String> {
+    zero(dst, d, page);
+    let cpu0 = cpu_seconds(std::process::id());
+    let t0 = Instant::now();
+    if contiguous {
+        dst.copy_from(0, src, 0, s.len() * page)
+            .map_err(|e| e.to_string())?;
+    } else {
+        for (a, b) in s.iter().zip(d) {
+            dst.copy_from(b.0 as usize * page, src, a.0 as usize * page, page)
                 .map_err(|e| e.to_string())?;
-        } else {
-            for (a, b) in s.iter().zip(d) {
-                dst.copy_from(b.0 as usize * page, src, a.0 as usize * page, page)
-                    .map_err(|e| e.to_string())?;
-            }
-        }
-        let dt = t0.elapsed();
-        let cpu = cpu_seconds(std::process::id()) - cpu0;
-        rep.verified &= verify(src, s, &dst, d, page);
-        if run >= cfg.warmup {
-            rep.gbps_runs.push(gbps(s.len() * page, dt));
-            rep.cpu_s_runs.push(cpu);
         }
     }
-    rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
-    Ok(rep)
+    let dt = t0.elapsed();
+    Ok(Sample {
+        gbps: gbps(s.len() * page, dt),
+        cpu_s: cpu_seconds(std::process::id()) - cpu0,
+        verified: verify(src, s, dst, d, page),
+    })
 }
 
-fn raw_tcp(
-    cfg: &BenchConfig,
+/// One run of the raw TCP baseline: one stream, payload only, one write
+/// per page, into the decode child's pool.
+fn raw_tcp_run(
     peer: &mut Peer,
     src: &ShmRegion,
     s: &[PageIndex],
     d: &[PageIndex],
     page: usize,
-    case: &PageCase,
-) -> Result<CaseReport, String> {
+    contiguous: bool,
+) -> Result<Sample, String> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let contiguous = matches!(case, PageCase::Contiguous);
-    let mut rep = CaseReport {
-        transport: "raw_tcp".into(),
-        page: case.label(),
-        bytes: (s.len() * page) as u64,
-        gbps_runs: vec![],
-        gbps_median: 0.0,
-        verified: true,
-        cpu_s_runs: vec![],
-        ratio: None,
-    };
-    for run in 0..cfg.warmup + cfg.runs {
-        zero(&peer.region, d, page);
-        writeln!(peer.stdin, "RAW {addr} {}", u8::from(contiguous)).map_err(|e| e.to_string())?;
-        peer.stdin.flush().map_err(|e| e.to_string())?;
-        let (mut sock, _) = listener.accept().map_err(|e| e.to_string())?;
-        let _ = sock.set_nodelay(true);
-        let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
-        let t0 = Instant::now();
-        if contiguous {
-            let all = 0..s.len() * page;
-            src.with_slices(std::slice::from_ref(&all), |b| sock.write_all(&b[0]))
+    zero(&peer.region, d, page);
+    writeln!(peer.stdin, "RAW {addr} {}", u8::from(contiguous)).map_err(|e| e.to_string())?;
+    peer.stdin.flush().map_err(|e| e.to_string())?;
+    let (mut sock, _) = listener.accept().map_err(|e| e.to_string())?;
+    let _ = sock.set_nodelay(true);
+    let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
+    let t0 = Instant::now();
+    if contiguous {
+        let all = 0..s.len() * page;
+        src.with_slices(std::slice::from_ref(&all), |b| sock.write_all(&b[0]))
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+    } else {
+        for a in s {
+            let r = a.0 as usize * page..(a.0 as usize + 1) * page;
+            src.with_slices(std::slice::from_ref(&r), |b| sock.write_all(&b[0]))
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
-        } else {
-            for a in s {
-                let r = a.0 as usize * page..(a.0 as usize + 1) * page;
-                src.with_slices(std::slice::from_ref(&r), |b| sock.write_all(&b[0]))
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| e.to_string())?;
-            }
-        }
-        let done = peer
-            .lines
-            .recv_timeout(Duration::from_secs(120))
-            .map_err(|_| "raw tcp receiver did not finish")?;
-        let dt = t0.elapsed();
-        let cpu = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid()) - cpu0;
-        if done != "DONE" {
-            return Err(format!("raw tcp receiver: {done}"));
-        }
-        rep.verified &= verify(src, s, &peer.region, d, page);
-        if run >= cfg.warmup {
-            rep.gbps_runs.push(gbps(s.len() * page, dt));
-            rep.cpu_s_runs.push(cpu);
         }
     }
-    rep.gbps_median = percentile(&mut rep.gbps_runs.clone(), 0.5);
-    Ok(rep)
+    let done = peer
+        .lines
+        .recv_timeout(Duration::from_secs(120))
+        .map_err(|_| "raw tcp receiver did not finish")?;
+    let dt = t0.elapsed();
+    let cpu = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid()) - cpu0;
+    if done != "DONE" {
+        return Err(format!("raw tcp receiver: {done}"));
+    }
+    Ok(Sample {
+        gbps: gbps(s.len() * page, dt),
+        cpu_s: cpu,
+        verified: verify(src, s, &peer.region, d, page),
+    })
 }
 
 /// `n` round trips of the raw ping-pong; the samples in µs.

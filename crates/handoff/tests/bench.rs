@@ -256,3 +256,65 @@ fn bench_transfer_latency_report_is_complete() {
         "{err}"
     );
 }
+
+/// The bandwidth part of `bench-transfer` on a small pool: every page case
+/// has both transports and their baselines (memcpy for shm, raw TCP for
+/// tcp), each with one verified rate and CPU time per timed run and the
+/// median of those rates; each of ours carries its ratio to its baseline.
+#[test]
+fn bench_transfer_bandwidth_report_pairs_each_transport_with_its_baseline() {
+    let out = handoff()
+        .args([
+            "bench-transfer",
+            "--bytes",
+            "4194304",
+            "--runs",
+            "3",
+            "--latency-iters",
+            "20",
+            "--json",
+        ])
+        .output()
+        .expect("run handoff bench-transfer");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    let cases = r["cases"].as_array().expect("cases");
+    assert_eq!(cases.len(), 16, "{cases:?}");
+    let find = |transport: &str, page: &str| {
+        cases
+            .iter()
+            .find(|c| c["transport"] == transport && c["page"] == page)
+            .unwrap_or_else(|| panic!("no {transport} {page} case"))
+    };
+    for page in ["contiguous", "4KiB", "64KiB", "256KiB"] {
+        for (ours, base) in [("shm", "memcpy"), ("tcp", "raw_tcp")] {
+            let (o, b) = (find(ours, page), find(base, page));
+            for c in [o, b] {
+                assert_eq!(c["bytes"], 4194304, "{c}");
+                assert_eq!(c["verified"], true, "{c}");
+                let mut runs: Vec<f64> = c["gbps_runs"]
+                    .as_array()
+                    .expect("gbps_runs")
+                    .iter()
+                    .filter_map(|x| x.as_f64())
+                    .collect();
+                assert_eq!(runs.len(), 3, "{c}");
+                assert!(runs.iter().all(|g| *g > 0.0), "{c}");
+                runs.sort_by(f64::total_cmp);
+                assert_eq!(c["gbps_median"].as_f64(), Some(runs[1]), "{c}");
+                assert_eq!(c["cpu_s_runs"].as_array().map(Vec::len), Some(3), "{c}");
+            }
+            assert!(b["ratio"].is_null(), "{b}");
+            let want = o["gbps_median"].as_f64().unwrap() / b["gbps_median"].as_f64().unwrap();
+            let ratio = o["ratio"].as_f64().expect("ratio");
+            assert!(
+                (ratio - want).abs() < 1e-9,
+                "{ours} {page}: {ratio} vs {want}"
+            );
+        }
+    }
+}
