@@ -507,7 +507,7 @@ where
             () = ended.notified() => true,
         };
         let got = if direct {
-            read_past_readiness(r.as_ref(), &mut buf[len..])
+            read_past_readiness(r.as_ref(), &mut [std::io::IoSliceMut::new(&mut buf[len..])])
         } else {
             read_once(r.as_ref(), &mut buf[len..])
         };
@@ -551,10 +551,18 @@ where
 /// then goes straight to the I/O driver, without a read that could only say
 /// `WouldBlock`. Data that arrives later raises a new readiness event.
 fn read_once(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
-    let want = buf.len();
+    read_once_vectored(stream, &mut [std::io::IoSliceMut::new(buf)])
+}
+
+/// [`read_once`] into several buffers, filled in order by one `recvmsg`.
+fn read_once_vectored(
+    stream: &TcpStream,
+    bufs: &mut [std::io::IoSliceMut<'_>],
+) -> std::io::Result<usize> {
+    let want: usize = bufs.iter().map(|b| b.len()).sum();
     let mut short = None;
     let r = stream.try_io(tokio::io::Interest::READABLE, || {
-        let n = read_past_readiness(stream, buf)?;
+        let n = read_past_readiness(stream, bufs)?;
         if n > 0 && n < want {
             short = Some(n);
             return Err(std::io::ErrorKind::WouldBlock.into());
@@ -567,11 +575,14 @@ fn read_once(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
     }
 }
 
-/// A plain `read(2)` on the socket, whatever tokio's readiness cache says
-/// (it neither consults nor updates it).
-fn read_past_readiness(stream: &TcpStream, buf: &mut [u8]) -> std::io::Result<usize> {
+/// A plain read (`recvmsg(2)`) on the socket, whatever tokio's readiness
+/// cache says (it neither consults nor updates it).
+fn read_past_readiness(
+    stream: &TcpStream,
+    bufs: &mut [std::io::IoSliceMut<'_>],
+) -> std::io::Result<usize> {
     use std::io::Read;
-    (&*socket2::SockRef::from(stream)).read(buf)
+    (&*socket2::SockRef::from(stream)).read_vectored(bufs)
 }
 
 /// Decode side: commands from the driver to a link reader.
@@ -657,7 +668,7 @@ pub struct LinkReader {
 const READ_BUDGET: usize = 16 << 20;
 /// Staging buffer: headers and small payloads arrive many per `read()`.
 const STAGING_BYTES: usize = 256 << 10;
-/// A payload remainder at least this large is read straight into the pool.
+/// A payload at least this large is read straight into the pool.
 const DIRECT_MIN: usize = 64 << 10;
 
 impl LinkReader {
@@ -815,13 +826,12 @@ impl LinkReader {
         while budget > 0 {
             self.drain_staging()?;
             self.flush(send).await?;
-            // A large payload remainder goes straight into the pool (no
-            // copy); everything else through the staging buffer, so many
-            // small records cost one read() between them.
+            let mut body = 0;
+            // A large payload goes straight into the pool (no copy), to its
+            // last byte; everything else through the staging buffer, so
+            // many small records cost one read() between them.
             let direct = match &self.state {
-                ReadState::Payload {
-                    dst, filled, keep, ..
-                } => *keep && dst.len() - *filled >= DIRECT_MIN,
+                ReadState::Payload { dst, keep, .. } => *keep && dst.len() >= DIRECT_MIN,
                 ReadState::Header => false,
             };
             let res = if direct {
@@ -829,9 +839,22 @@ impl LinkReader {
                     return Err("reader state".into());
                 };
                 let want = dst.start + *filled..dst.end;
+                body = want.len();
+                // Staging is empty: every byte it held went into this
+                // payload. The next record's header comes with the same
+                // read (one read per large page when data is waiting).
+                debug_assert_eq!(self.pos, self.len, "staging not drained");
+                self.pos = 0;
+                self.len = 0;
                 let stream = &self.stream;
+                let head = &mut self.buf[..RECORD_LEN];
                 self.pool
-                    .with_mut(want, |b| read_once(stream, b))
+                    .with_mut(want, |b| {
+                        read_once_vectored(
+                            stream,
+                            &mut [std::io::IoSliceMut::new(b), std::io::IoSliceMut::new(head)],
+                        )
+                    })
                     .map_err(|e| e.to_string())?
             } else {
                 if self.pos == self.len {
@@ -864,7 +887,8 @@ impl LinkReader {
             };
             budget = budget.saturating_sub(n);
             if direct {
-                self.advance_payload(n);
+                self.advance_payload(n.min(body));
+                self.len = n.saturating_sub(body);
             } else {
                 self.len += n;
             }
@@ -1231,6 +1255,109 @@ mod tests {
     }
 
     /// A segments job of one page for `room`.
+    /// Large payloads (read straight into the pool, each one's tail
+    /// together with the next record's header) land byte-exact however the
+    /// sender's bytes are split: mid-header, at a payload's last byte, a
+    /// header with part of its payload, a payload's tail with half of the
+    /// next header, everything left at once. Then the room's ack comes back.
+    #[tokio::test]
+    async fn large_payloads_split_anywhere_land_byte_exact() {
+        let g = handoff_kv::KvGeometry {
+            layers: 2,
+            kv_heads: 1,
+            head_dim: 160,
+            page_size: 64,
+            dtype: handoff_kv::KvDtype::F32,
+        };
+        let (pool, _handle) = handoff_kv::KvPool::new_shared(g, 6).unwrap();
+        let layout = *pool.layout();
+        let span = page_span(&layout);
+        assert!(span >= DIRECT_MIN, "{span}");
+        let lease = pool.allocator().lease(6).unwrap();
+        let (mut prefill, decode) = tcp_pair().await;
+        let plan = LinkPlan {
+            pair: handoff_proto::rank::PairPlan::Whole,
+            decode_heads: 1,
+        };
+        let reader = LinkReader::new(
+            decode,
+            TransportKind::Tcp,
+            pool.shared_region().unwrap().clone(),
+            layout,
+            plan,
+            Default::default(),
+        );
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let r = room(9);
+        cmd_tx
+            .send(ReaderCmd::Register {
+                room: r,
+                pages: vec![1, 2, 4],
+                aux_slot: 3,
+                guard: lease.writer_guard(),
+            })
+            .unwrap();
+        let task = tokio::spawn(reader.run(cmd_rx, |_| true));
+        // Pages 4, 1 and 2 (the last two as one segment) in both layers.
+        let fill = |layer: usize, page: usize, i: usize| (layer * 31 + page * 7 + i) as u8;
+        let mut wire = Vec::new();
+        for layer in 0..2u32 {
+            for (dst_page, n_pages) in [(4u32, 1u32), (1, 2)] {
+                let h = SegmentHeader {
+                    room: r,
+                    layer,
+                    dst_page,
+                    n_pages,
+                    heads: None,
+                };
+                wire.extend_from_slice(&Record::Segment(h).encode());
+                for p in dst_page..dst_page + n_pages {
+                    wire.extend((0..span).map(|i| fill(layer as usize, p as usize, i)));
+                }
+            }
+        }
+        wire.extend_from_slice(
+            &Record::End {
+                room: r,
+                cancelled: false,
+            }
+            .encode(),
+        );
+        let cuts = [
+            RECORD_LEN / 2,                             // mid-header
+            RECORD_LEN,                                 // the header's end
+            RECORD_LEN + span,                          // the payload's last byte
+            2 * RECORD_LEN + span + 100,                // a header and part of its payload
+            2 * RECORD_LEN + 3 * span + RECORD_LEN / 2, // a tail and half a header
+        ];
+        let mut at = 0;
+        for cut in cuts.into_iter().chain([wire.len()]) {
+            prefill.write_all(&wire[at..cut]).await.unwrap();
+            at = cut;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let mut ack = [0u8; ACK_LEN];
+        tokio::time::timeout(Duration::from_secs(5), prefill.read_exact(&mut ack))
+            .await
+            .expect("no ack")
+            .unwrap();
+        assert_eq!(Ack::decode(&ack).unwrap(), Ack { room: r, ok: true });
+        let region = pool.shared_region().unwrap();
+        for layer in 0..2 {
+            for page in [1, 2, 4] {
+                let mut got = vec![0u8; span];
+                region
+                    .read_at(span_offset(&layout, 6, layer, page), &mut got)
+                    .unwrap();
+                let want: Vec<u8> = (0..span).map(|i| fill(layer, page, i)).collect();
+                assert!(got == want, "layer {layer} page {page}");
+            }
+        }
+        drop(cmd_tx);
+        task.await.unwrap();
+        drop(lease);
+    }
+
     fn seg_job(room: RoomId, page: u32, cancel: &Arc<AtomicBool>) -> LinkJob {
         LinkJob::Segments {
             room,
