@@ -183,23 +183,12 @@ fn bench_against_serve_counts_every_request_and_token() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The latency part of `bench-transfer` on a small pool: every latency
-/// figure is there, the tcp/ping-pong ratio is the ratio of the two medians
-/// printed (also in each pinned placement), and a bad `--pin` is refused
-/// with the values it takes.
-#[test]
-fn bench_transfer_latency_report_is_complete() {
+/// `handoff bench-transfer --json` on a 4 MiB workload with `args`: its
+/// report (the command must succeed).
+fn bench_transfer_json(args: &[&str]) -> serde_json::Value {
     let out = handoff()
-        .args([
-            "bench-transfer",
-            "--only",
-            "latency",
-            "--latency-iters",
-            "20",
-            "--bytes",
-            "4194304",
-            "--json",
-        ])
+        .args(["bench-transfer", "--bytes", "4194304", "--json"])
+        .args(args)
         .output()
         .expect("run handoff bench-transfer");
     assert!(
@@ -207,7 +196,16 @@ fn bench_transfer_latency_report_is_complete() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    serde_json::from_slice(&out.stdout).expect("JSON report")
+}
+
+/// The latency part of `bench-transfer` on a small pool: every latency
+/// figure is there, the tcp/ping-pong ratio is the ratio of the two medians
+/// printed (also in each pinned placement), and a bad `--pin` is refused
+/// with the values it takes.
+#[test]
+fn bench_transfer_latency_report_is_complete() {
+    let r = bench_transfer_json(&["--only", "latency", "--latency-iters", "20"]);
     let med = |k: &str| r[k]["median_us"].as_f64().unwrap_or(0.0);
     for k in [
         "latency_4k",
@@ -263,25 +261,7 @@ fn bench_transfer_latency_report_is_complete() {
 /// median of those rates; each of ours carries its ratio to its baseline.
 #[test]
 fn bench_transfer_bandwidth_report_pairs_each_transport_with_its_baseline() {
-    let out = handoff()
-        .args([
-            "bench-transfer",
-            "--bytes",
-            "4194304",
-            "--runs",
-            "3",
-            "--latency-iters",
-            "20",
-            "--json",
-        ])
-        .output()
-        .expect("run handoff bench-transfer");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    let r = bench_transfer_json(&["--runs", "3", "--latency-iters", "20"]);
     let cases = r["cases"].as_array().expect("cases");
     assert_eq!(cases.len(), 16, "{cases:?}");
     let find = |transport: &str, page: &str| {
