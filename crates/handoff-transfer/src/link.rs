@@ -33,7 +33,8 @@ use crate::error::TransportError;
 use crate::plan::{page_layout, LinkPlan};
 use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
 use crate::wire::{
-    Ack, AuxData, Record, TcpStreamSetup, ACK_LEN, PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP,
+    encode_preface, Ack, AuxData, Record, TcpStreamSetup, ACK_LEN, PREFACE_DATA, RECORD_LEN,
+    SETUP_SHM, SETUP_TCP,
 };
 
 /// Bytes of one (layer, page): its K and V blocks, adjacent in the layout.
@@ -88,11 +89,13 @@ async fn read_setup(
 
 /// Decode side: open a data link of one stream to `addr` for `kind`,
 /// offering `pool` (`num_pages` pages of `layout`), as decode endpoint
-/// `endpoint`. Returns the socket and the prefill's fingerprint (its TP
-/// rank and size).
+/// `endpoint`, for its connect number `connect` ([`CONNECT_SEQ_LEN`]).
+/// Returns the socket and the prefill's fingerprint (its TP rank and size).
+#[allow(clippy::too_many_arguments)]
 pub async fn connect_link(
     addr: std::net::SocketAddr,
     endpoint: u64,
+    connect: u64,
     config: HandshakeConfig,
     timeout: Duration,
     kind: TransportKind,
@@ -104,7 +107,10 @@ pub async fn connect_link(
         index: 0,
         count: 1,
     };
-    connect_link_stream(addr, endpoint, config, timeout, kind, pool, num_pages, one).await
+    connect_link_stream(
+        addr, endpoint, connect, config, timeout, kind, pool, num_pages, one,
+    )
+    .await
 }
 
 /// [`connect_link`] for stream `stream.index` of a TCP link of
@@ -113,6 +119,7 @@ pub async fn connect_link(
 pub async fn connect_link_stream(
     addr: std::net::SocketAddr,
     endpoint: u64,
+    connect: u64,
     config: HandshakeConfig,
     timeout: Duration,
     kind: TransportKind,
@@ -124,9 +131,7 @@ pub async fn connect_link_stream(
         .await
         .map_err(TransportError::io("data link connect"))?;
     let _ = s.set_nodelay(true);
-    let mut preface = vec![PREFACE_DATA];
-    preface.extend_from_slice(&endpoint.to_le_bytes());
-    s.write_all(&preface)
+    s.write_all(&encode_preface(PREFACE_DATA, endpoint, connect))
         .await
         .map_err(TransportError::io("data link preface"))?;
     let n = handshake_exact(&mut s, config, timeout).await?;

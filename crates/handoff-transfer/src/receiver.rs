@@ -35,7 +35,9 @@ use crate::error::TransportError;
 use crate::link::{connect_link_stream, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
 use crate::plan::{check_room_sources, LinkPlan, TpPosition};
 use crate::transport::TransportKind;
-use crate::wire::{stream_of, AuxData, TcpStreamSetup, MAX_TCP_STREAMS, PREFACE_CONTROL};
+use crate::wire::{
+    encode_preface, stream_of, AuxData, TcpStreamSetup, MAX_TCP_STREAMS, PREFACE_CONTROL,
+};
 use crate::EndpointStats;
 
 /// Settings of a decode endpoint.
@@ -206,15 +208,16 @@ impl KvReceiver {
         addr: SocketAddr,
         transport: TransportKind,
     ) -> Result<RankId, TransportError> {
+        // This connect's number, before anything is sent: prefill keeps the
+        // connections of the newest connect of this endpoint, so one
+        // cancelled here but completed late there replaces nothing newer.
+        let id = self.conn_ids.fetch_add(1, Ordering::Relaxed) + 1;
         let mut s = TcpStream::connect(addr)
             .await
             .map_err(TransportError::io("control connect"))?;
-        let mut preface = vec![PREFACE_CONTROL];
-        preface.extend_from_slice(&self.endpoint.to_le_bytes());
-        s.write_all(&preface)
+        s.write_all(&encode_preface(PREFACE_CONTROL, self.endpoint, id))
             .await
             .map_err(TransportError::io("control preface"))?;
-        let id = self.conn_ids.fetch_add(1, Ordering::Relaxed) + 1;
         // Our own id for this prefill endpoint (two prefill workers of the
         // same TP rank are different peers).
         let rank = RankId(self.next_peer.fetch_add(1, Ordering::Relaxed));
@@ -259,7 +262,7 @@ impl KvReceiver {
                 };
                 self.tasks.spawn(async move {
                     connect_link_stream(
-                        addr, endpoint, config, timeout, transport, &pool, num_pages, setup,
+                        addr, endpoint, id, config, timeout, transport, &pool, num_pages, setup,
                     )
                     .await
                 })

@@ -38,7 +38,7 @@ use crate::link::{
 use crate::plan::{build_sliced_segments, LinkPlan};
 use crate::transport::Segment;
 use crate::wire::{
-    stream_of, AuxData, SegmentHeader, ENDPOINT_ID_LEN, PREFACE_CONTROL, PREFACE_DATA,
+    decode_preface, stream_of, AuxData, SegmentHeader, PREFACE_CONTROL, PREFACE_DATA, PREFACE_LEN,
 };
 use crate::EndpointStats;
 
@@ -103,9 +103,11 @@ enum Cmd {
 
 enum Ev {
     Cmd(Cmd),
-    Ctl(CtlEvent),
+    /// A control connection's event, with decode's connect number.
+    Ctl(CtlEvent, u64),
     Link(LinkEvent),
-    Accepted(Box<AcceptedLink>),
+    /// A data link stream, with decode's connect number.
+    Accepted(Box<AcceptedLink>, u64),
 }
 
 /// Handle to a prefill transfer endpoint. Cheap to clone.
@@ -163,6 +165,7 @@ impl KvSender {
             counters,
             tasks: tasks.clone(),
             next_link: 0,
+            newest: HashMap::new(),
         };
         tasks.spawn(driver.run(rx, accept));
         Ok(KvSender { tx, addr, tasks })
@@ -280,7 +283,7 @@ async fn accept_loop(
         let t2 = tasks.clone();
         let peers = peers.clone();
         tasks.spawn(async move {
-            let mut preface = [0u8; 1 + ENDPOINT_ID_LEN];
+            let mut preface = [0u8; PREFACE_LEN];
             let got =
                 tokio::time::timeout(config.handshake_timeout, stream.read_exact(&mut preface))
                     .await;
@@ -288,13 +291,11 @@ async fn accept_loop(
                 counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
                 return;
             }
-            let mut endpoint = [0u8; ENDPOINT_ID_LEN];
-            endpoint.copy_from_slice(&preface[1..]);
-            let endpoint_id = u64::from_le_bytes(endpoint);
+            let (kind, endpoint_id, connect) = decode_preface(&preface);
             let peer = peers.assign(endpoint_id);
-            match preface[0] {
+            match kind {
                 PREFACE_CONTROL => {
-                    let send = move |e: CtlEvent| tx.send(Ev::Ctl(e)).map_err(|_| ());
+                    let send = move |e: CtlEvent| tx.send(Ev::Ctl(e, connect)).map_err(|_| ());
                     run_control(
                         stream,
                         config.handshake.clone(),
@@ -319,7 +320,7 @@ async fn accept_loop(
                     {
                         Ok(link) => {
                             peers.confirm(endpoint_id);
-                            let _ = tx.send(Ev::Accepted(Box::new(link)));
+                            let _ = tx.send(Ev::Accepted(Box::new(link), connect));
                         }
                         Err(e) => {
                             counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);
@@ -486,7 +487,14 @@ struct Driver {
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
+    /// Per decode rank with a connection, the newest connect number seen
+    /// ([`crate::wire::CONNECT_SEQ_LEN`]).
+    newest: HashMap<RankId, u64>,
 }
+
+/// Decode ranks whose newest connect number the driver keeps even with
+/// nothing left of them.
+const MAX_NEWEST: usize = 4096;
 
 fn now() -> std::time::Instant {
     std::time::Instant::now()
@@ -524,9 +532,15 @@ impl Driver {
             match ev {
                 Ev::Cmd(Cmd::Shutdown) => break,
                 Ev::Cmd(c) => self.command(c),
-                Ev::Ctl(e) => self.control(e),
+                Ev::Ctl(e, connect) => self.control(e, connect),
                 Ev::Link(e) => self.link_event(e),
-                Ev::Accepted(l) => self.accepted(*l, &self_tx),
+                Ev::Accepted(l, connect) => {
+                    if self.admit(l.rank, connect, now()) {
+                        self.accepted(*l, &self_tx);
+                    }
+                    // else: a cancelled connect's stream, completed late;
+                    // dropping it closes its socket.
+                }
             }
             self.pump();
             self.wake_input_waiters();
@@ -578,6 +592,7 @@ impl Driver {
             // as the peer is dead.
             self.links.remove(&dead);
             self.rooms.handle_peer_dead(dead, t);
+            self.bound_newest();
         }
     }
 
@@ -634,10 +649,51 @@ impl Driver {
         );
     }
 
-    fn control(&mut self, e: CtlEvent) {
+    /// Whether a connection of decode's connect `connect` may join what
+    /// `rank` has. Not when a newer connect of that endpoint was seen (a
+    /// connect cancelled on decode, completing late here). A newer connect
+    /// replaces the older one: its control connection and data link go
+    /// (their sockets close, so decode drops that rank) and its rooms fail,
+    /// so no rank is left with the control connection of one connect and
+    /// the data link of another.
+    fn admit(&mut self, rank: RankId, connect: u64, t: std::time::Instant) -> bool {
+        match self.newest.get(&rank) {
+            Some(&newest) if newest > connect => return false,
+            Some(&newest) if newest == connect => return true,
+            _ => {}
+        }
+        self.newest.insert(rank, connect);
+        let ctl = self.ctl.remove(&rank).is_some();
+        let link = self.links.remove(&rank).is_some();
+        let pending = self.pending_links.remove(&rank).is_some();
+        if ctl || link || pending {
+            self.liveness.remove_peer(rank);
+            self.rooms.handle_peer_dead(rank, t);
+        }
+        true
+    }
+
+    /// Keep [`Self::newest`] bounded: past [`MAX_NEWEST`] entries, forget
+    /// those of ranks with nothing left (a late connection of a forgotten
+    /// rank is then admitted, and closes when decode drops it).
+    fn bound_newest(&mut self) {
+        if self.newest.len() > MAX_NEWEST {
+            let (ctl, links, pending) = (&self.ctl, &self.links, &self.pending_links);
+            self.newest.retain(|r, _| {
+                ctl.contains_key(r) || links.contains_key(r) || pending.contains_key(r)
+            });
+        }
+    }
+
+    fn control(&mut self, e: CtlEvent, connect: u64) {
         let t = now();
         match e {
             CtlEvent::Established { conn, rank, tx } => {
+                if !self.admit(rank, connect, t) {
+                    // A cancelled connect's control connection, completed
+                    // late: dropping `tx` closes it.
+                    return;
+                }
                 self.ctl.insert(rank, (conn, tx));
                 self.liveness.add_peer(rank, t);
             }
@@ -663,6 +719,7 @@ impl Driver {
                         self.links.remove(&rank);
                         self.liveness.remove_peer(rank);
                         self.rooms.handle_peer_dead(rank, t);
+                        self.bound_newest();
                     }
                 }
             }
@@ -706,6 +763,7 @@ impl Driver {
                         };
                         self.rooms.handle_write_failed(room, rank, err, t);
                     }
+                    self.bound_newest();
                 }
             }
         }

@@ -19,6 +19,35 @@ pub const PREFACE_DATA: u8 = b'D';
 /// workers of the same TP rank never collide. The handshake that follows
 /// authenticates the connection.
 pub const ENDPOINT_ID_LEN: usize = 8;
+/// After the endpoint id: decode's number for this connect (u64, little
+/// endian), higher for each later connect of the same endpoint. Per decode
+/// endpoint, prefill keeps the control connection and the data link of the
+/// newest connect it has seen, so a connect that decode cancelled but whose
+/// connections complete late on prefill never replaces a newer one.
+pub const CONNECT_SEQ_LEN: usize = 8;
+/// The whole preface: kind, endpoint id, connect number.
+pub const PREFACE_LEN: usize = 1 + ENDPOINT_ID_LEN + CONNECT_SEQ_LEN;
+
+/// The preface of a connection of `kind` ([`PREFACE_CONTROL`] or
+/// [`PREFACE_DATA`]) from decode endpoint `endpoint`, for its connect
+/// number `connect`.
+pub fn encode_preface(kind: u8, endpoint: u64, connect: u64) -> [u8; PREFACE_LEN] {
+    let mut b = [0u8; PREFACE_LEN];
+    b[0] = kind;
+    b[1..1 + ENDPOINT_ID_LEN].copy_from_slice(&endpoint.to_le_bytes());
+    b[1 + ENDPOINT_ID_LEN..].copy_from_slice(&connect.to_le_bytes());
+    b
+}
+
+/// A preface's kind byte, endpoint id and connect number (the kind is
+/// checked by the caller).
+pub fn decode_preface(b: &[u8; PREFACE_LEN]) -> (u8, u64, u64) {
+    (
+        b[0],
+        u64::from_le_bytes(arr(&b[1..])),
+        u64::from_le_bytes(arr(&b[1 + ENDPOINT_ID_LEN..])),
+    )
+}
 
 /// Link setup: decode offers its pool in shared memory.
 pub const SETUP_SHM: u8 = b'S';

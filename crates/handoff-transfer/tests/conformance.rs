@@ -510,6 +510,9 @@ struct RawDecode {
     endpoint: u64,
 }
 
+/// The connect number of a raw decode's control connection and data link.
+const RAW_CONNECT: u64 = 1;
+
 fn rand_id() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static NEXT: AtomicU64 = AtomicU64::new(0xdec0_de00);
@@ -521,11 +524,24 @@ impl RawDecode {
         addr: std::net::SocketAddr,
         cfg: HandshakeConfig,
     ) -> Result<RawDecode, HandshakeError> {
+        Self::connect_as(addr, cfg, rand_id(), RAW_CONNECT).await
+    }
+
+    /// A control connection of decode endpoint `endpoint`, for its connect
+    /// number `connect`.
+    async fn connect_as(
+        addr: std::net::SocketAddr,
+        cfg: HandshakeConfig,
+        endpoint: u64,
+        connect: u64,
+    ) -> Result<RawDecode, HandshakeError> {
         let mut s = TcpStream::connect(addr).await.unwrap();
-        // Preface: control, then this raw endpoint's id.
-        let endpoint = rand_id();
-        let mut preface = b"C".to_vec();
-        preface.extend_from_slice(&endpoint.to_le_bytes());
+        // Preface: control, this raw endpoint's id, its connect number.
+        let preface = handoff_transfer::wire::encode_preface(
+            handoff_transfer::wire::PREFACE_CONTROL,
+            endpoint,
+            connect,
+        );
         s.write_all(&preface).await.unwrap();
         let mut raw = Self::handshake(s, cfg).await?;
         raw.endpoint = endpoint;
@@ -886,6 +902,7 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
     let (_link, _rank) = handoff_transfer::link::connect_link(
         p.tx.local_addr(),
         raw.endpoint,
+        RAW_CONNECT,
         decode_handshake(),
         Duration::from_secs(2),
         kind,
@@ -1515,24 +1532,98 @@ async fn a_cancelled_connect_leaves_no_peer_or_link_behind(kind: TransportKind) 
         }
     }
     assert!(cut > 0, "no connect was cut short");
-    eventually(
+    // Both ends agree: no peer or link but the last finished connect's
+    // (or none, when a connect cut short after it reached prefill replaced
+    // it there, as connecting again does).
+    until_links(
+        &a,
         "no peer or link but the last finished connect's",
-        Duration::from_secs(5),
-        || async {
-            let (r, t) = (a.rx.stats().await.unwrap(), a.tx.stats().await.unwrap());
+        |r, t| {
             r.peers_ranks.iter().all(|p| *p == rank)
                 && (r.links, t.peers, t.links) == (r.peers, r.peers, r.peers)
         },
     )
     .await;
     let rank = a.rx.connect(a.tx.local_addr()).await.unwrap();
-    eventually("one peer and one link", Duration::from_secs(5), || async {
-        let (r, t) = (a.rx.stats().await.unwrap(), a.tx.stats().await.unwrap());
+    until_links(&a, "one peer and one link", |r, t| {
         (r.peers, r.links, t.peers, t.links) == (1, 1, 1, 1)
     })
     .await;
     one_room(&a.tx, &a.rx, rank, &a.d_pool, &a.p_pool, room(911)).await;
     teardown(a).await;
+}
+
+/// Per decode endpoint prefill keeps the newest connect: a control
+/// connection of an older connect that completes after a newer one (a
+/// connect decode cancelled, finishing late) is closed, and the newer one
+/// keeps serving; a newer connect replaces the older one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_connection_of_an_older_connect_replaces_nothing() {
+    let (p_pool, _) = testing::pool();
+    let tx = KvSender::start(
+        testing::sender_config(),
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let endpoint = rand_id();
+    let connect = |n| RawDecode::connect_as(tx.local_addr(), decode_handshake(), endpoint, n);
+    let mut newer = connect(5).await.unwrap();
+    eventually(
+        "the newer connect's peer",
+        Duration::from_secs(3),
+        || async { tx.stats().await.unwrap().peers == 1 },
+    )
+    .await;
+    let mut older = connect(3).await.unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(3), older.s.read(&mut buf))
+        .await
+        .expect("the older connect's connection stayed open")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "the older connect's connection got {n} bytes");
+    // The newer one still serves: prefill acknowledges an abort on it.
+    let r = room(4242);
+    newer.send(abort_msg(r)).await;
+    match newer.recv(Duration::from_secs(2)).await {
+        Some(Message::AbortAck(a)) => assert_eq!(a.room, r),
+        other => panic!("the newer connect stopped answering: {other:?}"),
+    }
+    // A newer connect still replaces it.
+    let _newest = connect(6).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(3), newer.s.read(&mut buf))
+        .await
+        .expect("the replaced connection stayed open")
+        .unwrap_or(0);
+    assert_eq!(n, 0);
+    assert_eq!(tx.stats().await.unwrap().peers, 1);
+    tx.shutdown();
+}
+
+/// Poll both ends' stats until `ok(decode, prefill)` (5 s at most); the
+/// failure shows the peers and links each end last had.
+async fn until_links(
+    a: &Pair,
+    what: &str,
+    ok: impl Fn(&handoff_transfer::EndpointStats, &handoff_transfer::EndpointStats) -> bool,
+) {
+    let end = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (r, t) = (a.rx.stats().await.unwrap(), a.tx.stats().await.unwrap());
+        if ok(&r, &t) {
+            return;
+        }
+        assert!(
+            Instant::now() < end,
+            "not within 5 s: {what}; decode has peers {:?} and {} links, prefill peers {:?} and {} links",
+            r.peers_ranks,
+            r.links,
+            t.peers_ranks,
+            t.links
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 /// A decode that offers a shared file that is not a KV pool (here another
@@ -1551,6 +1642,7 @@ async fn shm_link_to_a_foreign_file_is_refused() {
     let e = handoff_transfer::link::connect_link(
         tx.local_addr(),
         rand_id(),
+        RAW_CONNECT,
         decode_handshake(),
         Duration::from_secs(2),
         TransportKind::Shm,
@@ -1983,7 +2075,7 @@ async fn raw_prefill(
     let mut data: Vec<Option<TcpStream>> = Vec::new();
     while control.is_none() || data.is_empty() || data.iter().any(Option::is_none) {
         let (mut s, _) = listener.accept().await.unwrap();
-        let mut pre = [0u8; 9];
+        let mut pre = [0u8; handoff_transfer::wire::PREFACE_LEN];
         s.read_exact(&mut pre).await.unwrap();
         if pre[0] == b'C' {
             let hs = hs.clone();
