@@ -1082,6 +1082,10 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
         }
     });
     let alloc = pool.allocator().clone();
+    // Decode's side of the rooms handed out: each ends when decode
+    // committed its room (prefill's success comes from the ack, which can
+    // be ahead of that) and dropped the lease.
+    let mut committing: Vec<tokio::task::JoinHandle<()>> = Vec::new();
     while let Some(line) = lrx.recv().await {
         let f: Vec<&str> = line.split_whitespace().collect();
         let num = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
@@ -1103,15 +1107,23 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
                 } else {
                     vec![(first, vec![PageIndex(num(2) as u32)])]
                 };
+                // A run's pages are the previous run's: lease them once the
+                // previous rooms let go of them.
+                for h in committing.drain(..) {
+                    tokio::time::timeout(Duration::from_secs(30), h)
+                        .await
+                        .map_err(|_| "an earlier room never ended on decode")?
+                        .map_err(|e| e.to_string())?;
+                }
                 for (room, dst) in rooms {
                     let room = RoomId::new(room).ok_or("room 0")?;
                     let lease = alloc.lease_exact(&dst).map_err(|e| e.to_string())?;
                     open_reserved(&rx, room, &sources, lease).await?;
                     let rx2 = rx.clone();
-                    tokio::spawn(async move {
+                    committing.push(tokio::spawn(async move {
                         // Success hands the lease back; dropping it frees the pages.
                         let _ = rx2.wait(room).await;
-                    });
+                    }));
                 }
                 println!("OK");
             }
