@@ -31,10 +31,12 @@ step "fuzz smoke: libFuzzer on the fuzz/ targets, 30 s each"
 scripts/fuzz-smoke.sh
 
 step "python: openai client against handoff serve"
-# `cargo test` above built target/debug/handoff (its integration tests run it).
-[ -x target/debug/handoff ] || cargo build -p handoff
-HANDOFF_BIN="$ROOT/target/debug/handoff" tests/python/run.sh --model "$MODEL"
+# `cargo test` above built the debug handoff (its integration tests run it),
+# under $CARGO_TARGET_DIR when that is set.
+BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/handoff"
+[ -x "$BIN" ] || cargo build -p handoff
+HANDOFF_BIN="$BIN" tests/python/run.sh --model "$MODEL"
 
 step "python: SGLang's PD router (sglang-router 0.3.2) in front of handoff prefill + decode"
-HANDOFF_BIN="$ROOT/target/debug/handoff" tests/sglang_router/run.sh --model "$MODEL"
+HANDOFF_BIN="$BIN" tests/sglang_router/run.sh --model "$MODEL"
 echo "all test steps passed"

@@ -7,7 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
-BIN="${HANDOFF_BIN:-$ROOT/target/release/handoff}"
+BIN="${HANDOFF_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release/handoff}"
 if [ ! -x "$BIN" ]; then
     cargo build --release -p handoff
 fi

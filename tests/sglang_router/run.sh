@@ -7,7 +7,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
-BIN="${HANDOFF_BIN:-$ROOT/target/debug/handoff}"
+BIN="${HANDOFF_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/debug/handoff}"
 [ -x "$BIN" ] || cargo build -p handoff
 VENV="$ROOT/.cache/sglang-router-venv"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sglang_router, pytest' 2>/dev/null; then
