@@ -1553,12 +1553,8 @@ async fn a_cancelled_connect_leaves_no_peer_or_link_behind(kind: TransportKind) 
     teardown(a).await;
 }
 
-/// Per decode endpoint prefill keeps the newest connect: a control
-/// connection of an older connect that completes after a newer one (a
-/// connect decode cancelled, finishing late) is closed, and the newer one
-/// keeps serving; a newer connect replaces the older one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_connection_of_an_older_connect_replaces_nothing() {
+/// A prefill endpoint on the test pool, with no decode connected.
+async fn lone_sender() -> (KvSender, KvPool) {
     let (p_pool, _) = testing::pool();
     let tx = KvSender::start(
         testing::sender_config(),
@@ -1567,6 +1563,16 @@ async fn a_late_connection_of_an_older_connect_replaces_nothing() {
     )
     .await
     .unwrap();
+    (tx, p_pool)
+}
+
+/// Per decode endpoint prefill keeps the newest connect: a control
+/// connection of an older connect that completes after a newer one (a
+/// connect decode cancelled, finishing late) is closed, and the newer one
+/// keeps serving; a newer connect replaces the older one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_connection_of_an_older_connect_replaces_nothing() {
+    let (tx, _p_pool) = lone_sender().await;
     let endpoint = rand_id();
     let connect = |n| RawDecode::connect_as(tx.local_addr(), decode_handshake(), endpoint, n);
     let mut newer = connect(5).await.unwrap();
@@ -1630,14 +1636,7 @@ async fn until_links(
 /// memfd of the same user) is refused before anything is mapped or written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_link_to_a_foreign_file_is_refused() {
-    let (p_pool, _) = testing::pool();
-    let tx = KvSender::start(
-        testing::sender_config(),
-        p_pool.shared_region().unwrap().clone(),
-        *p_pool.layout(),
-    )
-    .await
-    .unwrap();
+    let (tx, p_pool) = lone_sender().await;
     let foreign = handoff_kv::ShmRegion::create("secrets", p_pool.layout().pool_bytes()).unwrap();
     let e = handoff_transfer::link::connect_link(
         tx.local_addr(),
