@@ -11,10 +11,15 @@
 //!
 //! Modules, one concept each:
 //! * [`ids`] — `RoomId`, `PageIndex`, `RankId`, `AuxSlot`, `Role`.
-//! * [`codec`], [`frame`], [`message`] — the wire format.
+//! * [`codec`], [`frame`], [`message`] — the control wire format.
+//! * [`datalink`] — the data-link records (KV placement, aux, end, ack).
 //! * [`handshake`] — versions, capabilities, fingerprint, shared secret.
 //! * [`connection`] — one control connection: bytes in, events out.
 //! * [`room`], [`sender_room`], [`receiver_room`] — per-room state machines.
+//! * [`sender_endpoint`] — the prefill endpoint: rooms, peers, connect
+//!   admission, link assembly, outcomes and waiters in one sans-IO owner.
+//! * [`receiver_endpoint`] — the decode endpoint: rooms, peers, leases,
+//!   outcomes and waiters in one sans-IO owner.
 //! * [`timer`] — the one timer table.
 //! * [`heartbeat`] — peer liveness.
 //! * [`rank`] — TP rank mapping and head-sliced byte ranges.
@@ -71,6 +76,7 @@
 
 pub mod codec;
 pub mod connection;
+pub mod datalink;
 pub mod error;
 pub mod frame;
 pub mod fuzz;
@@ -79,8 +85,10 @@ pub mod heartbeat;
 pub mod ids;
 pub mod message;
 pub mod rank;
+pub mod receiver_endpoint;
 pub mod receiver_room;
 pub mod room;
+pub mod sender_endpoint;
 pub mod sender_room;
 pub mod timer;
 

@@ -3,9 +3,11 @@
 //! decode TP ranks (fan-in and fan-out through the real rank mapping); every
 //! control message goes through the real codec over simulated links that can
 //! drop, duplicate and delay (and so reorder) frames; peers can crash; aborts
-//! and rejections are injected in every state. A tiny shell per node plays
-//! the transport and engine: it computes, "writes" pages (a ledger of
-//! in-flight writes), checks the aux slot, commits, releases.
+//! and rejections are injected in every state. Each node is the real
+//! sans-IO endpoint ([`SenderEndpoint`] / [`ReceiverEndpoint`], the ones the
+//! transfer drivers run); the simulation plays only the sockets and the
+//! engine: it computes, "writes" pages (a ledger of in-flight writes), hands
+//! the aux record over, holds committed leases.
 //!
 //! Checked during every run: no decode rank releases or commits pages while a
 //! write to them is in flight. Checked after every scenario: zero live rooms
@@ -13,19 +15,22 @@
 //! write in flight, every request answered on every surviving rank, and a
 //! request committed on a decode rank only if every prefill rank succeeded.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use handoff_proto::datalink::AuxData;
 use handoff_proto::error::{AbortOrigin, TransferError};
 use handoff_proto::frame::{encode_frame, FrameDecoder, DEFAULT_MAX_FRAME_LEN};
 use handoff_proto::fuzz::sample_fingerprint;
 use handoff_proto::handshake::{Capabilities, Handshake, HandshakeConfig, Negotiated};
-use handoff_proto::heartbeat::Liveness;
 use handoff_proto::message::{Abort, Message};
 use handoff_proto::rank::RankMap;
-use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
+use handoff_proto::receiver_endpoint::{ReceiverEndpoint, ReceiverEvent, ReceiverPoll, TpPosition};
+use handoff_proto::receiver_room::Source;
 use handoff_proto::room::{RoomConfig, RoomState, Transmit};
-use handoff_proto::sender_room::{SenderAction, SenderRooms};
+use handoff_proto::sender_endpoint::{SenderEndpoint, SenderEvent, SenderPoll};
 use handoff_proto::{AuxSlot, PageIndex, RankId, Role, RoomId};
 
 /// splitmix64: deterministic, dependency-free.
@@ -98,8 +103,7 @@ enum Task {
     },
     EngineFinish {
         d: u32,
-        pages: Vec<PageIndex>,
-        aux: AuxSlot,
+        room: RoomId,
     },
     ClientAbort {
         d: u32,
@@ -112,20 +116,78 @@ enum Task {
     Crash(Node),
 }
 
+/// Who waits for what (the endpoints' waiter tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Waiter {
+    /// The prefill request task waiting for its destinations.
+    Input(RoomId),
+    /// A request task waiting for its room's outcome.
+    Outcome(RoomId),
+}
+
+/// In-flight writes: (prefill rank, decode rank, room) -> destination pages.
+type Writes = Rc<RefCell<BTreeMap<(u32, u32, RoomId), Vec<PageIndex>>>>;
+
+/// One decode rank's pool of pages and aux slots.
+struct Pool {
+    free_pages: BTreeSet<PageIndex>,
+    free_aux: BTreeSet<u32>,
+    /// The process died: its memory is gone, nothing is checked any more.
+    crashed: bool,
+}
+
+/// The decode engine's lease of a room's pages and aux slot: dropping it
+/// returns them to the pool, and checks that no prefill write into them is
+/// still in flight (no page is freed under a write).
+#[derive(Debug)]
+struct SimLease {
+    d: u32,
+    room: RoomId,
+    pages: Vec<PageIndex>,
+    aux: u32,
+    pool: Rc<RefCell<Pool>>,
+    writes: Writes,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Pool({} free)", self.free_pages.len())
+    }
+}
+
+impl Drop for SimLease {
+    fn drop(&mut self) {
+        let mut pool = self.pool.borrow_mut();
+        if pool.crashed {
+            return;
+        }
+        for ((p, wd, wr), wpages) in self.writes.borrow().iter() {
+            let overlap = *wd == self.d && wpages.iter().any(|x| self.pages.contains(x));
+            assert!(
+                !overlap,
+                "decode {}: pages of {} freed while prefill {p} still writes {wr} into them",
+                self.d, self.room
+            );
+        }
+        for p in &self.pages {
+            assert!(pool.free_pages.insert(*p), "{p} released twice");
+        }
+        assert!(pool.free_aux.insert(self.aux), "aux slot released twice");
+    }
+}
+
+/// A prefill rank: the real endpoint (no link streams or cancel tokens: the
+/// simulation's ledger of writes plays the link writers).
 struct PrefillNode {
-    rooms: SenderRooms,
-    live: Liveness,
+    ep: SenderEndpoint<(), Waiter, ()>,
     decoders: BTreeMap<u32, FrameDecoder>,
 }
 
+/// A decode rank: the real endpoint over the simulation's leases.
 struct DecodeNode {
-    rooms: ReceiverRooms,
-    live: Liveness,
+    ep: ReceiverEndpoint<SimLease, Waiter>,
     decoders: BTreeMap<u32, FrameDecoder>,
-    free_pages: BTreeSet<PageIndex>,
-    free_aux: BTreeSet<u32>,
-    room_aux: BTreeMap<RoomId, AuxSlot>,
-    aux_content: BTreeMap<u32, u64>,
+    pool: Rc<RefCell<Pool>>,
 }
 
 const PAGES: u32 = 64;
@@ -144,9 +206,12 @@ struct Sim {
     decode: Vec<Option<DecodeNode>>,
     tasks: Vec<(Instant, u64, Task)>,
     seq: u64,
-    /// (prefill rank, decode rank, room) -> destination pages being written.
-    writes: BTreeMap<(u32, u32, RoomId), Vec<PageIndex>>,
+    writes: Writes,
     cancelled: BTreeSet<(u32, u32, RoomId)>,
+    /// Leases the decode engines hold after a commit.
+    engine: BTreeMap<(u32, RoomId), SimLease>,
+    /// Pages of each submitted room.
+    room_pages: BTreeMap<RoomId, u32>,
     decode_result: BTreeMap<(u32, RoomId), (Duration, Result<(), TransferError>)>,
     prefill_result: BTreeMap<(u32, RoomId), (Duration, Result<(), TransferError>)>,
     released_at: BTreeMap<(u32, RoomId), (Duration, bool)>,
@@ -192,34 +257,45 @@ impl Sim {
             d.set_capabilities(neg.capabilities);
             d
         };
-        let timers = RoomConfig::default().timers;
+        // Every pair is connected (control connection and data link) from
+        // the start; a crash is seen through heartbeats.
         let prefill = (0..prefill_tp)
             .map(|_| {
-                let mut live = Liveness::new(timers);
+                let mut ep = SenderEndpoint::new(RoomConfig::default(), 1);
                 for d in 0..decode_tp {
-                    live.add_peer(RankId(d), t0);
+                    let rank = RankId(d);
+                    assert!(ep.handle_control_up(rank, 1, 1, t0));
+                    assert!(ep.handle_link_stream(rank, 1, (1, 0, 1), (), t0).is_some());
+                    ep.handle_link_up(rank, 1, PAGES as usize);
                 }
                 Some(PrefillNode {
-                    rooms: SenderRooms::new(RoomConfig::default()),
-                    live,
+                    ep,
                     decoders: (0..decode_tp).map(|d| (d, decoder())).collect(),
                 })
             })
             .collect();
         let decode = (0..decode_tp)
-            .map(|_| {
-                let mut live = Liveness::new(timers);
+            .map(|d| {
+                let mut fp = sample_fingerprint();
+                (fp.kv_heads, fp.tp_rank, fp.tp_size) = (KV_HEADS, d, decode_tp);
+                let mut ep =
+                    ReceiverEndpoint::new(RoomConfig::default(), fp, Duration::from_secs(5));
                 for p in 0..prefill_tp {
-                    live.add_peer(RankId(p), t0);
+                    assert!(ep.handle_control_up(RankId(p), 1, t0));
+                    let tp = TpPosition {
+                        rank: p,
+                        size: prefill_tp,
+                    };
+                    ep.handle_link_up(RankId(p), 1, tp);
                 }
                 Some(DecodeNode {
-                    rooms: ReceiverRooms::new(RoomConfig::default()),
-                    live,
+                    ep,
                     decoders: (0..prefill_tp).map(|p| (p, decoder())).collect(),
-                    free_pages: (0..PAGES).map(PageIndex).collect(),
-                    free_aux: (0..AUX_SLOTS).collect(),
-                    room_aux: BTreeMap::new(),
-                    aux_content: BTreeMap::new(),
+                    pool: Rc::new(RefCell::new(Pool {
+                        free_pages: (0..PAGES).map(PageIndex).collect(),
+                        free_aux: (0..AUX_SLOTS).collect(),
+                        crashed: false,
+                    })),
                 })
             })
             .collect();
@@ -234,8 +310,10 @@ impl Sim {
             decode,
             tasks: Vec::new(),
             seq: 0,
-            writes: BTreeMap::new(),
+            writes: Writes::default(),
             cancelled: BTreeSet::new(),
+            engine: BTreeMap::new(),
+            room_pages: BTreeMap::new(),
             decode_result: BTreeMap::new(),
             prefill_result: BTreeMap::new(),
             released_at: BTreeMap::new(),
@@ -267,6 +345,7 @@ impl Sim {
     /// opened the room and are parked).
     fn submit(&mut self, r: RoomId, pages: u32) {
         self.submitted.insert(r);
+        self.room_pages.insert(r, pages);
         for p in 0..self.prefill_tp() {
             let skew = Duration::from_millis(self.rng.below(8));
             self.schedule(skew, Task::OpenPrefill { p, room: r });
@@ -314,14 +393,18 @@ impl Sim {
 
     fn next_time(&self) -> Option<Instant> {
         let mut t: Vec<Instant> = self.tasks.iter().map(|(at, _, _)| *at).collect();
-        for n in self.prefill.iter().flatten() {
-            t.extend(n.rooms.poll_timeout());
-            t.extend(n.live.poll_timeout());
-        }
-        for n in self.decode.iter().flatten() {
-            t.extend(n.rooms.poll_timeout());
-            t.extend(n.live.poll_timeout());
-        }
+        t.extend(
+            self.prefill
+                .iter()
+                .flatten()
+                .filter_map(|n| n.ep.poll_timeout()),
+        );
+        t.extend(
+            self.decode
+                .iter()
+                .flatten()
+                .filter_map(|n| n.ep.poll_timeout()),
+        );
         t.into_iter().min()
     }
 
@@ -344,16 +427,10 @@ impl Sim {
             self.flush();
         }
         for n in self.prefill.iter_mut().flatten() {
-            n.rooms.handle_timeout(now);
-            for dead in n.live.handle_timeout(now) {
-                n.rooms.handle_peer_dead(dead, now);
-            }
+            n.ep.handle_timeout(now);
         }
         for n in self.decode.iter_mut().flatten() {
-            n.rooms.handle_timeout(now);
-            for dead in n.live.handle_timeout(now) {
-                n.rooms.handle_peer_dead(dead, now);
-            }
+            n.ep.handle_timeout(now);
         }
         self.flush();
         true
@@ -363,44 +440,47 @@ impl Sim {
         let now = self.now;
         match task {
             Task::Deliver { from, to, bytes } => {
-                let (peer, node_rooms): (
-                    u32,
-                    Option<(&mut FrameDecoder, &mut Liveness, DeliverTo<'_>)>,
-                ) = match (from, to) {
-                    (Node::Decode(d), Node::Prefill(p)) => (
-                        d,
-                        self.prefill[p as usize].as_mut().and_then(|n| {
-                            let dec = n.decoders.get_mut(&d)?;
-                            Some((dec, &mut n.live, DeliverTo::Prefill(&mut n.rooms)))
-                        }),
-                    ),
-                    (Node::Prefill(p), Node::Decode(d)) => (
-                        p,
-                        self.decode[d as usize].as_mut().and_then(|n| {
-                            let dec = n.decoders.get_mut(&p)?;
-                            Some((dec, &mut n.live, DeliverTo::Decode(&mut n.rooms)))
-                        }),
-                    ),
-                    _ => (0, None),
+                let (peer, msgs) = match (from, to) {
+                    (Node::Decode(d), Node::Prefill(p)) => {
+                        let Some(n) = self.prefill[p as usize].as_mut() else {
+                            return;
+                        };
+                        (d, decode_frames(n.decoders.get_mut(&d), &bytes))
+                    }
+                    (Node::Prefill(p), Node::Decode(d)) => {
+                        let Some(n) = self.decode[d as usize].as_mut() else {
+                            return;
+                        };
+                        (p, decode_frames(n.decoders.get_mut(&p), &bytes))
+                    }
+                    _ => return,
                 };
-                let Some((dec, live, mut rooms)) = node_rooms else {
-                    return;
-                };
-                dec.push(&bytes);
-                while let Some(r) = dec.poll() {
-                    let m = r.expect("the simulation sends only valid frames");
-                    live.handle_seen(RankId(peer), now);
-                    match &mut rooms {
-                        DeliverTo::Prefill(t) => t.handle_message(RankId(peer), m, now),
-                        DeliverTo::Decode(t) => t.handle_message(RankId(peer), m, now),
+                for m in msgs {
+                    match to {
+                        Node::Prefill(p) => {
+                            if let Some(n) = self.prefill[p as usize].as_mut() {
+                                n.ep.handle_message(RankId(peer), m, now);
+                            }
+                        }
+                        Node::Decode(d) => {
+                            if let Some(n) = self.decode[d as usize].as_mut() {
+                                n.ep.handle_message(RankId(peer), m, now);
+                            }
+                        }
                     }
                 }
             }
             Task::OpenPrefill { p, room: r } => {
                 if let Some(n) = self.prefill[p as usize].as_mut() {
-                    if let Err(e) = n.rooms.open(r, now) {
+                    match n.ep.open(r, (), now) {
+                        Ok(()) => {
+                            n.ep.wait_input(r, Waiter::Input(r));
+                            n.ep.wait(r, Waiter::Outcome(r));
+                        }
                         // Decode aborted first: the request is answered now.
-                        self.prefill_result.insert((p, r), (now - self.t0, Err(e)));
+                        Err(e) => {
+                            self.prefill_result.insert((p, r), (now - self.t0, Err(e)));
+                        }
                     }
                 }
             }
@@ -409,7 +489,8 @@ impl Sim {
                 let Some(n) = self.decode[d as usize].as_mut() else {
                     return;
                 };
-                n.rooms.open(r, sources, now).expect("fresh room");
+                n.ep.open(r, sources, now).expect("fresh room");
+                n.ep.wait(r, Waiter::Outcome(r));
                 // Page reservation takes a moment (prealloc queue).
                 self.schedule(
                     Duration::from_millis(2),
@@ -420,74 +501,116 @@ impl Sim {
                 let Some(n) = self.decode[d as usize].as_mut() else {
                     return;
                 };
-                let (Some(&aux), true) = (
-                    n.free_aux.iter().next(),
-                    n.free_pages.len() >= pages as usize,
-                ) else {
+                let taken = {
+                    let mut pool = n.pool.borrow_mut();
+                    match (
+                        pool.free_aux.first().copied(),
+                        pool.free_pages.len() >= pages as usize,
+                    ) {
+                        (Some(aux), true) => {
+                            let taken: Vec<PageIndex> = pool
+                                .free_pages
+                                .iter()
+                                .take(pages as usize)
+                                .copied()
+                                .collect();
+                            for p in &taken {
+                                pool.free_pages.remove(p);
+                            }
+                            pool.free_aux.remove(&aux);
+                            Some((taken, aux))
+                        }
+                        _ => None,
+                    }
+                };
+                let Some((taken, aux)) = taken else {
                     self.schedule(
                         Duration::from_millis(5),
                         Task::Reserve { d, room: r, pages },
                     );
                     return;
                 };
-                let taken: Vec<PageIndex> =
-                    n.free_pages.iter().take(pages as usize).copied().collect();
-                for p in &taken {
-                    n.free_pages.remove(p);
-                }
-                n.free_aux.remove(&aux);
-                match n
-                    .rooms
-                    .handle_pages_reserved(r, taken, AuxSlot(aux), Some(0), now)
-                {
-                    Ok(()) => {
-                        n.room_aux.insert(r, AuxSlot(aux));
-                    }
-                    Err(refused) => {
-                        n.free_pages.extend(refused.pages);
-                        n.free_aux.insert(refused.aux_slot.0);
-                    }
-                }
+                let lease = SimLease {
+                    d,
+                    room: r,
+                    pages: taken.clone(),
+                    aux,
+                    pool: n.pool.clone(),
+                    writes: self.writes.clone(),
+                };
+                // A refused reservation drops the lease: the pages were never
+                // advertised and come straight back.
+                let _ = n.ep.reserve(r, lease, taken, AuxSlot(aux), Some(0), now);
             }
             Task::ComputeDone { p, room: r } => {
-                if let Some(n) = self.prefill[p as usize].as_mut() {
-                    n.rooms.handle_compute_done(r, now);
+                let pages = self.room_pages[&r] as usize;
+                let Some(n) = self.prefill[p as usize].as_mut() else {
+                    return;
+                };
+                // The whole room in one send (the real engine streams it
+                // layer by layer), then the end of the room.
+                let Ok((dests, ())) = n.ep.send(r, 0..1, 0..pages, now) else {
+                    return; // it failed meanwhile
+                };
+                let aux = AuxData {
+                    first_token: 1,
+                    logprob: 0.0,
+                };
+                n.ep.finish(r, aux, now).expect("writes started");
+                let expected = self.map.destination_ranks(RankId(p)).unwrap();
+                for (d, dest, _) in dests {
+                    assert!(expected.contains(&d), "prefill {p} writes {r} to {d}");
+                    assert!(
+                        self.writes
+                            .borrow_mut()
+                            .insert((p, d.0, r), dest.pages.clone())
+                            .is_none(),
+                        "two writes of one room"
+                    );
+                }
+                for d in expected {
+                    assert!(
+                        self.writes.borrow().contains_key(&(p, d.0, r))
+                            || self.decode[d.0 as usize].is_none(),
+                        "prefill {p} does not write {r} to live decode {d}"
+                    );
                 }
             }
             Task::WriteDone { p, d, room: r } => {
-                if self.writes.remove(&(p, d, r)).is_none() {
+                if self.writes.borrow_mut().remove(&(p, d, r)).is_none() {
                     return;
                 }
                 let cancelled = self.cancelled.remove(&(p, d, r));
-                let decode_alive = self.decode[d as usize].is_some();
-                // The first source of a decode rank writes its aux slot,
+                // The first source of a decode rank writes its aux record,
                 // after the KV, carrying the room id.
                 let first_source = self.map.required_prefill_ranks(RankId(d)).unwrap()[0].0;
+                let decode_alive = self.decode[d as usize].is_some();
                 if !cancelled && p == first_source {
                     if let Some(n) = self.decode[d as usize].as_mut() {
-                        if let Some(slot) = n.room_aux.get(&r) {
-                            n.aux_content.insert(slot.0, r.get());
-                        }
+                        let aux = AuxData {
+                            first_token: 1,
+                            logprob: 0.0,
+                        };
+                        n.ep.handle_aux(r, r.get(), aux);
                     }
                 }
                 let Some(n) = self.prefill[p as usize].as_mut() else {
                     return;
                 };
-                if cancelled || !decode_alive {
-                    let err = TransferError::Internal {
-                        reason: "write cancelled".into(),
-                    };
-                    n.rooms.handle_write_failed(r, RankId(d), err, now);
+                if decode_alive {
+                    // The end marker's ack (a cancelled room's too: the
+                    // endpoint knows its writes were cancelled).
+                    n.ep.handle_ack(RankId(d), r, true, now);
                 } else {
-                    n.rooms.handle_write_done(r, RankId(d), now);
+                    let err = TransferError::PeerDead {
+                        rank: RankId(d),
+                        detail: "write into a dead process".into(),
+                    };
+                    n.ep.handle_write_failed(r, RankId(d), err, now);
                 }
             }
-            Task::EngineFinish { d, pages, aux } => {
-                if let Some(n) = self.decode[d as usize].as_mut() {
-                    n.free_pages.extend(pages);
-                    n.aux_content.remove(&aux.0);
-                    n.free_aux.insert(aux.0);
-                }
+            Task::EngineFinish { d, room: r } => {
+                drop(self.engine.remove(&(d, r)));
             }
             Task::ClientAbort { d, room: r } => {
                 if let Some(n) = self.decode[d as usize].as_mut() {
@@ -496,7 +619,7 @@ impl Sim {
                         reason: "client disconnected".into(),
                         http_status: 499,
                     };
-                    n.rooms.abort(r, e, now);
+                    n.ep.abort(r, e, now);
                 }
             }
             Task::PrefillReject { p, room: r } => {
@@ -505,21 +628,25 @@ impl Sim {
                         http_status: 400,
                         reason: "prompt too long".into(),
                     };
-                    n.rooms.fail(r, e, now);
+                    n.ep.fail(r, e, now);
                 }
             }
             Task::Crash(Node::Prefill(p)) => {
                 // The process is gone: its writes stop, its state is lost.
                 self.prefill[p as usize] = None;
-                self.writes.retain(|(k, _, _), _| *k != p);
+                self.writes.borrow_mut().retain(|(k, _, _), _| *k != p);
                 self.tasks.retain(|(_, _, t)| !matches!(t, Task::Deliver { from: Node::Prefill(k), .. } if *k == p));
             }
             Task::Crash(Node::Decode(d)) => {
-                self.decode[d as usize] = None;
+                if let Some(n) = self.decode[d as usize].take() {
+                    n.pool.borrow_mut().crashed = true;
+                }
+                self.engine.retain(|(k, _), _| *k != d);
                 self.tasks.retain(|(_, _, t)| !matches!(t, Task::Deliver { from: Node::Decode(k), .. } if *k == d));
                 // Writes into a dead process fail quickly.
                 let inflight: Vec<(u32, u32, RoomId)> = self
                     .writes
+                    .borrow()
                     .keys()
                     .copied()
                     .filter(|(_, k, _)| *k == d)
@@ -539,34 +666,28 @@ impl Sim {
                 let Some(n) = self.prefill[p as usize].as_mut() else {
                     continue;
                 };
-                let mut txs: Vec<Transmit> =
-                    std::iter::from_fn(|| n.rooms.poll_transmit()).collect();
-                txs.extend(std::iter::from_fn(|| n.live.poll_transmit(now)));
-                let acts: Vec<SenderAction> =
-                    std::iter::from_fn(|| n.rooms.poll_action()).collect();
-                progressed |= !txs.is_empty() || !acts.is_empty();
+                let events: Vec<_> = std::iter::from_fn(|| n.ep.poll_event()).collect();
+                let txs: Vec<Transmit> = std::iter::from_fn(|| n.ep.poll_transmit(now)).collect();
+                progressed |= !txs.is_empty() || !events.is_empty();
+                for e in events {
+                    self.prefill_event(p, e);
+                }
                 for t in txs {
                     self.send(Node::Prefill(p), t);
-                }
-                for a in acts {
-                    self.prefill_action(p, a);
                 }
             }
             for d in 0..self.decode_tp() {
                 let Some(n) = self.decode[d as usize].as_mut() else {
                     continue;
                 };
-                let mut txs: Vec<Transmit> =
-                    std::iter::from_fn(|| n.rooms.poll_transmit()).collect();
-                txs.extend(std::iter::from_fn(|| n.live.poll_transmit(now)));
-                let acts: Vec<ReceiverAction> =
-                    std::iter::from_fn(|| n.rooms.poll_action()).collect();
-                progressed |= !txs.is_empty() || !acts.is_empty();
+                let events: Vec<_> = std::iter::from_fn(|| n.ep.poll_event()).collect();
+                let txs: Vec<Transmit> = std::iter::from_fn(|| n.ep.poll_transmit(now)).collect();
+                progressed |= !txs.is_empty() || !events.is_empty();
+                for e in events {
+                    self.decode_event(d, e);
+                }
                 for t in txs {
                     self.send(Node::Decode(d), t);
-                }
-                for a in acts {
-                    self.decode_action(d, a);
                 }
             }
             if !progressed {
@@ -575,37 +696,30 @@ impl Sim {
         }
     }
 
-    fn prefill_action(&mut self, p: u32, a: SenderAction) {
-        match a {
-            SenderAction::StartCompute { room: r } => {
-                let ms = self.compute_ms;
-                self.schedule(Duration::from_millis(ms), Task::ComputeDone { p, room: r });
-            }
-            SenderAction::StartWrites {
+    fn prefill_event(&mut self, p: u32, e: SenderEvent<Waiter, ()>) {
+        match e {
+            SenderEvent::Finish {
+                rank,
                 room: r,
-                destinations,
+                aux: Some(_),
+                ..
             } => {
-                let expected = self.map.destination_ranks(RankId(p)).unwrap();
-                let got: Vec<RankId> = destinations.iter().map(|(k, _)| *k).collect();
-                assert_eq!(
-                    got, expected,
-                    "prefill {p} writes {r} to exactly its decode ranks"
+                let ms = self.write_ms + self.rng.below(5);
+                self.schedule(
+                    Duration::from_millis(ms),
+                    Task::WriteDone {
+                        p,
+                        d: rank.0,
+                        room: r,
+                    },
                 );
-                for (d, dest) in destinations {
-                    assert!(
-                        self.writes.insert((p, d.0, r), dest.pages).is_none(),
-                        "two writes of one room"
-                    );
-                    let ms = self.write_ms + self.rng.below(5);
-                    self.schedule(
-                        Duration::from_millis(ms),
-                        Task::WriteDone { p, d: d.0, room: r },
-                    );
-                }
             }
-            SenderAction::CancelWrites { room: r } => {
+            // A cancelled room's end: its writes are acked through `Cancel`.
+            SenderEvent::Finish { aux: None, .. } | SenderEvent::ClosePeer { .. } => {}
+            SenderEvent::Cancel { room: r, .. } => {
                 let inflight: Vec<u32> = self
                     .writes
+                    .borrow()
                     .keys()
                     .filter(|(k, _, rr)| *k == p && *rr == r)
                     .map(|(_, d, _)| *d)
@@ -615,87 +729,85 @@ impl Sim {
                     self.schedule(Duration::from_millis(1), Task::WriteDone { p, d, room: r });
                 }
             }
-            SenderAction::Finished { room: r, result } => {
+            SenderEvent::Answer {
+                waiter: Waiter::Input(r),
+                poll,
+            } => {
+                if poll == SenderPoll::Pending(RoomState::WaitingForInput) {
+                    let ms = self.compute_ms;
+                    self.schedule(Duration::from_millis(ms), Task::ComputeDone { p, room: r });
+                }
+            }
+            SenderEvent::Answer {
+                waiter: Waiter::Outcome(r),
+                poll,
+            } => {
+                let result = match poll {
+                    SenderPoll::Success => Ok(()),
+                    SenderPoll::Failed(e) => Err(e),
+                    other => panic!("prefill {p} room {r} ended as {other:?}"),
+                };
                 let at = self.elapsed();
                 assert!(
                     self.prefill_result.insert((p, r), (at, result)).is_none(),
                     "prefill {p} finished {r} twice"
                 );
                 assert!(
-                    !self.writes.keys().any(|(k, _, rr)| *k == p && *rr == r),
+                    !self
+                        .writes
+                        .borrow()
+                        .keys()
+                        .any(|(k, _, rr)| *k == p && *rr == r),
                     "prefill {p} finished {r} with a write in flight"
                 );
             }
         }
     }
 
-    fn decode_action(&mut self, d: u32, a: ReceiverAction) {
-        let now = self.now;
-        match a {
-            ReceiverAction::CheckAux { room: r, aux_slot } => {
-                let Some(n) = self.decode[d as usize].as_mut() else {
-                    return;
-                };
-                let found = n.aux_content.get(&aux_slot.0).copied().unwrap_or(0);
-                n.rooms.handle_aux_checked(r, found, now);
-            }
-            ReceiverAction::Commit {
+    fn decode_event(&mut self, d: u32, e: ReceiverEvent<SimLease, Waiter>) {
+        match e {
+            ReceiverEvent::RegisterWrites { .. }
+            | ReceiverEvent::ForgetWrites { .. }
+            | ReceiverEvent::ClosePeer { .. } => {}
+            ReceiverEvent::Released {
                 room: r,
-                pages,
-                aux_slot,
-            } => {
-                self.assert_no_write_into(d, r, &pages, "committed");
-                let at = self.elapsed();
-                assert!(self.decode_result.insert((d, r), (at, Ok(()))).is_none());
-                if let Some(n) = self.decode[d as usize].as_mut() {
-                    n.room_aux.remove(&r);
-                }
-                self.schedule(
-                    Duration::from_millis(10),
-                    Task::EngineFinish {
-                        d,
-                        pages,
-                        aux: aux_slot,
-                    },
-                );
-            }
-            ReceiverAction::FailRequest { room: r, error } => {
-                let at = self.elapsed();
-                assert!(
-                    self.decode_result
-                        .insert((d, r), (at, Err(error)))
-                        .is_none(),
-                    "decode {d} answered {r} twice"
-                );
-            }
-            ReceiverAction::ReleasePages {
-                room: r,
-                pages,
-                aux_slot,
                 fence_expired,
             } => {
-                self.assert_no_write_into(d, r, &pages, "released");
                 assert!(
                     matches!(self.decode_result.get(&(d, r)), Some((_, Err(_)))),
                     "released {r} before failing it"
                 );
                 let at = self.elapsed();
-                let Some(n) = self.decode[d as usize].as_mut() else {
-                    return;
-                };
-                for p in &pages {
-                    assert!(n.free_pages.insert(*p), "{p} released twice");
-                }
-                n.aux_content.remove(&aux_slot.0);
-                assert!(n.free_aux.insert(aux_slot.0));
-                n.room_aux.remove(&r);
                 self.released_at.insert((d, r), (at, fence_expired));
+            }
+            ReceiverEvent::Outcome {
+                room: r,
+                waiter,
+                outcome,
+            } => {
+                assert_eq!(waiter, Waiter::Outcome(r));
+                let at = self.elapsed();
+                let result = match outcome {
+                    ReceiverPoll::Success { lease, aux } => {
+                        self.assert_no_write_into(d, r, &lease.pages, "committed");
+                        assert_eq!(aux.first_token, 1);
+                        self.engine.insert((d, r), lease);
+                        self.schedule(Duration::from_millis(10), Task::EngineFinish { d, room: r });
+                        Ok(())
+                    }
+                    ReceiverPoll::Failed(e) => Err(e),
+                    other => panic!("decode {d} room {r} ended as {other:?}"),
+                };
+                assert!(
+                    self.decode_result.insert((d, r), (at, result)).is_none(),
+                    "decode {d} answered {r} twice"
+                );
             }
         }
     }
 
     fn assert_no_write_into(&self, d: u32, r: RoomId, pages: &[PageIndex], what: &str) {
-        for ((p, wd, wr), wpages) in &self.writes {
+        for ((p, wd, wr), wpages) in self.writes.borrow().iter() {
             let overlap = *wd == d && wpages.iter().any(|x| pages.contains(x));
             assert!(
                 !overlap,
@@ -718,15 +830,13 @@ impl Sim {
     }
 
     fn decode_state(&self, d: u32, r: RoomId) -> Option<RoomState> {
-        self.decode[d as usize]
-            .as_ref()
-            .and_then(|n| n.rooms.state(r))
+        self.decode[d as usize].as_ref().and_then(|n| n.ep.state(r))
     }
 
     fn prefill_state(&self, p: u32, r: RoomId) -> Option<RoomState> {
         self.prefill[p as usize]
             .as_ref()
-            .and_then(|n| n.rooms.state(r))
+            .and_then(|n| n.ep.state(r))
     }
 
     fn quiet(&self) -> bool {
@@ -734,27 +844,38 @@ impl Sim {
             .prefill
             .iter()
             .flatten()
-            .all(|n| n.rooms.live_rooms() == 0)
+            .all(|n| n.ep.stats().live_rooms == 0)
             && self
                 .decode
                 .iter()
                 .flatten()
-                .all(|n| n.rooms.live_rooms() == 0);
+                .all(|n| n.ep.stats().live_rooms == 0);
         let work_done = !self
             .tasks
             .iter()
             .any(|(_, _, t)| !matches!(t, Task::Deliver { .. }));
-        rooms_done && work_done && self.writes.is_empty()
+        rooms_done && work_done && self.writes.borrow().is_empty()
     }
 
     /// Run until everything settles, then check nothing is left behind.
     fn finish(&mut self) {
         let settled = self.run_until(Duration::from_secs(600), Sim::quiet);
         assert!(settled, "did not settle: {}", self.debug_live());
-        assert!(self.writes.is_empty());
+        assert!(self.writes.borrow().is_empty());
+        assert!(self.engine.is_empty());
         for (p, n) in self.prefill.iter().enumerate() {
             let Some(n) = n else { continue };
-            assert_eq!(n.rooms.live_rooms(), 0);
+            let s = n.ep.stats();
+            assert_eq!(
+                (
+                    s.live_rooms,
+                    s.writing_rooms,
+                    s.waiters,
+                    s.unclaimed_outcomes
+                ),
+                (0, 0, 0, 0),
+                "prefill {p} kept rooms, writes, waiters or outcomes"
+            );
             assert!(n.decoders.values().all(|d| d.stats().errors == 0));
             for r in &self.submitted {
                 assert!(
@@ -765,15 +886,25 @@ impl Sim {
         }
         for (d, n) in self.decode.iter().enumerate() {
             let Some(n) = n else { continue };
-            assert_eq!(n.rooms.live_rooms(), 0);
-            assert_eq!(n.rooms.leased_pages(), 0);
+            let s = n.ep.stats();
             assert_eq!(
-                n.free_pages.len(),
+                (
+                    s.live_rooms,
+                    s.leased_rooms,
+                    s.waiters,
+                    s.unclaimed_outcomes
+                ),
+                (0, 0, 0, 0),
+                "decode {d} kept rooms, leases, waiters or outcomes"
+            );
+            let pool = n.pool.borrow();
+            assert_eq!(
+                pool.free_pages.len(),
                 PAGES as usize,
                 "decode {d} leaked pages"
             );
             assert_eq!(
-                n.free_aux.len(),
+                pool.free_aux.len(),
                 AUX_SLOTS as usize,
                 "decode {d} leaked aux slots"
             );
@@ -812,7 +943,11 @@ impl Sim {
             }
             s += "; ";
         }
-        s + &format!("writes {:?} tasks {}", self.writes, self.tasks.len())
+        s + &format!(
+            "writes {:?} tasks {}",
+            self.writes.borrow(),
+            self.tasks.len()
+        )
     }
 
     fn decode_error(&self, d: u32, r: RoomId) -> &TransferError {
@@ -836,9 +971,16 @@ impl Sim {
     }
 }
 
-enum DeliverTo<'a> {
-    Prefill(&'a mut SenderRooms),
-    Decode(&'a mut ReceiverRooms),
+/// The messages in `bytes` off a control connection (none for a peer this
+/// node has no decoder for).
+fn decode_frames(dec: Option<&mut FrameDecoder>, bytes: &[u8]) -> Vec<Message> {
+    let Some(dec) = dec else {
+        return Vec::new();
+    };
+    dec.push(bytes);
+    std::iter::from_fn(|| dec.poll())
+        .map(|r| r.expect("the simulation sends only valid frames"))
+        .collect()
 }
 
 #[test]
@@ -1114,13 +1256,12 @@ fn abort_for_unknown_room_creates_nothing() {
         },
     );
     sim.run_until(Duration::from_secs(1), |_| false);
-    let p = sim.prefill[0].as_ref().unwrap();
-    assert_eq!(p.rooms.live_rooms(), 0);
-    assert_eq!(p.rooms.stats().unknown_room_events, 1);
-    let d = sim.decode[0].as_ref().unwrap();
+    let p = sim.prefill[0].as_ref().unwrap().ep.stats();
+    assert_eq!(p.live_rooms, 0);
+    assert_eq!(p.room_stats.unknown_room_events, 1);
+    let d = sim.decode[0].as_ref().unwrap().ep.stats();
     assert_eq!(
-        d.rooms.stats().unknown_room_events,
-        2,
+        d.room_stats.unknown_room_events, 2,
         "the ack and the local abort"
     );
     sim.finish();
@@ -1135,8 +1276,8 @@ fn duplicate_live_room_is_rejected_not_crashed() {
     let err = sim.prefill[0]
         .as_mut()
         .unwrap()
-        .rooms
-        .open(room(5), now)
+        .ep
+        .open(room(5), (), now)
         .unwrap_err();
     assert_eq!(
         (err.error_type(), err.http_status()),
@@ -1149,10 +1290,10 @@ fn duplicate_live_room_is_rejected_not_crashed() {
     let err = sim.decode[0]
         .as_mut()
         .unwrap()
-        .rooms
+        .ep
         .open(room(5), sources, now)
         .unwrap_err();
-    assert_eq!(err.error_type(), "duplicate_room");
+    assert_eq!(TransferError::from(err).error_type(), "duplicate_room");
     sim.finish();
     assert!(sim.all_ok(room(5)));
 }

@@ -2,8 +2,9 @@
 //!
 //! * [`conn`] — control connections: one task owns the sans-IO
 //!   `Connection`, one writer task owns the socket's write half.
-//! * [`link`], [`wire`] — data links: handshake, transport setup, the record
-//!   format, and decode's bounds-checking link reader.
+//! * [`link`] — data links: handshake, transport setup, and decode's
+//!   bounds-checking link reader (the record format is
+//!   [`handoff_proto::datalink`]).
 //! * [`transport`] — the [`Transport`] trait, [`ShmTransport`], [`TcpTransport`].
 //! * [`sender`] — [`KvSender`], the prefill endpoint.
 //! * [`receiver`] — [`KvReceiver`], the decode endpoint.
@@ -82,13 +83,12 @@ pub mod sender;
 pub mod testing;
 pub mod transport;
 mod wakeup;
-pub mod wire;
 
 pub use error::TransportError;
+pub use handoff_proto::datalink::AuxData;
 pub use receiver::{KvReceiver, ReceiverConfig, ReceiverPoll};
 pub use sender::{KvSender, SenderConfig, SenderPoll};
 pub use transport::{ShmTransport, TcpTransport, Transport, TransportKind};
-pub use wire::AuxData;
 
 use handoff_proto::room::RoomStats;
 use handoff_proto::RankId;

@@ -32,7 +32,7 @@ use crate::conn::handshake_exact;
 use crate::error::TransportError;
 use crate::plan::{page_layout, LinkPlan};
 use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
-use crate::wire::{
+use handoff_proto::datalink::{
     encode_preface, Ack, AuxData, Record, TcpStreamSetup, ACK_LEN, PREFACE_DATA, RECORD_LEN,
     SETUP_SHM, SETUP_TCP,
 };
@@ -768,7 +768,10 @@ impl LinkReader {
     /// link's plan (a head slice must be one this prefill rank serves, within
     /// the local heads); the byte range it may write, or `None` (counted;
     /// the payload is discarded).
-    fn place(&mut self, h: &crate::wire::SegmentHeader) -> Option<std::ops::Range<usize>> {
+    fn place(
+        &mut self,
+        h: &handoff_proto::datalink::SegmentHeader,
+    ) -> Option<std::ops::Range<usize>> {
         let num_pages = self.layout.num_pages;
         let ok = self.kind == TransportKind::Tcp
             && (h.layer as usize) < self.layout.geometry.layers
@@ -1029,7 +1032,7 @@ impl LinkReader {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::SegmentHeader;
+    use handoff_proto::datalink::SegmentHeader;
 
     /// What a writer asked of its transport.
     #[derive(Debug, PartialEq)]

@@ -19,7 +19,7 @@ use handoff_proto::rank::{KvPart, PageLayout, PairPlan, RankError, RankMap, Slic
 use handoff_proto::{RankId, RoomId};
 
 use crate::transport::Segment;
-use crate::wire::{HeadSlice, SegmentHeader};
+use handoff_proto::datalink::{HeadSlice, SegmentHeader};
 
 /// What a link between one prefill rank and one decode rank moves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -74,61 +74,6 @@ impl LinkPlan {
     pub fn decode_page_bytes(&self, layout: &KvLayout) -> usize {
         let g = &layout.geometry;
         2 * self.decode_heads as usize * g.page_size * g.head_dim * g.dtype.size() * g.layers
-    }
-}
-
-/// A peer's place in its TP group (from its handshake fingerprint).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TpPosition {
-    /// TP rank.
-    pub rank: u32,
-    /// TP size.
-    pub size: u32,
-}
-
-impl TpPosition {
-    /// The position `fp` announces.
-    pub fn of(fp: &Fingerprint) -> Self {
-        Self {
-            rank: fp.tp_rank,
-            size: fp.tp_size,
-        }
-    }
-}
-
-/// Whether prefill peers at `sources` can serve a room of the decode rank
-/// whose fingerprint is `decode`: they must come from one TP group and
-/// cover every prefill rank it needs heads from
-/// ([`RankMap::required_prefill_ranks`]), or the room could commit with
-/// some heads never written. The error says what is missing.
-pub fn check_room_sources(decode: &Fingerprint, sources: &[TpPosition]) -> Result<(), String> {
-    let Some(first) = sources.first() else {
-        return Err("a room needs at least one source".into());
-    };
-    if sources.iter().any(|t| t.size != first.size) {
-        return Err(format!(
-            "sources from prefill TP groups of different sizes: {:?}",
-            sources.iter().map(|t| t.size).collect::<Vec<_>>()
-        ));
-    }
-    let required = RankMap::new(decode.kv_heads, first.size, decode.tp_size)
-        .and_then(|m| m.required_prefill_ranks(RankId(decode.tp_rank)))
-        .map_err(|e| format!("rank mapping: {e}"))?;
-    let missing: Vec<u32> = required
-        .iter()
-        .map(|r| r.0)
-        .filter(|r| !sources.iter().any(|t| t.rank == *r))
-        .collect();
-    if missing.is_empty() {
-        Ok(())
-    } else {
-        Err(format!(
-            "decode TP rank {} of {} needs KV from prefill TP ranks {:?} of {}; the room's sources lack {missing:?}",
-            decode.tp_rank,
-            decode.tp_size,
-            required.iter().map(|r| r.0).collect::<Vec<_>>(),
-            first.size
-        ))
     }
 }
 
@@ -255,34 +200,6 @@ mod tests {
         let e = LinkPlan::new(&fp(4, 0, 1), &fp(4, 1, 2), false, 4).unwrap_err();
         assert!(e.contains("decode pool holds 4"), "{e}");
         assert!(LinkPlan::new(&fp(4, 2, 2), &fp(4, 0, 1), true, 2).is_err());
-    }
-
-    #[test]
-    fn room_sources_must_cover_every_required_prefill_rank() {
-        let at = |rank, size| TpPosition { rank, size };
-        // Equal TP: the one matching rank suffices.
-        assert_eq!(check_room_sources(&fp(4, 0, 1), &[at(0, 1)]), Ok(()));
-        // Fan-in 2 -> 1: both prefill ranks, in any order.
-        assert_eq!(
-            check_room_sources(&fp(4, 0, 1), &[at(1, 2), at(0, 2)]),
-            Ok(())
-        );
-        let e = check_room_sources(&fp(4, 0, 1), &[at(0, 2)]).unwrap_err();
-        assert!(e.ends_with("lack [1]"), "{e}");
-        // 4 -> 2: decode rank 1 needs prefill ranks 2 and 3 only.
-        assert_eq!(
-            check_room_sources(&fp(4, 1, 2), &[at(2, 4), at(3, 4)]),
-            Ok(())
-        );
-        let e = check_room_sources(&fp(4, 1, 2), &[at(0, 4), at(1, 4)]).unwrap_err();
-        assert!(e.ends_with("lack [2, 3]"), "{e}");
-        // Fan-out 1 -> 2: the single prefill rank serves both decode ranks.
-        assert_eq!(check_room_sources(&fp(4, 1, 2), &[at(0, 1)]), Ok(()));
-        // Mixed groups and no sources are refused; so is an impossible TP.
-        assert!(check_room_sources(&fp(4, 0, 1), &[at(0, 2), at(1, 4)]).is_err());
-        assert!(check_room_sources(&fp(4, 0, 1), &[]).is_err());
-        assert!(check_room_sources(&fp(4, 0, 1), &[at(0, 3)]).is_err());
-        assert_eq!(TpPosition::of(&fp(4, 1, 2)), at(1, 2));
     }
 
     #[test]

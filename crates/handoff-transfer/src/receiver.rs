@@ -19,12 +19,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_kv::{KvLayout, PageLease, ShmRegion};
-use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
-use handoff_proto::heartbeat::Liveness;
+use handoff_proto::datalink::{
+    encode_preface, stream_of, TcpStreamSetup, MAX_TCP_STREAMS, PREFACE_CONTROL,
+};
+use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::message::Message;
-use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
-use handoff_proto::room::{Expiring, RoomConfig, RoomState};
-use handoff_proto::timer::Timer;
+use handoff_proto::receiver_endpoint::{ReceiverEndpoint, ReceiverEvent, TpPosition};
+use handoff_proto::receiver_room::Source;
+use handoff_proto::room::RoomConfig;
 use handoff_proto::{AuxSlot, PageIndex, RankId, RoomId, TransferError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -33,11 +35,8 @@ use tokio::sync::{mpsc, oneshot};
 use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::error::TransportError;
 use crate::link::{connect_link_stream, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
-use crate::plan::{check_room_sources, LinkPlan, TpPosition};
+use crate::plan::LinkPlan;
 use crate::transport::TransportKind;
-use crate::wire::{
-    encode_preface, stream_of, AuxData, TcpStreamSetup, MAX_TCP_STREAMS, PREFACE_CONTROL,
-};
 use crate::EndpointStats;
 
 /// Settings of a decode endpoint.
@@ -70,24 +69,9 @@ impl ReceiverConfig {
     }
 }
 
-/// What [`KvReceiver::poll`] says about a room.
-#[derive(Debug)]
-pub enum ReceiverPoll {
-    /// Live, in this state.
-    Pending(RoomState),
-    /// Committed: the pages hold the prompt's KV; the engine owns them now.
-    Success {
-        /// The pages, back to the engine.
-        lease: PageLease,
-        /// The aux slot's data (first token, logprob).
-        aux: AuxData,
-    },
-    /// Failed (reported once). Pages return to the pool on their own once
-    /// no writer may still be writing.
-    Failed(TransferError),
-    /// Not known (never opened, or its outcome was already polled).
-    Unknown,
-}
+/// What [`KvReceiver::poll`] says about a room: pending, committed (the
+/// lease and aux come back), failed, or unknown.
+pub type ReceiverPoll = handoff_proto::receiver_endpoint::ReceiverPoll<PageLease>;
 
 enum Cmd {
     Open(
@@ -106,6 +90,8 @@ enum Cmd {
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
     AddLink(RankId, NewLink),
     Connected(RankId, oneshot::Sender<bool>),
+    /// Answer once `rank`'s control connection is up.
+    AwaitControl(RankId, oneshot::Sender<()>),
     Abandon(RankId),
     Stats(oneshot::Sender<EndpointStats>),
     Shutdown,
@@ -146,22 +132,18 @@ impl KvReceiver {
         let tasks = TaskCounter::default();
         let counters = Arc::new(LinkCounters::default());
         let driver = Driver {
-            rooms: ReceiverRooms::new(config.rooms.clone()),
-            liveness: Liveness::new(config.rooms.timers),
+            endpoint: ReceiverEndpoint::new(
+                config.rooms.clone(),
+                config.handshake.fingerprint.clone(),
+                config.handshake_timeout,
+            ),
             ctl: HashMap::new(),
             links: HashMap::new(),
-            leases: HashMap::new(),
-            aux: HashMap::new(),
-            outcomes: Expiring::new(config.rooms.max_live_rooms),
-            ttl: config.rooms.timers.get(Timer::UnknownRoomTtl),
-            abandoned: Abandoned::new(2 * config.handshake_timeout),
-            sources: HashMap::new(),
-            waiters: HashMap::new(),
+            control_waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
             pool: pool.clone(),
             layout,
-            fingerprint: config.handshake.fingerprint.clone(),
             next_link: 0,
             self_tx: tx.downgrade(),
         };
@@ -308,19 +290,18 @@ impl KvReceiver {
         self.tx
             .send(Ev::Cmd(Cmd::AddLink(rank, link)))
             .map_err(|_| TransportError::Shutdown)?;
-        // The control handshake runs concurrently; wait for it.
-        let deadline = tokio::time::Instant::now() + self.config.handshake_timeout;
-        loop {
-            if self.ask(Cmd::Stats).await?.peers_ranks.contains(&rank) {
+        // The control handshake runs concurrently; the driver answers once
+        // it is up.
+        let up = self.ask(|r| Cmd::AwaitControl(rank, r));
+        match tokio::time::timeout(self.config.handshake_timeout, up).await {
+            Ok(Ok(())) => {
                 abandon.armed = false;
-                return Ok(rank);
+                Ok(rank)
             }
-            if tokio::time::Instant::now() >= deadline {
-                return Err(TransportError::Handshake(
-                    handoff_proto::HandshakeError::TimedOut(self.config.handshake_timeout),
-                ));
-            }
-            tokio::time::sleep(Duration::from_millis(1)).await;
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(TransportError::Handshake(
+                handoff_proto::HandshakeError::TimedOut(self.config.handshake_timeout),
+            )),
         }
     }
 
@@ -415,36 +396,6 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// Ranks abandoned before their control handshake finished, each kept
-/// until that handshake must have ended one way or the other (`ttl`, twice
-/// the handshake timeout): one that still comes up within it is dropped,
-/// and one that fails or times out leaves nothing behind for long.
-#[derive(Debug)]
-struct Abandoned {
-    until: HashMap<RankId, std::time::Instant>,
-    ttl: Duration,
-}
-
-impl Abandoned {
-    fn new(ttl: Duration) -> Self {
-        Self {
-            until: HashMap::new(),
-            ttl,
-        }
-    }
-
-    /// Remember `rank` (and forget those whose handshake has ended).
-    fn insert(&mut self, rank: RankId, now: std::time::Instant) {
-        self.until.retain(|_, until| *until > now);
-        self.until.insert(rank, now + self.ttl);
-    }
-
-    /// Whether `rank` was abandoned (and still remembered); forgets it.
-    fn take(&mut self, rank: RankId, now: std::time::Instant) -> bool {
-        self.until.remove(&rank).is_some_and(|until| until > now)
-    }
-}
-
 /// A data link whose streams connected, for the driver to start.
 struct NewLink {
     kind: TransportKind,
@@ -453,12 +404,11 @@ struct NewLink {
     tp: TpPosition,
 }
 
-/// One data link to a prefill rank: one reader per stream.
+/// The I/O handles of one data link to a prefill rank: one reader per
+/// stream.
 struct Link {
     id: u64,
     streams: Vec<mpsc::UnboundedSender<ReaderCmd>>,
-    /// The prefill peer's TP rank and size (from its handshake).
-    tp: TpPosition,
 }
 
 impl Link {
@@ -468,29 +418,18 @@ impl Link {
     }
 }
 
+/// The decode driver: the I/O shell around [`ReceiverEndpoint`], which owns
+/// every decision; this only holds the sockets' and tasks' handles.
 struct Driver {
-    rooms: ReceiverRooms,
-    liveness: Liveness,
-    ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
+    endpoint: ReceiverEndpoint<PageLease, oneshot::Sender<ReceiverPoll>>,
+    ctl: HashMap<RankId, mpsc::UnboundedSender<Message>>,
     links: HashMap<RankId, Link>,
-    leases: HashMap<RoomId, (PageLease, Vec<RankId>)>,
-    aux: HashMap<RoomId, (u64, AuxData)>,
-    /// Outcomes not yet polled; they expire with the unknown-room TTL (a
-    /// lease in an expired success goes back to the pool).
-    outcomes: Expiring<ReceiverPoll>,
-    ttl: Duration,
-    /// Sources of rooms still waiting for their pages.
-    sources: HashMap<RoomId, Vec<RankId>>,
-    /// Peers whose `connect` failed or was cancelled before their control
-    /// connection was up: it is dropped if it still comes up.
-    abandoned: Abandoned,
-    waiters: HashMap<RoomId, oneshot::Sender<ReceiverPoll>>,
+    /// `connect` calls waiting for their control connection to come up.
+    control_waiters: HashMap<RankId, Vec<oneshot::Sender<()>>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     pool: Arc<ShmRegion>,
     layout: KvLayout,
-    /// Our handshake fingerprint (model KV heads, our TP rank and size).
-    fingerprint: Fingerprint,
     next_link: u64,
     self_tx: mpsc::WeakUnboundedSender<Ev>,
 }
@@ -503,31 +442,14 @@ impl Driver {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Ev>) {
         let mut wakeup = crate::wakeup::Wakeup::new();
         loop {
-            let deadline = self
-                .rooms
-                .poll_timeout()
-                .into_iter()
-                .chain(self.liveness.poll_timeout())
-                .chain(self.outcomes.next_expiry())
-                .min();
-            let sleep = wakeup.until(deadline);
+            let sleep = wakeup.until(self.endpoint.poll_timeout());
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 _ = sleep => {
-                    let t = now();
-                    self.rooms.handle_timeout(t);
-                    self.outcomes.expire(t);
-                    for dead in self.liveness.handle_timeout(t) {
+                    for dead in self.endpoint.handle_timeout(now()) {
                         tracing::warn!(rank = dead.0, "prefill peer missed heartbeats");
-                        self.ctl.remove(&dead);
-                        // Its link's reader stops at its next step (the
-                        // writer guards it holds keep their pages until
-                        // then); the rooms' leases stay held until their
-                        // fence, as for any dead peer.
-                        self.links.remove(&dead);
-                        self.rooms.handle_peer_dead(dead, t);
                     }
-                    self.pump();
+                    self.flush();
                     continue;
                 }
             };
@@ -538,49 +460,31 @@ impl Driver {
                 Ev::Ctl(e) => self.control(e),
                 Ev::Reader(rank, id, e) => self.reader_event(rank, id, e),
             }
-            self.pump();
+            self.flush();
         }
         self.ctl.clear();
         self.links.clear();
-        self.leases.clear();
-        self.outcomes = Expiring::new(0);
+        self.endpoint.shutdown();
     }
 
     fn control(&mut self, e: CtlEvent) {
         let t = now();
         match e {
             CtlEvent::Established { conn, rank, tx } => {
-                if self.abandoned.take(rank, t) {
-                    return; // dropping `tx` closes the connection
+                if self.endpoint.handle_control_up(rank, conn, t) {
+                    self.ctl.insert(rank, tx);
+                    for w in self.control_waiters.remove(&rank).unwrap_or_default() {
+                        let _ = w.send(());
+                    }
                 }
-                self.ctl.insert(rank, (conn, tx));
-                self.liveness.add_peer(rank, t);
+                // else: an abandoned connect's; dropping `tx` closes it.
             }
-            CtlEvent::Message { rank, msg, .. } => {
-                self.liveness.handle_seen(rank, t);
-                self.rooms.handle_message(rank, msg, t);
-            }
-            CtlEvent::Malformed { .. } => {
-                self.counters
-                    .malformed_frames
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            CtlEvent::HandshakeFailed { .. } => {
-                self.counters
-                    .handshakes_failed
-                    .fetch_add(1, Ordering::Relaxed);
-            }
+            CtlEvent::Message { rank, msg, .. } => self.endpoint.handle_message(rank, msg, t),
+            CtlEvent::Malformed { .. } => self.endpoint.handle_malformed(),
+            CtlEvent::HandshakeFailed { .. } => self.endpoint.handle_handshake_failed(),
             CtlEvent::Closed { conn, rank } => {
                 if let Some(rank) = rank {
-                    if self.ctl.get(&rank).is_some_and(|(c, _)| *c == conn) {
-                        self.ctl.remove(&rank);
-                        self.liveness.remove_peer(rank);
-                        // Its data link goes too (dropping the reader closes
-                        // the sockets, and prefill drops its side): a link
-                        // without its control connection serves no room.
-                        self.links.remove(&rank);
-                        self.rooms.handle_peer_dead(rank, t);
-                    }
+                    self.endpoint.handle_control_closed(rank, conn, t);
                 }
             }
         }
@@ -592,34 +496,16 @@ impl Driver {
                 room,
                 written_room,
                 aux,
-            } => {
-                if self.leases.contains_key(&room) {
-                    self.aux.insert(room, (written_room, aux));
-                }
-            }
+            } => self.endpoint.handle_aux(room, written_room, aux),
             ReaderEvent::Closed { reason } => {
                 if self.links.get(&rank).is_some_and(|l| l.id == id) {
                     tracing::warn!(rank = rank.0, %reason, "data link closed");
+                    // The reader is gone already: dropping its handle is all.
                     self.links.remove(&rank);
-                    self.rooms.handle_peer_dead(rank, now());
                 }
+                self.endpoint.handle_link_closed(rank, id, now());
             }
         }
-    }
-
-    /// Both the control connection and the data link of `rank` are up.
-    fn connected(&self, rank: RankId) -> bool {
-        self.ctl.contains_key(&rank) && self.links.contains_key(&rank)
-    }
-
-    /// Why `ranks` (connected peers) cannot serve a room of this decode
-    /// rank ([`check_room_sources`]).
-    fn check_sources(&self, ranks: &[RankId]) -> Result<(), String> {
-        let tps: Vec<TpPosition> = ranks
-            .iter()
-            .filter_map(|r| self.links.get(r).map(|l| l.tp))
-            .collect();
-        check_room_sources(&self.fingerprint, &tps)
     }
 
     fn add_link(&mut self, rank: RankId, link: NewLink) {
@@ -643,247 +529,119 @@ impl Driver {
             }));
             streams.push(tx);
         }
-        self.links.insert(
-            rank,
-            Link {
-                id,
-                streams,
-                tp: link.tp,
-            },
-        );
+        self.links.insert(rank, Link { id, streams });
+        self.endpoint.handle_link_up(rank, id, link.tp);
     }
 
     fn command(&mut self, c: Cmd) {
         let t = now();
         match c {
             Cmd::Open(room, sources, reply) => {
-                let ranks: Vec<RankId> = sources.iter().map(|s| s.rank).collect();
-                // A room whose source is not connected (its control
-                // connection or data link is gone) could only end at its
-                // bootstrap deadline: refuse it now.
-                if let Some(&dead) = ranks.iter().find(|r| !self.connected(**r)) {
-                    let _ = reply.send(Err(TransferError::PeerDead {
-                        rank: dead,
-                        detail: "no live connection to this prefill rank (it closed or died); reconnect first".into(),
-                    }));
-                    return;
-                }
-                if let Err(reason) = self.check_sources(&ranks) {
-                    let _ = reply.send(Err(TransferError::Internal { reason }));
-                    return;
-                }
-                let r = self.rooms.open(room, sources, t);
-                if r.is_ok() {
-                    self.sources.insert(room, ranks);
-                }
-                let _ = reply.send(r);
+                let _ = reply.send(self.endpoint.open(room, sources, t).map_err(Into::into));
             }
             Cmd::Reserve(room, lease, aux_slot, reply) => {
-                let _ = reply.send(self.reserve(room, lease, aux_slot));
+                let pages = lease.pages().iter().map(|p| PageIndex(p.0)).collect();
+                let r = self.endpoint.reserve(room, lease, pages, aux_slot, None, t);
+                let _ = reply.send(r.map_err(Into::into));
             }
-            Cmd::Abort(room, error) => self.rooms.abort(room, error, t),
+            Cmd::Abort(room, error) => self.endpoint.abort(room, error, t),
             Cmd::Poll(room, reply) => {
-                // A failure is reported at once, even while the room's pages
-                // still wait for writers to drain (Draining).
-                let p = match (self.outcomes.remove(room), self.rooms.state(room)) {
-                    (Some(o), _) => o,
-                    (None, Some(s)) if !s.is_terminal() => ReceiverPoll::Pending(s),
-                    (None, _) => ReceiverPoll::Unknown,
-                };
-                let _ = reply.send(p);
+                let _ = reply.send(self.endpoint.poll(room));
             }
-            Cmd::Wait(room, reply) => match self.outcomes.remove(room) {
-                Some(o) => {
-                    let _ = reply.send(o);
-                }
-                None if self.rooms.state(room).is_some_and(|s| !s.is_terminal()) => {
-                    self.waiters.insert(room, reply);
-                }
-                None => {
-                    let _ = reply.send(ReceiverPoll::Unknown);
-                }
-            },
+            Cmd::Wait(room, reply) => self.endpoint.wait(room, reply),
             Cmd::AddLink(rank, link) => self.add_link(rank, link),
             Cmd::Connected(rank, reply) => {
-                let _ = reply.send(self.connected(rank));
+                let _ = reply.send(self.endpoint.is_connected(rank));
+            }
+            Cmd::AwaitControl(rank, reply) => {
+                if self.endpoint.has_control(rank) {
+                    let _ = reply.send(());
+                } else {
+                    self.control_waiters.entry(rank).or_default().push(reply);
+                }
             }
             Cmd::Abandon(rank) => {
-                if self.ctl.remove(&rank).is_none() {
-                    self.abandoned.insert(rank, now());
-                }
-                self.liveness.remove_peer(rank);
-                self.links.remove(&rank);
+                self.control_waiters.remove(&rank);
+                self.endpoint.abandon(rank, t);
             }
             Cmd::Stats(reply) => {
+                let s = self.endpoint.stats();
                 let _ = reply.send(EndpointStats {
-                    live_rooms: self.rooms.live_rooms(),
-                    peers: self.ctl.len(),
-                    peers_ranks: self.ctl.keys().copied().collect(),
+                    live_rooms: s.live_rooms,
+                    peers: s.peers_ranks.len(),
+                    peers_ranks: s.peers_ranks,
                     links: self.links.len(),
                     link_streams: self.links.values().map(|l| l.streams.len()).sum(),
-                    room_stats: self.rooms.stats().clone(),
-                    malformed_frames: self.counters.malformed_frames.load(Ordering::Relaxed),
+                    room_stats: s.room_stats,
+                    malformed_frames: s.malformed_frames,
                     rejected_segments: self.counters.rejected_segments.load(Ordering::Relaxed),
-                    handshakes_failed: self.counters.handshakes_failed.load(Ordering::Relaxed),
+                    handshakes_failed: s.handshakes_failed,
                     tasks: 0,
-                    stalled: self.liveness.stalled(),
+                    stalled: s.stalled,
                 });
             }
             Cmd::Shutdown => {}
         }
     }
 
-    fn reserve(
-        &mut self,
-        room: RoomId,
-        lease: PageLease,
-        aux_slot: AuxSlot,
-    ) -> Result<(), TransferError> {
-        let pages: Vec<PageIndex> = lease.pages().iter().map(|p| PageIndex(p.0)).collect();
-        if self.rooms.state(room) != Some(RoomState::Bootstrapping) {
-            return Err(TransferError::Internal {
-                reason: "room is not waiting for pages".into(),
-            });
-        }
-        // Register the room with its sources' links (only they may write it)
-        // before its destination leaves: a write can only follow it.
-        let sources: Vec<RankId> = self.sources.remove(&room).unwrap_or_default();
-        let mut sorted: Vec<u32> = pages.iter().map(|p| p.0).collect();
-        sorted.sort_unstable();
-        let mut registered = Vec::new();
-        for rank in sources {
-            if let Some(l) = self.links.get(&rank) {
-                let _ = l.tx(room).send(ReaderCmd::Register {
-                    room,
-                    pages: sorted.clone(),
-                    aux_slot: aux_slot.0,
-                    guard: lease.writer_guard(),
-                });
-                registered.push(rank);
-            }
-        }
-        match self
-            .rooms
-            .handle_pages_reserved(room, pages, aux_slot, None, now())
-        {
-            Ok(()) => {
-                self.leases.insert(room, (lease, registered));
-                Ok(())
-            }
-            Err(_) => {
-                self.forget(room, &registered);
-                Err(TransferError::Internal {
-                    reason: "room refused its pages".into(),
-                })
-            }
-        }
-    }
-
-    fn outcome(&mut self, room: RoomId, o: ReceiverPoll) {
-        match self.waiters.remove(&room) {
-            Some(w) => {
-                if let Err(o) = w.send(o) {
-                    self.outcomes.insert(room, o, now() + self.ttl);
-                }
-            }
-            None => {
-                self.outcomes.insert(room, o, now() + self.ttl);
-            }
-        }
-    }
-
-    fn forget(&mut self, room: RoomId, ranks: &[RankId]) {
-        for rank in ranks {
-            if let Some(l) = self.links.get(rank) {
-                let _ = l.tx(room).send(ReaderCmd::Forget { room });
-            }
-        }
-    }
-
-    fn pump(&mut self) {
-        loop {
-            let mut busy = false;
-            while let Some(t) = self.rooms.poll_transmit() {
-                busy = true;
-                if let Some((_, tx)) = self.ctl.get(&t.to) {
-                    let _ = tx.send(t.message);
-                }
-            }
-            while let Some(t) = self.liveness.poll_transmit(now()) {
-                if let Some((_, tx)) = self.ctl.get(&t.to) {
-                    let _ = tx.send(t.message);
-                }
-            }
-            while let Some(a) = self.rooms.poll_action() {
-                busy = true;
-                self.action(a);
-            }
-            if !busy {
-                break;
-            }
-        }
-    }
-
-    fn action(&mut self, a: ReceiverAction) {
+    /// Do what the endpoint decided: link registrations and peers to close
+    /// first (a link reader learns a room before its destination leaves),
+    /// then outcomes, then control messages.
+    fn flush(&mut self) {
         let t = now();
-        match a {
-            ReceiverAction::CheckAux { room, .. } => {
-                let found = self.aux.get(&room).map_or(0, |(w, _)| *w);
-                self.rooms.handle_aux_checked(room, found, t);
-            }
-            ReceiverAction::Commit { room, .. } => {
-                let aux = self.aux.remove(&room).map(|(_, a)| a);
-                if let Some((lease, ranks)) = self.leases.remove(&room) {
-                    self.forget(room, &ranks);
-                    let aux = aux.unwrap_or(AuxData {
-                        first_token: 0,
-                        logprob: 0.0,
+        while let Some(e) = self.endpoint.poll_event() {
+            match e {
+                ReceiverEvent::RegisterWrites {
+                    rank,
+                    room,
+                    pages,
+                    aux_slot,
+                } => {
+                    let (Some(l), Some(lease)) = (self.links.get(&rank), self.endpoint.lease(room))
+                    else {
+                        continue;
+                    };
+                    let _ = l.tx(room).send(ReaderCmd::Register {
+                        room,
+                        pages,
+                        aux_slot,
+                        guard: lease.writer_guard(),
                     });
-                    self.outcome(room, ReceiverPoll::Success { lease, aux });
                 }
-            }
-            ReceiverAction::FailRequest { room, error } => {
-                self.sources.remove(&room);
-                self.outcome(room, ReceiverPoll::Failed(error));
-            }
-            ReceiverAction::ReleasePages {
-                room,
-                fence_expired,
-                ..
-            } => {
-                if fence_expired {
+                ReceiverEvent::ForgetWrites { rank, room } => {
+                    if let Some(l) = self.links.get(&rank) {
+                        let _ = l.tx(room).send(ReaderCmd::Forget { room });
+                    }
+                }
+                ReceiverEvent::ClosePeer { rank } => {
+                    // Dropping the handles closes the control connection and
+                    // stops the link's readers at their next step (the writer
+                    // guards they hold keep their pages until then).
+                    self.ctl.remove(&rank);
+                    self.links.remove(&rank);
+                }
+                ReceiverEvent::Released {
+                    room,
+                    fence_expired: true,
+                } => {
                     tracing::warn!(room = room.get(), "abort fence expired; pages released");
                 }
-                self.aux.remove(&room);
-                if let Some((lease, ranks)) = self.leases.remove(&room) {
-                    self.forget(room, &ranks);
-                    drop(lease);
+                ReceiverEvent::Released { .. } => {}
+                ReceiverEvent::Outcome {
+                    room,
+                    waiter,
+                    outcome,
+                } => {
+                    if let Err(outcome) = waiter.send(outcome) {
+                        self.endpoint.unclaimed(room, outcome, t);
+                    }
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn abandoned_ranks_are_forgotten_once_their_handshake_has_ended() {
-        let t0 = std::time::Instant::now();
-        let ttl = Duration::from_secs(10);
-        let mut a = Abandoned::new(ttl);
-        for r in 0..100 {
-            a.insert(RankId(r), t0);
+        while let Some(tr) = self.endpoint.poll_transmit(t) {
+            if let Some(tx) = self.ctl.get(&tr.to) {
+                let _ = tx.send(tr.message);
+            }
         }
-        // Within the TTL: a rank that comes up late is recognised, once.
-        assert!(a.take(RankId(7), t0 + ttl / 2));
-        assert!(!a.take(RankId(7), t0 + ttl / 2));
-        assert_eq!(a.until.len(), 99);
-        // Past it, the next abandon forgets all of them.
-        a.insert(RankId(500), t0 + ttl + Duration::from_millis(1));
-        assert_eq!(a.until.len(), 1);
-        assert!(!a.take(RankId(8), t0 + ttl + Duration::from_millis(1)));
-        assert!(a.take(RankId(500), t0 + ttl + Duration::from_millis(2)));
     }
 }

@@ -18,13 +18,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_kv::{KvLayout, PageIndex, ShmRegion};
+use handoff_proto::datalink::{
+    decode_preface, stream_of, AuxData, SegmentHeader, PREFACE_CONTROL, PREFACE_DATA, PREFACE_LEN,
+};
 use handoff_proto::handshake::HandshakeConfig;
-use handoff_proto::heartbeat::Liveness;
-use handoff_proto::message::{Destination, Message};
+use handoff_proto::message::Message;
 use handoff_proto::rank::PairPlan;
-use handoff_proto::room::{Expiring, RoomConfig, RoomState};
-use handoff_proto::sender_room::{SenderAction, SenderRooms};
-use handoff_proto::timer::Timer;
+use handoff_proto::room::RoomConfig;
+use handoff_proto::sender_endpoint::{SendRefused, SenderEndpoint, SenderEvent};
 use handoff_proto::{RankId, RoomId, TransferError};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
@@ -37,9 +38,6 @@ use crate::link::{
 };
 use crate::plan::{build_sliced_segments, LinkPlan};
 use crate::transport::Segment;
-use crate::wire::{
-    decode_preface, stream_of, AuxData, SegmentHeader, PREFACE_CONTROL, PREFACE_DATA, PREFACE_LEN,
-};
 use crate::EndpointStats;
 
 /// Settings of a prefill endpoint.
@@ -70,18 +68,7 @@ impl SenderConfig {
     }
 }
 
-/// What [`KvSender::poll`] says about a room.
-#[derive(Debug, Clone, PartialEq)]
-pub enum SenderPoll {
-    /// Live, in this state (`WaitingForInput`: compute may start).
-    Pending(RoomState),
-    /// Every destination has all KV and aux.
-    Success,
-    /// Failed (reported once; the room is released).
-    Failed(TransferError),
-    /// Not known (never opened, or its outcome was already polled).
-    Unknown,
-}
+pub use handoff_proto::sender_endpoint::SenderPoll;
 
 enum Cmd {
     Open(RoomId, oneshot::Sender<Result<(), TransferError>>),
@@ -151,21 +138,14 @@ impl KvSender {
             counters.clone(),
         ));
         let driver = Driver {
-            outcomes: Expiring::new(config.rooms.max_live_rooms),
-            rooms: SenderRooms::new(config.rooms.clone()),
-            liveness: Liveness::new(config.rooms.timers),
+            endpoint: SenderEndpoint::new(config.rooms.clone(), layout.geometry.layers),
             config,
             layout,
             ctl: HashMap::new(),
             links: HashMap::new(),
-            pending_links: HashMap::new(),
-            io: HashMap::new(),
-            waiters: HashMap::new(),
-            input_waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
             next_link: 0,
-            newest: HashMap::new(),
         };
         tasks.spawn(driver.run(rx, accept));
         Ok(KvSender { tx, addr, tasks })
@@ -440,11 +420,11 @@ mod peer_id_tests {
     }
 }
 
-/// One data link to a decode rank: one writer per stream.
+/// The I/O handles of one data link to a decode rank: one writer per
+/// stream.
 struct Link {
     id: u64,
     streams: Vec<mpsc::UnboundedSender<LinkJob>>,
-    dest_pages: usize,
     /// Whole spans, or the head slices this decode rank takes from us.
     plan: LinkPlan,
 }
@@ -456,45 +436,18 @@ impl Link {
     }
 }
 
-/// Streams of a multi-stream TCP link accepted so far (the link starts
-/// once all of them are here).
-struct PendingLink {
-    nonce: u64,
-    streams: Vec<Option<AcceptedLink>>,
-}
-
-struct RoomIo {
-    dests: Vec<(RankId, Destination)>,
-    cancel: Arc<AtomicBool>,
-    ended: bool,
-}
-
+/// The prefill driver: the I/O shell around [`SenderEndpoint`], which owns
+/// every decision; this only holds the sockets' and tasks' handles.
 struct Driver {
     config: SenderConfig,
     layout: KvLayout,
-    rooms: SenderRooms,
-    liveness: Liveness,
+    endpoint: SenderEndpoint<AcceptedLink, oneshot::Sender<SenderPoll>, Arc<AtomicBool>>,
     ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
     links: HashMap<RankId, Link>,
-    /// At most one partly accepted multi-stream link per decode rank.
-    pending_links: HashMap<RankId, PendingLink>,
-    io: HashMap<RoomId, RoomIo>,
-    /// Outcomes not yet polled; they expire with the unknown-room TTL.
-    outcomes: Expiring<Result<(), TransferError>>,
-    waiters: HashMap<RoomId, Vec<oneshot::Sender<SenderPoll>>>,
-    /// Waiting for their room to leave `Bootstrapping`.
-    input_waiters: HashMap<RoomId, Vec<oneshot::Sender<SenderPoll>>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
-    /// Per decode rank with a connection, the newest connect number seen
-    /// ([`crate::wire::CONNECT_SEQ_LEN`]).
-    newest: HashMap<RankId, u64>,
 }
-
-/// Decode ranks whose newest connect number the driver keeps even with
-/// nothing left of them.
-const MAX_NEWEST: usize = 4096;
 
 fn now() -> std::time::Instant {
     std::time::Instant::now()
@@ -510,21 +463,15 @@ impl Driver {
         let (self_tx, mut self_rx) = mpsc::unbounded_channel::<Ev>();
         let mut wakeup = crate::wakeup::Wakeup::new();
         loop {
-            let deadline = self
-                .rooms
-                .poll_timeout()
-                .into_iter()
-                .chain(self.liveness.poll_timeout())
-                .chain(self.outcomes.next_expiry())
-                .min();
-            let sleep = wakeup.until(deadline);
+            let sleep = wakeup.until(self.endpoint.poll_timeout());
             let ev = tokio::select! {
                 ev = rx.recv() => ev,
                 ev = self_rx.recv() => ev,
                 _ = sleep => {
-                    self.on_timeout();
-                    self.pump();
-                    self.wake_input_waiters();
+                    for dead in self.endpoint.handle_timeout(now()) {
+                        tracing::warn!(rank = dead.0, "decode peer missed heartbeats");
+                    }
+                    self.flush();
                     continue;
                 }
             };
@@ -534,95 +481,30 @@ impl Driver {
                 Ev::Cmd(c) => self.command(c),
                 Ev::Ctl(e, connect) => self.control(e, connect),
                 Ev::Link(e) => self.link_event(e),
-                Ev::Accepted(l, connect) => {
-                    if self.admit(l.rank, connect, now()) {
-                        self.accepted(*l, &self_tx);
-                    }
-                    // else: a cancelled connect's stream, completed late;
-                    // dropping it closes its socket.
-                }
+                Ev::Accepted(l, connect) => self.accepted(*l, connect, &self_tx),
             }
-            self.pump();
-            self.wake_input_waiters();
+            self.flush();
         }
         accept.abort();
+        self.endpoint.shutdown();
+        self.flush();
         self.ctl.clear();
         self.links.clear();
-        self.pending_links.clear();
-        for (_, io) in self.io.drain() {
-            io.cancel.store(true, Ordering::Release);
-        }
     }
 
-    /// The state `wait_input` reports for `room`, or `None` while it is
-    /// still bootstrapping.
-    fn input_state(&self, room: RoomId) -> Option<SenderPoll> {
-        match self.rooms.state(room) {
-            Some(RoomState::Bootstrapping) => None,
-            Some(s) if !s.is_terminal() => Some(SenderPoll::Pending(s)),
-            _ => Some(SenderPoll::Unknown),
-        }
-    }
-
-    fn wake_input_waiters(&mut self) {
-        if self.input_waiters.is_empty() {
+    /// A data link stream was accepted: the link starts once the endpoint
+    /// has all its streams (a stream of a connect older than the newest is
+    /// dropped, closing its socket).
+    fn accepted(&mut self, l: AcceptedLink, connect: u64, self_tx: &mpsc::UnboundedSender<Ev>) {
+        let (rank, st) = (l.rank, l.stream);
+        let Some(streams) = self.endpoint.handle_link_stream(
+            rank,
+            connect,
+            (st.nonce, st.index, st.count),
+            l,
+            now(),
+        ) else {
             return;
-        }
-        let ready: Vec<(RoomId, SenderPoll)> = self
-            .input_waiters
-            .keys()
-            .filter_map(|&room| self.input_state(room).map(|p| (room, p)))
-            .collect();
-        for (room, p) in ready {
-            for w in self.input_waiters.remove(&room).unwrap_or_default() {
-                let _ = w.send(p.clone());
-            }
-        }
-    }
-
-    fn on_timeout(&mut self) {
-        let t = now();
-        self.rooms.handle_timeout(t);
-        self.outcomes.expire(t);
-        for dead in self.liveness.handle_timeout(t) {
-            tracing::warn!(rank = dead.0, "decode peer missed heartbeats");
-            self.ctl.remove(&dead);
-            self.pending_links.remove(&dead);
-            // Its writers finish the job in hand and stop; the rooms fail
-            // as the peer is dead.
-            self.links.remove(&dead);
-            self.rooms.handle_peer_dead(dead, t);
-            self.bound_newest();
-        }
-    }
-
-    fn accepted(&mut self, l: AcceptedLink, self_tx: &mpsc::UnboundedSender<Ev>) {
-        let rank = l.rank;
-        let st = l.stream;
-        let streams = if st.count <= 1 {
-            vec![l]
-        } else {
-            // A new nonce means decode started the link over: the streams
-            // of the older attempt are dropped (their sockets close).
-            let p = self
-                .pending_links
-                .entry(rank)
-                .or_insert_with(|| PendingLink {
-                    nonce: st.nonce,
-                    streams: Vec::new(),
-                });
-            if p.nonce != st.nonce || p.streams.len() != usize::from(st.count) {
-                p.nonce = st.nonce;
-                p.streams = (0..st.count).map(|_| None).collect();
-            }
-            p.streams[usize::from(st.index)] = Some(l);
-            if p.streams.iter().any(Option::is_none) {
-                return;
-            }
-            let Some(p) = self.pending_links.remove(&rank) else {
-                return;
-            };
-            p.streams.into_iter().flatten().collect()
         };
         self.next_link += 1;
         let id = self.next_link;
@@ -643,84 +525,28 @@ impl Driver {
             Link {
                 id,
                 streams: txs,
-                dest_pages,
                 plan,
             },
         );
-    }
-
-    /// Whether a connection of decode's connect `connect` may join what
-    /// `rank` has. Not when a newer connect of that endpoint was seen (a
-    /// connect cancelled on decode, completing late here). A newer connect
-    /// replaces the older one: its control connection and data link go
-    /// (their sockets close, so decode drops that rank) and its rooms fail,
-    /// so no rank is left with the control connection of one connect and
-    /// the data link of another.
-    fn admit(&mut self, rank: RankId, connect: u64, t: std::time::Instant) -> bool {
-        match self.newest.get(&rank) {
-            Some(&newest) if newest > connect => return false,
-            Some(&newest) if newest == connect => return true,
-            _ => {}
-        }
-        self.newest.insert(rank, connect);
-        let ctl = self.ctl.remove(&rank).is_some();
-        let link = self.links.remove(&rank).is_some();
-        let pending = self.pending_links.remove(&rank).is_some();
-        if ctl || link || pending {
-            self.liveness.remove_peer(rank);
-            self.rooms.handle_peer_dead(rank, t);
-        }
-        true
-    }
-
-    /// Keep [`Self::newest`] bounded: past [`MAX_NEWEST`] entries, forget
-    /// those of ranks with nothing left (a late connection of a forgotten
-    /// rank is then admitted, and closes when decode drops it).
-    fn bound_newest(&mut self) {
-        if self.newest.len() > MAX_NEWEST {
-            let (ctl, links, pending) = (&self.ctl, &self.links, &self.pending_links);
-            self.newest.retain(|r, _| {
-                ctl.contains_key(r) || links.contains_key(r) || pending.contains_key(r)
-            });
-        }
+        self.endpoint.handle_link_up(rank, id, dest_pages);
     }
 
     fn control(&mut self, e: CtlEvent, connect: u64) {
         let t = now();
         match e {
             CtlEvent::Established { conn, rank, tx } => {
-                if !self.admit(rank, connect, t) {
-                    // A cancelled connect's control connection, completed
-                    // late: dropping `tx` closes it.
-                    return;
+                if self.endpoint.handle_control_up(rank, conn, connect, t) {
+                    self.ctl.insert(rank, (conn, tx));
                 }
-                self.ctl.insert(rank, (conn, tx));
-                self.liveness.add_peer(rank, t);
+                // else: a cancelled connect's control connection, completed
+                // late: dropping `tx` closes it.
             }
-            CtlEvent::Message { rank, msg, .. } => {
-                self.liveness.handle_seen(rank, t);
-                self.rooms.handle_message(rank, msg, t);
-            }
-            CtlEvent::Malformed { .. } => {
-                self.counters
-                    .malformed_frames
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            CtlEvent::HandshakeFailed { .. } => {
-                self.counters
-                    .handshakes_failed
-                    .fetch_add(1, Ordering::Relaxed);
-            }
+            CtlEvent::Message { rank, msg, .. } => self.endpoint.handle_message(rank, msg, t),
+            CtlEvent::Malformed { .. } => self.endpoint.handle_malformed(),
+            CtlEvent::HandshakeFailed { .. } => self.endpoint.handle_handshake_failed(),
             CtlEvent::Closed { conn, rank } => {
                 if let Some(rank) = rank {
-                    if self.ctl.get(&rank).is_some_and(|(c, _)| *c == conn) {
-                        self.ctl.remove(&rank);
-                        self.pending_links.remove(&rank);
-                        self.links.remove(&rank);
-                        self.liveness.remove_peer(rank);
-                        self.rooms.handle_peer_dead(rank, t);
-                        self.bound_newest();
-                    }
+                    self.endpoint.handle_control_closed(rank, conn, t);
                 }
             }
         }
@@ -730,41 +556,10 @@ impl Driver {
         let t = now();
         match e {
             LinkEvent::Acked { rank, ack, .. } => {
-                let Some(io) = self.io.get(&ack.room) else {
-                    return;
-                };
-                if io.cancel.load(Ordering::Acquire) {
-                    let err = TransferError::Internal {
-                        reason: "writes cancelled".into(),
-                    };
-                    self.rooms.handle_write_failed(ack.room, rank, err, t);
-                } else if ack.ok {
-                    self.rooms.handle_write_done(ack.room, rank, t);
-                } else {
-                    let err = TransferError::PeerMisbehaved {
-                        detail: "decode rejected part of the room's writes".into(),
-                    };
-                    self.rooms.handle_write_failed(ack.room, rank, err, t);
-                }
+                self.endpoint.handle_ack(rank, ack.room, ack.ok, t)
             }
             LinkEvent::Closed { rank, link, reason } => {
-                if self.links.get(&rank).is_some_and(|l| l.id == link) {
-                    self.links.remove(&rank);
-                    let hit: Vec<RoomId> = self
-                        .io
-                        .iter()
-                        .filter(|(_, io)| io.dests.iter().any(|(r, _)| *r == rank))
-                        .map(|(room, _)| *room)
-                        .collect();
-                    for room in hit {
-                        let err = TransferError::PeerDead {
-                            rank,
-                            detail: format!("data link closed: {reason}"),
-                        };
-                        self.rooms.handle_write_failed(room, rank, err, t);
-                    }
-                    self.bound_newest();
-                }
+                self.endpoint.handle_link_closed(rank, link, &reason, t)
             }
         }
     }
@@ -773,9 +568,10 @@ impl Driver {
         let t = now();
         match c {
             Cmd::Open(room, reply) => {
-                let _ = reply.send(self.rooms.open(room, t));
+                let cancel = Arc::new(AtomicBool::new(false));
+                let _ = reply.send(self.endpoint.open(room, cancel, t));
             }
-            Cmd::Fail(room, error) => self.rooms.fail(room, error, t),
+            Cmd::Fail(room, error) => self.endpoint.fail(room, error, t),
             Cmd::Send {
                 room,
                 layers,
@@ -786,103 +582,37 @@ impl Driver {
                 let _ = reply.send(self.send(room, layers, pages, &src));
             }
             Cmd::Finish(room, aux, reply) => {
-                let r = self.start_writes(room).map(|()| {
-                    if let Some(io) = self.io.get_mut(&room) {
-                        if !io.ended {
-                            io.ended = true;
-                            for (rank, d) in &io.dests {
-                                if let Some(l) = self.links.get(rank) {
-                                    let _ = l.tx(room).send(LinkJob::Finish {
-                                        room,
-                                        aux: Some((d.aux_slot.0, aux)),
-                                        cancel: io.cancel.clone(),
-                                    });
-                                }
-                            }
-                        }
-                    }
-                });
-                let _ = reply.send(r);
+                let _ = reply.send(self.endpoint.finish(room, aux, t).map_err(Into::into));
             }
             Cmd::Poll(room, reply) => {
-                let p = match self.rooms.state(room) {
-                    Some(s) if !s.is_terminal() => SenderPoll::Pending(s),
-                    _ => match self.outcomes.remove(room) {
-                        Some(Ok(())) => SenderPoll::Success,
-                        Some(Err(e)) => SenderPoll::Failed(e),
-                        None => SenderPoll::Unknown,
-                    },
-                };
-                let _ = reply.send(p);
+                let _ = reply.send(self.endpoint.poll(room));
             }
-            Cmd::WaitInput(room, reply) => match self.input_state(room) {
-                Some(p) => {
-                    let _ = reply.send(p);
-                }
-                None => self.input_waiters.entry(room).or_default().push(reply),
-            },
-            Cmd::Wait(room, reply) => match self.outcomes.remove(room) {
-                Some(Ok(())) => {
-                    let _ = reply.send(SenderPoll::Success);
-                }
-                Some(Err(e)) => {
-                    let _ = reply.send(SenderPoll::Failed(e));
-                }
-                None if self.rooms.state(room).is_some_and(|s| !s.is_terminal()) => {
-                    self.waiters.entry(room).or_default().push(reply);
-                }
-                None => {
-                    let _ = reply.send(SenderPoll::Unknown);
-                }
-            },
+            Cmd::WaitInput(room, reply) => self.endpoint.wait_input(room, reply),
+            Cmd::Wait(room, reply) => self.endpoint.wait(room, reply),
             Cmd::Stats(reply) => {
+                let s = self.endpoint.stats();
                 let _ = reply.send(EndpointStats {
-                    live_rooms: self.rooms.live_rooms(),
-                    peers: self.ctl.len(),
-                    peers_ranks: self.ctl.keys().copied().collect(),
+                    live_rooms: s.live_rooms,
+                    peers: s.peers_ranks.len(),
+                    peers_ranks: s.peers_ranks,
                     links: self.links.len(),
                     link_streams: self.links.values().map(|l| l.streams.len()).sum(),
-                    room_stats: self.rooms.stats().clone(),
-                    malformed_frames: self.counters.malformed_frames.load(Ordering::Relaxed),
+                    room_stats: s.room_stats,
+                    malformed_frames: s.malformed_frames
+                        + self.counters.malformed_frames.load(Ordering::Relaxed),
                     rejected_segments: self.counters.rejected_segments.load(Ordering::Relaxed),
-                    handshakes_failed: self.counters.handshakes_failed.load(Ordering::Relaxed),
+                    handshakes_failed: s.handshakes_failed
+                        + self.counters.handshakes_failed.load(Ordering::Relaxed),
                     tasks: 0,
-                    stalled: self.liveness.stalled(),
+                    stalled: s.stalled,
                 });
             }
             Cmd::Shutdown => {}
         }
     }
 
-    /// Move the room to Transferring (compute done) if it is not yet.
-    fn start_writes(&mut self, room: RoomId) -> Result<(), TransferError> {
-        if !self.io.contains_key(&room) {
-            match self.rooms.state(room) {
-                Some(RoomState::WaitingForInput) => {
-                    self.rooms.handle_compute_done(room, now());
-                    self.pump();
-                }
-                Some(s) => {
-                    return Err(TransferError::Internal {
-                        reason: format!("room is {}, not ready for writes", s.name()),
-                    })
-                }
-                None => {
-                    return Err(TransferError::Internal {
-                        reason: "unknown room".into(),
-                    })
-                }
-            }
-        }
-        if self.io.contains_key(&room) {
-            Ok(())
-        } else {
-            Err(TransferError::Internal {
-                reason: "room failed before its writes started".into(),
-            })
-        }
-    }
-
+    /// Check the source pages, let the endpoint check the room and its
+    /// destinations, then queue each destination's segments on its link.
     fn send(
         &mut self,
         room: RoomId,
@@ -890,79 +620,26 @@ impl Driver {
         pages: Range<usize>,
         src: &[PageIndex],
     ) -> Result<(), TransferError> {
-        self.start_writes(room)?;
-        let Some(io) = self.io.get(&room) else {
-            return Err(TransferError::Internal {
-                reason: "room failed".into(),
-            });
-        };
-        if io.ended {
-            return Err(TransferError::Internal {
-                reason: "room already finished or cancelled".into(),
-            });
-        }
         // Only the pages this call sends are checked: a room streamed in
         // many calls costs O(pages sent), not O(room) per call.
         let sent = src.get(pages.clone());
-        if layers.start > layers.end
-            || layers.end > self.layout.geometry.layers
-            || sent.is_none_or(|s| s.iter().any(|p| p.0 as usize >= self.layout.num_pages))
-        {
-            return Err(TransferError::Internal {
-                reason: format!(
-                    "send of layers {layers:?} pages {pages:?} outside the room or the prefill pool"
-                ),
-            });
+        if sent.is_none_or(|s| s.iter().any(|p| p.0 as usize >= self.layout.num_pages)) {
+            return Err(SendRefused::OutOfRange { layers, pages }.into());
         }
+        let (dests, cancel) = self
+            .endpoint
+            .send(room, layers.clone(), pages.clone(), now())?;
         let span = page_span(&self.layout);
         let max_run = (self.config.max_segment_bytes / span).max(1);
-        let mut failed: Vec<(RankId, TransferError)> = Vec::new();
-        for (rank, d) in &io.dests {
-            let Some(link) = self.links.get(rank) else {
-                failed.push((
-                    *rank,
-                    TransferError::PeerDead {
-                        rank: *rank,
-                        detail: "no data link to this decode rank".into(),
-                    },
-                ));
-                continue;
+        for (rank, d, dest_pages) in dests {
+            let Some(link) = self.links.get(&rank) else {
+                continue; // the endpoint knows of no link either
             };
-            if pages.end > d.pages.len() {
-                failed.push((
-                    *rank,
-                    TransferError::PeerMisbehaved {
-                        detail: format!(
-                            "destination has {} pages, the room sends {}",
-                            d.pages.len(),
-                            pages.end
-                        ),
-                    },
-                ));
-                continue;
-            }
-            // Every destination page written is checked against the decode
-            // pool before anything is written.
-            if let Some(bad) = d.pages[pages.clone()]
-                .iter()
-                .find(|p| p.0 as usize >= link.dest_pages)
-            {
-                failed.push((
-                    *rank,
-                    TransferError::PeerMisbehaved {
-                        detail: format!(
-                            "destination page {} is outside the decode pool of {} pages",
-                            bad.0, link.dest_pages
-                        ),
-                    },
-                ));
-                continue;
-            }
             let segs = match &link.plan.pair {
                 PairPlan::Whole => build_segments(
                     room,
                     &self.layout,
-                    link.dest_pages,
+                    dest_pages,
                     layers.clone(),
                     pages.clone(),
                     src,
@@ -974,7 +651,7 @@ impl Driver {
                     slices,
                     &self.layout,
                     link.plan.decode_heads,
-                    link.dest_pages,
+                    dest_pages,
                     layers.clone(),
                     pages.clone(),
                     src,
@@ -982,12 +659,10 @@ impl Driver {
                 ) {
                     Ok(segs) => segs,
                     Err(e) => {
-                        failed.push((
-                            *rank,
-                            TransferError::Internal {
-                                reason: format!("head-sliced segments: {e}"),
-                            },
-                        ));
+                        let err = TransferError::Internal {
+                            reason: format!("head-sliced segments: {e}"),
+                        };
+                        self.endpoint.handle_write_failed(room, rank, err, now());
                         continue;
                     }
                 },
@@ -995,100 +670,50 @@ impl Driver {
             let _ = link.tx(room).send(LinkJob::Segments {
                 room,
                 segs,
-                cancel: io.cancel.clone(),
+                cancel: cancel.clone(),
             });
-        }
-        let t = now();
-        for (rank, e) in failed {
-            self.rooms.handle_write_failed(room, rank, e, t);
         }
         Ok(())
     }
 
-    fn pump(&mut self) {
-        loop {
-            let mut busy = false;
-            while let Some(t) = self.rooms.poll_transmit() {
-                busy = true;
-                if let Some((_, tx)) = self.ctl.get(&t.to) {
-                    let _ = tx.send(t.message);
+    /// Do what the endpoint decided, then send its control messages.
+    fn flush(&mut self) {
+        while let Some(e) = self.endpoint.poll_event() {
+            match e {
+                SenderEvent::Finish {
+                    rank,
+                    room,
+                    aux,
+                    cancel,
+                } => {
+                    if let Some(l) = self.links.get(&rank) {
+                        let _ = l.tx(room).send(LinkJob::Finish { room, aux, cancel });
+                    }
                 }
-            }
-            while let Some(t) = self.liveness.poll_transmit(now()) {
-                if let Some((_, tx)) = self.ctl.get(&t.to) {
-                    let _ = tx.send(t.message);
+                SenderEvent::Cancel { cancel, .. } => cancel.store(true, Ordering::Release),
+                SenderEvent::ClosePeer {
+                    rank,
+                    control,
+                    link,
+                } => {
+                    // Dropping the handles closes the sockets: the writers
+                    // finish the job in hand and stop.
+                    if control.is_some() && self.ctl.get(&rank).map(|(c, _)| *c) == control {
+                        self.ctl.remove(&rank);
+                    }
+                    if link.is_some() && self.links.get(&rank).map(|l| l.id) == link {
+                        self.links.remove(&rank);
+                    }
                 }
-            }
-            while let Some(a) = self.rooms.poll_action() {
-                busy = true;
-                self.action(a);
-            }
-            if !busy {
-                break;
+                SenderEvent::Answer { waiter, poll } => {
+                    let _ = waiter.send(poll);
+                }
             }
         }
-    }
-
-    fn action(&mut self, a: SenderAction) {
-        match a {
-            SenderAction::StartCompute { .. } => {}
-            SenderAction::StartWrites { room, destinations } => {
-                self.io.insert(
-                    room,
-                    RoomIo {
-                        dests: destinations,
-                        cancel: Arc::new(AtomicBool::new(false)),
-                        ended: false,
-                    },
-                );
-            }
-            SenderAction::CancelWrites { room } => {
-                let t = now();
-                let mut orphans = Vec::new();
-                if let Some(io) = self.io.get_mut(&room) {
-                    io.cancel.store(true, Ordering::Release);
-                    // A room whose end was already queued will be acked; a
-                    // room without one gets a cancelled end now.
-                    for (rank, _) in &io.dests {
-                        match self.links.get(rank) {
-                            Some(l) if !io.ended => {
-                                let _ = l.tx(room).send(LinkJob::Finish {
-                                    room,
-                                    aux: None,
-                                    cancel: io.cancel.clone(),
-                                });
-                            }
-                            Some(_) => {}
-                            None => orphans.push(*rank),
-                        }
-                    }
-                    io.ended = true;
-                }
-                for rank in orphans {
-                    let err = TransferError::PeerDead {
-                        rank,
-                        detail: "no data link".into(),
-                    };
-                    self.rooms.handle_write_failed(room, rank, err, t);
-                }
-            }
-            SenderAction::Finished { room, result } => {
-                self.io.remove(&room);
-                match self.waiters.remove(&room) {
-                    Some(waiters) => {
-                        let p = match result {
-                            Ok(()) => SenderPoll::Success,
-                            Err(e) => SenderPoll::Failed(e),
-                        };
-                        for w in waiters {
-                            let _ = w.send(p.clone());
-                        }
-                    }
-                    None => {
-                        let ttl = now() + self.config.rooms.timers.get(Timer::UnknownRoomTtl);
-                        self.outcomes.insert(room, result, ttl);
-                    }
-                }
+        let t = now();
+        while let Some(tr) = self.endpoint.poll_transmit(t) {
+            if let Some((_, tx)) = self.ctl.get(&tr.to) {
+                let _ = tx.send(tr.message);
             }
         }
     }

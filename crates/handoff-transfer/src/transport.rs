@@ -22,7 +22,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 
 use crate::error::TransportError;
-use crate::wire::{Record, SegmentHeader, RECORD_LEN};
+use handoff_proto::datalink::{Record, SegmentHeader, RECORD_LEN};
 
 /// Which transport a data link uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -537,8 +537,8 @@ impl RawDecode {
     ) -> Result<RawDecode, HandshakeError> {
         let mut s = TcpStream::connect(addr).await.unwrap();
         // Preface: control, this raw endpoint's id, its connect number.
-        let preface = handoff_transfer::wire::encode_preface(
-            handoff_transfer::wire::PREFACE_CONTROL,
+        let preface = handoff_proto::datalink::encode_preface(
+            handoff_proto::datalink::PREFACE_CONTROL,
             endpoint,
             connect,
         );
@@ -1179,7 +1179,7 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
 /// room's, beyond the pool, or in a layer that does not exist. Decode
 /// rejects each before a byte lands, and its ack says so.
 async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: TransportKind) {
-    use handoff_transfer::wire::{Record, SegmentHeader};
+    use handoff_proto::datalink::{Record, SegmentHeader};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (d_pool, _) = testing::pool();
@@ -2043,7 +2043,7 @@ async fn raw_prefill_gives_up(control: &mut RawDecode, rx: &KvReceiver, room: Ro
 /// As a raw prefill: end `room` on `data` and check decode acknowledges it
 /// as not ok (some of its writes were refused).
 async fn end_room_expecting_a_refusal(data: &mut TcpStream, room: RoomId) {
-    use handoff_transfer::wire::{Ack, Record, ACK_LEN};
+    use handoff_proto::datalink::{Ack, Record, ACK_LEN};
     let end = Record::End {
         room,
         cancelled: false,
@@ -2069,12 +2069,12 @@ async fn raw_prefill(
     hs: HandshakeConfig,
     room: RoomId,
 ) -> (RawDecode, TcpStream, Vec<TcpStream>) {
-    use handoff_transfer::wire::{stream_of, TcpStreamSetup};
+    use handoff_proto::datalink::{stream_of, TcpStreamSetup};
     let mut control = None;
     let mut data: Vec<Option<TcpStream>> = Vec::new();
     while control.is_none() || data.is_empty() || data.iter().any(Option::is_none) {
         let (mut s, _) = listener.accept().await.unwrap();
-        let mut pre = [0u8; handoff_transfer::wire::PREFACE_LEN];
+        let mut pre = [0u8; handoff_proto::datalink::PREFACE_LEN];
         s.read_exact(&mut pre).await.unwrap();
         if pre[0] == b'C' {
             let hs = hs.clone();
@@ -2114,8 +2114,8 @@ async fn raw_prefill(
 }
 
 async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kind: TransportKind) {
+    use handoff_proto::datalink::{HeadSlice, Record, SegmentHeader};
     use handoff_proto::rank::KvPart;
-    use handoff_transfer::wire::{HeadSlice, Record, SegmentHeader};
     // A raw prefill TP rank 0 of 1 (4 heads) feeding decode rank 1 of 2,
     // whose blocks hold 2 heads.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -1,4 +1,4 @@
-//! The data-link wire format (DESIGN.md §5): what flows on a data connection
+//! The data-link wire format (DESIGN.md §5), sans-IO like the control codec: what flows on a data connection
 //! after its handshake. Control frames never travel here; these records only
 //! carry KV payload placement (tcp), the aux record and end-of-room markers,
 //! and the decode side's acknowledgements.
@@ -6,8 +6,8 @@
 //! Every record has a fixed-size header; a decoder validates the tag and
 //! sizes before anything is acted on.
 
-use handoff_proto::rank::KvPart;
-use handoff_proto::RoomId;
+use crate::ids::RoomId;
+use crate::rank::KvPart;
 
 /// Preface byte of a control connection.
 pub const PREFACE_CONTROL: u8 = b'C';
@@ -95,10 +95,10 @@ impl TcpStreamSetup {
             count: b[9],
         };
         if s.count == 0 || s.count > MAX_TCP_STREAMS || s.index >= s.count {
-            return Err(RecordError(format!(
-                "tcp stream {} of {} (at most {MAX_TCP_STREAMS} streams)",
-                s.index, s.count
-            )));
+            return Err(RecordError::StreamSetup {
+                index: s.index,
+                count: s.count,
+            });
         }
         Ok(s)
     }
@@ -212,14 +212,59 @@ pub struct Ack {
     pub ok: bool,
 }
 
-/// A record that failed validation.
+/// Why bytes off a data link are not a valid record (the peer misbehaved).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("bad data-link record: {0}")]
-pub struct RecordError(pub String);
+#[non_exhaustive]
+pub enum RecordError {
+    /// Room id 0 is reserved.
+    #[error("bad data-link record: room 0")]
+    ZeroRoom,
+    /// A record tag no version of the protocol defines.
+    #[error("bad data-link record: unknown tag {0}")]
+    UnknownTag(u8),
+    /// A whole-span segment of zero pages.
+    #[error("bad data-link record: segment of zero pages")]
+    ZeroPages,
+    /// Head-slice fields set on a whole-span segment.
+    #[error("bad data-link record: head fields on a whole-span segment")]
+    HeadFieldsOnWholeSpan,
+    /// A slice kind other than none, K or V.
+    #[error("bad data-link record: slice kind {0}")]
+    SliceKind(u8),
+    /// A head slice must cover one page and at least one head.
+    #[error("bad data-link record: a head slice covers one page and at least one head ({pages} pages, {heads} heads)")]
+    BadHeadSlice {
+        /// Pages it named.
+        pages: u32,
+        /// Heads it named.
+        heads: u32,
+    },
+    /// An end marker's cancelled flag is neither 0 nor 1.
+    #[error("bad data-link record: end flag {0}")]
+    EndFlag(u8),
+    /// An acknowledgement with a wrong tag or flag.
+    #[error("bad data-link record: bad ack (tag {tag}, flag {flag})")]
+    BadAck {
+        /// Its tag byte.
+        tag: u8,
+        /// Its ok flag byte.
+        flag: u8,
+    },
+    /// A TCP stream setup outside `index < count <= MAX_TCP_STREAMS`.
+    #[error(
+        "bad data-link setup: tcp stream {index} of {count} (at most {MAX_TCP_STREAMS} streams)"
+    )]
+    StreamSetup {
+        /// The stream's index.
+        index: u8,
+        /// The link's stream count.
+        count: u8,
+    },
+}
 
 fn room_at(b: &[u8]) -> Result<RoomId, RecordError> {
     let raw = u64::from_le_bytes(arr(b));
-    RoomId::new(raw).ok_or_else(|| RecordError("room 0".into()))
+    RoomId::new(raw).ok_or(RecordError::ZeroRoom)
 }
 
 fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
@@ -279,12 +324,10 @@ impl Record {
                 let count = u32::from_le_bytes(arr(&b[26..30]));
                 let part = match b[21] {
                     SLICE_NONE if first == 0 && count == 0 => None,
-                    SLICE_NONE => {
-                        return Err(RecordError("head fields on a whole-span segment".into()))
-                    }
+                    SLICE_NONE => return Err(RecordError::HeadFieldsOnWholeSpan),
                     SLICE_K => Some(KvPart::K),
                     SLICE_V => Some(KvPart::V),
-                    v => return Err(RecordError(format!("slice kind {v}"))),
+                    v => return Err(RecordError::SliceKind(v)),
                 };
                 let s = SegmentHeader {
                     room,
@@ -294,13 +337,13 @@ impl Record {
                     heads: part.map(|part| HeadSlice { part, first, count }),
                 };
                 if s.n_pages == 0 {
-                    return Err(RecordError("segment of zero pages".into()));
+                    return Err(RecordError::ZeroPages);
                 }
                 if s.heads.is_some() && (s.n_pages != 1 || count == 0) {
-                    return Err(RecordError(format!(
-                        "a head slice covers one page and at least one head ({} pages, {count} heads)",
-                        s.n_pages
-                    )));
+                    return Err(RecordError::BadHeadSlice {
+                        pages: s.n_pages,
+                        heads: count,
+                    });
                 }
                 Ok(Record::Segment(s))
             }
@@ -318,9 +361,9 @@ impl Record {
                     room,
                     cancelled: b[9] == 1,
                 }),
-                v => Err(RecordError(format!("end flag {v}"))),
+                v => Err(RecordError::EndFlag(v)),
             },
-            t => Err(RecordError(format!("unknown tag {t}"))),
+            t => Err(RecordError::UnknownTag(t)),
         }
     }
 }
@@ -338,9 +381,10 @@ impl Ack {
     /// Decode and validate.
     pub fn decode(b: &[u8; ACK_LEN]) -> Result<Ack, RecordError> {
         if b[0] != TAG_ACK || b[9] > 1 {
-            return Err(RecordError(
-                format!("bad ack {:?}", &b[..]).chars().take(80).collect(),
-            ));
+            return Err(RecordError::BadAck {
+                tag: b[0],
+                flag: b[9],
+            });
         }
         Ok(Ack {
             room: room_at(&b[1..9])?,
@@ -397,8 +441,11 @@ mod tests {
         }
         .encode();
         bad[0] = 99;
-        assert!(Record::decode(&bad).is_err());
-        assert!(Record::decode(&[0u8; RECORD_LEN]).is_err(), "room 0");
+        assert_eq!(Record::decode(&bad), Err(RecordError::UnknownTag(99)));
+        assert_eq!(
+            Record::decode(&[0u8; RECORD_LEN]),
+            Err(RecordError::ZeroRoom)
+        );
         // Malformed head slices: unknown kind, zero heads, several pages,
         // head fields on a whole-span segment.
         let sliced = |n_pages, count| {
@@ -419,12 +466,26 @@ mod tests {
         kind[21] = 3;
         let mut whole_with_heads = sliced(1, 1);
         whole_with_heads[21] = 0;
-        for b in [kind, sliced(1, 0), sliced(2, 1), whole_with_heads] {
-            assert!(Record::decode(&b).is_err(), "{b:?}");
+        for (b, want) in [
+            (kind, RecordError::SliceKind(3)),
+            (
+                sliced(1, 0),
+                RecordError::BadHeadSlice { pages: 1, heads: 0 },
+            ),
+            (
+                sliced(2, 1),
+                RecordError::BadHeadSlice { pages: 2, heads: 1 },
+            ),
+            (whole_with_heads, RecordError::HeadFieldsOnWholeSpan),
+        ] {
+            assert_eq!(Record::decode(&b), Err(want), "{b:?}");
         }
         let a = Ack { room, ok: true };
         assert_eq!(Ack::decode(&a.encode()), Ok(a));
-        assert!(Ack::decode(&[9u8; ACK_LEN]).is_err());
+        assert_eq!(
+            Ack::decode(&[9u8; ACK_LEN]),
+            Err(RecordError::BadAck { tag: 9, flag: 9 })
+        );
     }
 
     proptest::proptest! {
@@ -492,8 +553,10 @@ mod stream_setup_tests {
                 count,
             };
             let e = TcpStreamSetup::decode(&bad.encode()).unwrap_err();
+            assert_eq!(e, RecordError::StreamSetup { index, count });
             assert!(
-                e.0.contains(&format!("tcp stream {index} of {count}")),
+                e.to_string()
+                    .contains(&format!("tcp stream {index} of {count}")),
                 "{e}"
             );
         }

@@ -1,0 +1,1053 @@
+//! The prefill endpoint, sans-IO (DESIGN.md §3 step 4, §4, §5): one owner
+//! for everything prefill knows about its rooms and its decode peers.
+//!
+//! [`SenderEndpoint`] owns the room table ([`SenderRooms`]), peer liveness,
+//! which connect of each decode endpoint is the newest (a connect that
+//! decode cancelled but that completes late here never replaces a newer
+//! one), the assembly of multi-stream data links, each room's destinations
+//! and whether its writes ended or were cancelled, the outcomes nobody has
+//! taken yet and the waiters for them. It is generic over the link stream
+//! type `S` (the shell's accepted socket), the waiter token `W` (the
+//! shell's reply channel) and the per-room cancel token `C` (the flag the
+//! shell's link writers check), so nothing here does I/O: time is passed
+//! in, control messages come out of [`SenderEndpoint::poll_transmit`] and
+//! everything else the shell must do out of [`SenderEndpoint::poll_event`].
+//!
+//! Segment building stays with the shell (it owns the KV layout): a
+//! [`SenderEndpoint::send`] checks the room and each destination and
+//! returns the destinations to write; a destination the shell cannot write
+//! is reported with [`SenderEndpoint::handle_write_failed`].
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::datalink::AuxData;
+use crate::error::TransferError;
+use crate::heartbeat::Liveness;
+use crate::ids::{RankId, RoomId};
+use crate::message::{Destination, Message};
+use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Transmit};
+use crate::sender_room::{SenderAction, SenderRooms};
+use crate::timer::Timer;
+
+/// Decode ranks whose newest connect number is kept even with nothing left
+/// of them.
+const MAX_NEWEST: usize = 4096;
+
+/// What prefill knows about a room ([`SenderEndpoint::poll`],
+/// [`SenderEndpoint::wait`], [`SenderEndpoint::wait_input`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SenderPoll {
+    /// Live, in this state (`WaitingForInput`: compute may start).
+    Pending(RoomState),
+    /// Every destination has all KV and aux.
+    Success,
+    /// Failed (reported once; the room is released).
+    Failed(TransferError),
+    /// Not known (never opened, or its outcome was already taken).
+    Unknown,
+}
+
+/// What the prefill shell must do, besides sending control messages.
+#[derive(Debug)]
+pub enum SenderEvent<W, C> {
+    /// No more writes for `room` on the data link to `rank`: queue the aux
+    /// record (or none, for cancelled writes), then the room's end marker.
+    Finish {
+        /// The decode peer.
+        rank: RankId,
+        /// The room.
+        room: RoomId,
+        /// The aux slot and data; `None` when the writes were cancelled.
+        aux: Option<(u32, AuxData)>,
+        /// The room's cancel token.
+        cancel: C,
+    },
+    /// The room's writes are cancelled: raise its cancel token, so queued
+    /// segments are skipped.
+    Cancel {
+        /// The room.
+        room: RoomId,
+        /// Its cancel token.
+        cancel: C,
+    },
+    /// Drop the I/O handles of `rank`'s control connection `control` and
+    /// data link `link` (where the shell's current ones have these ids).
+    ClosePeer {
+        /// The decode peer.
+        rank: RankId,
+        /// Its control connection, if one is to close.
+        control: Option<u64>,
+        /// Its data link, if one is to close.
+        link: Option<u64>,
+    },
+    /// A waiter's answer.
+    Answer {
+        /// The waiter's token.
+        waiter: W,
+        /// The answer.
+        poll: SenderPoll,
+    },
+}
+
+/// Why a call of the engine's was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SendRefused {
+    /// The room is not ready for writes (still waiting for destinations, or
+    /// draining).
+    #[error("room is {0}, not ready for writes")]
+    NotReady(&'static str),
+    /// No such live room.
+    #[error("unknown room")]
+    UnknownRoom,
+    /// The room failed before its writes started.
+    #[error("room failed before its writes started")]
+    FailedBeforeWrites,
+    /// The room's writes already ended (finished or cancelled).
+    #[error("room already finished or cancelled")]
+    Ended,
+    /// Layers or pages outside the room or the prefill pool.
+    #[error("send of layers {layers:?} pages {pages:?} outside the room or the prefill pool")]
+    OutOfRange {
+        /// Layers asked for.
+        layers: Range<usize>,
+        /// Pages asked for.
+        pages: Range<usize>,
+    },
+}
+
+impl From<SendRefused> for TransferError {
+    fn from(e: SendRefused) -> Self {
+        TransferError::Internal {
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// Counters and gauges of a prefill endpoint.
+#[derive(Debug, Clone, Default)]
+pub struct SenderStats {
+    /// Live rooms (Draining included).
+    pub live_rooms: usize,
+    /// Peers with an established control connection.
+    pub peers_ranks: Vec<RankId>,
+    /// Peers with a data link up.
+    pub links: usize,
+    /// Peers with a multi-stream link partly accepted.
+    pub pending_links: usize,
+    /// The room table's counters.
+    pub room_stats: RoomStats,
+    /// Malformed control frames counted and dropped.
+    pub malformed_frames: u64,
+    /// Control handshakes refused.
+    pub handshakes_failed: u64,
+    /// How much later than due the shell woke us, in all.
+    pub stalled: Duration,
+    /// Rooms whose writes started.
+    pub writing_rooms: usize,
+    /// Outcomes not yet taken.
+    pub unclaimed_outcomes: usize,
+    /// Waiters registered (outcome and input).
+    pub waiters: usize,
+}
+
+/// What prefill knows of one decode peer.
+#[derive(Debug)]
+struct Peer<S> {
+    /// The id of its established control connection.
+    control: Option<u64>,
+    /// Its data link: the shell's id and the decode pool's page count.
+    link: Option<(u64, usize)>,
+    /// A multi-stream link partly accepted: its nonce and streams so far.
+    pending: Option<(u64, Vec<Option<S>>)>,
+}
+
+impl<S> Default for Peer<S> {
+    fn default() -> Self {
+        Self {
+            control: None,
+            link: None,
+            pending: None,
+        }
+    }
+}
+
+impl<S> Peer<S> {
+    fn is_empty(&self) -> bool {
+        self.control.is_none() && self.link.is_none() && self.pending.is_none()
+    }
+}
+
+/// A room whose writes started.
+#[derive(Debug)]
+struct Writing<C> {
+    destinations: Vec<(RankId, Arc<Destination>)>,
+    cancel: C,
+    cancelled: bool,
+    ended: bool,
+}
+
+/// The prefill endpoint: see the module docs.
+#[derive(Debug)]
+pub struct SenderEndpoint<S, W, C> {
+    rooms: SenderRooms,
+    liveness: Liveness,
+    peers: HashMap<RankId, Peer<S>>,
+    /// Per decode rank seen, the newest connect number.
+    newest: HashMap<RankId, u64>,
+    /// Rooms opened but not yet writing: their cancel tokens.
+    tokens: HashMap<RoomId, C>,
+    writing: HashMap<RoomId, Writing<C>>,
+    /// Outcomes not yet taken; they expire with the unknown-room TTL.
+    outcomes: Expiring<Result<(), TransferError>>,
+    outcome_ttl: Duration,
+    waiters: HashMap<RoomId, Vec<W>>,
+    /// Waiting for their room to leave `Bootstrapping`.
+    input_waiters: HashMap<RoomId, Vec<W>>,
+    events: VecDeque<SenderEvent<W, C>>,
+    /// Layers of the prefill pool.
+    layers: usize,
+    malformed_frames: u64,
+    handshakes_failed: u64,
+}
+
+impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
+    /// An endpoint with room limits and timers `config` over a prefill pool
+    /// of `layers` layers.
+    pub fn new(config: RoomConfig, layers: usize) -> Self {
+        Self {
+            liveness: Liveness::new(config.timers),
+            outcomes: Expiring::new(config.max_live_rooms),
+            outcome_ttl: config.timers.get(Timer::UnknownRoomTtl),
+            rooms: SenderRooms::new(config),
+            peers: HashMap::new(),
+            newest: HashMap::new(),
+            tokens: HashMap::new(),
+            writing: HashMap::new(),
+            waiters: HashMap::new(),
+            input_waiters: HashMap::new(),
+            events: VecDeque::new(),
+            layers,
+            malformed_frames: 0,
+            handshakes_failed: 0,
+        }
+    }
+
+    // ----- what the shell drains -----
+
+    /// The next control message to send. Call after every other call.
+    pub fn poll_transmit(&mut self, now: Instant) -> Option<Transmit> {
+        self.rooms
+            .poll_transmit()
+            .or_else(|| self.liveness.poll_transmit(now))
+    }
+
+    /// The next thing the shell must do (see [`SenderEvent`]). Call after
+    /// every other call, until `None`.
+    pub fn poll_event(&mut self) -> Option<SenderEvent<W, C>> {
+        self.events.pop_front()
+    }
+
+    /// When to call [`Self::handle_timeout`] next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.rooms
+            .poll_timeout()
+            .into_iter()
+            .chain(self.liveness.poll_timeout())
+            .chain(self.outcomes.next_expiry())
+            .min()
+    }
+
+    /// Deadlines that passed: rooms fail, outcomes expire, silent peers are
+    /// declared dead (their connections go, their rooms fail).
+    /// Returns the peers declared dead.
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<RankId> {
+        self.rooms.handle_timeout(now);
+        self.outcomes.expire(now);
+        let dead = self.liveness.handle_timeout(now);
+        for &rank in &dead {
+            self.drop_peer(rank, now);
+        }
+        self.drive(now);
+        dead
+    }
+
+    // ----- what the sockets report -----
+
+    /// Whether a connection of decode's connect `connect` may join what
+    /// `rank` has. Not when a newer connect of that endpoint was seen (a
+    /// connect cancelled on decode, completing late here). A newer connect
+    /// replaces the older one: its control connection and data link go and
+    /// its rooms fail, so no rank is left with the control connection of
+    /// one connect and the data link of another.
+    fn admit(&mut self, rank: RankId, connect: u64, now: Instant) -> bool {
+        match self.newest.get(&rank) {
+            Some(&newest) if newest > connect => return false,
+            Some(&newest) if newest == connect => return true,
+            _ => {}
+        }
+        self.newest.insert(rank, connect);
+        if self.peers.get(&rank).is_some_and(|p| !p.is_empty()) {
+            self.drop_peer(rank, now);
+        }
+        true
+    }
+
+    /// `rank`'s control connection `conn`, of decode's connect `connect`,
+    /// finished its handshake. Returns whether to keep it (not for an older
+    /// connect than the newest seen).
+    pub fn handle_control_up(
+        &mut self,
+        rank: RankId,
+        conn: u64,
+        connect: u64,
+        now: Instant,
+    ) -> bool {
+        if !self.admit(rank, connect, now) {
+            return false;
+        }
+        self.peers.entry(rank).or_default().control = Some(conn);
+        self.liveness.add_peer(rank, now);
+        self.drive(now);
+        true
+    }
+
+    /// A control message from `rank`.
+    pub fn handle_message(&mut self, rank: RankId, msg: Message, now: Instant) {
+        self.liveness.handle_seen(rank, now);
+        self.rooms.handle_message(rank, msg, now);
+        self.drive(now);
+    }
+
+    /// A malformed control frame was dropped.
+    pub fn handle_malformed(&mut self) {
+        self.malformed_frames += 1;
+    }
+
+    /// A control handshake was refused.
+    pub fn handle_handshake_failed(&mut self) {
+        self.handshakes_failed += 1;
+    }
+
+    /// Control connection `conn` of `rank` closed. If it is the peer's
+    /// current one, the peer is gone: its data link goes too and its rooms
+    /// fail.
+    pub fn handle_control_closed(&mut self, rank: RankId, conn: u64, now: Instant) {
+        if self
+            .peers
+            .get(&rank)
+            .is_some_and(|p| p.control == Some(conn))
+        {
+            self.drop_peer(rank, now);
+            self.drive(now);
+        }
+    }
+
+    /// Stream `index` of `count` of a data link (`nonce`, decode's connect
+    /// `connect`) from `rank` was accepted. Returns the link's streams, in
+    /// index order, once all of them are here (at once for one stream);
+    /// `None` while more are expected or when the connect is older than the
+    /// newest seen (the stream is dropped). A new nonce means decode started
+    /// the link over: the older attempt's streams are dropped.
+    pub fn handle_link_stream(
+        &mut self,
+        rank: RankId,
+        connect: u64,
+        (nonce, index, count): (u64, u8, u8),
+        stream: S,
+        now: Instant,
+    ) -> Option<Vec<S>> {
+        if !self.admit(rank, connect, now) {
+            return None;
+        }
+        self.drive(now);
+        if count <= 1 {
+            return Some(vec![stream]);
+        }
+        let peer = self.peers.entry(rank).or_default();
+        let (n, streams) = peer.pending.get_or_insert_with(|| (nonce, Vec::new()));
+        if *n != nonce || streams.len() != usize::from(count) {
+            *n = nonce;
+            *streams = (0..count).map(|_| None).collect();
+        }
+        *streams.get_mut(usize::from(index))? = Some(stream);
+        if streams.iter().any(Option::is_none) {
+            return None;
+        }
+        peer.pending
+            .take()
+            .map(|(_, s)| s.into_iter().flatten().collect())
+    }
+
+    /// `rank`'s data link `link` (the shell's id) is up; the decode pool
+    /// has `dest_pages` pages.
+    pub fn handle_link_up(&mut self, rank: RankId, link: u64, dest_pages: usize) {
+        self.peers.entry(rank).or_default().link = Some((link, dest_pages));
+    }
+
+    /// Data link `link` of `rank` closed. If it is the peer's current one,
+    /// every room writing to it fails (peer dead).
+    pub fn handle_link_closed(&mut self, rank: RankId, link: u64, reason: &str, now: Instant) {
+        let Some(p) = self.peers.get_mut(&rank) else {
+            return;
+        };
+        if p.link.is_none_or(|(id, _)| id != link) {
+            return;
+        }
+        p.link = None;
+        self.events.push_back(SenderEvent::ClosePeer {
+            rank,
+            control: None,
+            link: Some(link),
+        });
+        let hit: Vec<RoomId> = self
+            .writing
+            .iter()
+            .filter(|(_, w)| w.destinations.iter().any(|(r, _)| *r == rank))
+            .map(|(room, _)| *room)
+            .collect();
+        for room in hit {
+            let err = TransferError::PeerDead {
+                rank,
+                detail: format!("data link closed: {reason}"),
+            };
+            self.rooms.handle_write_failed(room, rank, err, now);
+        }
+        self.bound_newest();
+        self.drive(now);
+    }
+
+    /// Decode acknowledged everything of `room` on `rank`'s link up to its
+    /// end marker (`ok`: no segment was rejected).
+    pub fn handle_ack(&mut self, rank: RankId, room: RoomId, ok: bool, now: Instant) {
+        let Some(w) = self.writing.get(&room) else {
+            return;
+        };
+        if w.cancelled {
+            let err = TransferError::Internal {
+                reason: "writes cancelled".into(),
+            };
+            self.rooms.handle_write_failed(room, rank, err, now);
+        } else if ok {
+            self.rooms.handle_write_done(room, rank, now);
+        } else {
+            let err = TransferError::PeerMisbehaved {
+                detail: "decode rejected part of the room's writes".into(),
+            };
+            self.rooms.handle_write_failed(room, rank, err, now);
+        }
+        self.drive(now);
+    }
+
+    /// The shell could not write `room` to `rank` (e.g. it could not build
+    /// the segments): that destination fails.
+    pub fn handle_write_failed(
+        &mut self,
+        room: RoomId,
+        rank: RankId,
+        error: TransferError,
+        now: Instant,
+    ) {
+        self.rooms.handle_write_failed(room, rank, error, now);
+        self.drive(now);
+    }
+
+    // ----- what the engine asks -----
+
+    /// Accept a request for `room`, whose writes will carry `cancel`. Fails
+    /// for a duplicate live room id, a room decode already aborted, or
+    /// capacity.
+    pub fn open(&mut self, room: RoomId, cancel: C, now: Instant) -> Result<(), TransferError> {
+        self.rooms.open(room, now)?;
+        self.tokens.insert(room, cancel);
+        self.drive(now);
+        Ok(())
+    }
+
+    /// Fail `room` here (validation rejection, engine error): every decode
+    /// destination learns `error`'s reason and status.
+    pub fn fail(&mut self, room: RoomId, error: TransferError, now: Instant) {
+        self.rooms.fail(room, error, now);
+        self.drive(now);
+    }
+
+    /// Write `layers` × room pages `pages` of `room` (the first call marks
+    /// compute done). Returns the destinations to write, each with the
+    /// room's cancel token; destinations that cannot be written (no data
+    /// link, too few pages, a page outside the decode pool) fail here.
+    /// The caller checked its own (source) pages.
+    #[allow(clippy::type_complexity)]
+    pub fn send(
+        &mut self,
+        room: RoomId,
+        layers: Range<usize>,
+        pages: Range<usize>,
+        now: Instant,
+    ) -> Result<(Vec<(RankId, Arc<Destination>, usize)>, C), SendRefused> {
+        self.start_writes(room, now)?;
+        let Some(w) = self.writing.get(&room) else {
+            return Err(SendRefused::FailedBeforeWrites);
+        };
+        if w.ended {
+            return Err(SendRefused::Ended);
+        }
+        if layers.start > layers.end || layers.end > self.layers || pages.start > pages.end {
+            return Err(SendRefused::OutOfRange { layers, pages });
+        }
+        let mut out = Vec::with_capacity(w.destinations.len());
+        let mut failed: Vec<(RankId, TransferError)> = Vec::new();
+        for (rank, d) in &w.destinations {
+            let Some((_, dest_pages)) = self.peers.get(rank).and_then(|p| p.link) else {
+                failed.push((
+                    *rank,
+                    TransferError::PeerDead {
+                        rank: *rank,
+                        detail: "no data link to this decode rank".into(),
+                    },
+                ));
+                continue;
+            };
+            if pages.end > d.pages.len() {
+                failed.push((
+                    *rank,
+                    TransferError::PeerMisbehaved {
+                        detail: format!(
+                            "destination has {} pages, the room sends {}",
+                            d.pages.len(),
+                            pages.end
+                        ),
+                    },
+                ));
+                continue;
+            }
+            // Every destination page written is checked against the decode
+            // pool before anything is written.
+            if let Some(bad) = d.pages[pages.clone()]
+                .iter()
+                .find(|p| p.0 as usize >= dest_pages)
+            {
+                failed.push((
+                    *rank,
+                    TransferError::PeerMisbehaved {
+                        detail: format!(
+                            "destination page {} is outside the decode pool of {dest_pages} pages",
+                            bad.0
+                        ),
+                    },
+                ));
+                continue;
+            }
+            out.push((*rank, d.clone(), dest_pages));
+        }
+        let cancel = w.cancel.clone();
+        for (rank, e) in failed {
+            self.rooms.handle_write_failed(room, rank, e, now);
+        }
+        self.drive(now);
+        Ok((out, cancel))
+    }
+
+    /// Every `send` of `room` is queued: each destination gets the aux
+    /// record and the room's end ([`SenderEvent::Finish`] events). Success is
+    /// reported once decode acknowledged.
+    pub fn finish(&mut self, room: RoomId, aux: AuxData, now: Instant) -> Result<(), SendRefused> {
+        self.start_writes(room, now)?;
+        if let Some(w) = self.writing.get_mut(&room) {
+            if !w.ended {
+                w.ended = true;
+                for (rank, d) in &w.destinations {
+                    if self.peers.get(rank).is_some_and(|p| p.link.is_some()) {
+                        self.events.push_back(SenderEvent::Finish {
+                            rank: *rank,
+                            room,
+                            aux: Some((d.aux_slot.0, aux)),
+                            cancel: w.cancel.clone(),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The state of live `room` (or of its tombstone, once ended).
+    pub fn state(&self, room: RoomId) -> Option<RoomState> {
+        self.rooms.state(room)
+    }
+
+    /// The room's state or outcome (an outcome is taken: reported once).
+    pub fn poll(&mut self, room: RoomId) -> SenderPoll {
+        match self.rooms.state(room) {
+            Some(s) if !s.is_terminal() => SenderPoll::Pending(s),
+            _ => Self::answer(self.outcomes.remove(room)),
+        }
+    }
+
+    /// Wait until `room` ends: `waiter` comes back with its outcome in a
+    /// [`SenderEvent::Answer`] (taken, like [`Self::poll`]); at once with
+    /// `Unknown` for a room that is neither live nor ended.
+    pub fn wait(&mut self, room: RoomId, waiter: W) {
+        let poll = match self.outcomes.remove(room) {
+            Some(o) => Self::answer(Some(o)),
+            None if self.rooms.state(room).is_some_and(|s| !s.is_terminal()) => {
+                self.waiters.entry(room).or_default().push(waiter);
+                return;
+            }
+            None => SenderPoll::Unknown,
+        };
+        self.events.push_back(SenderEvent::Answer { waiter, poll });
+    }
+
+    /// Wait until `room` leaves `Bootstrapping`: `waiter` comes back with
+    /// `Pending(WaitingForInput)` (every destination arrived: compute may
+    /// start) or `Unknown` (the room ended; its outcome is left for
+    /// [`Self::poll`] / [`Self::wait`]).
+    pub fn wait_input(&mut self, room: RoomId, waiter: W) {
+        match self.input_state(room) {
+            Some(poll) => self.events.push_back(SenderEvent::Answer { waiter, poll }),
+            None => self.input_waiters.entry(room).or_default().push(waiter),
+        }
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> SenderStats {
+        SenderStats {
+            live_rooms: self.rooms.live_rooms(),
+            peers_ranks: self
+                .peers
+                .iter()
+                .filter(|(_, p)| p.control.is_some())
+                .map(|(r, _)| *r)
+                .collect(),
+            links: self.peers.values().filter(|p| p.link.is_some()).count(),
+            pending_links: self.peers.values().filter(|p| p.pending.is_some()).count(),
+            room_stats: self.rooms.stats().clone(),
+            malformed_frames: self.malformed_frames,
+            handshakes_failed: self.handshakes_failed,
+            stalled: self.liveness.stalled(),
+            writing_rooms: self.writing.len(),
+            unclaimed_outcomes: self.outcomes.len(),
+            waiters: self.waiters.values().map(Vec::len).sum::<usize>()
+                + self.input_waiters.values().map(Vec::len).sum::<usize>(),
+        }
+    }
+
+    /// Stop: forget every peer (pending streams are dropped) and waiter;
+    /// every room's writes are cancelled ([`SenderEvent::Cancel`]).
+    pub fn shutdown(&mut self) {
+        self.peers.clear();
+        self.waiters.clear();
+        self.input_waiters.clear();
+        self.events.clear();
+        for (room, w) in self.writing.drain() {
+            self.events.push_back(SenderEvent::Cancel {
+                room,
+                cancel: w.cancel,
+            });
+        }
+        self.tokens.clear();
+    }
+
+    // ----- inside -----
+
+    fn answer(outcome: Option<Result<(), TransferError>>) -> SenderPoll {
+        match outcome {
+            Some(Ok(())) => SenderPoll::Success,
+            Some(Err(e)) => SenderPoll::Failed(e),
+            None => SenderPoll::Unknown,
+        }
+    }
+
+    /// The answer of `wait_input` for `room`, or `None` while it is still
+    /// bootstrapping.
+    fn input_state(&self, room: RoomId) -> Option<SenderPoll> {
+        match self.rooms.state(room) {
+            Some(RoomState::Bootstrapping) => None,
+            Some(s) if !s.is_terminal() => Some(SenderPoll::Pending(s)),
+            _ => Some(SenderPoll::Unknown),
+        }
+    }
+
+    /// Move `room` to Transferring (compute done) if it is not yet.
+    fn start_writes(&mut self, room: RoomId, now: Instant) -> Result<(), SendRefused> {
+        if !self.writing.contains_key(&room) {
+            match self.rooms.state(room) {
+                Some(RoomState::WaitingForInput) => {
+                    self.rooms.handle_compute_done(room, now);
+                    self.drive(now);
+                }
+                Some(s) => return Err(SendRefused::NotReady(s.name())),
+                None => return Err(SendRefused::UnknownRoom),
+            }
+        }
+        if self.writing.contains_key(&room) {
+            Ok(())
+        } else {
+            Err(SendRefused::FailedBeforeWrites)
+        }
+    }
+
+    /// Forget `rank`'s control connection, link and pending streams (its
+    /// rooms fail as the peer is dead).
+    fn drop_peer(&mut self, rank: RankId, now: Instant) {
+        if let Some(p) = self.peers.remove(&rank) {
+            self.events.push_back(SenderEvent::ClosePeer {
+                rank,
+                control: p.control,
+                link: p.link.map(|(id, _)| id),
+            });
+        }
+        self.liveness.remove_peer(rank);
+        self.rooms.handle_peer_dead(rank, now);
+        self.bound_newest();
+    }
+
+    /// Keep `newest` bounded: past [`MAX_NEWEST`] entries, forget those of
+    /// ranks with nothing left (a late connection of a forgotten rank is
+    /// then admitted, and closes when decode drops it).
+    fn bound_newest(&mut self) {
+        if self.newest.len() > MAX_NEWEST {
+            let peers = &self.peers;
+            self.newest
+                .retain(|r, _| peers.get(r).is_some_and(|p| !p.is_empty()));
+        }
+    }
+
+    /// Carry out what the room table decided, until it has nothing more;
+    /// then answer input waiters whose room left `Bootstrapping`.
+    fn drive(&mut self, now: Instant) {
+        while let Some(a) = self.rooms.poll_action() {
+            match a {
+                SenderAction::StartCompute { .. } => {}
+                SenderAction::StartWrites { room, destinations } => {
+                    if let Some(cancel) = self.tokens.remove(&room) {
+                        self.writing.insert(
+                            room,
+                            Writing {
+                                destinations: destinations
+                                    .into_iter()
+                                    .map(|(r, d)| (r, Arc::new(d)))
+                                    .collect(),
+                                cancel,
+                                cancelled: false,
+                                ended: false,
+                            },
+                        );
+                    }
+                }
+                SenderAction::CancelWrites { room } => self.cancel_writes(room, now),
+                SenderAction::Finished { room, result } => {
+                    self.writing.remove(&room);
+                    self.tokens.remove(&room);
+                    match self.waiters.remove(&room) {
+                        Some(waiters) => {
+                            let poll = Self::answer(Some(result));
+                            for waiter in waiters {
+                                self.events.push_back(SenderEvent::Answer {
+                                    waiter,
+                                    poll: poll.clone(),
+                                });
+                            }
+                        }
+                        None => self.outcomes.insert(room, result, now + self.outcome_ttl),
+                    }
+                }
+            }
+        }
+        if !self.input_waiters.is_empty() {
+            let ready: Vec<(RoomId, SenderPoll)> = self
+                .input_waiters
+                .keys()
+                .filter_map(|&room| self.input_state(room).map(|p| (room, p)))
+                .collect();
+            for (room, poll) in ready {
+                for waiter in self.input_waiters.remove(&room).unwrap_or_default() {
+                    self.events.push_back(SenderEvent::Answer {
+                        waiter,
+                        poll: poll.clone(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Cancel `room`'s writes: raise its token; a room whose end was already
+    /// queued will be acked, one without gets a cancelled end now; a
+    /// destination without a link fails at once.
+    fn cancel_writes(&mut self, room: RoomId, now: Instant) {
+        let Some(w) = self.writing.get_mut(&room) else {
+            return;
+        };
+        w.cancelled = true;
+        self.events.push_back(SenderEvent::Cancel {
+            room,
+            cancel: w.cancel.clone(),
+        });
+        let mut orphans = Vec::new();
+        for (rank, _) in &w.destinations {
+            match self.peers.get(rank).and_then(|p| p.link) {
+                Some(_) if !w.ended => self.events.push_back(SenderEvent::Finish {
+                    rank: *rank,
+                    room,
+                    aux: None,
+                    cancel: w.cancel.clone(),
+                }),
+                Some(_) => {}
+                None => orphans.push(*rank),
+            }
+        }
+        w.ended = true;
+        for rank in orphans {
+            let err = TransferError::PeerDead {
+                rank,
+                detail: "no data link".into(),
+            };
+            self.rooms.handle_write_failed(room, rank, err, now);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::{AuxSlot, PageIndex};
+    use crate::message::{Abort, Outcome, Status};
+
+    type Ep = SenderEndpoint<&'static str, u32, u8>;
+
+    const D: RankId = RankId(3);
+
+    fn room(n: u64) -> RoomId {
+        RoomId::new(n).unwrap()
+    }
+
+    fn connected(now: Instant) -> Ep {
+        let mut ep = Ep::new(RoomConfig::default(), 2);
+        assert!(ep.handle_control_up(D, 10, 1, now));
+        assert_eq!(
+            ep.handle_link_stream(D, 1, (7, 0, 1), "s0", now),
+            Some(vec!["s0"])
+        );
+        ep.handle_link_up(D, 20, 8);
+        ep
+    }
+
+    fn destination(r: RoomId, pages: &[u32]) -> Message {
+        Message::Destination(Destination {
+            room: r,
+            pages: pages.iter().map(|p| PageIndex(*p)).collect(),
+            aux_slot: AuxSlot(5),
+            required_destinations: 1,
+            prefix_tokens: None,
+        })
+    }
+
+    fn events(ep: &mut Ep) -> Vec<SenderEvent<u32, u8>> {
+        std::iter::from_fn(|| ep.poll_event()).collect()
+    }
+
+    #[test]
+    fn a_room_waits_for_its_destination_then_writes_and_succeeds_on_the_ack() {
+        let now = Instant::now();
+        let mut ep = connected(now);
+        let r = room(9);
+        ep.open(r, 1, now).unwrap();
+        ep.wait_input(r, 100);
+        ep.wait(r, 101);
+        assert!(events(&mut ep).is_empty(), "bootstrapping: nobody answered");
+        assert_eq!(
+            ep.send(r, 0..1, 0..1, now).unwrap_err(),
+            SendRefused::NotReady("bootstrapping")
+        );
+        ep.handle_message(D, destination(r, &[4, 5]), now);
+        assert!(matches!(
+            &events(&mut ep)[..],
+            [SenderEvent::Answer {
+                waiter: 100,
+                poll: SenderPoll::Pending(RoomState::WaitingForInput)
+            }]
+        ));
+        let (dests, cancel) = ep.send(r, 0..2, 0..2, now).unwrap();
+        assert_eq!(cancel, 1);
+        assert_eq!(dests.len(), 1);
+        assert_eq!((dests[0].0, dests[0].2), (D, 8));
+        assert_eq!(ep.poll(r), SenderPoll::Pending(RoomState::Transferring));
+        ep.finish(
+            r,
+            AuxData {
+                first_token: 7,
+                logprob: -1.0,
+            },
+            now,
+        )
+        .unwrap();
+        assert!(matches!(
+            &events(&mut ep)[..],
+            [SenderEvent::Finish { rank, aux: Some((5, a)), cancel: 1, .. }]
+                if *rank == D && a.first_token == 7
+        ));
+        assert_eq!(ep.send(r, 0..1, 0..1, now).unwrap_err(), SendRefused::Ended);
+        ep.handle_ack(D, r, true, now);
+        assert!(matches!(
+            &events(&mut ep)[..],
+            [SenderEvent::Answer {
+                waiter: 101,
+                poll: SenderPoll::Success
+            }]
+        ));
+        let tx: Vec<Transmit> = std::iter::from_fn(|| ep.poll_transmit(now)).collect();
+        assert!(tx.iter().any(|t| matches!(
+            &t.message,
+            Message::Status(Status {
+                outcome: Outcome::Success,
+                ..
+            })
+        )));
+        let s = ep.stats();
+        assert_eq!(
+            (
+                s.live_rooms,
+                s.writing_rooms,
+                s.waiters,
+                s.unclaimed_outcomes
+            ),
+            (0, 0, 0, 0)
+        );
+        assert!(ep.tokens.is_empty());
+    }
+
+    #[test]
+    fn destinations_outside_the_decode_pool_fail_before_anything_is_written() {
+        let now = Instant::now();
+        let mut ep = connected(now);
+        let r = room(2);
+        ep.open(r, 1, now).unwrap();
+        ep.handle_message(D, destination(r, &[1, 8]), now); // pool has 8 pages
+        let (dests, _) = ep.send(r, 0..1, 0..2, now).unwrap();
+        assert!(dests.is_empty(), "nothing to write");
+        match ep.poll(r) {
+            SenderPoll::Failed(TransferError::PeerMisbehaved { detail }) => {
+                assert!(
+                    detail.contains("outside the decode pool of 8 pages"),
+                    "{detail}"
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            ep.send(room(77), 0..1, 0..1, now).unwrap_err(),
+            SendRefused::UnknownRoom
+        );
+    }
+
+    #[test]
+    fn a_decode_abort_cancels_the_writes_and_the_room_fails_once_they_stopped() {
+        let now = Instant::now();
+        let mut ep = connected(now);
+        let r = room(4);
+        ep.open(r, 9, now).unwrap();
+        ep.handle_message(D, destination(r, &[1]), now);
+        ep.send(r, 0..2, 0..1, now).unwrap();
+        ep.wait(r, 1);
+        ep.handle_message(
+            D,
+            Message::Abort(Abort {
+                room: r,
+                reason: "client gone".into(),
+                http_status: Some(499),
+                origin: None,
+            }),
+            now,
+        );
+        let ev = events(&mut ep);
+        assert!(
+            matches!(
+                &ev[..],
+                [
+                    SenderEvent::Cancel { cancel: 9, .. },
+                    SenderEvent::Finish { aux: None, .. }
+                ]
+            ),
+            "{ev:?}"
+        );
+        assert_eq!(ep.poll(r), SenderPoll::Pending(RoomState::Draining));
+        // The writer's ack of the cancelled end: the room fails, once.
+        ep.handle_ack(D, r, true, now);
+        assert!(matches!(
+            &events(&mut ep)[..],
+            [SenderEvent::Answer {
+                waiter: 1,
+                poll: SenderPoll::Failed(_)
+            }]
+        ));
+    }
+
+    #[test]
+    fn a_newer_connect_replaces_an_older_one_and_a_late_older_one_is_refused() {
+        let now = Instant::now();
+        let mut ep = Ep::new(RoomConfig::default(), 2);
+        assert!(ep.handle_control_up(D, 1, 5, now));
+        ep.handle_link_up(D, 11, 8);
+        let r = room(6);
+        ep.open(r, 0, now).unwrap();
+        ep.handle_message(D, destination(r, &[1]), now);
+        // Connect 3, cancelled on decode, completes late: refused.
+        assert!(!ep.handle_control_up(D, 2, 3, now));
+        assert_eq!(ep.handle_link_stream(D, 3, (1, 0, 1), "late", now), None);
+        assert_eq!(ep.stats().peers_ranks, vec![D]);
+        // Connect 6 replaces 5: its connection and link close, its room fails.
+        assert!(ep.handle_control_up(D, 3, 6, now));
+        let ev = events(&mut ep);
+        assert!(
+            ev.iter().any(|e| matches!(
+                e,
+                SenderEvent::ClosePeer {
+                    control: Some(1),
+                    link: Some(11),
+                    ..
+                }
+            )),
+            "{ev:?}"
+        );
+        assert!(matches!(
+            ep.poll(r),
+            SenderPoll::Failed(TransferError::PeerDead { .. })
+        ));
+        assert_eq!(ep.stats().links, 0, "connect 6 has no link yet");
+        assert!(ep.stats().peers_ranks.contains(&D));
+    }
+
+    #[test]
+    fn a_multi_stream_link_starts_once_all_its_streams_are_here() {
+        let now = Instant::now();
+        let mut ep = Ep::new(RoomConfig::default(), 2);
+        assert_eq!(ep.handle_link_stream(D, 1, (7, 1, 3), "b", now), None);
+        // A new nonce starts over.
+        assert_eq!(ep.handle_link_stream(D, 1, (8, 0, 3), "x", now), None);
+        assert_eq!(ep.handle_link_stream(D, 1, (8, 2, 3), "z", now), None);
+        assert_eq!(ep.stats().pending_links, 1);
+        assert_eq!(
+            ep.handle_link_stream(D, 1, (8, 1, 3), "y", now),
+            Some(vec!["x", "y", "z"])
+        );
+        assert_eq!(ep.stats().pending_links, 0);
+        // An index outside the count is dropped.
+        assert_eq!(ep.handle_link_stream(D, 1, (9, 5, 2), "bad", now), None);
+    }
+
+    #[test]
+    fn newest_connects_are_bounded_but_live_peers_keep_theirs() {
+        let now = Instant::now();
+        let mut ep = Ep::new(RoomConfig::default(), 2);
+        assert!(ep.handle_control_up(D, 1, 5, now));
+        for r in 100..(100 + MAX_NEWEST as u32 + 10) {
+            assert!(ep.handle_control_up(RankId(r), 1, 1, now));
+            ep.handle_control_closed(RankId(r), 1, now);
+        }
+        assert!(ep.newest.len() <= MAX_NEWEST + 1, "{}", ep.newest.len());
+        assert!(!ep.handle_control_up(D, 2, 4, now), "D's newest is kept");
+    }
+}
