@@ -60,9 +60,14 @@ impl FreeList {
     }
 }
 
+/// Called each time pages return to the free list.
+type OnReturn = Box<dyn Fn() + Send + Sync>;
+
 struct AllocInner {
     free: Mutex<FreeList>,
     returned: Condvar,
+    /// Callbacks for async waiters (see [`PageAllocator::on_return`]).
+    on_return: Mutex<Vec<OnReturn>>,
     total: usize,
     leased: AtomicUsize,
     leases: AtomicUsize,
@@ -83,6 +88,10 @@ impl AllocInner {
         self.leased.fetch_sub(n, Ordering::AcqRel);
         drop(free);
         self.returned.notify_all();
+        let callbacks = self.on_return.lock().unwrap_or_else(|e| e.into_inner());
+        for f in callbacks.iter() {
+            f();
+        }
     }
 }
 
@@ -122,6 +131,7 @@ impl PageAllocator {
             inner: Arc::new(AllocInner {
                 free: Mutex::new(FreeList { stack, pos }),
                 returned: Condvar::new(),
+                on_return: Mutex::new(Vec::new()),
                 total: num_pages,
                 leased: AtomicUsize::new(0),
                 leases: AtomicUsize::new(0),
@@ -221,6 +231,18 @@ impl PageAllocator {
         }
     }
 
+    /// Call `f` each time pages return to the free list (after they are
+    /// back, from the thread that returned them): an async queue of
+    /// requests waiting for pages wakes on it instead of polling. `f` must
+    /// be quick and must not lease or return pages itself.
+    pub fn on_return(&self, f: impl Fn() + Send + Sync + 'static) {
+        self.inner
+            .on_return
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Box::new(f));
+    }
+
     /// Current counts.
     pub fn stats(&self) -> PageStats {
         PageStats {
@@ -306,6 +328,20 @@ pub struct WriterGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn on_return_runs_once_the_pages_are_back() {
+        let alloc = PageAllocator::new(4);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (a, s) = (alloc.clone(), seen.clone());
+        alloc.on_return(move || s.lock().unwrap().push(a.stats().free()));
+        let lease = alloc.lease(3).unwrap();
+        let guard = lease.writer_guard();
+        drop(lease);
+        assert!(seen.lock().unwrap().is_empty(), "a writer still holds them");
+        drop(guard);
+        assert_eq!(*seen.lock().unwrap(), vec![4], "called once, pages free");
+    }
 
     #[test]
     fn leases_return_pages_on_drop() {

@@ -289,10 +289,12 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             Some(&newest) if newest == connect => return true,
             _ => {}
         }
-        self.newest.insert(rank, connect);
         if self.peers.get(&rank).is_some_and(|p| !p.is_empty()) {
             self.drop_peer(rank, now);
         }
+        // After dropping the older connect: its bound on `newest` must not
+        // forget this rank's newest connect.
+        self.newest.insert(rank, connect);
         true
     }
 
@@ -1049,5 +1051,17 @@ mod tests {
         }
         assert!(ep.newest.len() <= MAX_NEWEST + 1, "{}", ep.newest.len());
         assert!(!ep.handle_control_up(D, 2, 4, now), "D's newest is kept");
+        // Fill the table with ranks that have nothing left, then replace D's
+        // connect: the bound runs while D is empty, yet D's new connect is
+        // remembered and an older one stays refused.
+        for r in 10_000..(10_000 + MAX_NEWEST as u32) {
+            ep.newest.insert(RankId(r), 1);
+        }
+        assert!(ep.handle_control_up(D, 3, 6, now));
+        assert_eq!(ep.newest.get(&D), Some(&6));
+        assert!(
+            !ep.handle_control_up(D, 4, 5, now),
+            "the replaced connect stays refused"
+        );
     }
 }

@@ -8,6 +8,8 @@
 //! * [`transport`] — the [`Transport`] trait, [`ShmTransport`], [`TcpTransport`].
 //! * [`sender`] — [`KvSender`], the prefill endpoint.
 //! * [`receiver`] — [`KvReceiver`], the decode endpoint.
+//! * [`room_handle`] — [`SenderRoom`], [`ReceiverRoom`]: one request's room,
+//!   owned by its request task, with its events on one channel.
 //! * [`bootstrap`] — where decode learns each prefill rank's address.
 //! * [`bench`] — `bench-transfer`.
 //!
@@ -79,6 +81,7 @@ pub mod error;
 pub mod link;
 pub mod plan;
 pub mod receiver;
+pub mod room_handle;
 pub mod sender;
 pub mod testing;
 pub mod transport;
@@ -87,6 +90,7 @@ mod wakeup;
 pub use error::TransportError;
 pub use handoff_proto::datalink::AuxData;
 pub use receiver::{KvReceiver, ReceiverConfig, ReceiverPoll};
+pub use room_handle::{ReceiverRoom, SenderRoom};
 pub use sender::{KvSender, SenderConfig, SenderPoll};
 pub use transport::{ShmTransport, TcpTransport, Transport, TransportKind};
 

@@ -36,6 +36,7 @@ use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::error::TransportError;
 use crate::link::{connect_link_stream, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
 use crate::plan::LinkPlan;
+use crate::room_handle::ReceiverRoom;
 use crate::transport::TransportKind;
 use crate::EndpointStats;
 
@@ -73,12 +74,29 @@ impl ReceiverConfig {
 /// lease and aux come back), failed, or unknown.
 pub type ReceiverPoll = handoff_proto::receiver_endpoint::ReceiverPoll<PageLease>;
 
+/// A room's outcome goes here. `keep` says whether an outcome whose
+/// receiver is gone is kept for [`KvReceiver::poll`] (a `wait` caller may
+/// poll later) or dropped (a [`ReceiverRoom`] owner is gone for good: its
+/// lease goes back at once).
+struct Waiter {
+    tx: oneshot::Sender<ReceiverPoll>,
+    keep: bool,
+}
+
+type Outcome = oneshot::Receiver<ReceiverPoll>;
+
 enum Cmd {
     Open(
         RoomId,
         Vec<Source>,
         oneshot::Sender<Result<(), TransferError>>,
     ),
+    Submit(
+        RoomId,
+        Vec<Source>,
+        oneshot::Sender<Result<Outcome, TransferError>>,
+    ),
+    Refuse(RoomId, Vec<Source>, TransferError),
     Reserve(
         RoomId,
         PageLease,
@@ -319,6 +337,28 @@ impl KvReceiver {
         Ok(self.ask(|r| Cmd::Open(room, sources, r)).await??)
     }
 
+    /// Accept a request for `room` needing KV from `sources` (as
+    /// [`Self::open`]) and own it: the returned [`ReceiverRoom`] reserves
+    /// its pages and yields how it ended (the pages and aux, or the failure),
+    /// and aborts the room if dropped before its end. Cancel-safe: a room
+    /// opened for a caller that is gone is aborted by the driver.
+    pub async fn submit(
+        &self,
+        room: RoomId,
+        sources: Vec<Source>,
+    ) -> Result<ReceiverRoom, TransportError> {
+        let outcome = self.ask(|r| Cmd::Submit(room, sources, r)).await??;
+        Ok(ReceiverRoom::new(self.clone(), room, outcome))
+    }
+
+    /// Refuse a request for `room` that never reaches [`Self::submit`] (it
+    /// failed validation, or its client left before): the room is opened and
+    /// aborted with `error` at once, so every source learns it. A room that
+    /// exists already stays as it is.
+    pub fn refuse(&self, room: RoomId, sources: Vec<Source>, error: TransferError) {
+        let _ = self.tx.send(Ev::Cmd(Cmd::Refuse(room, sources, error)));
+    }
+
     /// Pages for `room` are reserved (`lease`, in token order) with aux slot
     /// `aux_slot`: destinations go to every source. On error the lease is
     /// dropped (the pages were never advertised).
@@ -421,7 +461,7 @@ impl Link {
 /// The decode driver: the I/O shell around [`ReceiverEndpoint`], which owns
 /// every decision; this only holds the sockets' and tasks' handles.
 struct Driver {
-    endpoint: ReceiverEndpoint<PageLease, oneshot::Sender<ReceiverPoll>>,
+    endpoint: ReceiverEndpoint<PageLease, Waiter>,
     ctl: HashMap<RankId, mpsc::UnboundedSender<Message>>,
     links: HashMap<RankId, Link>,
     /// `connect` calls waiting for their control connection to come up.
@@ -548,7 +588,26 @@ impl Driver {
             Cmd::Poll(room, reply) => {
                 let _ = reply.send(self.endpoint.poll(room));
             }
-            Cmd::Wait(room, reply) => self.endpoint.wait(room, reply),
+            Cmd::Wait(room, tx) => self.endpoint.wait(room, Waiter { tx, keep: true }),
+            Cmd::Submit(room, sources, reply) => {
+                let r = self.endpoint.open(room, sources, t).map(|()| {
+                    let (tx, rx) = oneshot::channel();
+                    self.endpoint.wait(room, Waiter { tx, keep: false });
+                    rx
+                });
+                let opened = r.is_ok();
+                if reply.send(r.map_err(Into::into)).is_err() && opened {
+                    self.endpoint.abort(room, ReceiverRoom::gone(), t);
+                }
+            }
+            Cmd::Refuse(room, sources, error) => {
+                // A room known here (live or ended) stays as it is.
+                if self.endpoint.state(room).is_none()
+                    && self.endpoint.open(room, sources, t).is_ok()
+                {
+                    self.endpoint.abort(room, error, t);
+                }
+            }
             Cmd::AddLink(rank, link) => self.add_link(rank, link),
             Cmd::Connected(rank, reply) => {
                 let _ = reply.send(self.endpoint.is_connected(rank));
@@ -632,8 +691,10 @@ impl Driver {
                     waiter,
                     outcome,
                 } => {
-                    if let Err(outcome) = waiter.send(outcome) {
-                        self.endpoint.unclaimed(room, outcome, t);
+                    if let Err(outcome) = waiter.tx.send(outcome) {
+                        if waiter.keep {
+                            self.endpoint.unclaimed(room, outcome, t);
+                        }
                     }
                 }
             }

@@ -37,6 +37,7 @@ use crate::link::{
     accept_link, page_span, span_offset, AcceptedLink, LinkCounters, LinkEvent, LinkJob,
 };
 use crate::plan::{build_sliced_segments, LinkPlan};
+use crate::room_handle::SenderRoom;
 use crate::transport::Segment;
 use crate::EndpointStats;
 
@@ -70,9 +71,28 @@ impl SenderConfig {
 
 pub use handoff_proto::sender_endpoint::SenderPoll;
 
+/// Where an answer goes: one reply, or a room's event stream.
+enum Reply {
+    Once(oneshot::Sender<SenderPoll>),
+    Stream(mpsc::UnboundedSender<SenderPoll>),
+}
+
+impl Reply {
+    fn send(self, poll: SenderPoll) {
+        match self {
+            Reply::Once(tx) => drop(tx.send(poll)),
+            Reply::Stream(tx) => drop(tx.send(poll)),
+        }
+    }
+}
+
+type RoomEvents = mpsc::UnboundedReceiver<SenderPoll>;
+
 enum Cmd {
     Open(RoomId, oneshot::Sender<Result<(), TransferError>>),
+    Submit(RoomId, oneshot::Sender<Result<RoomEvents, TransferError>>),
     Fail(RoomId, TransferError),
+    Refuse(RoomId, TransferError),
     Send {
         room: RoomId,
         layers: Range<usize>,
@@ -170,10 +190,28 @@ impl KvSender {
         Ok(self.ask(|r| Cmd::Open(room, r)).await??)
     }
 
+    /// Accept a request for `room` and own it: the returned
+    /// [`SenderRoom`] says when compute may start and how the room ended,
+    /// on one event stream, and fails the room if dropped before its end.
+    /// Fails like [`Self::open`]. Cancel-safe: a room opened for a caller
+    /// that is gone is failed by the driver.
+    pub async fn submit(&self, room: RoomId) -> Result<SenderRoom, TransportError> {
+        let events = self.ask(|r| Cmd::Submit(room, r)).await??;
+        Ok(SenderRoom::new(self.clone(), room, events))
+    }
+
     /// Fail `room` here (validation rejection, engine error): every decode
     /// destination learns `error`'s reason and status.
     pub fn fail(&self, room: RoomId, error: TransferError) {
         let _ = self.tx.send(Ev::Cmd(Cmd::Fail(room, error)));
+    }
+
+    /// Refuse a request for `room` that never reaches [`Self::submit`] (it
+    /// failed validation): the room is opened and failed at once, so every
+    /// decode destination learns `error`. A room decode already aborted
+    /// stays as it is.
+    pub fn refuse(&self, room: RoomId, error: TransferError) {
+        let _ = self.tx.send(Ev::Cmd(Cmd::Refuse(room, error)));
     }
 
     /// Write `layers` × room pages `pages` (indices into the room's page
@@ -441,7 +479,7 @@ impl Link {
 struct Driver {
     config: SenderConfig,
     layout: KvLayout,
-    endpoint: SenderEndpoint<AcceptedLink, oneshot::Sender<SenderPoll>, Arc<AtomicBool>>,
+    endpoint: SenderEndpoint<AcceptedLink, Reply, Arc<AtomicBool>>,
     ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
     links: HashMap<RankId, Link>,
     counters: Arc<LinkCounters>,
@@ -571,7 +609,29 @@ impl Driver {
                 let cancel = Arc::new(AtomicBool::new(false));
                 let _ = reply.send(self.endpoint.open(room, cancel, t));
             }
+            Cmd::Submit(room, reply) => {
+                let cancel = Arc::new(AtomicBool::new(false));
+                let r = self.endpoint.open(room, cancel, t).map(|()| {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    self.endpoint.wait_input(room, Reply::Stream(tx.clone()));
+                    self.endpoint.wait(room, Reply::Stream(tx));
+                    rx
+                });
+                let opened = r.is_ok();
+                if reply.send(r).is_err() && opened {
+                    self.endpoint.fail(room, SenderRoom::gone(), t);
+                }
+            }
             Cmd::Fail(room, error) => self.endpoint.fail(room, error, t),
+            Cmd::Refuse(room, error) => {
+                // A room known here (live or ended) stays as it is.
+                let cancel = Arc::new(AtomicBool::new(false));
+                if self.endpoint.state(room).is_none()
+                    && self.endpoint.open(room, cancel, t).is_ok()
+                {
+                    self.endpoint.fail(room, error, t);
+                }
+            }
             Cmd::Send {
                 room,
                 layers,
@@ -587,8 +647,8 @@ impl Driver {
             Cmd::Poll(room, reply) => {
                 let _ = reply.send(self.endpoint.poll(room));
             }
-            Cmd::WaitInput(room, reply) => self.endpoint.wait_input(room, reply),
-            Cmd::Wait(room, reply) => self.endpoint.wait(room, reply),
+            Cmd::WaitInput(room, reply) => self.endpoint.wait_input(room, Reply::Once(reply)),
+            Cmd::Wait(room, reply) => self.endpoint.wait(room, Reply::Once(reply)),
             Cmd::Stats(reply) => {
                 let s = self.endpoint.stats();
                 let _ = reply.send(EndpointStats {
@@ -705,9 +765,7 @@ impl Driver {
                         self.links.remove(&rank);
                     }
                 }
-                SenderEvent::Answer { waiter, poll } => {
-                    let _ = waiter.send(poll);
-                }
+                SenderEvent::Answer { waiter, poll } => waiter.send(poll),
             }
         }
         let t = now();

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 
 use handoff_kv::PageLease;
@@ -24,10 +24,10 @@ use handoff_model::tokenizer::Tokenizer;
 use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::receiver_room::Source;
 use handoff_proto::{AbortOrigin, AuxSlot, FailureKind, RankId, Role, RoomId, TransferError};
-use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig, ReceiverPoll};
+use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig};
 use tokio::sync::mpsc;
 
-use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig, TransportChoice};
+use super::{fingerprint, lease_pages, runtime, Gauge, PageQueue, PdConfig, TransportChoice};
 use crate::config::EngineConfig;
 use crate::engine::{load, Shared};
 use crate::error::EngineError;
@@ -73,13 +73,14 @@ impl DecodeEngine {
             kv_pages = config.kv_pages,
             "decode engine started"
         );
+        let pages = PageQueue::new(shared.allocator.clone());
         Ok(DecodeHandle {
             inner: Arc::new(Inner {
                 ctx: Arc::new(Ctx {
                     shared,
                     receiver,
                     peers: tokio::sync::Mutex::new(HashMap::new()),
-                    turn: tokio::sync::Mutex::new(()),
+                    pages,
                     pending: AtomicUsize::new(0),
                     next_slot: AtomicU32::new(0),
                     transport: pd.transport_choice,
@@ -117,8 +118,8 @@ struct Ctx {
     receiver: KvReceiver,
     /// Prefill bootstrap address → the peer id of its connection.
     peers: tokio::sync::Mutex<HashMap<SocketAddr, RankId>>,
-    /// Head of the prealloc queue.
-    turn: tokio::sync::Mutex<()>,
+    /// The prealloc queue: requests waiting for pages.
+    pages: PageQueue,
     /// Requests between submit and joining the batch.
     pending: AtomicUsize,
     next_slot: AtomicU32,
@@ -191,9 +192,7 @@ impl DecodeHandle {
         tracing::debug!(room = room.get(), error = %error, "decode rejected the request");
         rt.spawn(async move {
             if let Ok(rank) = ctx.peer(prefill).await {
-                if ctx.receiver.open(room, sources(rank)).await.is_ok() {
-                    ctx.receiver.abort(room, error);
-                }
+                ctx.receiver.refuse(room, sources(rank), error);
             }
         });
     }
@@ -274,37 +273,25 @@ async fn decode_room(
     tx: mpsc::UnboundedSender<StreamEvent>,
 ) {
     let pending = Gauge(&ctx.pending); // counted up in `submit`
-    let opened = AtomicBool::new(false);
     let outcome = tokio::select! {
-        r = transfer(ctx, &req, room, prefill, &opened) => Some(r),
+        r = transfer(ctx, &req, room, prefill) => Some(r),
         _ = tx.closed() => None,
     };
     let (lease, aux) = match outcome {
         None => {
-            // The client went away: abort through the protocol; the pages
-            // come back when the prefill's writer drained. A room not yet
-            // opened here is opened first, so the abort reaches the prefill
-            // (an open cut short may have happened anyway: then it is a
-            // duplicate, and the abort applies to it).
+            // The client went away. A room this request owned was aborted
+            // when `transfer` dropped its handle (or by the endpoint, for a
+            // submit cut short); pages come back once the prefill's writer
+            // drained. A room it never opened (it was still connecting) is
+            // refused now, so the prefill learns too.
             drop(pending);
-            if !opened.load(Ordering::Acquire) {
-                if let Ok(rank) = ctx.peer(prefill).await {
-                    let _ = ctx.receiver.open(room, sources(rank)).await;
-                }
-            }
-            ctx.receiver.abort(
-                room,
-                TransferError::Aborted {
+            if let Ok(rank) = ctx.peer(prefill).await {
+                let gone = TransferError::Aborted {
                     origin: AbortOrigin::Client,
                     reason: "the client went away".into(),
                     http_status: 499,
-                },
-            );
-            // Had the room just committed, its outcome (and lease) waits to
-            // be taken: take it, so the pages come back now, not at the
-            // unknown-room TTL.
-            if let Ok(ReceiverPoll::Success { lease, .. }) = ctx.receiver.poll(room).await {
-                drop(lease);
+                };
+                ctx.receiver.refuse(room, sources(rank), gone);
             }
             tracing::debug!(room = room.get(), "decode request cancelled before joining");
             return;
@@ -352,10 +339,9 @@ async fn transfer(
     req: &GenerateRequest,
     room: RoomId,
     prefill: SocketAddr,
-    opened: &AtomicBool,
 ) -> Result<(PageLease, AuxData), EngineError> {
     let rank = ctx.peer(prefill).await?;
-    let r = joined(ctx, room, rank, req, opened).await;
+    let r = joined(ctx, room, rank, req).await;
     if let Err(EngineError::Transfer { kind, .. }) = &r {
         if kind == FailureKind::PeerDead.name() {
             // The next request to this address reconnects.
@@ -365,47 +351,33 @@ async fn transfer(
     r
 }
 
-/// [`transfer`] once connected to the prefill as peer `rank`.
+/// [`transfer`] once connected to the prefill as peer `rank`. The request
+/// owns its room (a [`handoff_transfer::ReceiverRoom`]): dropped before the
+/// KV landed (the client left), the room is aborted on both sides.
 async fn joined(
     ctx: &Ctx,
     room: RoomId,
     rank: RankId,
     req: &GenerateRequest,
-    opened: &AtomicBool,
 ) -> Result<(PageLease, AuxData), EngineError> {
     let t_open = std::time::Instant::now();
-    ctx.receiver.open(room, sources(rank)).await?;
-    opened.store(true, Ordering::Release);
+    let mut handle = ctx.receiver.submit(room, sources(rank)).await?;
     let need =
         (req.prompt_ids.len() + req.sampling.max_new_tokens).div_ceil(ctx.shared.info.page_size);
-    let lease = lease_pages(&ctx.shared.allocator, &ctx.turn, need).await;
+    let lease = lease_pages(&ctx.pages, need).await;
     tracing::debug!(room = room.get(), pages = need, "decode pages reserved");
     let t_reserved = std::time::Instant::now();
     let slot = AuxSlot(ctx.next_slot.fetch_add(1, Ordering::Relaxed));
-    if let Err(e) = ctx.receiver.reserve(room, lease, slot).await {
-        // The room failed while waiting for pages (timeout, dead peer):
-        // report that failure, not the refused reservation.
-        return Err(match ctx.receiver.poll(room).await {
-            Ok(ReceiverPoll::Failed(f)) => f.into(),
-            _ => e.into(),
-        });
-    }
-    match ctx.receiver.wait(room).await? {
-        ReceiverPoll::Success { lease, aux } => {
-            tracing::info!(
-                room = room.get(),
-                prompt_tokens = req.prompt_ids.len(),
-                pages = need,
-                reserve_ms = super::prefill::ms(t_reserved - t_open),
-                kv_wait_ms = super::prefill::ms(t_reserved.elapsed()),
-                first_token = aux.first_token,
-                "decode room: KV landed"
-            );
-            Ok((lease, aux))
-        }
-        ReceiverPoll::Failed(e) => Err(e.into()),
-        other => Err(EngineError::from(TransferError::Internal {
-            reason: format!("room {} ended without an outcome: {other:?}", room.get()),
-        })),
-    }
+    handle.reserve(lease, slot).await?;
+    let (lease, aux) = handle.landed().await?;
+    tracing::info!(
+        room = room.get(),
+        prompt_tokens = req.prompt_ids.len(),
+        pages = need,
+        reserve_ms = super::prefill::ms(t_reserved - t_open),
+        kv_wait_ms = super::prefill::ms(t_reserved.elapsed()),
+        first_token = aux.first_token,
+        "decode room: KV landed"
+    );
+    Ok((lease, aux))
 }

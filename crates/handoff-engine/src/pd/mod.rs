@@ -244,23 +244,41 @@ fn model_hash(path: &Path, formats: &str) -> Result<[u8; 32], EngineError> {
 
 /// Lease `n` pages, waiting in FIFO order behind earlier requests while the
 /// pool is full (the prealloc queue: pool memory is the backpressure). Never
-/// spins: it sleeps on the allocator's condition variable.
-async fn lease_pages(
-    allocator: &PageAllocator,
-    turn: &tokio::sync::Mutex<()>,
-    n: usize,
-) -> PageLease {
-    let _turn = turn.lock().await;
+/// spins or polls: it wakes when pages return ([`PageQueue::new`]).
+async fn lease_pages(queue: &PageQueue, n: usize) -> PageLease {
+    let _turn = queue.turn.lock().await;
     loop {
-        if let Ok(lease) = allocator.lease(n) {
+        // Registered before the attempt, so a return in between still wakes.
+        let returned = queue.returned.notified();
+        tokio::pin!(returned);
+        returned.as_mut().enable();
+        if let Ok(lease) = queue.allocator.lease(n) {
             return lease;
         }
-        let a = allocator.clone();
-        let at_most = a.stats().total.saturating_sub(n);
-        let _ = tokio::task::spawn_blocking(move || {
-            a.wait_leased_at_most(at_most, Duration::from_millis(20))
-        })
-        .await;
+        returned.await;
+    }
+}
+
+/// The requests of one engine waiting for pages of its pool, head first.
+struct PageQueue {
+    allocator: PageAllocator,
+    /// Head of the queue.
+    turn: tokio::sync::Mutex<()>,
+    /// Woken each time pages return to the pool.
+    returned: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl PageQueue {
+    /// A queue for `allocator`'s pages.
+    fn new(allocator: PageAllocator) -> Self {
+        let returned = std::sync::Arc::new(tokio::sync::Notify::new());
+        let wake = returned.clone();
+        allocator.on_return(move || wake.notify_waiters());
+        Self {
+            allocator,
+            turn: tokio::sync::Mutex::new(()),
+            returned,
+        }
     }
 }
 

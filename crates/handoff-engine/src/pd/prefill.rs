@@ -27,12 +27,11 @@ use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
 use handoff_proto::handshake::HandshakeConfig;
-use handoff_proto::room::RoomState;
 use handoff_proto::{Role, RoomId, TransferError};
-use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderPoll, TransportError};
+use handoff_transfer::{AuxData, KvSender, SenderConfig, TransportError};
 use tokio::sync::oneshot;
 
-use super::{fingerprint, lease_pages, runtime, Gauge, PdConfig};
+use super::{fingerprint, lease_pages, runtime, Gauge, PageQueue, PdConfig};
 use crate::config::EngineConfig;
 use crate::engine::{load, validate, Loaded};
 use crate::error::EngineError;
@@ -130,7 +129,7 @@ impl PrefillEngine {
             allocator: pool.allocator().clone(),
             layers: layout.geometry.layers,
             page_size: info.page_size,
-            turn: tokio::sync::Mutex::new(()),
+            pages: PageQueue::new(pool.allocator().clone()),
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
         });
@@ -247,21 +246,14 @@ impl PrefillHandle {
     /// is failed through the protocol with the same status and reason, so
     /// decode releases its pages and reports the original error (seed 004).
     pub fn reject(&self, room: RoomId, http_status: u16, reason: &str) {
-        let Some(rt) = self.inner.runtime.as_ref() else {
-            return;
-        };
-        let ctx = self.inner.ctx.clone();
         let error = TransferError::Rejected {
             http_status,
             reason: reason.to_owned(),
         };
         tracing::debug!(room = room.get(), error = %error, "prefill rejected the request");
-        rt.spawn(async move {
-            // A room decode already aborted refuses to open: nothing to tell.
-            if ctx.sender.open(room).await.is_ok() {
-                ctx.sender.fail(room, error);
-            }
-        });
+        let ctx = &self.inner.ctx;
+        // A room decode already aborted stays as it is: nothing to tell.
+        ctx.sender.refuse(room, error);
     }
 
     /// Current load: `running` is requests computing or transferring,
@@ -300,37 +292,18 @@ struct Ctx {
     allocator: PageAllocator,
     layers: usize,
     page_size: usize,
-    /// Head of the prealloc queue.
-    turn: tokio::sync::Mutex<()>,
+    /// Requests waiting for source pages.
+    pages: PageQueue,
     running: AtomicUsize,
     waiting: AtomicUsize,
 }
 
-/// Fails the room if the request task ends without an outcome (engine
-/// shutdown drops it mid-way), so decode never waits for a timeout.
-struct RoomGuard<'a> {
-    sender: &'a KvSender,
-    room: RoomId,
-    armed: bool,
-}
-
-impl Drop for RoomGuard<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.sender.fail(
-                self.room,
-                TransferError::Aborted {
-                    origin: handoff_proto::AbortOrigin::Shutdown,
-                    reason: "the prefill worker stopped the request".into(),
-                    http_status: 503,
-                },
-            );
-        }
-    }
-}
-
-/// One request, from open to the room's outcome. Every page it leases is
-/// released only once nothing may still read it.
+/// One request, from open to the room's outcome. The request task owns the
+/// room ([`handoff_transfer::SenderRoom`]): every event of it (destinations arrived, the end)
+/// comes on the room's own channel, and a task that stops early (engine
+/// shutdown) fails the room by dropping it, so decode never waits for a
+/// timeout. Every page it leases is released only once nothing may still
+/// read it.
 async fn prefill_room(
     ctx: &Ctx,
     req: GenerateRequest,
@@ -338,36 +311,15 @@ async fn prefill_room(
 ) -> Result<PrefillDone, EngineError> {
     let waiting = Gauge(&ctx.waiting); // counted up in `submit`
     let opened = std::time::Instant::now();
-    ctx.sender.open(room).await?;
-    let mut guard = RoomGuard {
-        sender: &ctx.sender,
-        room,
-        armed: true,
-    };
-    // The room's outcome, whenever it comes (decode abort, timeout, dead
-    // peer, or the end of the transfer): one waiter for the room's life, so
-    // no outcome is ever taken and lost.
-    let mut outcome = tokio::spawn({
-        let sender = ctx.sender.clone();
-        async move { sender.wait(room).await }
-    });
+    let mut handle = ctx.sender.submit(room).await?;
     // The handshake gates compute: every destination must have arrived.
-    tokio::select! {
-        () = wait_for_input(&ctx.sender, room) => {}
-        o = &mut outcome => {
-            guard.armed = false;
-            return Err(ended(o).err().unwrap_or_else(before_compute));
-        }
-    }
+    handle.ready().await?;
     tracing::debug!(room = room.get(), "destination arrived");
     let destination = std::time::Instant::now();
     let need = req.prompt_ids.len().div_ceil(ctx.page_size);
     let lease = tokio::select! {
-        l = lease_pages(&ctx.allocator, &ctx.turn, need) => l,
-        o = &mut outcome => {
-            guard.armed = false;
-            return Err(ended(o).err().unwrap_or_else(before_compute));
-        }
+        l = lease_pages(&ctx.pages, need) => l,
+        end = handle.outcome() => return Err(end.err().map_or_else(before_compute, Into::into)),
     };
     drop(waiting);
     let _running = Gauge::enter(&ctx.running);
@@ -406,16 +358,16 @@ async fn prefill_room(
         tokio::select! {
             biased;
             Some((end, layer)) = progress.recv(), if queued.is_ok() => {
-                queued = stream.advance(ctx, room, &src, end, layer).await;
+                queued = stream.advance(&ctx.sender, room, &src, end, layer).await;
             }
             r = &mut done => break Ok(r),
-            o = &mut outcome => break Err(ended(o).err().unwrap_or_else(before_compute)),
+            end = handle.outcome() => break Err(end.err().map_or_else(before_compute, Into::into)),
         }
     };
     // The compute is over: what it reported and we did not read yet.
     if matches!(computed, Ok(Ok(_))) {
         while let (true, Ok((end, layer))) = (queued.is_ok(), progress.try_recv()) {
-            queued = stream.advance(ctx, room, &src, end, layer).await;
+            queued = stream.advance(&ctx.sender, room, &src, end, layer).await;
         }
     }
     let sent = stream.sent;
@@ -423,10 +375,9 @@ async fn prefill_room(
         Ok(Ok(r)) => r,
         Ok(Err(_)) => return Err(EngineError::ShuttingDown),
         Err(e) => {
-            // Decode aborted (or a timer fired). The room reports a failure
-            // only once no write is in flight; stop the compute at the next
+            // Decode aborted (or a timer fired). The room reported its end
+            // only once no write was in flight; stop the compute at the next
             // chunk and release the pages once it let go of them.
-            guard.armed = false;
             cancel.store(true, Ordering::Release);
             drop(done.await);
             return Err(e);
@@ -437,15 +388,11 @@ async fn prefill_room(
     }) {
         Ok(t) => t,
         Err(e) => {
-            guard.armed = false;
-            ctx.sender.fail(
-                room,
-                TransferError::Internal {
-                    reason: e.to_string(),
-                },
-            );
+            handle.fail(TransferError::Internal {
+                reason: e.to_string(),
+            });
             // Pages streamed so far may still be in flight: drain first.
-            let _ = outcome.await;
+            let _ = handle.outcome().await;
             drop(lease);
             return Err(e);
         }
@@ -454,27 +401,21 @@ async fn prefill_room(
     let computed_at = std::time::Instant::now();
     // The remaining pages, then the aux record; then the room's status.
     if queued.is_ok() && sent < src.len() {
-        queued = ctx
-            .sender
-            .send(room, 0..ctx.layers, sent..src.len(), src.clone())
+        queued = handle
+            .send(0..ctx.layers, sent..src.len(), src.clone())
             .await;
     }
     if queued.is_ok() {
-        queued = ctx
-            .sender
-            .finish(
-                room,
-                AuxData {
-                    first_token,
-                    logprob,
-                },
-            )
+        queued = handle
+            .finish(AuxData {
+                first_token,
+                logprob,
+            })
             .await;
     }
     // The outcome comes once nothing is in flight: then the pages may go.
-    let end = ended(outcome.await);
+    let end = handle.outcome().await.map_err(EngineError::from);
     tracing::debug!(room = room.get(), ok = end.is_ok(), "prefill room ended");
-    guard.armed = false;
     drop(lease);
     if let Err(e) = &queued {
         // The room's own failure explains a refused write best.
@@ -518,7 +459,7 @@ impl LayerStream {
     /// layer (and any earlier one not sent yet) of the pages it completes.
     async fn advance(
         &mut self,
-        ctx: &Ctx,
+        sender: &KvSender,
         room: RoomId,
         src: &Arc<[PageIndex]>,
         end: usize,
@@ -531,8 +472,7 @@ impl LayerStream {
         };
         let mut r = Ok(());
         if upto > self.sent && layer + 1 > self.layers_sent {
-            r = ctx
-                .sender
+            r = sender
                 .send(
                     room,
                     self.layers_sent..layer + 1,
@@ -555,39 +495,12 @@ pub(crate) fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
 
-/// The room's outcome as the engine reports it.
-fn ended(
-    o: Result<Result<SenderPoll, TransportError>, tokio::task::JoinError>,
-) -> Result<(), EngineError> {
-    match o {
-        Ok(Ok(SenderPoll::Success)) => Ok(()),
-        Ok(Ok(SenderPoll::Failed(e))) => Err(e.into()),
-        Ok(Ok(other)) => Err(EngineError::from(TransferError::Internal {
-            reason: format!("the room ended without an outcome: {other:?}"),
-        })),
-        Ok(Err(e)) => Err(e.into()),
-        Err(_) => Err(EngineError::ShuttingDown),
-    }
-}
-
 /// A room that "succeeded" before its KV was computed: the peer broke the
 /// protocol.
 fn before_compute() -> EngineError {
     EngineError::from(TransferError::Internal {
         reason: "the room ended before its KV was computed".into(),
     })
-}
-
-/// Wait until every destination of `room` arrived (compute may start).
-/// Pending forever once the room ended: its outcome says why.
-async fn wait_for_input(sender: &KvSender, room: RoomId) {
-    if let Ok(SenderPoll::Pending(RoomState::WaitingForInput | RoomState::Transferring)) =
-        sender.wait_input(room).await
-    {
-        return;
-    }
-    // The room ended: the caller's outcome branch reports how.
-    std::future::pending::<()>().await
 }
 
 type JobResult = (Result<Option<(u32, f32)>, EngineError>, PageLease);
