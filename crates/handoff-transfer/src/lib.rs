@@ -7,7 +7,6 @@
 //! * [`transport`] — the [`Transport`] trait, [`ShmTransport`], [`TcpTransport`].
 //! * [`sender`] — [`KvSender`], the prefill endpoint.
 //! * [`receiver`] — [`KvReceiver`], the decode endpoint.
-//! * [`bootstrap`] — where decode learns each prefill rank's address.
 //! * [`bench`] — `bench-transfer`.
 //!
 //! The protocol (rooms, deadlines, handshake, codec) lives in handoff-proto;
@@ -72,7 +71,6 @@
 #![warn(missing_docs)]
 
 pub mod bench;
-pub mod bootstrap;
 pub mod conn;
 pub mod error;
 pub mod link;
