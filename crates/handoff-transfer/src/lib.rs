@@ -7,7 +7,6 @@
 //! * [`transport`] — the [`Transport`] trait, [`ShmTransport`], [`TcpTransport`].
 //! * [`sender`] — [`KvSender`], the prefill endpoint.
 //! * [`receiver`] — [`KvReceiver`], the decode endpoint.
-//! * [`bench`] — `bench-transfer`.
 //!
 //! The protocol (rooms, deadlines, handshake, codec) lives in handoff-proto;
 //! this crate owns sockets, tasks and the clock, and does nothing clever.
@@ -70,7 +69,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod bench;
 pub mod conn;
 pub mod error;
 pub mod link;
