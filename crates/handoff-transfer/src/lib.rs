@@ -7,6 +7,7 @@
 //! * [`transport`] — the [`Transport`] trait, [`ShmTransport`], [`TcpTransport`].
 //! * [`sender`] — [`KvSender`], the prefill endpoint.
 //! * [`receiver`] — [`KvReceiver`], the decode endpoint.
+//! * `testing` (feature `testing`, tests only) — fixtures for tests.
 //!
 //! The protocol (rooms, deadlines, handshake, codec) lives in handoff-proto;
 //! this crate owns sockets, tasks and the clock, and does nothing clever.
@@ -75,6 +76,7 @@ pub mod link;
 pub mod plan;
 pub mod receiver;
 pub mod sender;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
 mod wakeup;
