@@ -361,7 +361,7 @@ mod tests {
     fn from_gguf_reads_template_and_special_tokens() {
         let content = Content {
             magic: candle_core::quantized::gguf_file::VersionedMagic::GgufV3,
-            metadata: crate::tokenizer::tiny_vocab_metadata(),
+            metadata: crate::tiny::tiny_vocab_metadata(),
             tensor_infos: Default::default(),
             tensor_data_offset: 0,
         };

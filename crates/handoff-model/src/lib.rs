@@ -14,6 +14,7 @@ pub mod q8_matmul;
 pub mod reference;
 pub mod rope;
 pub mod sampling;
+#[cfg(any(test, feature = "testing"))]
 pub mod tiny;
 pub mod tokenizer;
 

@@ -1,6 +1,7 @@
 //! Entry points for the cargo-fuzz targets in `fuzz/` (DESIGN.md §9). They
 //! live here so the regular test suite runs them over the committed corpus
-//! and random inputs on the stable toolchain. Each panics only on a real bug
+//! and random inputs on the stable toolchain. Compiled only with the `fuzz`
+//! feature (fuzz/Cargo.toml and this crate's tests turn it on). Each panics only on a real bug
 //! (a decoded message that does not re-encode to the same message).
 
 use crate::error::{AbortOrigin, FailureKind};

@@ -24,7 +24,8 @@
 //! * [`heartbeat`] — peer liveness.
 //! * [`rank`] — TP rank mapping and head-sliced byte ranges.
 //! * [`error`] — who is to blame.
-//! * [`fuzz`] — entry points shared by cargo-fuzz targets and tests.
+//! * `fuzz` (feature `fuzz`; fuzz targets and tests only) — entry points
+//!   shared by cargo-fuzz targets and tests.
 
 //!
 //! # Driving the room tables
@@ -79,6 +80,8 @@ pub mod connection;
 pub mod datalink;
 pub mod error;
 pub mod frame;
+// Unit tests (handshake, connection) use its sample fingerprint too.
+#[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
 pub mod handshake;
 pub mod heartbeat;

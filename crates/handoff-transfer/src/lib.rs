@@ -10,8 +10,7 @@
 //! * [`receiver`] — [`KvReceiver`], the decode endpoint.
 //! * [`room_handle`] — [`SenderRoom`], [`ReceiverRoom`]: one request's room,
 //!   owned by its request task, with its events on one channel.
-//! * [`bootstrap`] — where decode learns each prefill rank's address.
-//! * [`bench`] — `bench-transfer`.
+//! * `testing` (feature `testing`, tests only) — fixtures for tests.
 //!
 //! The protocol (rooms, deadlines, handshake, codec) lives in handoff-proto;
 //! this crate owns sockets, tasks and the clock, and does nothing clever.
@@ -74,8 +73,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod bench;
-pub mod bootstrap;
 pub mod conn;
 pub mod error;
 pub mod link;
@@ -83,6 +80,7 @@ pub mod plan;
 pub mod receiver;
 pub mod room_handle;
 pub mod sender;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
 mod wakeup;

@@ -1,5 +1,7 @@
-//! Small fixtures shared by the conformance suite, the peer process and the
-//! benchmark: a tiny geometry, short timers, matching handshake configs.
+//! Small fixtures shared by the conformance suite, the peer process
+//! (`src/bin/peer.rs`) and dependents' tests: a tiny geometry, short timers,
+//! matching handshake configs. Compiled only with the `testing` feature,
+//! which no product build turns on.
 
 use std::time::Duration;
 

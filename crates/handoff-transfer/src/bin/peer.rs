@@ -1,5 +1,7 @@
-//! A transfer peer in its own process, for tests that kill or freeze a real
-//! process (and for the transfer benchmark's decode side).
+//! A transfer peer in its own process, for the conformance tests that kill
+//! or freeze a real process. Built only with the `testing` feature (the
+//! crate's own tests turn it on); `handoff bench-transfer` does not use it,
+//! its decode side is `handoff bench-peer`.
 //!
 //! `handoff-transfer-peer decode <prefill-addr> <shm|tcp> <state>`: connect,
 //! open room 77 and drive it to `state` (bootstrapping, waiting,

@@ -1,10 +1,46 @@
-//! `handoff bench-transfer`: KV transfer bandwidth and latency per transport
-//! and page size, with memcpy and raw loopback TCP measured in the same run
-//! (`handoff_transfer::bench`). The decode side is this same executable,
-//! started as `handoff bench-peer ...`.
+//! `handoff bench-transfer` (DESIGN.md §1, §9; issue 3 "Benchmark"): KV transfer
+//! bandwidth and latency per transport and page size, with the machine's
+//! limits measured in the same run.
+//!
+//! Workload (kept exactly as the field's comparison harness): `bytes`
+//! (1 GiB) pushed from a prefill *process* (this one) to a decode *process*
+//! (a child: this executable as `handoff bench-peer ...`) on this host;
+//! cases one contiguous buffer, 4 KiB, 64 KiB and 256 KiB pages; pages scattered on both sides
+//! (pools of 2 × `bytes`; page i goes from source slot S[i] to destination
+//! slot D[i], S and D shuffled choices of N distinct slots out of 2N,
+//! seeded); 1 warm-up, 3 timed runs, median; timing ends when the data is in
+//! the destination memory (prefill's room succeeds only after decode
+//! acknowledged every byte); every run verified outside the timing. Also the
+//! single 4 KiB transfer latency (the room's last send, finish and wait
+//! issued from a task on the endpoint's I/O runtime, as the prefill engine
+//! runs its rooms, and once more from outside it) and abort → room released
+//! latency (median, p99), and for the same cases single-thread memcpy and raw loopback TCP
+//! (one stream, one write/read per page, payload only), each of ours printed
+//! as a ratio to them, plus CPU-seconds (both processes) per run. Each
+//! baseline run follows one of ours (shm then memcpy, tcp then raw TCP,
+//! warm-up included), so a slow phase of a shared host lands on both sides
+//! of the ratio.
+//!
+//! The tcp latency and the raw ping-pong (4 KiB out, 1 byte back, blocking
+//! threads) alternate in [`workload::LATENCY_ROUNDS`] rounds, so a slow phase of a
+//! shared host lands on both. On a VM the placement matters more than
+//! anything else: two processes that wake each other on one CPU pay no
+//! inter-processor interrupt, across two CPUs they pay one per wake-up.
+//! `--pin same|split` fixes it (through [`workload::PEER_CPU_ENV`] in the
+//! decode process).
+//!
+//! * [`workload`] — the page cases, the run's settings, geometry, placement.
+//! * [`prefill`] — the measuring process: rooms, timing, baselines.
+//! * [`decode`] — the decode process, `handoff bench-peer`.
+//! * [`report`] — the report and its table.
+
+mod decode;
+mod prefill;
+mod report;
+mod workload;
 
 use anyhow::Context;
-use handoff_transfer::bench::{self, BenchConfig};
+use workload::{BenchConfig, Placement, PEER_CPU_ENV};
 
 /// Flags of `handoff bench-transfer`.
 #[derive(Debug, clap::Args)]
@@ -135,29 +171,29 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         // other on one CPU or across two, and it need not decide alike for
         // our tasks and for the ping-pong's two blocking threads: compare
         // them again in both fixed placements.
-        cfg.placements = vec![bench::Placement::SPLIT, bench::Placement::SAME];
+        cfg.placements = vec![Placement::SPLIT, Placement::SAME];
         cfg.pin_threads = Some(pin_threads);
     }
     let report = runtime()?
-        .block_on(bench::run(&cfg))
+        .block_on(prefill::run(&cfg))
         .map_err(|e| anyhow::anyhow!("bench-transfer failed: {e}"))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        print!("{}", bench::render(&report));
+        print!("{}", report::render(&report));
     }
     Ok(())
 }
 
 /// The decode side of the benchmark.
 pub fn peer(args: BenchPeerArgs) -> anyhow::Result<()> {
-    if let Ok(cpu) = std::env::var(bench::PEER_CPU_ENV) {
+    if let Ok(cpu) = std::env::var(PEER_CPU_ENV) {
         let cpu: usize = cpu
             .parse()
-            .with_context(|| format!("{}={cpu:?} is not a CPU number", bench::PEER_CPU_ENV))?;
+            .with_context(|| format!("{}={cpu:?} is not a CPU number", PEER_CPU_ENV))?;
         pin_threads(Some(cpu)).map_err(anyhow::Error::msg)?;
     }
     runtime()?
-        .block_on(bench::peer_main(&args.args, Some(pin_threads)))
+        .block_on(decode::peer_main(&args.args, Some(pin_threads)))
         .map_err(|e| anyhow::anyhow!("bench peer failed: {e}"))
 }
