@@ -1,5 +1,11 @@
 //! Engine errors: who is to blame, the HTTP status, a stable label.
 
+use std::fmt;
+use std::sync::Arc;
+
+pub use handoff_proto::TransferError;
+pub use handoff_transfer::TransportError;
+
 /// Why the engine refused or failed a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -50,42 +56,63 @@ pub enum EngineError {
     /// The forward pass failed.
     #[error("model execution failed: {0}")]
     Model(String),
-    /// Disaggregated serving: the KV transfer or the peer worker failed the
-    /// request (prefill rejected it, a peer died, a deadline passed, the
-    /// client aborted). Status, kind and reason are exactly as the side that
-    /// saw the failure reported them, so a prefill's 400 reaches the client
-    /// as a 400 with the prefill's message (seed 004).
-    #[error("{reason}")]
-    Transfer {
-        /// HTTP status as reported by the side that failed.
-        status: u16,
-        /// The transfer layer's failure kind (`rejected`, `peer_dead`,
-        /// `timeout`, `aborted` ...).
-        kind: String,
-        /// The human reason, as the peer sent it.
-        reason: String,
-    },
+    /// Disaggregated serving: the room failed (prefill rejected it, a peer
+    /// died, a deadline passed, the client aborted, the peer reported a
+    /// fault). The typed failure as the transfer layer reported it: status,
+    /// label and reason are those of the side that saw the failure, so a
+    /// prefill's 400 reaches the client as a 400 with the prefill's message
+    /// (seed 004), and a failure the peer reported stays the peer's
+    /// ([`TransferError::Remote`]). Displays as the reason alone.
+    #[error("{}", .0.reason())]
+    Transfer(#[from] TransferError),
+    /// Disaggregated serving: the transfer endpoint failed outside any room
+    /// (connect, handshake, socket, shared memory, shutdown). A
+    /// [`TransportError::Room`] is never wrapped here: it becomes
+    /// [`EngineError::Transfer`].
+    #[error(transparent)]
+    Transport(TransportFailure),
 }
 
-impl From<handoff_proto::TransferError> for EngineError {
-    fn from(e: handoff_proto::TransferError) -> Self {
-        EngineError::Transfer {
-            status: e.http_status(),
-            kind: e.error_type().to_string(),
-            reason: e.reason(),
-        }
+/// A [`TransportError`] that an [`EngineError`] can carry: shared, so the
+/// error stays `Clone` (a stream's error goes to every waiter), and compared
+/// by label and message (`io::Error` has no equality).
+#[derive(Debug, Clone)]
+pub struct TransportFailure(Arc<TransportError>);
+
+impl TransportFailure {
+    /// The transport error, to match on.
+    pub fn get(&self) -> &TransportError {
+        &self.0
     }
 }
 
-impl From<handoff_transfer::TransportError> for EngineError {
-    fn from(e: handoff_transfer::TransportError) -> Self {
+impl PartialEq for TransportFailure {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+            || (self.0.error_type() == other.0.error_type()
+                && self.0.to_string() == other.0.to_string())
+    }
+}
+
+impl Eq for TransportFailure {}
+
+impl fmt::Display for TransportFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for TransportFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl From<TransportError> for EngineError {
+    fn from(e: TransportError) -> Self {
         match e {
-            handoff_transfer::TransportError::Room(e) => e.into(),
-            other => EngineError::Transfer {
-                status: other.http_status(),
-                kind: other.error_type().to_string(),
-                reason: other.to_string(),
-            },
+            TransportError::Room(e) => EngineError::Transfer(e),
+            other => EngineError::Transport(TransportFailure(Arc::new(other))),
         }
     }
 }
@@ -101,7 +128,8 @@ impl EngineError {
             | EngineError::TokenOutOfRange { .. } => 400,
             EngineError::ShuttingDown | EngineError::Overloaded { .. } => 503,
             EngineError::Model(_) => 500,
-            EngineError::Transfer { status, .. } => *status,
+            EngineError::Transfer(e) => e.http_status(),
+            EngineError::Transport(t) => t.get().http_status(),
         }
     }
 
@@ -116,12 +144,23 @@ impl EngineError {
             EngineError::ShuttingDown => "shutting_down",
             EngineError::Overloaded { .. } => "overloaded",
             EngineError::Model(_) => "model_error",
-            EngineError::Transfer { kind, .. } => handoff_proto::FailureKind::ALL
-                .iter()
-                .map(|k| k.name())
-                .find(|n| *n == kind.as_str())
-                .unwrap_or("transfer_error"),
+            EngineError::Transfer(e) => e.error_type(),
+            EngineError::Transport(t) => transport_error_type(t.get()),
         }
+    }
+}
+
+/// The client-facing label of an endpoint failure: the ones that blame the
+/// peer keep their label (`peer_incompatible`, `handshake_timeout`,
+/// `peer_misbehaved`); this side's own transport faults (I/O, shared memory,
+/// bootstrap, configuration, shutdown) are `transfer_error` —
+/// [`TransportError::error_type`] has the finer label for logs.
+fn transport_error_type(e: &TransportError) -> &'static str {
+    match e {
+        TransportError::Handshake(h) => h.error_type(),
+        TransportError::PeerMisbehaved(_) => "peer_misbehaved",
+        TransportError::Room(e) => e.error_type(),
+        _ => "transfer_error",
     }
 }
 
@@ -155,15 +194,80 @@ mod tests {
             http_status: 499,
         };
         assert_eq!(EngineError::from(aborted).http_status(), 499);
-        // An unknown kind string still has a stable label.
-        let odd = EngineError::Transfer {
-            status: 502,
-            kind: "something new".into(),
-            reason: "?".into(),
-        };
+        // A transport fault of this side (no blame on the peer) still has a
+        // stable label.
+        let odd = EngineError::from(handoff_transfer::TransportError::Bootstrap("?".into()));
         assert_eq!(odd.error_type(), "transfer_error");
         // Transport-level errors map through their own status and label.
         let e = EngineError::from(handoff_transfer::TransportError::Shutdown);
         assert_eq!((e.http_status(), e.error_type()), (503, "transfer_error"));
+    }
+
+    #[test]
+    fn a_peers_internal_failure_stays_the_peers() {
+        // Prefill reported an internal fault in a Status(Failed): decode's
+        // engine sees the peer's failure, attributed to the prefill.
+        let wire = TransferError::from_wire(
+            FailureKind::Internal,
+            "prefill gave up".into(),
+            500,
+            Role::Prefill,
+        );
+        let e = EngineError::from(handoff_transfer::TransportError::Room(wire));
+        assert!(
+            matches!(
+                &e,
+                EngineError::Transfer(TransferError::Remote {
+                    kind: FailureKind::Internal,
+                    peer: Role::Prefill,
+                    http_status: 500,
+                    reason,
+                }) if reason == "prefill gave up"
+            ),
+            "{e:?}"
+        );
+        assert_eq!((e.http_status(), e.error_type()), (500, "internal"));
+        assert_eq!(e.to_string(), "prefill gave up");
+        // Misuse of our own API has its own label.
+        let misuse = EngineError::from(TransferError::ApiMisuse {
+            reason: "no sources".into(),
+        });
+        assert_eq!(
+            (misuse.http_status(), misuse.error_type()),
+            (500, "api_misuse")
+        );
+    }
+
+    #[test]
+    fn transport_failures_keep_their_type() {
+        use handoff_proto::HandshakeError;
+        let timeout = std::time::Duration::from_secs(2);
+        let e = EngineError::from(TransportError::Handshake(HandshakeError::TimedOut(timeout)));
+        assert!(
+            matches!(
+                &e,
+                EngineError::Transport(t)
+                    if matches!(t.get(), TransportError::Handshake(HandshakeError::TimedOut(d)) if *d == timeout)
+            ),
+            "{e:?}"
+        );
+        assert_eq!(
+            (e.http_status(), e.error_type()),
+            (504, "handshake_timeout")
+        );
+        assert_eq!(
+            e.to_string(),
+            "handshake failed: handshake did not complete within 2s"
+        );
+        // Clones compare equal; a different transport error does not.
+        assert_eq!(e.clone(), e);
+        assert_ne!(e, EngineError::from(TransportError::Shutdown));
+        let e = EngineError::from(TransportError::Handshake(HandshakeError::AuthFailed));
+        assert_eq!(
+            (e.http_status(), e.error_type()),
+            (500, "peer_incompatible")
+        );
+        let e = EngineError::from(TransportError::PeerMisbehaved("bad record".into()));
+        assert_eq!((e.http_status(), e.error_type()), (500, "peer_misbehaved"));
     }
 }

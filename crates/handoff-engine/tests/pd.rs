@@ -14,6 +14,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use handoff_engine::error::TransferError;
 use handoff_engine::pd::{DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle};
 use handoff_engine::{
     Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestStream,
@@ -342,8 +343,8 @@ fn prefill_rejection_reaches_decode_with_status_and_reason(kind: TransportKind) 
         assert_eq!(e.to_string(), rejected.to_string());
         assert!(matches!(
             &e,
-            EngineError::Transfer { status: 400, kind, reason }
-                if kind == "rejected" && reason.contains("exceeds the context length of 32 tokens")
+            EngineError::Transfer(TransferError::Rejected { http_status: 400, reason })
+                if reason.contains("exceeds the context length of 32 tokens")
         ));
         let took = eventually("decode pages back", Duration::from_millis(100), || {
             s.decode.load().pages_used == 0

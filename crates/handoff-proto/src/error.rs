@@ -7,7 +7,9 @@
 //! * [`TransferError`] — why one room failed, with [`TransferError::http_status`]
 //!   and a stable [`TransferError::error_type`] label for metrics, the OpenAI
 //!   error object and SSE error events. It travels over the wire in
-//!   [`crate::message::Status`] so both sides report the same reason.
+//!   [`crate::message::Status`] so both sides report the same reason; a
+//!   failure received from a peer stays the peer's
+//!   ([`TransferError::Remote`]), never rebuilt as one of ours.
 
 use std::fmt;
 
@@ -171,6 +173,27 @@ pub enum HandshakeError {
     TimedOut(std::time::Duration),
 }
 
+impl HandshakeError {
+    /// Stable label for metrics, error bodies and SSE events. A handshake
+    /// that did not finish in time says so (`handshake_timeout`): it is not
+    /// evidence that the peer is incompatible.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            HandshakeError::TimedOut(_) => "handshake_timeout",
+            _ => "peer_incompatible",
+        }
+    }
+
+    /// The HTTP status a client whose request needed this connection should
+    /// see: 504 for a handshake that timed out, 500 otherwise.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            HandshakeError::TimedOut(_) => 504,
+            _ => 500,
+        }
+    }
+}
+
 /// The phase of a room a timeout fired in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Phase {
@@ -329,14 +352,25 @@ pub enum TransferError {
     /// The room id is already live.
     #[error("duplicate live room id")]
     DuplicateRoom,
-    /// A local fault (transport error, engine error).
+    /// A local fault (transport error, engine error, a broken invariant).
     #[error("internal: {reason}")]
     Internal {
         /// What broke.
         reason: String,
     },
-    /// A failure the peer saw and reported (timeout, dead peer, duplicate
-    /// room on its side): kind, reason and status exactly as it sent them.
+    /// Our own caller used the API wrongly (e.g. opened a room without
+    /// distinct sources): a bug on this side, not the peer's. On the wire it
+    /// is [`FailureKind::Internal`] (older peers know no other code), so the
+    /// peer sees an `internal` failure with this reason.
+    #[error("API misuse: {reason}")]
+    ApiMisuse {
+        /// What the caller did wrong.
+        reason: String,
+    },
+    /// A failure the peer saw and reported in a `Status(Failed)` — a dead
+    /// peer, a timeout, a duplicate room, capacity, misbehaviour or an
+    /// internal fault on its side: kind, reason and status exactly as it
+    /// sent them, attributed to the peer's role.
     #[error("{} reported by {peer}: {reason}", kind.name())]
     Remote {
         /// The peer's failure kind (this is the `error_type`).
@@ -356,7 +390,8 @@ impl TransferError {
         match self {
             TransferError::PeerMisbehaved { .. }
             | TransferError::PeerIncompatible { .. }
-            | TransferError::Internal { .. } => 500,
+            | TransferError::Internal { .. }
+            | TransferError::ApiMisuse { .. } => 500,
             TransferError::PeerDead { .. } | TransferError::Capacity { .. } => 503,
             TransferError::Timeout { .. } => 504,
             TransferError::Aborted { http_status, .. }
@@ -367,11 +402,20 @@ impl TransferError {
     }
 
     /// Stable label: metrics, the OpenAI error object's `type`, SSE events.
+    /// The wire kind's name, except for [`TransferError::ApiMisuse`], which
+    /// has its own label here and travels as `internal`.
     pub fn error_type(&self) -> &'static str {
-        self.kind().name()
+        match self {
+            TransferError::ApiMisuse { .. } => "api_misuse",
+            other => other.kind().name(),
+        }
     }
 
-    /// The wire kind of this error.
+    /// The wire kind of this error (what a `Status(Failed)` carries). For a
+    /// [`TransferError::Remote`] it is the peer's kind, so a relayed failure
+    /// keeps its class; [`TransferError::ApiMisuse`] maps onto
+    /// [`FailureKind::Internal`] (no new wire code: an older decoder refuses
+    /// codes it does not know).
     pub fn kind(&self) -> FailureKind {
         match self {
             TransferError::PeerMisbehaved { .. } => FailureKind::PeerMisbehaved,
@@ -382,7 +426,9 @@ impl TransferError {
             TransferError::Rejected { .. } => FailureKind::Rejected,
             TransferError::Capacity { .. } => FailureKind::Capacity,
             TransferError::DuplicateRoom => FailureKind::DuplicateRoom,
-            TransferError::Internal { .. } => FailureKind::Internal,
+            TransferError::Internal { .. } | TransferError::ApiMisuse { .. } => {
+                FailureKind::Internal
+            }
             TransferError::Remote { kind, .. } => *kind,
         }
     }
@@ -393,7 +439,8 @@ impl TransferError {
             TransferError::Aborted { reason, .. }
             | TransferError::Rejected { reason, .. }
             | TransferError::Remote { reason, .. }
-            | TransferError::Internal { reason } => reason.clone(),
+            | TransferError::Internal { reason }
+            | TransferError::ApiMisuse { reason } => reason.clone(),
             TransferError::PeerMisbehaved { detail }
             | TransferError::PeerIncompatible { detail } => detail.clone(),
             TransferError::Capacity { what } => what.clone(),
@@ -401,20 +448,15 @@ impl TransferError {
         }
     }
 
-    /// Rebuild the error a peer reported in a `Status::Failed`. The kind,
-    /// reason and status are kept exactly so both sides report the same thing.
+    /// Rebuild the error a peer (`peer` is its role) reported in a
+    /// `Status::Failed`. The kind, reason and status are kept exactly so both
+    /// sides report the same thing, and the blame stays with the peer: every
+    /// kind becomes [`TransferError::Remote`] — the peer's `peer_misbehaved`
+    /// or `internal` is not ours — except the two that already say who
+    /// decided: `rejected` (a verdict on the request, whoever made it) and
+    /// `aborted` (its origin is the peer's role).
     pub fn from_wire(kind: FailureKind, reason: String, http_status: u16, peer: Role) -> Self {
         match kind {
-            FailureKind::PeerMisbehaved => TransferError::PeerMisbehaved { detail: reason },
-            FailureKind::PeerIncompatible => TransferError::PeerIncompatible { detail: reason },
-            FailureKind::PeerDead | FailureKind::Timeout | FailureKind::DuplicateRoom => {
-                TransferError::Remote {
-                    kind,
-                    reason,
-                    http_status,
-                    peer,
-                }
-            }
             FailureKind::Aborted => TransferError::Aborted {
                 origin: AbortOrigin::of_role(peer),
                 reason,
@@ -424,8 +466,18 @@ impl TransferError {
                 http_status,
                 reason,
             },
-            FailureKind::Capacity => TransferError::Capacity { what: reason },
-            FailureKind::Internal => TransferError::Internal { reason },
+            FailureKind::PeerMisbehaved
+            | FailureKind::PeerIncompatible
+            | FailureKind::PeerDead
+            | FailureKind::Timeout
+            | FailureKind::Capacity
+            | FailureKind::DuplicateRoom
+            | FailureKind::Internal => TransferError::Remote {
+                kind,
+                reason,
+                http_status,
+                peer,
+            },
         }
     }
 }
@@ -450,7 +502,8 @@ pub enum FailureKind {
     Capacity,
     /// See [`TransferError::DuplicateRoom`].
     DuplicateRoom,
-    /// See [`TransferError::Internal`].
+    /// See [`TransferError::Internal`] (and [`TransferError::ApiMisuse`],
+    /// which travels as this kind).
     Internal,
 }
 
@@ -631,5 +684,115 @@ mod tests {
         assert_eq!(back.error_type(), "timeout");
         assert_eq!(back.http_status(), 504);
         assert_eq!(back.reason(), "timed out in bootstrapping after 30.0 s");
+    }
+
+    #[test]
+    fn a_peers_failure_stays_the_peers() {
+        // The peer's own misbehaviour verdict, internal fault or capacity is
+        // not ours: it comes back as Remote, with the peer's role.
+        for (kind, status) in [
+            (FailureKind::Internal, 500),
+            (FailureKind::PeerMisbehaved, 500),
+            (FailureKind::PeerIncompatible, 500),
+            (FailureKind::Capacity, 503),
+            (FailureKind::PeerDead, 503),
+        ] {
+            let e = TransferError::from_wire(kind, "gave up".into(), status, Role::Prefill);
+            assert_eq!(
+                e,
+                TransferError::Remote {
+                    kind,
+                    reason: "gave up".into(),
+                    http_status: status,
+                    peer: Role::Prefill,
+                }
+            );
+            assert_eq!(e.error_type(), kind.name());
+            assert_eq!(e.http_status(), status);
+            assert_eq!(e.reason(), "gave up");
+            assert_eq!(
+                e.to_string(),
+                format!("{} reported by prefill: gave up", kind.name())
+            );
+        }
+        let e = TransferError::from_wire(FailureKind::Internal, "x".into(), 500, Role::Decode);
+        assert!(matches!(
+            e,
+            TransferError::Remote {
+                kind: FailureKind::Internal,
+                peer: Role::Decode,
+                ..
+            }
+        ));
+        // Relayed again, it keeps the peer's kind.
+        assert_eq!(e.kind(), FailureKind::Internal);
+    }
+
+    #[test]
+    fn api_misuse_has_its_own_label_and_travels_as_internal() {
+        let e = TransferError::ApiMisuse {
+            reason: "a room needs distinct sources".into(),
+        };
+        assert_eq!(e.error_type(), "api_misuse");
+        assert_eq!(e.http_status(), 500);
+        assert_eq!(e.kind(), FailureKind::Internal);
+        assert_eq!(e.reason(), "a room needs distinct sources");
+        // No new wire code: the kind byte is one every decoder knows.
+        assert_eq!(
+            FailureKind::from_code(e.kind().code()),
+            Some(FailureKind::Internal)
+        );
+        let m = crate::message::Message::Status(crate::message::Status {
+            room: crate::ids::RoomId::new(7).unwrap(),
+            outcome: crate::message::Outcome::Failed {
+                kind: e.kind(),
+                reason: e.reason(),
+                http_status: Some(e.http_status()),
+            },
+        });
+        for caps in [
+            crate::handshake::Capabilities::V1,
+            crate::handshake::Capabilities::ALL,
+        ] {
+            let mut buf = Vec::new();
+            m.encode_payload(caps, &mut buf);
+            let back = crate::message::Message::decode(m.kind(), &buf, caps).unwrap();
+            let crate::message::Message::Status(crate::message::Status {
+                outcome:
+                    crate::message::Outcome::Failed {
+                        kind,
+                        reason,
+                        http_status,
+                    },
+                ..
+            }) = back
+            else {
+                panic!("not a failed status: {back:?}")
+            };
+            let status = http_status.unwrap_or_else(|| kind.default_http_status());
+            let seen = TransferError::from_wire(kind, reason, status, Role::Decode);
+            assert_eq!(seen.error_type(), "internal");
+            assert_eq!(seen.http_status(), 500);
+            assert_eq!(seen.reason(), "a room needs distinct sources");
+        }
+    }
+
+    #[test]
+    fn handshake_timeout_is_not_incompatibility() {
+        let t = HandshakeError::TimedOut(std::time::Duration::from_secs(2));
+        assert_eq!(
+            (t.error_type(), t.http_status()),
+            ("handshake_timeout", 504)
+        );
+        let i = HandshakeError::Incompatible {
+            field: "page size",
+            prefill: "16".into(),
+            decode: "64".into(),
+        };
+        assert_eq!(
+            (i.error_type(), i.http_status()),
+            ("peer_incompatible", 500)
+        );
+        assert_eq!(HandshakeError::AuthFailed.error_type(), "peer_incompatible");
     }
 }

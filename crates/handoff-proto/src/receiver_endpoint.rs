@@ -208,10 +208,14 @@ pub enum RefusedRoom {
 }
 
 impl From<RefusedRoom> for TransferError {
+    /// The room table's refusal as it is; sources that cannot serve this
+    /// rank, or pages for a room not waiting for them, are a misuse of this
+    /// API (a room that failed meanwhile reports its own failure through its
+    /// outcome).
     fn from(e: RefusedRoom) -> Self {
         match e {
             RefusedRoom::Room(e) => e,
-            other => TransferError::Internal {
+            other => TransferError::ApiMisuse {
                 reason: other.to_string(),
             },
         }

@@ -120,9 +120,16 @@ pub enum SendRefused {
 }
 
 impl From<SendRefused> for TransferError {
+    /// A room that failed before its writes is a race with the room's end
+    /// (internal); every other refusal is a misuse of this API.
     fn from(e: SendRefused) -> Self {
-        TransferError::Internal {
-            reason: e.to_string(),
+        match e {
+            SendRefused::FailedBeforeWrites => TransferError::Internal {
+                reason: e.to_string(),
+            },
+            other => TransferError::ApiMisuse {
+                reason: other.to_string(),
+            },
         }
     }
 }

@@ -117,6 +117,9 @@ impl IntoResponse for ApiError {
     }
 }
 
+/// Status and label come from the typed engine error (for a transfer
+/// failure, the `TransferError` the side that saw it reported), the message
+/// is its `Display`: the same body as a response and as an SSE error event.
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         ApiError::new(e.http_status(), e.error_type(), e.to_string())
@@ -161,5 +164,54 @@ mod tests {
         assert!(e.message.contains("context length of 12"));
         let e: ApiError = EngineError::ShuttingDown.into();
         assert_eq!((e.status, e.kind), (503, "service_unavailable"));
+    }
+
+    #[test]
+    fn transfer_failures_keep_the_typed_status_label_and_reason() {
+        use handoff_engine::error::{TransferError, TransportError};
+        use handoff_proto::{FailureKind, HandshakeError, Role};
+        // A prefill's internal fault, reported over the wire.
+        let e: ApiError = EngineError::from(TransferError::from_wire(
+            FailureKind::Internal,
+            "prefill gave up".into(),
+            500,
+            Role::Prefill,
+        ))
+        .into();
+        assert_eq!(
+            e.to_json(),
+            serde_json::json!({"error": {"message": "prefill gave up", "type": "server_error", "code": "internal", "param": null}})
+        );
+        // The prefill's rejection keeps its 400 and message.
+        let e: ApiError = EngineError::from(TransferError::Rejected {
+            http_status: 400,
+            reason: "prompt too long".into(),
+        })
+        .into();
+        assert_eq!(
+            (e.status, e.kind, e.code, e.message.as_str()),
+            (400, "invalid_request_error", "rejected", "prompt too long")
+        );
+        // A dead peer is a 503 the client may retry.
+        let e: ApiError = EngineError::from(TransferError::from_wire(
+            FailureKind::PeerDead,
+            "data link closed".into(),
+            503,
+            Role::Prefill,
+        ))
+        .into();
+        assert_eq!(
+            (e.status, e.kind, e.code),
+            (503, "service_unavailable", "peer_dead")
+        );
+        // A handshake that timed out is a timeout, not an incompatibility.
+        let e: ApiError = EngineError::from(TransportError::Handshake(HandshakeError::TimedOut(
+            std::time::Duration::from_secs(2),
+        )))
+        .into();
+        assert_eq!(
+            (e.status, e.kind, e.code),
+            (504, "server_error", "handshake_timeout")
+        );
     }
 }

@@ -45,7 +45,7 @@ impl TransportError {
     pub fn error_type(&self) -> &'static str {
         match self {
             TransportError::Io { .. } => "transport_io",
-            TransportError::Handshake(_) => "peer_incompatible",
+            TransportError::Handshake(e) => e.error_type(),
             TransportError::PeerMisbehaved(_) => "peer_misbehaved",
             TransportError::Kv(_) => "shared_memory",
             TransportError::Room(e) => e.error_type(),
@@ -59,6 +59,7 @@ impl TransportError {
     pub fn http_status(&self) -> u16 {
         match self {
             TransportError::Room(e) => e.http_status(),
+            TransportError::Handshake(e) => e.http_status(),
             TransportError::Shutdown | TransportError::Bootstrap(_) => 503,
             _ => 500,
         }
@@ -66,5 +67,27 @@ impl TransportError {
 
     pub(crate) fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> TransportError {
         move |source| TransportError::Io { what, source }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handshake_timeout_is_labelled_as_a_timeout() {
+        let t =
+            TransportError::Handshake(HandshakeError::TimedOut(std::time::Duration::from_secs(2)));
+        assert_eq!(
+            (t.error_type(), t.http_status()),
+            ("handshake_timeout", 504)
+        );
+        let i = TransportError::Handshake(HandshakeError::AuthFailed);
+        assert_eq!(
+            (i.error_type(), i.http_status()),
+            ("peer_incompatible", 500)
+        );
+        let r = TransportError::Room(TransferError::DuplicateRoom);
+        assert_eq!((r.error_type(), r.http_status()), ("duplicate_room", 409));
     }
 }

@@ -7,8 +7,8 @@
 //! scheduler's continuous batch with the prefill's first token, and streams
 //! exactly the events the colocated engine would.
 //!
-//! Failures reach the stream as [`EngineError::Transfer`] with the status
-//! and reason of the side that saw them (a prefill rejection stays a 400 with
+//! Failures reach the stream as [`EngineError::Transfer`], the typed failure
+//! with the status and reason of the side that saw them (a prefill rejection stays a 400 with
 //! the prefill's message). Dropping the stream aborts the room through the
 //! protocol (seed 000); the transfer layer returns the pages once the
 //! prefill's writer drained.
@@ -342,13 +342,28 @@ async fn transfer(
 ) -> Result<(PageLease, AuxData), EngineError> {
     let rank = ctx.peer(prefill).await?;
     let r = joined(ctx, room, rank, req).await;
-    if let Err(EngineError::Transfer { kind, .. }) = &r {
-        if kind == FailureKind::PeerDead.name() {
-            // The next request to this address reconnects.
-            ctx.forget_peer(prefill, rank).await;
-        }
+    if r.as_ref().is_err_and(connection_lost) {
+        // The next request to this address reconnects.
+        ctx.forget_peer(prefill, rank).await;
     }
     r
+}
+
+/// Whether `e` says this decode's connection to the prefill is gone, so the
+/// next request to that address must reconnect: decode found the prefill
+/// dead, or the prefill reported that its end of the connection (its link
+/// to this decode) died.
+fn connection_lost(e: &EngineError) -> bool {
+    matches!(
+        e,
+        EngineError::Transfer(
+            TransferError::PeerDead { .. }
+                | TransferError::Remote {
+                    kind: FailureKind::PeerDead,
+                    ..
+                }
+        )
+    )
 }
 
 /// [`transfer`] once connected to the prefill as peer `rank`. The request
@@ -380,4 +395,69 @@ async fn joined(
         "decode room: KV landed"
     );
     Ok((lease, aux))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use handoff_proto::Phase;
+    use handoff_transfer::TransportError;
+
+    use super::*;
+
+    #[test]
+    fn a_dead_peer_by_type_makes_the_next_request_reconnect() {
+        // Decode found the prefill dead.
+        let local = EngineError::from(TransferError::PeerDead {
+            rank: RankId(0),
+            detail: "prefill peer stopped answering".into(),
+        });
+        assert!(connection_lost(&local));
+        // The prefill reported that its link to this decode died.
+        let remote = EngineError::from(TransferError::from_wire(
+            FailureKind::PeerDead,
+            "data link closed".into(),
+            503,
+            Role::Prefill,
+        ));
+        assert!(connection_lost(&remote), "{remote:?}");
+        // Through the transport error, as `receiver.wait` returns it.
+        let wrapped = EngineError::from(TransportError::Room(TransferError::PeerDead {
+            rank: RankId(3),
+            detail: "no live connection".into(),
+        }));
+        assert!(connection_lost(&wrapped), "{wrapped:?}");
+    }
+
+    #[test]
+    fn other_failures_keep_the_connection() {
+        let keep = [
+            EngineError::from(TransferError::Timeout {
+                phase: Phase::Transferring,
+                after: Duration::from_secs(1),
+            }),
+            EngineError::from(TransferError::from_wire(
+                FailureKind::Timeout,
+                "timed out in transferring".into(),
+                504,
+                Role::Prefill,
+            )),
+            EngineError::from(TransferError::from_wire(
+                FailureKind::Internal,
+                "peer_dead".into(),
+                500,
+                Role::Prefill,
+            )),
+            EngineError::from(TransferError::Rejected {
+                http_status: 400,
+                reason: "prompt too long".into(),
+            }),
+            EngineError::from(TransportError::Shutdown),
+            EngineError::ShuttingDown,
+        ];
+        for e in keep {
+            assert!(!connection_lost(&e), "{e:?}");
+        }
+    }
 }
