@@ -68,6 +68,7 @@ conformance!(
     fan_in_two_prefill_ranks_fill_one_decode_rank,
     fan_out_one_prefill_rank_feeds_two_decode_ranks,
     decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else,
+    room_handles_own_their_rooms,
 );
 
 fn room(n: u64) -> RoomId {
@@ -259,6 +260,104 @@ async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
         assert!(span_bytes(&p.d_pool, 0, page).iter().all(|b| *b == 0));
     }
     drop(lease);
+    teardown(p).await;
+}
+
+/// The room handles ([`handoff_transfer::SenderRoom`],
+/// [`handoff_transfer::ReceiverRoom`]): a room driven through them lands
+/// byte-exact; dropping either handle before the end fails the room on both
+/// sides with the dropping side's reason (no timeout); a prefill refusal of
+/// a room it never took reaches decode with its status, and a refusal of a
+/// room it already owns changes nothing.
+async fn room_handles_own_their_rooms(kind: TransportKind) {
+    let p = pair(kind).await;
+    let within = Duration::from_secs(5);
+    let aux = AuxData {
+        first_token: 7,
+        logprob: -0.5,
+    };
+    // 1. The whole room through the handles.
+    let r = room(21);
+    let mut sr = p.tx.submit(r).await.unwrap();
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
+    let lease = p.d_pool.allocator().lease(3).unwrap();
+    let dst = lease.pages().to_vec();
+    dr.reserve(lease, AuxSlot(1)).await.unwrap();
+    tokio::time::timeout(within, sr.ready()).await.unwrap().unwrap();
+    let src = pages(&[9, 4, 30]);
+    sr.send(0..2, 0..3, src.clone()).await.unwrap();
+    sr.finish(aux).await.unwrap();
+    assert_eq!(tokio::time::timeout(within, sr.outcome()).await.unwrap(), Ok(()));
+    let (lease, got) = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap();
+    assert_eq!((lease.pages(), got.first_token), (&dst[..], 7));
+    for layer in 0..2 {
+        for (s, d) in src.iter().zip(&dst) {
+            assert_eq!(span_bytes(&p.p_pool, layer, *s), span_bytes(&p.d_pool, layer, *d));
+        }
+    }
+    drop((lease, sr, dr));
+
+    // 2. Decode's handle dropped after its destination went: prefill's room
+    // ends as the client's abort, and decode's pages come back.
+    let r = room(22);
+    let mut sr = p.tx.submit(r).await.unwrap();
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
+    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(2))
+        .await
+        .unwrap();
+    tokio::time::timeout(within, sr.ready()).await.unwrap().unwrap();
+    drop(dr);
+    let e = tokio::time::timeout(within, sr.outcome()).await.unwrap().unwrap_err();
+    assert_eq!((e.error_type(), e.http_status()), ("aborted", 499), "{e}");
+    eventually("decode pages back", within, || async {
+        p.d_pool.allocator().stats().leased == 0
+    })
+    .await;
+    drop(sr);
+
+    // 3. Prefill's handle dropped before compute: decode's room fails with
+    // the prefill's reason and status at once.
+    let r = room(23);
+    let sr = p.tx.submit(r).await.unwrap();
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
+    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(3))
+        .await
+        .unwrap();
+    drop(sr);
+    let e = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap_err();
+    assert_eq!(e.http_status(), 503, "{e}");
+    assert!(e.reason().contains("the prefill worker stopped the request"), "{e}");
+
+    // 4. A refusal of a room prefill never took reaches decode as a 400;
+    // a refusal of a room it owns changes nothing.
+    let r = room(24);
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
+    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(4))
+        .await
+        .unwrap();
+    let rejected = TransferError::Rejected {
+        http_status: 400,
+        reason: "prompt too long".into(),
+    };
+    p.tx.refuse(r, rejected.clone());
+    let e = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap_err();
+    assert_eq!(
+        (e.error_type(), e.http_status(), e.reason()),
+        ("rejected", 400, "prompt too long".to_string())
+    );
+    let r = room(25);
+    let mut sr = p.tx.submit(r).await.unwrap();
+    p.tx.refuse(r, rejected);
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
+    dr.reserve(p.d_pool.allocator().lease(1).unwrap(), AuxSlot(5))
+        .await
+        .unwrap();
+    tokio::time::timeout(within, sr.ready()).await.unwrap().unwrap();
+    sr.send(0..2, 0..1, pages(&[3])).await.unwrap();
+    sr.finish(aux).await.unwrap();
+    assert_eq!(tokio::time::timeout(within, sr.outcome()).await.unwrap(), Ok(()));
+    let (lease, _) = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap();
+    drop((lease, sr, dr));
     teardown(p).await;
 }
 
