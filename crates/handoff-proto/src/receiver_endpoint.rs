@@ -702,22 +702,12 @@ impl<L, W> ReceiverEndpoint<L, W> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::handshake::{KvDtype, KvLayoutKind};
     use crate::message::{Message, Outcome, Status};
 
     fn fp(kv_heads: u32, tp_rank: u32, tp_size: u32) -> Fingerprint {
-        Fingerprint {
-            model_id: "m".into(),
-            model_hash: [0; 32],
-            layers: 2,
-            kv_heads,
-            head_dim: 4,
-            page_size: 4,
-            dtype: KvDtype::F32,
-            layout: KvLayoutKind::LayerPageKv,
-            tp_rank,
-            tp_size,
-        }
+        let mut f = crate::fuzz::sample_fingerprint();
+        (f.kv_heads, f.tp_rank, f.tp_size) = (kv_heads, tp_rank, tp_size);
+        f
     }
 
     #[test]

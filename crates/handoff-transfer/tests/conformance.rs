@@ -283,16 +283,28 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let lease = p.d_pool.allocator().lease(3).unwrap();
     let dst = lease.pages().to_vec();
     dr.reserve(lease, AuxSlot(1)).await.unwrap();
-    tokio::time::timeout(within, sr.ready()).await.unwrap().unwrap();
+    tokio::time::timeout(within, sr.ready())
+        .await
+        .unwrap()
+        .unwrap();
     let src = pages(&[9, 4, 30]);
     sr.send(0..2, 0..3, src.clone()).await.unwrap();
     sr.finish(aux).await.unwrap();
-    assert_eq!(tokio::time::timeout(within, sr.outcome()).await.unwrap(), Ok(()));
-    let (lease, got) = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap();
+    assert_eq!(
+        tokio::time::timeout(within, sr.outcome()).await.unwrap(),
+        Ok(())
+    );
+    let (lease, got) = tokio::time::timeout(within, dr.landed())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!((lease.pages(), got.first_token), (&dst[..], 7));
     for layer in 0..2 {
         for (s, d) in src.iter().zip(&dst) {
-            assert_eq!(span_bytes(&p.p_pool, layer, *s), span_bytes(&p.d_pool, layer, *d));
+            assert_eq!(
+                span_bytes(&p.p_pool, layer, *s),
+                span_bytes(&p.d_pool, layer, *d)
+            );
         }
     }
     drop((lease, sr, dr));
@@ -305,9 +317,15 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(2))
         .await
         .unwrap();
-    tokio::time::timeout(within, sr.ready()).await.unwrap().unwrap();
+    tokio::time::timeout(within, sr.ready())
+        .await
+        .unwrap()
+        .unwrap();
     drop(dr);
-    let e = tokio::time::timeout(within, sr.outcome()).await.unwrap().unwrap_err();
+    let e = tokio::time::timeout(within, sr.outcome())
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!((e.error_type(), e.http_status()), ("aborted", 499), "{e}");
     eventually("decode pages back", within, || async {
         p.d_pool.allocator().stats().leased == 0
@@ -324,9 +342,16 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
         .await
         .unwrap();
     drop(sr);
-    let e = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap_err();
+    let e = tokio::time::timeout(within, dr.landed())
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!(e.http_status(), 503, "{e}");
-    assert!(e.reason().contains("the prefill worker stopped the request"), "{e}");
+    assert!(
+        e.reason()
+            .contains("the prefill worker stopped the request"),
+        "{e}"
+    );
 
     // 4. A refusal of a room prefill never took reaches decode as a 400;
     // a refusal of a room it owns changes nothing.
@@ -340,7 +365,10 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
         reason: "prompt too long".into(),
     };
     p.tx.refuse(r, rejected.clone());
-    let e = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap_err();
+    let e = tokio::time::timeout(within, dr.landed())
+        .await
+        .unwrap()
+        .unwrap_err();
     assert_eq!(
         (e.error_type(), e.http_status(), e.reason()),
         ("rejected", 400, "prompt too long".to_string())
@@ -352,11 +380,20 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     dr.reserve(p.d_pool.allocator().lease(1).unwrap(), AuxSlot(5))
         .await
         .unwrap();
-    tokio::time::timeout(within, sr.ready()).await.unwrap().unwrap();
+    tokio::time::timeout(within, sr.ready())
+        .await
+        .unwrap()
+        .unwrap();
     sr.send(0..2, 0..1, pages(&[3])).await.unwrap();
     sr.finish(aux).await.unwrap();
-    assert_eq!(tokio::time::timeout(within, sr.outcome()).await.unwrap(), Ok(()));
-    let (lease, _) = tokio::time::timeout(within, dr.landed()).await.unwrap().unwrap();
+    assert_eq!(
+        tokio::time::timeout(within, sr.outcome()).await.unwrap(),
+        Ok(())
+    );
+    let (lease, _) = tokio::time::timeout(within, dr.landed())
+        .await
+        .unwrap()
+        .unwrap();
     drop((lease, sr, dr));
     teardown(p).await;
 }
