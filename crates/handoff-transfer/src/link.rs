@@ -89,7 +89,7 @@ async fn read_setup(
 
 /// Decode side: open a data link of one stream to `addr` for `kind`,
 /// offering `pool` (`num_pages` pages of `layout`), as decode endpoint
-/// `endpoint`, for its connect number `connect` ([`CONNECT_SEQ_LEN`]).
+/// `endpoint`, for its connect number `connect` ([`handoff_proto::datalink::CONNECT_SEQ_LEN`]).
 /// Returns the socket and the prefill's fingerprint (its TP rank and size).
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_link(

@@ -1,16 +1,17 @@
 //! The decode side (DESIGN.md §3 steps 3 and 5, §5): [`KvReceiver`], a
-//! cheap handle around one driver task that owns the [`ReceiverRooms`]
-//! table, the page leases of live rooms, the aux records, heartbeats and the
-//! links to every prefill rank.
+//! cheap handle around one driver task, the I/O shell of a
+//! [`ReceiverEndpoint`], which owns the rooms, the page leases of live rooms,
+//! the aux records, heartbeats and what is known of every prefill peer; the
+//! driver holds the sockets' and tasks' handles only.
 //!
 //! An engine calls [`KvReceiver::connect`] once per prefill rank (address
-//! from bootstrap), [`KvReceiver::open`] when it accepts a request,
-//! [`KvReceiver::reserve`] once it holds the pages (backpressure: a room may
-//! wait in `Bootstrapping` for them), and [`KvReceiver::poll`] until the
-//! room succeeds (the lease and aux come back) or fails (reason and status
-//! as the side that saw it reported). [`KvReceiver::abort`] aborts anywhere;
-//! the pages of an aborted room return to the pool only after every prefill
-//! writer drained or the abort fence passed.
+//! from bootstrap), [`KvReceiver::submit`] when it accepts a request, and
+//! drives the returned [`ReceiverRoom`]: `reserve` once it holds the pages
+//! (backpressure: a room may wait in `Bootstrapping` for them), then
+//! `landed` for the lease and aux, or the failure as the side that saw it
+//! reported. Dropping the room aborts it; [`KvReceiver::refuse`] aborts a
+//! room never submitted. The pages of an aborted room return to the pool
+//! only after every prefill writer drained or the abort fence passed.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -331,7 +332,7 @@ impl KvReceiver {
 
     /// Accept a request for `room` needing KV from `sources`. Their TP
     /// ranks must cover every prefill rank this decode rank needs heads from
-    /// ([`RankMap::required_prefill_ranks`]; one source with equal TP
+    /// ([`handoff_proto::rank::RankMap::required_prefill_ranks`]; one source with equal TP
     /// sizes), so the room cannot succeed with part of its heads missing.
     pub async fn open(&self, room: RoomId, sources: Vec<Source>) -> Result<(), TransportError> {
         Ok(self.ask(|r| Cmd::Open(room, sources, r)).await??)

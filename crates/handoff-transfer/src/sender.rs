@@ -1,14 +1,16 @@
 //! The prefill side (DESIGN.md §3 step 4, §5): [`KvSender`], a cheap handle
-//! around one driver task that owns the [`SenderRooms`] table, heartbeats,
-//! and the control and data links of every decode peer (TGI's queue shape:
-//! commands in, state inside one task, replies on oneshots).
+//! around one driver task (TGI's queue shape: commands in, state inside one
+//! task, replies on oneshots). The driver is the I/O shell of a
+//! [`SenderEndpoint`], which owns the rooms, heartbeats, connect admission
+//! and link assembly; the driver holds the sockets' and tasks' handles only.
 //!
-//! An engine calls [`KvSender::open`] when it accepts a request, waits until
-//! [`KvSender::poll`] says `WaitingForInput` (every decode destination
-//! arrived: compute may start), then streams KV with [`KvSender::send`] (a
-//! range of layers and pages, so layer-by-layer streaming works) and ends
-//! with [`KvSender::finish`] (aux record). [`KvSender::fail`] rejects or
-//! aborts a room; its reason and status reach every decode peer.
+//! An engine calls [`KvSender::submit`] when it accepts a request and drives
+//! the returned [`SenderRoom`]: `ready` (every decode destination arrived:
+//! compute may start), then `send` (a range of layers and pages, so
+//! layer-by-layer streaming works), `finish` (aux record) and `outcome`.
+//! [`KvSender::refuse`] fails a room it never took; its reason and status
+//! reach every decode peer. The lower-level `open` / `poll` / `wait` calls
+//! remain for tests and the transfer benchmark.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
