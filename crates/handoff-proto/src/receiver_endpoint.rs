@@ -797,6 +797,21 @@ mod tests {
                 .unwrap();
         }
 
+        /// The aux record (carrying `written_room`) and prefill's success
+        /// arrive for `room`.
+        fn land(&mut self, room: RoomId, written_room: u64, first_token: u32) {
+            let aux = AuxData {
+                first_token,
+                logprob: -0.25,
+            };
+            self.ep.handle_aux(room, written_room, aux);
+            let status = Status {
+                room,
+                outcome: Outcome::Success,
+            };
+            self.ep.handle_message(P, Message::Status(status), self.now);
+        }
+
         fn events(&mut self) -> Vec<ReceiverEvent<Lease, u32>> {
             std::iter::from_fn(|| self.ep.poll_event()).collect()
         }
@@ -833,22 +848,7 @@ mod tests {
         );
         f.ep.wait(r, 77);
         assert!(f.events().is_empty(), "a live room's waiter waits");
-        f.ep.handle_aux(
-            r,
-            r.get(),
-            AuxData {
-                first_token: 5,
-                logprob: -0.25,
-            },
-        );
-        f.ep.handle_message(
-            P,
-            Message::Status(Status {
-                room: r,
-                outcome: Outcome::Success,
-            }),
-            f.now,
-        );
+        f.land(r, r.get(), 5);
         let ev = f.events();
         match &ev[..] {
             [ReceiverEvent::ForgetWrites { rank, room }, ReceiverEvent::Outcome {
@@ -882,22 +882,7 @@ mod tests {
         let r = room(9);
         f.open_and_reserve(r, &[1]);
         f.events();
-        f.ep.handle_aux(
-            r,
-            12345,
-            AuxData {
-                first_token: 5,
-                logprob: 0.0,
-            },
-        );
-        f.ep.handle_message(
-            P,
-            Message::Status(Status {
-                room: r,
-                outcome: Outcome::Success,
-            }),
-            f.now,
-        );
+        f.land(r, 12345, 5);
         match f.ep.poll(r) {
             ReceiverPoll::Failed(e) => {
                 assert!(matches!(e, TransferError::PeerMisbehaved { .. }), "{e}")
@@ -1018,22 +1003,7 @@ mod tests {
         f.open_and_reserve(r, &[1]);
         f.events();
         f.ep.wait(r, 1);
-        f.ep.handle_aux(
-            r,
-            r.get(),
-            AuxData {
-                first_token: 1,
-                logprob: 0.0,
-            },
-        );
-        f.ep.handle_message(
-            P,
-            Message::Status(Status {
-                room: r,
-                outcome: Outcome::Success,
-            }),
-            f.now,
-        );
+        f.land(r, r.get(), 1);
         let outcome = f
             .events()
             .into_iter()
