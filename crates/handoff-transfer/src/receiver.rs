@@ -583,6 +583,9 @@ impl Driver {
             Cmd::Reserve(room, lease, aux_slot, reply) => {
                 let pages = lease.pages().iter().map(|p| PageIndex(p.0)).collect();
                 let r = self.endpoint.reserve(room, lease, pages, aux_slot, None, t);
+                // The link readers learn the room and its destination leaves
+                // before the caller hears back.
+                self.flush();
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::Abort(room, error) => self.endpoint.abort(room, error, t),
@@ -646,9 +649,10 @@ impl Driver {
 
     /// Do what the endpoint decided: link registrations and peers to close
     /// first (a link reader learns a room before its destination leaves),
-    /// then outcomes, then control messages.
+    /// then control messages, then outcomes.
     fn flush(&mut self) {
         let t = now();
+        let mut outcomes = Vec::new();
         while let Some(e) = self.endpoint.poll_event() {
             match e {
                 ReceiverEvent::RegisterWrites {
@@ -691,18 +695,20 @@ impl Driver {
                     room,
                     waiter,
                     outcome,
-                } => {
-                    if let Err(outcome) = waiter.tx.send(outcome) {
-                        if waiter.keep {
-                            self.endpoint.unclaimed(room, outcome, t);
-                        }
-                    }
-                }
+                } => outcomes.push((room, waiter, outcome)),
             }
         }
         while let Some(tr) = self.endpoint.poll_transmit(t) {
             if let Some(tx) = self.ctl.get(&tr.to) {
                 let _ = tx.send(tr.message);
+            }
+        }
+        // Outcomes last (see the sender's `flush`).
+        for (room, waiter, outcome) in outcomes {
+            if let Err(outcome) = waiter.tx.send(outcome) {
+                if waiter.keep {
+                    self.endpoint.unclaimed(room, outcome, t);
+                }
             }
         }
     }

@@ -644,7 +644,11 @@ impl Driver {
                 let _ = reply.send(self.send(room, layers, pages, &src));
             }
             Cmd::Finish(room, aux, reply) => {
-                let _ = reply.send(self.endpoint.finish(room, aux, t).map_err(Into::into));
+                let r = self.endpoint.finish(room, aux, t).map_err(Into::into);
+                // The writers get the room's end before the caller hears back
+                // (waking the caller first delays the writer).
+                self.flush();
+                let _ = reply.send(r);
             }
             Cmd::Poll(room, reply) => {
                 let _ = reply.send(self.endpoint.poll(room));
@@ -738,8 +742,12 @@ impl Driver {
         Ok(())
     }
 
-    /// Do what the endpoint decided, then send its control messages.
+    /// Do what the endpoint decided, send its control messages, then answer
+    /// waiters (last, as before the endpoint existed: a task woken last
+    /// runs first on tokio's worker, and the waiter is the one a latency
+    /// counts on).
     fn flush(&mut self) {
+        let mut answers = Vec::new();
         while let Some(e) = self.endpoint.poll_event() {
             match e {
                 SenderEvent::Finish {
@@ -767,7 +775,7 @@ impl Driver {
                         self.links.remove(&rank);
                     }
                 }
-                SenderEvent::Answer { waiter, poll } => waiter.send(poll),
+                SenderEvent::Answer { waiter, poll } => answers.push((waiter, poll)),
             }
         }
         let t = now();
@@ -775,6 +783,9 @@ impl Driver {
             if let Some((_, tx)) = self.ctl.get(&tr.to) {
                 let _ = tx.send(tr.message);
             }
+        }
+        for (waiter, poll) in answers {
+            waiter.send(poll);
         }
     }
 }
