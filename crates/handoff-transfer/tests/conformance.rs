@@ -283,21 +283,8 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let lease = p.d_pool.allocator().lease(3).unwrap();
     let dst = lease.pages().to_vec();
     dr.reserve(lease, AuxSlot(1)).await.unwrap();
-    tokio::time::timeout(within, sr.ready())
-        .await
-        .unwrap()
-        .unwrap();
     let src = pages(&[9, 4, 30]);
-    sr.send(0..2, 0..3, src.clone()).await.unwrap();
-    sr.finish(aux).await.unwrap();
-    assert_eq!(
-        tokio::time::timeout(within, sr.outcome()).await.unwrap(),
-        Ok(())
-    );
-    let (lease, got) = tokio::time::timeout(within, dr.landed())
-        .await
-        .unwrap()
-        .unwrap();
+    let (lease, got) = complete(&mut sr, &mut dr, src.clone(), aux).await;
     assert_eq!((lease.pages(), got.first_token), (&dst[..], 7));
     for layer in 0..2 {
         for (s, d) in src.iter().zip(&dst) {
@@ -380,22 +367,35 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     dr.reserve(p.d_pool.allocator().lease(1).unwrap(), AuxSlot(5))
         .await
         .unwrap();
+    let (lease, _) = complete(&mut sr, &mut dr, pages(&[3]), aux).await;
+    drop((lease, sr, dr));
+    teardown(p).await;
+}
+
+/// Drive a room whose destination was reserved to its end through both
+/// handles: ready, every page of `src` in layers 0..2, finish; both ends
+/// must succeed. Returns decode's lease and aux.
+async fn complete(
+    sr: &mut handoff_transfer::SenderRoom,
+    dr: &mut handoff_transfer::ReceiverRoom,
+    src: Arc<[PageIndex]>,
+    aux: AuxData,
+) -> (handoff_kv::PageLease, AuxData) {
+    let within = Duration::from_secs(5);
     tokio::time::timeout(within, sr.ready())
         .await
         .unwrap()
         .unwrap();
-    sr.send(0..2, 0..1, pages(&[3])).await.unwrap();
+    sr.send(0..2, 0..src.len(), src).await.unwrap();
     sr.finish(aux).await.unwrap();
     assert_eq!(
         tokio::time::timeout(within, sr.outcome()).await.unwrap(),
         Ok(())
     );
-    let (lease, _) = tokio::time::timeout(within, dr.landed())
+    tokio::time::timeout(within, dr.landed())
         .await
         .unwrap()
-        .unwrap();
-    drop((lease, sr, dr));
-    teardown(p).await;
+        .unwrap()
 }
 
 fn client_abort() -> TransferError {

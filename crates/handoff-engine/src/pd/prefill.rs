@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
-use handoff_kv::{KvPool, PageAllocator, PageIndex, PageLease};
+use handoff_kv::{KvPool, PageIndex, PageLease};
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
@@ -126,7 +126,6 @@ impl PrefillEngine {
         let ctx = Arc::new(Ctx {
             sender,
             jobs,
-            allocator: pool.allocator().clone(),
             layers: layout.geometry.layers,
             page_size: info.page_size,
             pages: PageQueue::new(pool.allocator().clone()),
@@ -211,7 +210,7 @@ impl PrefillHandle {
     pub fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
         validate(
             &self.inner.info,
-            self.inner.ctx.allocator.stats().total,
+            self.inner.ctx.pages.allocator.stats().total,
             req,
         )
     }
@@ -260,7 +259,7 @@ impl PrefillHandle {
     /// `waiting` those waiting for decode's destination or for pages.
     pub fn load(&self) -> LoadSnapshot {
         let ctx = &self.inner.ctx;
-        let pages = ctx.allocator.stats();
+        let pages = ctx.pages.allocator.stats();
         LoadSnapshot {
             running: ctx.running.load(Ordering::Acquire),
             waiting: ctx.waiting.load(Ordering::Acquire),
@@ -289,7 +288,6 @@ impl PrefillHandle {
 struct Ctx {
     sender: KvSender,
     jobs: std_mpsc::Sender<Job>,
-    allocator: PageAllocator,
     layers: usize,
     page_size: usize,
     /// Requests waiting for source pages.
