@@ -159,6 +159,7 @@ fn transport_error_type(e: &TransportError) -> &'static str {
     match e {
         TransportError::Handshake(h) => h.error_type(),
         TransportError::PeerMisbehaved(_) => "peer_misbehaved",
+        TransportError::LinkSetup(r) if r.blames_peer() => "peer_misbehaved",
         TransportError::Room(e) => e.error_type(),
         _ => "transfer_error",
     }

@@ -7,6 +7,12 @@ pub enum KvError {
     /// A geometry field is zero or the pool would not fit in memory.
     #[error("invalid KV geometry: {0}")]
     InvalidGeometry(String),
+    /// The pool cannot store this element type.
+    #[error("a KV pool of {dtype} is not supported: the pool stores f32")]
+    UnsupportedDtype {
+        /// The dtype asked for.
+        dtype: &'static str,
+    },
     /// A page index is outside the pool.
     #[error("page {page} is out of range for a pool of {num_pages} pages")]
     PageOutOfRange {

@@ -1,49 +1,15 @@
-//! KV geometry and the byte layout of the pool (DESIGN.md §5: this is exactly
-//! what the transfer layer moves).
+//! KV geometry and the pool's layout (DESIGN.md §5: this is exactly what the
+//! transfer layer moves).
 //!
-//! The pool is one plain region. It is laid out layer-major, then page, then
-//! K before V; one such *block* holds `[kv_head][slot][head_dim]` elements, so a
-//! head slice of a page (needed when prefill and decode TP differ) is one
-//! contiguous range, and a whole (layer, page) is two adjacent blocks.
+//! The ids, the dtype and the block order are handoff-proto's
+//! ([`handoff_proto::layout`]), so the pool, the rank map's head slices and
+//! the transfer plans compute every offset the same way: layer-major, then
+//! page, then K before V, each block `[kv_head][slot][head_dim]`.
+
+pub use handoff_proto::layout::{KvDtype, KvPart, PageLayout};
+pub use handoff_proto::PageIndex;
 
 use crate::error::KvError;
-
-/// Index of a page in a pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct PageIndex(pub u32);
-
-/// Element type of stored K and V.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum KvDtype {
-    /// 32-bit float.
-    F32,
-}
-
-impl KvDtype {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-        }
-    }
-
-    /// Stable name used in handshakes and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            KvDtype::F32 => "f32",
-        }
-    }
-}
-
-/// Keys or values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KvKind {
-    /// Keys (stored after RoPE).
-    K = 0,
-    /// Values.
-    V = 1,
-}
 
 /// The shape of a model's KV cache and of one page.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -61,7 +27,7 @@ pub struct KvGeometry {
 }
 
 impl KvGeometry {
-    /// Check every field is non-zero.
+    /// Check every field is non-zero and fits the layout's `u32`s.
     pub fn validate(&self) -> Result<(), KvError> {
         for (name, v) in [
             ("layers", self.layers),
@@ -74,8 +40,33 @@ impl KvGeometry {
                     "{name} must be at least 1"
                 )));
             }
+            if u32::try_from(v).is_err() {
+                return Err(KvError::InvalidGeometry(format!(
+                    "{name} {v} does not fit in 32 bits"
+                )));
+            }
         }
         Ok(())
+    }
+
+    /// This geometry with `local_heads` heads per block over `num_pages`
+    /// pages, as the layout math sees it (a TP rank's share of a pool, or
+    /// the whole of it); `None` when a size does not fit in 32 bits.
+    pub fn page_layout(&self, local_heads: usize, num_pages: usize) -> Option<PageLayout> {
+        Some(PageLayout {
+            layers: u32::try_from(self.layers).ok()?,
+            local_heads: u32::try_from(local_heads).ok()?,
+            page_size: u32::try_from(self.page_size).ok()?,
+            head_dim: u32::try_from(self.head_dim).ok()?,
+            dtype_bytes: u32::try_from(self.dtype.bytes()).ok()?,
+            num_pages: u32::try_from(num_pages).ok()?,
+        })
+    }
+
+    /// Bytes of one page (every layer, K and V, all `kv_heads`).
+    pub fn page_bytes(&self) -> usize {
+        self.page_layout(self.kv_heads, 1)
+            .map_or(usize::MAX, |l| l.page_bytes())
     }
 
     /// Elements in one (layer, page, K|V) block.
@@ -85,7 +76,7 @@ impl KvGeometry {
 
     /// Bytes of KV one token occupies across all layers (K and V).
     pub fn bytes_per_token(&self) -> usize {
-        self.layers * 2 * self.kv_heads * self.head_dim * self.dtype.size()
+        self.page_bytes() / self.page_size.max(1)
     }
 
     /// Pages needed to hold `tokens` tokens.
@@ -113,32 +104,33 @@ impl KvLayout {
                 u32::MAX
             )));
         }
-        let layout = Self {
+        geometry
+            .page_layout(geometry.kv_heads, num_pages)
+            .and_then(|l| l.pool_bytes())
+            .ok_or_else(|| KvError::InvalidGeometry("pool size overflows usize".into()))?;
+        Ok(Self {
             geometry,
             num_pages,
-        };
-        layout
-            .total_elems()
-            .ok_or_else(|| KvError::InvalidGeometry("pool size overflows usize".into()))?;
-        Ok(layout)
+        })
     }
 
-    fn total_elems(&self) -> Option<usize> {
+    /// The whole pool as the layout math sees it (every KV head).
+    pub fn page_layout(&self) -> PageLayout {
         self.geometry
-            .block_elems()
-            .checked_mul(2)?
-            .checked_mul(self.num_pages)?
-            .checked_mul(self.geometry.layers)
+            .page_layout(self.geometry.kv_heads, self.num_pages)
+            .expect("checked by KvLayout::new")
     }
 
     /// Elements in the whole pool.
     pub fn pool_elems(&self) -> usize {
-        self.geometry.block_elems() * 2 * self.num_pages * self.geometry.layers
+        self.pool_bytes() / self.geometry.dtype.bytes()
     }
 
     /// Bytes in the whole pool.
     pub fn pool_bytes(&self) -> usize {
-        self.pool_elems() * self.geometry.dtype.size()
+        self.page_layout()
+            .pool_bytes()
+            .expect("checked by KvLayout::new")
     }
 
     /// Check a page index against the pool.
@@ -154,9 +146,8 @@ impl KvLayout {
     }
 
     /// Element offset of the (layer, page, kind) block. The page must be in range.
-    pub fn block_offset(&self, layer: usize, page: PageIndex, kind: KvKind) -> usize {
-        ((layer * self.num_pages + page.0 as usize) * 2 + kind as usize)
-            * self.geometry.block_elems()
+    pub fn block_offset(&self, layer: usize, page: PageIndex, kind: KvPart) -> usize {
+        self.page_layout().block_index(layer as u32, page, kind) * self.geometry.block_elems()
     }
 
     /// Byte range of the (layer, page, kind) block, checked.
@@ -164,18 +155,26 @@ impl KvLayout {
         &self,
         layer: usize,
         page: PageIndex,
-        kind: KvKind,
+        kind: KvPart,
     ) -> Result<std::ops::Range<usize>, KvError> {
         self.check_page(page)?;
-        if layer >= self.geometry.layers {
-            return Err(KvError::InvalidGeometry(format!(
+        self.check_layer(layer)?;
+        let l = self.page_layout();
+        let start = l
+            .block_offset(layer as u32, page, kind)
+            .map_err(|e| KvError::InvalidGeometry(e.to_string()))?;
+        Ok(start..start + l.block_bytes())
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<(), KvError> {
+        if layer < self.geometry.layers {
+            Ok(())
+        } else {
+            Err(KvError::InvalidGeometry(format!(
                 "layer {layer} out of range for {} layers",
                 self.geometry.layers
-            )));
+            )))
         }
-        let size = self.geometry.dtype.size();
-        let start = self.block_offset(layer, page, kind) * size;
-        Ok(start..start + self.geometry.block_elems() * size)
     }
 
     /// Byte range of heads `heads` of the (layer, page, kind) block: contiguous
@@ -184,19 +183,26 @@ impl KvLayout {
         &self,
         layer: usize,
         page: PageIndex,
-        kind: KvKind,
+        kind: KvPart,
         heads: std::ops::Range<usize>,
     ) -> Result<std::ops::Range<usize>, KvError> {
-        let block = self.block_bytes(layer, page, kind)?;
+        self.check_page(page)?;
+        self.check_layer(layer)?;
         if heads.start > heads.end || heads.end > self.geometry.kv_heads {
             return Err(KvError::InvalidGeometry(format!(
                 "head range {heads:?} out of range for {} KV heads",
                 self.geometry.kv_heads
             )));
         }
-        let head_bytes =
-            self.geometry.page_size * self.geometry.head_dim * self.geometry.dtype.size();
-        Ok(block.start + heads.start * head_bytes..block.start + heads.end * head_bytes)
+        self.page_layout()
+            .head_range(
+                layer as u32,
+                page,
+                kind,
+                heads.start as u32,
+                (heads.end - heads.start) as u32,
+            )
+            .map_err(|e| KvError::InvalidGeometry(e.to_string()))
     }
 
     /// Element offset of (head, slot) within a block.
@@ -225,7 +231,7 @@ mod tests {
         let mut ranges = Vec::new();
         for layer in 0..3 {
             for page in 0..5 {
-                for kind in [KvKind::K, KvKind::V] {
+                for kind in [KvPart::K, KvPart::V] {
                     ranges.push(layout.block_bytes(layer, PageIndex(page), kind).unwrap());
                 }
             }
@@ -242,18 +248,18 @@ mod tests {
     #[test]
     fn head_slices_are_contiguous_parts_of_a_block() {
         let layout = KvLayout::new(geo(), 5).unwrap();
-        let block = layout.block_bytes(1, PageIndex(2), KvKind::V).unwrap();
+        let block = layout.block_bytes(1, PageIndex(2), KvPart::V).unwrap();
         let h0 = layout
-            .head_slice_bytes(1, PageIndex(2), KvKind::V, 0..1)
+            .head_slice_bytes(1, PageIndex(2), KvPart::V, 0..1)
             .unwrap();
         let h1 = layout
-            .head_slice_bytes(1, PageIndex(2), KvKind::V, 1..2)
+            .head_slice_bytes(1, PageIndex(2), KvPart::V, 1..2)
             .unwrap();
         assert_eq!(h0.start, block.start);
         assert_eq!(h0.end, h1.start);
         assert_eq!(h1.end, block.end);
         assert!(layout
-            .head_slice_bytes(1, PageIndex(2), KvKind::V, 1..3)
+            .head_slice_bytes(1, PageIndex(2), KvPart::V, 1..3)
             .is_err());
     }
 
@@ -261,7 +267,7 @@ mod tests {
     fn out_of_range_pages_and_zero_fields_are_rejected() {
         let layout = KvLayout::new(geo(), 5).unwrap();
         assert_eq!(
-            layout.block_bytes(0, PageIndex(5), KvKind::K),
+            layout.block_bytes(0, PageIndex(5), KvPart::K),
             Err(KvError::PageOutOfRange {
                 page: 5,
                 num_pages: 5

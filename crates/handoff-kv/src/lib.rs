@@ -12,7 +12,7 @@ pub mod pool;
 pub mod shm;
 
 pub use error::KvError;
-pub use layout::{KvDtype, KvGeometry, KvKind, KvLayout, PageIndex};
+pub use layout::{KvDtype, KvGeometry, KvLayout, KvPart, PageIndex, PageLayout};
 pub use lease::{PageAllocator, PageLease, PageStats};
 pub use pool::KvPool;
 pub use shm::{ShmRegion, ShmRegionHandle};

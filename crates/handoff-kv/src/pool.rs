@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use crate::error::KvError;
-use crate::layout::{KvGeometry, KvKind, KvLayout, PageIndex};
+use crate::layout::{KvDtype, KvGeometry, KvLayout, KvPart, PageIndex};
 use crate::lease::PageAllocator;
 use crate::shm::{ShmRegion, ShmRegionHandle};
 
@@ -23,10 +23,20 @@ pub struct KvPool {
     allocator: PageAllocator,
 }
 
+/// The layout of a pool this module can hold: its memory is f32.
+fn pool_layout(geometry: KvGeometry, num_pages: usize) -> Result<KvLayout, KvError> {
+    if geometry.dtype != KvDtype::F32 {
+        return Err(KvError::UnsupportedDtype {
+            dtype: geometry.dtype.name(),
+        });
+    }
+    KvLayout::new(geometry, num_pages)
+}
+
 impl KvPool {
     /// A zeroed pool of `num_pages` pages on the heap.
     pub fn new(geometry: KvGeometry, num_pages: usize) -> Result<Self, KvError> {
-        let layout = KvLayout::new(geometry, num_pages)?;
+        let layout = pool_layout(geometry, num_pages)?;
         let mut memory = Vec::new();
         memory.try_reserve_exact(layout.pool_elems()).map_err(|_| {
             KvError::InvalidGeometry(format!(
@@ -48,7 +58,7 @@ impl KvPool {
         geometry: KvGeometry,
         num_pages: usize,
     ) -> Result<(Self, ShmRegionHandle), KvError> {
-        let layout = KvLayout::new(geometry, num_pages)?;
+        let layout = pool_layout(geometry, num_pages)?;
         let region = ShmRegion::create(crate::shm::POOL_MEMFD_NAME, layout.pool_bytes())?;
         let handle = region.handle();
         Ok((
@@ -102,13 +112,13 @@ impl KvPool {
     }
 
     /// One (layer, page, kind) block: `[kv_head][slot][head_dim]`.
-    pub fn block(&self, layer: usize, page: PageIndex, kind: KvKind) -> &[f32] {
+    pub fn block(&self, layer: usize, page: PageIndex, kind: KvPart) -> &[f32] {
         let off = self.layout.block_offset(layer, page, kind);
         &self.elems()[off..off + self.layout.geometry.block_elems()]
     }
 
     /// Mutable access to one block.
-    pub fn block_mut(&mut self, layer: usize, page: PageIndex, kind: KvKind) -> &mut [f32] {
+    pub fn block_mut(&mut self, layer: usize, page: PageIndex, kind: KvPart) -> &mut [f32] {
         let off = self.layout.block_offset(layer, page, kind);
         let n = self.layout.geometry.block_elems();
         &mut self.elems_mut()[off..off + n]
@@ -141,7 +151,7 @@ impl KvPool {
         })?;
         self.layout.check_page(page)?;
         let slot = pos % g.page_size;
-        for (kind, src) in [(KvKind::K, k), (KvKind::V, v)] {
+        for (kind, src) in [(KvPart::K, k), (KvPart::V, v)] {
             let layout = self.layout;
             let block = self.block_mut(layer, page, kind);
             for h in 0..g.kv_heads {
@@ -159,7 +169,7 @@ impl KvPool {
         &self,
         layer: usize,
         pages: &[PageIndex],
-        kind: KvKind,
+        kind: KvPart,
         head: usize,
         len: usize,
         out: &mut Vec<f32>,
@@ -182,7 +192,6 @@ impl KvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::KvDtype;
 
     #[test]
     fn tokens_written_are_gathered_back_in_order() {
@@ -201,13 +210,13 @@ mod tests {
             pool.write_token(1, &pages, pos, &k, &v).unwrap();
         }
         let mut out = Vec::new();
-        pool.gather_head(1, &pages, KvKind::K, 1, 10, &mut out);
+        pool.gather_head(1, &pages, KvPart::K, 1, 10, &mut out);
         let want: Vec<f32> = (0..10)
             .flat_map(|p| (3..6).map(move |i| (p * 100 + i) as f32))
             .collect();
         assert_eq!(out, want);
         out.clear();
-        pool.gather_head(0, &pages, KvKind::V, 0, 10, &mut out);
+        pool.gather_head(0, &pages, KvPart::V, 0, 10, &mut out);
         assert!(out.iter().all(|&x| x == 0.0), "layer 0 untouched");
         assert!(pool
             .write_token(1, &pages, 12, &[0.0; 6], &[0.0; 6])
@@ -231,7 +240,7 @@ mod tests {
             .unwrap();
         let range = pool
             .layout()
-            .block_bytes(1, PageIndex(3), KvKind::K)
+            .block_bytes(1, PageIndex(3), KvPart::K)
             .unwrap();
         let mut raw = vec![0u8; range.len()];
         peer.read_at(range.start, &mut raw).unwrap();
@@ -240,15 +249,31 @@ mod tests {
         // The peer writes V of layer 0, page 0; the owner reads it.
         let v = pool
             .layout()
-            .block_bytes(0, PageIndex(0), KvKind::V)
+            .block_bytes(0, PageIndex(0), KvPart::V)
             .unwrap();
         peer.write_at(v.start, bytemuck::cast_slice(&[9.0f32, 8.0, 7.0, 6.0]))
             .unwrap();
         assert_eq!(
-            pool.block(0, PageIndex(0), KvKind::V),
+            pool.block(0, PageIndex(0), KvPart::V),
             &[9.0, 8.0, 7.0, 6.0]
         );
         assert!(pool.shared_region().is_some());
         assert!(KvPool::new(g, 4).unwrap().shared_region().is_none());
+    }
+
+    #[test]
+    fn a_dtype_the_pool_cannot_store_is_refused_by_name() {
+        let g = KvGeometry {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            page_size: 2,
+            dtype: KvDtype::F16,
+        };
+        assert_eq!(
+            KvPool::new(g, 4).err(),
+            Some(KvError::UnsupportedDtype { dtype: "f16" })
+        );
+        assert!(KvPool::new_shared(g, 4).is_err());
     }
 }

@@ -5,7 +5,7 @@
 //! attention with a causal mask; they differ only in summation order.
 
 use candle_core::{Device, Tensor};
-use handoff_kv::{KvKind, KvPool, PageIndex};
+use handoff_kv::{KvPart, KvPool, PageIndex};
 use rayon::prelude::*;
 
 use crate::error::ModelError;
@@ -63,7 +63,7 @@ fn attend_one(
             break;
         }
         let n = left.min(g.page_size);
-        let kb = pool.block(layer, page, KvKind::K);
+        let kb = pool.block(layer, page, KvPart::K);
         let from = scores.len();
         dots(q, &kb[base..base + n * g.head_dim], scores);
         for s in &mut scores[from..] {
@@ -79,7 +79,7 @@ fn attend_one(
             break;
         }
         let n = (len - i).min(g.page_size);
-        let vb = pool.block(layer, page, KvKind::V);
+        let vb = pool.block(layer, page, KvPart::V);
         axpy_rows(out, &scores[i..i + n], &vb[base..base + n * g.head_dim]);
         i += n;
     }
@@ -143,8 +143,8 @@ pub fn attend_prefill(
     let mut k = Vec::with_capacity(shape.kv_heads * len * d);
     let mut v = Vec::with_capacity(shape.kv_heads * len * d);
     for kvh in 0..shape.kv_heads {
-        pool.gather_head(layer, seq.pages, KvKind::K, kvh, len, &mut k);
-        pool.gather_head(layer, seq.pages, KvKind::V, kvh, len, &mut v);
+        pool.gather_head(layer, seq.pages, KvPart::K, kvh, len, &mut k);
+        pool.gather_head(layer, seq.pages, KvPart::V, kvh, len, &mut v);
     }
     let dev = Device::Cpu;
     let qt = Tensor::from_vec(qg, (shape.kv_heads, rows, d), &dev)?;

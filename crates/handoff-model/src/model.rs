@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::QTensor;
 use candle_core::Device;
-use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
+use handoff_kv::{KvGeometry, KvPool, PageIndex};
 
 use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
 use crate::config::LlamaConfig;
@@ -240,13 +240,7 @@ impl Llama {
 
     /// The KV geometry this model needs for a given page size.
     pub fn kv_geometry(&self, page_size: usize) -> KvGeometry {
-        KvGeometry {
-            layers: self.config.layers,
-            kv_heads: self.config.kv_heads,
-            head_dim: self.config.head_dim,
-            page_size,
-            dtype: KvDtype::F32,
-        }
+        self.config.kv_geometry(page_size)
     }
 
     fn attn_shape(&self) -> AttnShape {

@@ -7,7 +7,7 @@
 //! sizes before anything is acted on.
 
 use crate::ids::RoomId;
-use crate::rank::KvPart;
+use crate::layout::KvPart;
 
 /// Preface byte of a control connection.
 pub const PREFACE_CONTROL: u8 = b'C';

@@ -13,7 +13,7 @@
 
 use std::fmt;
 
-use crate::ids::{RankId, Role};
+use crate::ids::{PeerId, Role};
 
 /// A frame or message payload that failed validation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -290,18 +290,78 @@ impl fmt::Display for AbortOrigin {
     }
 }
 
+/// What a peer did that it must not: each check that can blame a peer has
+/// its own variant, so tests and logs match on the fault, not on text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Misbehavior {
+    /// The aux record landed in our slot carries another room's id.
+    #[error("aux slot carries room {found:#018x}, expected {expected:#018x}")]
+    AuxRoomMismatch {
+        /// Room id found in the slot.
+        found: u64,
+        /// Our room.
+        expected: u64,
+    },
+    /// Decode acknowledged a room's end as failed: it rejected some write.
+    #[error("decode rejected part of the room's writes")]
+    WritesRejected,
+    /// A destination lists fewer pages than the room sends.
+    #[error("destination has {has} pages, the room sends {sends}")]
+    DestinationTooShort {
+        /// Pages in the destination.
+        has: usize,
+        /// Pages the room writes.
+        sends: usize,
+    },
+    /// A destination page is outside the decode pool the link announced.
+    #[error("destination page {page} is outside the decode pool of {pool_pages} pages")]
+    PageOutsidePool {
+        /// The page.
+        page: u32,
+        /// Pages in the decode pool.
+        pool_pages: usize,
+    },
+    /// A decode rank's destination count contradicts an earlier one.
+    #[error("{peer} says {said} destinations, an earlier destination said {earlier}")]
+    DestinationCountChanged {
+        /// Who said it.
+        peer: PeerId,
+        /// Its count.
+        said: u16,
+        /// The count already known.
+        earlier: u16,
+    },
+    /// A destination arrived after every expected one had.
+    #[error("destination from {peer} after all {arrived} arrived")]
+    DestinationAfterAll {
+        /// Who sent it.
+        peer: PeerId,
+        /// Destinations that had arrived.
+        arrived: usize,
+    },
+    /// Prefill's first token is outside the model's vocabulary.
+    #[error("prefill sent first token {token} outside the vocabulary of {vocab}")]
+    TokenOutsideVocabulary {
+        /// The token.
+        token: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+}
+
 /// Why a room failed — the blame enum shared by both sides and carried in
 /// [`crate::message::Status`] so the decode side reports the prefill's reason
 /// (and vice versa) with the original HTTP status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum TransferError {
-    /// The peer sent something it must not (bad frame for this room,
-    /// aux slot with the wrong room id, destination count changed...).
-    #[error("peer misbehaved: {detail}")]
+    /// The peer sent something it must not (aux slot with the wrong room
+    /// id, destination count changed, a page outside its pool...).
+    #[error("peer misbehaved: {what}")]
     PeerMisbehaved {
         /// What it did.
-        detail: String,
+        what: Misbehavior,
     },
     /// The peer's configuration cannot work with ours.
     #[error("peer incompatible: {detail}")]
@@ -310,10 +370,10 @@ pub enum TransferError {
         detail: String,
     },
     /// The peer stopped answering heartbeats or its connection broke.
-    #[error("peer {rank} is dead: {detail}")]
+    #[error("{peer} is dead: {detail}")]
     PeerDead {
-        /// The dead peer's rank.
-        rank: RankId,
+        /// The dead peer.
+        peer: PeerId,
         /// How it was detected.
         detail: String,
     },
@@ -441,8 +501,8 @@ impl TransferError {
             | TransferError::Remote { reason, .. }
             | TransferError::Internal { reason }
             | TransferError::ApiMisuse { reason } => reason.clone(),
-            TransferError::PeerMisbehaved { detail }
-            | TransferError::PeerIncompatible { detail } => detail.clone(),
+            TransferError::PeerMisbehaved { what } => what.to_string(),
+            TransferError::PeerIncompatible { detail } => detail.clone(),
             TransferError::Capacity { what } => what.clone(),
             other => other.to_string(),
         }
@@ -587,7 +647,9 @@ mod tests {
     fn statuses_and_labels_are_stable() {
         let cases: Vec<(TransferError, u16, &str)> = vec![
             (
-                TransferError::PeerMisbehaved { detail: "x".into() },
+                TransferError::PeerMisbehaved {
+                    what: Misbehavior::WritesRejected,
+                },
                 500,
                 "peer_misbehaved",
             ),
@@ -598,7 +660,7 @@ mod tests {
             ),
             (
                 TransferError::PeerDead {
-                    rank: RankId(1),
+                    peer: PeerId(1),
                     detail: "x".into(),
                 },
                 503,

@@ -9,9 +9,10 @@ use crate::frame::{
     encode_frame, FrameDecoder, DEFAULT_MAX_FRAME_LEN, HANDSHAKE_FRAME_VERSION, PROTOCOL_VERSION,
 };
 use crate::handshake::{
-    auth_proof, Capabilities, Fingerprint, Handshake, HandshakeConfig, KvDtype, KvLayoutKind,
+    auth_proof, Capabilities, Fingerprint, Handshake, HandshakeConfig, KvLayoutKind,
 };
 use crate::ids::{AuxSlot, PageIndex, Role, RoomId};
+use crate::layout::KvDtype;
 use crate::message::{
     Abort, AbortAck, AuthProof, Destination, Heartbeat, Message, Outcome, Register, Status,
 };

@@ -25,7 +25,8 @@ use sha2::Sha256;
 
 use crate::error::HandshakeError;
 use crate::frame::{DEFAULT_MAX_FRAME_LEN, PROTOCOL_VERSION, PROTOCOL_VERSION_MIN};
-use crate::ids::{RankId, Role};
+use crate::ids::Role;
+use crate::layout::KvDtype;
 use crate::message::{AuthProof, Message, Register, NONCE_LEN};
 use crate::rank;
 
@@ -99,75 +100,12 @@ impl fmt::Debug for Capabilities {
     }
 }
 
-/// Element type of the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum KvDtype {
-    /// 32-bit float.
-    F32,
-    /// IEEE half.
-    F16,
-    /// bfloat16.
-    Bf16,
-    /// 8-bit float, E4M3.
-    F8E4M3,
-    /// 8-bit float, E5M2.
-    F8E5M2,
-}
-
-impl KvDtype {
-    /// Every dtype.
-    pub const ALL: [KvDtype; 5] = [
-        KvDtype::F32,
-        KvDtype::F16,
-        KvDtype::Bf16,
-        KvDtype::F8E4M3,
-        KvDtype::F8E5M2,
-    ];
-
-    /// Bytes per element.
-    pub const fn bytes(self) -> usize {
-        match self {
-            KvDtype::F32 => 4,
-            KvDtype::F16 | KvDtype::Bf16 => 2,
-            KvDtype::F8E4M3 | KvDtype::F8E5M2 => 1,
-        }
-    }
-
-    /// Stable name.
-    pub const fn name(self) -> &'static str {
-        match self {
-            KvDtype::F32 => "f32",
-            KvDtype::F16 => "f16",
-            KvDtype::Bf16 => "bf16",
-            KvDtype::F8E4M3 => "f8e4m3",
-            KvDtype::F8E5M2 => "f8e5m2",
-        }
-    }
-
-    /// Wire code.
-    pub const fn code(self) -> u8 {
-        match self {
-            KvDtype::F32 => 0,
-            KvDtype::F16 => 1,
-            KvDtype::Bf16 => 2,
-            KvDtype::F8E4M3 => 3,
-            KvDtype::F8E5M2 => 4,
-        }
-    }
-
-    /// From a wire code.
-    pub fn from_code(code: u8) -> Option<Self> {
-        KvDtype::ALL.into_iter().find(|d| d.code() == code)
-    }
-}
-
 /// How a KV pool is laid out in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum KvLayoutKind {
     /// Layer-major, then page, then K before V; each block is
-    /// `[kv_head][token_slot][head_dim]` (see [`crate::rank::PageLayout`]).
+    /// `[kv_head][token_slot][head_dim]` (see [`crate::layout::PageLayout`]).
     LayerPageKv,
 }
 
@@ -345,12 +283,7 @@ pub struct Negotiated {
     pub peer_max_frame_len: u32,
 }
 
-impl Negotiated {
-    /// The peer's TP rank: the [`RankId`] the room tables know it by.
-    pub fn peer_rank(&self) -> RankId {
-        RankId(self.peer_fingerprint.tp_rank)
-    }
-}
+impl Negotiated {}
 
 #[derive(Debug)]
 enum State {
@@ -689,7 +622,7 @@ mod tests {
         );
         assert_eq!(n.peer_role, Role::Decode);
         assert_eq!(hd.negotiated().unwrap().peer_role, Role::Prefill);
-        assert_eq!(n.peer_rank(), RankId(0));
+        assert_eq!(n.peer_fingerprint.tp_rank, 0);
     }
 
     #[test]

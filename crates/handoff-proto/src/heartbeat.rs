@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use crate::ids::RankId;
+use crate::ids::PeerId;
 use crate::message::{Heartbeat, Message};
 use crate::room::Transmit;
 use crate::timer::{Timer, TimerConfig};
@@ -38,7 +38,7 @@ struct Peer {
 #[derive(Debug)]
 pub struct Liveness {
     timers: TimerConfig,
-    peers: BTreeMap<RankId, Peer>,
+    peers: BTreeMap<PeerId, Peer>,
     seq: u64,
     /// When any method that takes `now` last ran.
     last_call: Option<Instant>,
@@ -81,7 +81,7 @@ impl Liveness {
     }
 
     /// Start tracking `peer` (after its handshake completed).
-    pub fn add_peer(&mut self, peer: RankId, now: Instant) {
+    pub fn add_peer(&mut self, peer: PeerId, now: Instant) {
         self.wake(now);
         self.peers.insert(
             peer,
@@ -93,7 +93,7 @@ impl Liveness {
     }
 
     /// Stop tracking `peer` (connection closed on purpose).
-    pub fn remove_peer(&mut self, peer: RankId) {
+    pub fn remove_peer(&mut self, peer: PeerId) {
         self.peers.remove(&peer);
     }
 
@@ -103,7 +103,7 @@ impl Liveness {
     }
 
     /// Anything arrived from `peer`.
-    pub fn handle_seen(&mut self, peer: RankId, now: Instant) {
+    pub fn handle_seen(&mut self, peer: PeerId, now: Instant) {
         self.wake(now);
         if let Some(p) = self.peers.get_mut(&peer) {
             p.last_seen = p.last_seen.max(now);
@@ -133,10 +133,10 @@ impl Liveness {
     }
 
     /// Peers silent for the miss bound at `now`; they are forgotten.
-    pub fn handle_timeout(&mut self, now: Instant) -> Vec<RankId> {
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<PeerId> {
         self.wake(now);
         let miss = self.timers.get(Timer::HeartbeatMiss);
-        let dead: Vec<RankId> = self
+        let dead: Vec<PeerId> = self
             .peers
             .iter()
             .filter(|(_, p)| p.last_seen + miss <= now)
@@ -160,7 +160,7 @@ mod tests {
     /// A punctual driver: wakes at every `poll_timeout` (sending what is
     /// due, as the transfer drivers do) until `end`; the deaths it saw, at
     /// their offsets from `t0`.
-    fn drive(l: &mut Liveness, t0: Instant, end: Instant) -> Vec<(Duration, RankId)> {
+    fn drive(l: &mut Liveness, t0: Instant, end: Instant) -> Vec<(Duration, PeerId)> {
         let mut dead = Vec::new();
         while let Some(at) = l.poll_timeout().filter(|at| *at <= end) {
             dead.extend(l.handle_timeout(at).into_iter().map(|r| (at - t0, r)));
@@ -173,8 +173,8 @@ mod tests {
     fn silent_peer_dies_at_the_miss_bound() {
         let t0 = Instant::now();
         let mut l = Liveness::new(TimerConfig::default());
-        l.add_peer(RankId(1), t0);
-        l.add_peer(RankId(2), t0);
+        l.add_peer(PeerId(1), t0);
+        l.add_peer(PeerId(2), t0);
         let first = l.poll_transmit(t0).unwrap();
         assert!(matches!(
             first.message,
@@ -184,11 +184,11 @@ mod tests {
         assert!(l.poll_transmit(t0).is_none());
         assert_eq!(l.poll_timeout(), Some(t0 + secs(1.0)));
         assert!(drive(&mut l, t0, t0 + secs(3.0)).is_empty());
-        l.handle_seen(RankId(2), t0 + secs(3.0));
+        l.handle_seen(PeerId(2), t0 + secs(3.0));
         assert!(drive(&mut l, t0, t0 + secs(4.999)).is_empty());
         assert_eq!(
             drive(&mut l, t0, t0 + secs(20.0)),
-            vec![(secs(5.0), RankId(1)), (secs(8.0), RankId(2))]
+            vec![(secs(5.0), PeerId(1)), (secs(8.0), PeerId(2))]
         );
         assert_eq!(l.peers(), 0);
         assert_eq!(l.stalled(), Duration::ZERO);
@@ -200,24 +200,24 @@ mod tests {
     fn a_stall_of_our_own_kills_no_peer() {
         let t0 = Instant::now();
         let mut l = Liveness::new(TimerConfig::default());
-        l.add_peer(RankId(1), t0);
-        l.add_peer(RankId(2), t0);
+        l.add_peer(PeerId(1), t0);
+        l.add_peer(PeerId(2), t0);
         assert!(drive(&mut l, t0, t0 + secs(2.0)).is_empty());
-        l.handle_seen(RankId(1), t0 + secs(2.0));
-        l.handle_seen(RankId(2), t0 + secs(2.0));
+        l.handle_seen(PeerId(1), t0 + secs(2.0));
+        l.handle_seen(PeerId(2), t0 + secs(2.0));
         // Frozen from 2 s to 12 s, when we were due back at 3 s: the first
         // wake-up kills no one, and peer 1's heartbeat, read right after,
         // keeps it alive.
         let back = t0 + secs(12.0);
         assert!(l.handle_timeout(back).is_empty());
         assert_eq!(l.stalled(), secs(9.0));
-        l.handle_seen(RankId(1), back);
+        l.handle_seen(PeerId(1), back);
         // Peer 2 stays silent: it dies once we watched it for the miss
         // bound (the interval before we were due back, and four seconds
         // after the stall), peer 1 five seconds after its heartbeat.
         assert_eq!(
             drive(&mut l, t0, t0 + secs(30.0)),
-            vec![(secs(16.0), RankId(2)), (secs(17.0), RankId(1))]
+            vec![(secs(16.0), PeerId(2)), (secs(17.0), PeerId(1))]
         );
     }
 
@@ -227,7 +227,7 @@ mod tests {
     fn an_always_late_driver_still_finds_the_dead() {
         let t0 = Instant::now();
         let mut l = Liveness::new(TimerConfig::default());
-        l.add_peer(RankId(1), t0);
+        l.add_peer(PeerId(1), t0);
         let mut at = t0;
         let mut wakes = 0;
         let died = loop {
@@ -236,7 +236,7 @@ mod tests {
             let dead = l.handle_timeout(at);
             while l.poll_transmit(at).is_some() {}
             if !dead.is_empty() {
-                assert_eq!(dead, vec![RankId(1)]);
+                assert_eq!(dead, vec![PeerId(1)]);
                 break wakes;
             }
             assert!(wakes < 10, "never declared dead");

@@ -54,6 +54,19 @@ impl fmt::Display for RankId {
     }
 }
 
+/// This endpoint's own number for one peer endpoint (a worker at the other
+/// end of the PD pair), assigned per connection by whoever accepts or dials
+/// it. Unrelated to the peer's TP rank: two prefill workers of TP rank 0 are
+/// two peers, and the rank map works on [`RankId`]s, never on these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PeerId(pub u32);
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "peer {}", self.0)
+    }
+}
+
 /// Index of the auxiliary (metadata) slot that carries the first token,
 /// its logprob and the room id for a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -116,6 +129,7 @@ mod tests {
         );
         assert_eq!(PageIndex(3).to_string(), "page 3");
         assert_eq!(RankId(1).to_string(), "rank 1");
+        assert_eq!(PeerId(1).to_string(), "peer 1");
         assert_eq!(Role::Prefill.peer(), Role::Decode);
     }
 }

@@ -10,7 +10,7 @@
 //! quinn's `quinn-proto` / `quinn` split.
 //!
 //! Modules, one concept each:
-//! * [`ids`] — `RoomId`, `PageIndex`, `RankId`, `AuxSlot`, `Role`.
+//! * [`ids`] — `RoomId`, `PageIndex`, `RankId`, `PeerId`, `AuxSlot`, `Role`.
 //! * [`codec`], [`frame`], [`message`] — the control wire format.
 //! * [`datalink`] — the data-link records (KV placement, aux, end, ack).
 //! * [`handshake`] — versions, capabilities, fingerprint, shared secret.
@@ -22,6 +22,7 @@
 //!   outcomes and waiters in one sans-IO owner.
 //! * [`timer`] — the one timer table.
 //! * [`heartbeat`] — peer liveness.
+//! * [`layout`] — KV dtype, K/V and the pool's byte layout (one copy of it).
 //! * [`rank`] — TP rank mapping and head-sliced byte ranges.
 //! * [`error`] — who is to blame.
 //! * `fuzz` (feature `fuzz`; fuzz targets and tests only) — entry points
@@ -38,7 +39,7 @@
 //! use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
 //! use handoff_proto::room::RoomConfig;
 //! use handoff_proto::sender_room::{SenderAction, SenderRooms};
-//! use handoff_proto::{AuxSlot, PageIndex, RankId, RoomId};
+//! use handoff_proto::{AuxSlot, PageIndex, PeerId, RoomId};
 //!
 //! let now = Instant::now();
 //! let room = RoomId::new(42).unwrap();
@@ -47,23 +48,23 @@
 //!
 //! prefill.open(room, now).unwrap();
 //! decode
-//!     .open(room, vec![Source { rank: RankId(0), required_destinations: 1 }], now)
+//!     .open(room, vec![Source { peer: PeerId(0), required_destinations: 1 }], now)
 //!     .unwrap();
 //! // Decode reserved pages: a Destination goes to prefill rank 0.
 //! decode
 //!     .handle_pages_reserved(room, vec![PageIndex(3), PageIndex(8)], AuxSlot(0), None, now)
 //!     .unwrap();
 //! while let Some(t) = decode.poll_transmit() {
-//!     prefill.handle_message(RankId(0), t.message, now); // from decode rank 0
+//!     prefill.handle_message(PeerId(0), t.message, now); // from decode peer 0
 //! }
 //! // Every destination is known: prefill computes, then writes.
 //! assert_eq!(prefill.poll_action(), Some(SenderAction::StartCompute { room }));
 //! prefill.handle_compute_done(room, now);
 //! assert!(matches!(prefill.poll_action(), Some(SenderAction::StartWrites { .. })));
-//! prefill.handle_write_done(room, RankId(0), now); // KV and aux landed
+//! prefill.handle_write_done(room, PeerId(0), now); // KV and aux landed
 //! assert!(matches!(prefill.poll_action(), Some(SenderAction::Finished { result: Ok(()), .. })));
 //! while let Some(t) = prefill.poll_transmit() {
-//!     decode.handle_message(RankId(0), t.message, now); // Status(Success)
+//!     decode.handle_message(PeerId(0), t.message, now); // Status(Success)
 //! }
 //! // Decode checks the aux slot carries the room id, then commits.
 //! assert_eq!(decode.poll_action(), Some(ReceiverAction::CheckAux { room, aux_slot: AuxSlot(0) }));
@@ -86,6 +87,7 @@ pub mod fuzz;
 pub mod handshake;
 pub mod heartbeat;
 pub mod ids;
+pub mod layout;
 pub mod message;
 pub mod rank;
 pub mod receiver_endpoint;
@@ -95,5 +97,7 @@ pub mod sender_endpoint;
 pub mod sender_room;
 pub mod timer;
 
-pub use error::{AbortOrigin, CodecError, FailureKind, HandshakeError, Phase, TransferError};
-pub use ids::{AuxSlot, PageIndex, RankId, Role, RoomId};
+pub use error::{
+    AbortOrigin, CodecError, FailureKind, HandshakeError, Misbehavior, Phase, TransferError,
+};
+pub use ids::{AuxSlot, PageIndex, PeerId, RankId, Role, RoomId};

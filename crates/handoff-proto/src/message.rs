@@ -7,8 +7,9 @@
 
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortOrigin, CodecError, FailureKind};
-use crate::handshake::{Capabilities, Fingerprint, KvDtype, KvLayoutKind};
+use crate::handshake::{Capabilities, Fingerprint, KvLayoutKind};
 use crate::ids::{AuxSlot, PageIndex, Role, RoomId};
+use crate::layout::KvDtype;
 
 /// Most page indices one `Destination` may carry.
 pub const MAX_PAGES_PER_DESTINATION: usize = 1 << 18;

@@ -9,14 +9,13 @@
 //! prefill rank holding it; among replicas the source is chosen as
 //! `decode_rank % replicas`, deterministically, spreading the load.
 //!
-//! Pool layout ([`PageLayout`], the same as handoff-kv's): layer-major, then
-//! page, then K before V; a block is `[kv_head][token_slot][head_dim]` of
-//! `dtype_bytes` each, so the slice of a page for a run of heads is one
-//! contiguous byte range.
+//! Byte ranges come from the pool layout ([`PageLayout`], the one handoff-kv's
+//! pool uses).
 
 use std::ops::Range;
 
 use crate::ids::{PageIndex, RankId};
+use crate::layout::{KvPart, PageLayout};
 
 /// Why a mapping or range cannot be computed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -284,97 +283,6 @@ impl RankMap {
             .collect();
         ranks.dedup();
         Ok(ranks)
-    }
-}
-
-/// Keys or values.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KvPart {
-    /// Keys.
-    K,
-    /// Values.
-    V,
-}
-
-/// One rank's pool geometry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PageLayout {
-    /// Layers.
-    pub layers: u32,
-    /// KV heads held by this rank.
-    pub local_heads: u32,
-    /// Tokens per page.
-    pub page_size: u32,
-    /// Elements per head.
-    pub head_dim: u32,
-    /// Bytes per element.
-    pub dtype_bytes: u32,
-    /// Pages in the pool.
-    pub num_pages: u32,
-}
-
-impl PageLayout {
-    /// Bytes of one head in one block (`page_size × head_dim × dtype`).
-    pub fn head_bytes(&self) -> usize {
-        self.page_size as usize * self.head_dim as usize * self.dtype_bytes as usize
-    }
-
-    /// Bytes of one (layer, page, K|V) block.
-    pub fn block_bytes(&self) -> usize {
-        self.local_heads as usize * self.head_bytes()
-    }
-
-    /// Bytes of the whole pool, or `None` on overflow.
-    pub fn pool_bytes(&self) -> Option<usize> {
-        self.block_bytes()
-            .checked_mul(2)?
-            .checked_mul(self.num_pages as usize)?
-            .checked_mul(self.layers as usize)
-    }
-
-    /// Byte offset of the (layer, page, part) block.
-    pub fn block_offset(
-        &self,
-        layer: u32,
-        page: PageIndex,
-        part: KvPart,
-    ) -> Result<usize, RankError> {
-        if layer >= self.layers {
-            return Err(RankError::OutOfRange { what: "layer" });
-        }
-        if page.0 >= self.num_pages {
-            return Err(RankError::OutOfRange { what: "page" });
-        }
-        let kv = match part {
-            KvPart::K => 0usize,
-            KvPart::V => 1,
-        };
-        (layer as usize)
-            .checked_mul(self.num_pages as usize)
-            .and_then(|x| x.checked_add(page.0 as usize))
-            .and_then(|x| x.checked_mul(2))
-            .and_then(|x| x.checked_add(kv))
-            .and_then(|x| x.checked_mul(self.block_bytes()))
-            .ok_or(RankError::OutOfRange { what: "offset" })
-    }
-
-    /// The byte range of `num_heads` heads from local head `first` in a block.
-    pub fn head_range(
-        &self,
-        layer: u32,
-        page: PageIndex,
-        part: KvPart,
-        first: u32,
-        num_heads: u32,
-    ) -> Result<Range<usize>, RankError> {
-        if first
-            .checked_add(num_heads)
-            .is_none_or(|end| end > self.local_heads)
-        {
-            return Err(RankError::OutOfRange { what: "head" });
-        }
-        let start = self.block_offset(layer, page, part)? + first as usize * self.head_bytes();
-        Ok(start..start + num_heads as usize * self.head_bytes())
     }
 }
 

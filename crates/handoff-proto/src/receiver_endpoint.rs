@@ -28,7 +28,7 @@ use crate::datalink::AuxData;
 use crate::error::TransferError;
 use crate::handshake::Fingerprint;
 use crate::heartbeat::Liveness;
-use crate::ids::{AuxSlot, PageIndex, RankId, RoomId};
+use crate::ids::{AuxSlot, PageIndex, PeerId, RankId, RoomId};
 use crate::rank::{RankError, RankMap};
 use crate::receiver_room::{ReceiverAction, ReceiverRooms, Source};
 use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Transmit};
@@ -142,13 +142,13 @@ pub enum ReceiverPoll<L> {
 /// What the shell must do, besides sending control messages.
 #[derive(Debug)]
 pub enum ReceiverEvent<L, W> {
-    /// Let the data link of `rank` write `room`: its `pages` (sorted) and
+    /// Let the data link of `peer` write `room`: its `pages` (sorted) and
     /// `aux_slot`. The shell hands the link reader a writer guard of the
     /// room's lease ([`ReceiverEndpoint::lease`]); if the room has no lease
     /// any more, it skips this.
     RegisterWrites {
         /// The prefill peer.
-        rank: RankId,
+        peer: PeerId,
         /// The room.
         room: RoomId,
         /// Its pages, sorted.
@@ -156,19 +156,19 @@ pub enum ReceiverEvent<L, W> {
         /// Its aux slot.
         aux_slot: u32,
     },
-    /// The data link of `rank` stops accepting writes for `room` (and drops
+    /// The data link of `peer` stops accepting writes for `room` (and drops
     /// the room's writer guard).
     ForgetWrites {
         /// The prefill peer.
-        rank: RankId,
+        peer: PeerId,
         /// The room.
         room: RoomId,
     },
-    /// Close `rank`'s control connection and data link (closed, dead,
+    /// Close `peer`'s control connection and data link (closed, dead,
     /// abandoned): drop their I/O handles.
     ClosePeer {
         /// The prefill peer.
-        rank: RankId,
+        peer: PeerId,
     },
     /// A failed room's pages went back (its lease was dropped): every writer
     /// drained, or the abort fence passed (`fence_expired`: a writer never
@@ -199,7 +199,7 @@ pub enum RefusedRoom {
     /// The room table refused it (duplicate live room, capacity ...).
     #[error(transparent)]
     Room(#[from] TransferError),
-    /// The sources cannot serve this decode rank.
+    /// The sources cannot serve this decode peer.
     #[error(transparent)]
     Sources(#[from] SourcesError),
     /// The room is not waiting for its pages.
@@ -209,7 +209,7 @@ pub enum RefusedRoom {
 
 impl From<RefusedRoom> for TransferError {
     /// The room table's refusal as it is; sources that cannot serve this
-    /// rank, or pages for a room not waiting for them, are a misuse of this
+    /// peer, or pages for a room not waiting for them, are a misuse of this
     /// API (a room that failed meanwhile reports its own failure through its
     /// outcome).
     fn from(e: RefusedRoom) -> Self {
@@ -228,7 +228,7 @@ pub struct ReceiverStats {
     /// Live rooms (Draining included).
     pub live_rooms: usize,
     /// Peers with an established control connection.
-    pub peers_ranks: Vec<RankId>,
+    pub peers_ranks: Vec<PeerId>,
     /// Peers with a data link up.
     pub links: usize,
     /// The room table's counters.
@@ -260,7 +260,7 @@ struct Peer {
 #[derive(Debug)]
 struct Held<L> {
     lease: L,
-    registered: Vec<RankId>,
+    registered: Vec<PeerId>,
 }
 
 /// The decode endpoint: see the module docs.
@@ -268,14 +268,14 @@ struct Held<L> {
 pub struct ReceiverEndpoint<L, W> {
     rooms: ReceiverRooms,
     liveness: Liveness,
-    peers: HashMap<RankId, Peer>,
+    peers: HashMap<PeerId, Peer>,
     /// Peers whose connect was given up before their control connection
     /// came up, until that handshake must have ended (twice its timeout):
     /// one that still comes up is refused.
-    abandoned: HashMap<RankId, Instant>,
+    abandoned: HashMap<PeerId, Instant>,
     abandoned_ttl: Duration,
     /// Sources of rooms still waiting for their pages.
-    sources: HashMap<RoomId, Vec<RankId>>,
+    sources: HashMap<RoomId, Vec<PeerId>>,
     held: HashMap<RoomId, Held<L>>,
     /// Aux records that arrived: the room id written in the slot, the data.
     aux: HashMap<RoomId, (u64, AuxData)>,
@@ -344,14 +344,14 @@ impl<L, W> ReceiverEndpoint<L, W> {
     /// Deadlines that passed: rooms fail, outcomes expire, silent peers are
     /// declared dead (their rooms fail; their pages wait for the fence).
     /// Returns the peers declared dead.
-    pub fn handle_timeout(&mut self, now: Instant) -> Vec<RankId> {
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<PeerId> {
         self.rooms.handle_timeout(now);
         self.outcomes.expire(now);
         let dead = self.liveness.handle_timeout(now);
-        for &rank in &dead {
-            self.peers.remove(&rank);
-            self.events.push_back(ReceiverEvent::ClosePeer { rank });
-            self.rooms.handle_peer_dead(rank, now);
+        for &peer in &dead {
+            self.peers.remove(&peer);
+            self.events.push_back(ReceiverEvent::ClosePeer { peer });
+            self.rooms.handle_peer_dead(peer, now);
         }
         self.drive(now);
         dead
@@ -359,26 +359,26 @@ impl<L, W> ReceiverEndpoint<L, W> {
 
     // ----- what the sockets report -----
 
-    /// `rank`'s control connection `conn` finished its handshake. Returns
+    /// `peer`'s control connection `conn` finished its handshake. Returns
     /// whether to keep it: not for a peer whose connect was abandoned
     /// (the shell then drops the connection).
-    pub fn handle_control_up(&mut self, rank: RankId, conn: u64, now: Instant) -> bool {
+    pub fn handle_control_up(&mut self, peer: PeerId, conn: u64, now: Instant) -> bool {
         if self
             .abandoned
-            .remove(&rank)
+            .remove(&peer)
             .is_some_and(|until| until > now)
         {
             return false;
         }
-        self.peers.entry(rank).or_default().control = Some(conn);
-        self.liveness.add_peer(rank, now);
+        self.peers.entry(peer).or_default().control = Some(conn);
+        self.liveness.add_peer(peer, now);
         true
     }
 
-    /// A control message from `rank`.
-    pub fn handle_message(&mut self, rank: RankId, msg: crate::message::Message, now: Instant) {
-        self.liveness.handle_seen(rank, now);
-        self.rooms.handle_message(rank, msg, now);
+    /// A control message from `peer`.
+    pub fn handle_message(&mut self, peer: PeerId, msg: crate::message::Message, now: Instant) {
+        self.liveness.handle_seen(peer, now);
+        self.rooms.handle_message(peer, msg, now);
         self.drive(now);
     }
 
@@ -392,38 +392,38 @@ impl<L, W> ReceiverEndpoint<L, W> {
         self.handshakes_failed += 1;
     }
 
-    /// Control connection `conn` of `rank` closed. If it is the peer's
+    /// Control connection `conn` of `peer` closed. If it is the peer's
     /// current one, the peer is gone: its data link closes too (a link
     /// without its control connection serves no room) and its rooms fail.
-    pub fn handle_control_closed(&mut self, rank: RankId, conn: u64, now: Instant) {
+    pub fn handle_control_closed(&mut self, peer: PeerId, conn: u64, now: Instant) {
         let current = self
             .peers
-            .get(&rank)
+            .get(&peer)
             .is_some_and(|p| p.control == Some(conn));
         if current {
-            self.peers.remove(&rank);
-            self.liveness.remove_peer(rank);
-            self.events.push_back(ReceiverEvent::ClosePeer { rank });
-            self.rooms.handle_peer_dead(rank, now);
+            self.peers.remove(&peer);
+            self.liveness.remove_peer(peer);
+            self.events.push_back(ReceiverEvent::ClosePeer { peer });
+            self.rooms.handle_peer_dead(peer, now);
             self.drive(now);
         }
     }
 
-    /// `rank`'s data link `link` (the shell's id) is up; the peer sits at
+    /// `peer`'s data link `link` (the shell's id) is up; the peer sits at
     /// `tp` in its TP group.
-    pub fn handle_link_up(&mut self, rank: RankId, link: u64, tp: TpPosition) {
-        self.peers.entry(rank).or_default().link = Some((link, tp));
+    pub fn handle_link_up(&mut self, peer: PeerId, link: u64, tp: TpPosition) {
+        self.peers.entry(peer).or_default().link = Some((link, tp));
     }
 
-    /// Data link `link` of `rank` closed. If it is the peer's current one,
+    /// Data link `link` of `peer` closed. If it is the peer's current one,
     /// the rooms it serves fail (their pages wait for the fence).
-    pub fn handle_link_closed(&mut self, rank: RankId, link: u64, now: Instant) {
-        let Some(p) = self.peers.get_mut(&rank) else {
+    pub fn handle_link_closed(&mut self, peer: PeerId, link: u64, now: Instant) {
+        let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
         if p.link.is_some_and(|(id, _)| id == link) {
             p.link = None;
-            self.rooms.handle_peer_dead(rank, now);
+            self.rooms.handle_peer_dead(peer, now);
             self.drive(now);
         }
     }
@@ -436,21 +436,21 @@ impl<L, W> ReceiverEndpoint<L, W> {
         }
     }
 
-    /// The shell gave up connecting to `rank` (an error, or the connect was
+    /// The shell gave up connecting to `peer` (an error, or the connect was
     /// cancelled): whatever came up of it goes, and a control connection
     /// that comes up later is refused.
-    pub fn abandon(&mut self, rank: RankId, now: Instant) {
+    pub fn abandon(&mut self, peer: PeerId, now: Instant) {
         let had_control = self
             .peers
-            .remove(&rank)
+            .remove(&peer)
             .is_some_and(|p| p.control.is_some());
         if !had_control {
             let ttl = self.abandoned_ttl;
             self.abandoned.retain(|_, until| *until > now);
-            self.abandoned.insert(rank, now + ttl);
+            self.abandoned.insert(peer, now + ttl);
         }
-        self.liveness.remove_peer(rank);
-        self.events.push_back(ReceiverEvent::ClosePeer { rank });
+        self.liveness.remove_peer(peer);
+        self.events.push_back(ReceiverEvent::ClosePeer { peer });
     }
 
     // ----- what the engine asks -----
@@ -460,21 +460,21 @@ impl<L, W> ReceiverEndpoint<L, W> {
         self.rooms.state(room)
     }
 
-    /// Whether `rank` has both its control connection and data link up.
-    pub fn is_connected(&self, rank: RankId) -> bool {
+    /// Whether `peer` has both its control connection and data link up.
+    pub fn is_connected(&self, peer: PeerId) -> bool {
         self.peers
-            .get(&rank)
+            .get(&peer)
             .is_some_and(|p| p.control.is_some() && p.link.is_some())
     }
 
-    /// Whether `rank` has an established control connection.
-    pub fn has_control(&self, rank: RankId) -> bool {
-        self.peers.get(&rank).is_some_and(|p| p.control.is_some())
+    /// Whether `peer` has an established control connection.
+    pub fn has_control(&self, peer: PeerId) -> bool {
+        self.peers.get(&peer).is_some_and(|p| p.control.is_some())
     }
 
     /// Accept a request for `room` needing KV from `sources`. Refused when
     /// a source is not connected (the room could only end at its bootstrap
-    /// deadline), when the sources cannot serve this decode rank, or by the
+    /// deadline), when the sources cannot serve this decode peer, or by the
     /// room table (duplicate live room, capacity).
     pub fn open(
         &mut self,
@@ -482,12 +482,12 @@ impl<L, W> ReceiverEndpoint<L, W> {
         sources: Vec<Source>,
         now: Instant,
     ) -> Result<(), RefusedRoom> {
-        let ranks: Vec<RankId> = sources.iter().map(|s| s.rank).collect();
+        let ranks: Vec<PeerId> = sources.iter().map(|s| s.peer).collect();
         if let Some(&dead) = ranks.iter().find(|r| !self.is_connected(**r)) {
             return Err(RefusedRoom::Room(TransferError::PeerDead {
-                rank: dead,
+                peer: dead,
                 detail:
-                    "no live connection to this prefill rank (it closed or died); reconnect first"
+                    "no live connection to this prefill peer (it closed or died); reconnect first"
                         .into(),
             }));
         }
@@ -522,13 +522,13 @@ impl<L, W> ReceiverEndpoint<L, W> {
         let sources = self.sources.remove(&room).unwrap_or_default();
         let mut sorted: Vec<u32> = pages.iter().map(|p| p.0).collect();
         sorted.sort_unstable();
-        let registered: Vec<RankId> = sources
+        let registered: Vec<PeerId> = sources
             .into_iter()
             .filter(|r| self.peers.get(r).is_some_and(|p| p.link.is_some()))
             .collect();
-        for &rank in &registered {
+        for &peer in &registered {
             self.events.push_back(ReceiverEvent::RegisterWrites {
-                rank,
+                peer,
                 room,
                 pages: sorted.clone(),
                 aux_slot: aux_slot.0,
@@ -680,9 +680,9 @@ impl<L, W> ReceiverEndpoint<L, W> {
     /// Take `room`'s lease back from its links.
     fn release(&mut self, room: RoomId) -> Option<L> {
         let held = self.held.remove(&room)?;
-        for rank in held.registered {
+        for peer in held.registered {
             self.events
-                .push_back(ReceiverEvent::ForgetWrites { rank, room });
+                .push_back(ReceiverEvent::ForgetWrites { peer, room });
         }
         Some(held.lease)
     }
@@ -713,7 +713,7 @@ mod tests {
     #[test]
     fn room_sources_must_cover_every_required_prefill_rank() {
         let at = |rank, size| TpPosition { rank, size };
-        // Equal TP: the one matching rank suffices.
+        // Equal TP: the one matching peer suffices.
         assert_eq!(check_room_sources(&fp(4, 0, 1), &[at(0, 1)]), Ok(()));
         // Fan-in 2 -> 1: both prefill ranks, in any order.
         assert_eq!(
@@ -729,7 +729,7 @@ mod tests {
         );
         let e = check_room_sources(&fp(4, 1, 2), &[at(0, 4), at(1, 4)]).unwrap_err();
         assert!(e.to_string().ends_with("lack [2, 3]"), "{e}");
-        // Fan-out 1 -> 2: the single prefill rank serves both decode ranks.
+        // Fan-out 1 -> 2: the single prefill peer serves both decode ranks.
         assert_eq!(check_room_sources(&fp(4, 1, 2), &[at(0, 1)]), Ok(()));
         // Mixed groups and no sources are refused; so is an impossible TP.
         assert_eq!(
@@ -763,7 +763,7 @@ mod tests {
         now: Instant,
     }
 
-    const P: RankId = RankId(0);
+    const P: PeerId = PeerId(0);
 
     impl Fixture {
         fn new() -> Self {
@@ -786,7 +786,7 @@ mod tests {
 
         fn open_and_reserve(&mut self, room: RoomId, pages: &[u32]) {
             let sources = vec![Source {
-                rank: P,
+                peer: P,
                 required_destinations: 1,
             }];
             self.ep.open(room, sources, self.now).unwrap();
@@ -832,8 +832,8 @@ mod tests {
         f.open_and_reserve(r, &[7, 2]);
         let ev = f.events();
         assert!(
-            matches!(&ev[..], [ReceiverEvent::RegisterWrites { rank, room, pages, aux_slot: 3 }]
-                if *rank == P && *room == r && pages == &vec![2, 7]),
+            matches!(&ev[..], [ReceiverEvent::RegisterWrites { peer, room, pages, aux_slot: 3 }]
+                if *peer == P && *room == r && pages == &vec![2, 7]),
             "{ev:?}"
         );
         assert!(f.ep.lease(r).is_some(), "the shell finds the lease");
@@ -851,12 +851,12 @@ mod tests {
         f.land(r, r.get(), 5);
         let ev = f.events();
         match &ev[..] {
-            [ReceiverEvent::ForgetWrites { rank, room }, ReceiverEvent::Outcome {
+            [ReceiverEvent::ForgetWrites { peer, room }, ReceiverEvent::Outcome {
                 room: o,
                 waiter: 77,
                 outcome: ReceiverPoll::Success { aux, .. },
             }] => {
-                assert_eq!((*rank, *room, *o), (P, r, r));
+                assert_eq!((*peer, *room, *o), (P, r, r));
                 assert_eq!(aux.first_token, 5);
             }
             other => panic!("{other:?}"),
@@ -939,12 +939,12 @@ mod tests {
         f.open_and_reserve(r, &[1]);
         f.events();
         f.ep.wait(r, 1);
-        // An older connection of the same rank closing changes nothing.
+        // An older connection of the same peer closing changes nothing.
         f.ep.handle_control_closed(P, 99, f.now);
         assert!(f.ep.is_connected(P));
         f.ep.handle_control_closed(P, 1, f.now);
         let ev = f.events();
-        assert!(matches!(ev[0], ReceiverEvent::ClosePeer { rank } if rank == P));
+        assert!(matches!(ev[0], ReceiverEvent::ClosePeer { peer } if peer == P));
         assert!(
             ev.iter().any(|e| matches!(
                 e,
@@ -963,7 +963,7 @@ mod tests {
             f.ep.open(
                 room(6),
                 vec![Source {
-                    rank: P,
+                    peer: P,
                     required_destinations: 1,
                 }],
                 f.now,
@@ -981,18 +981,18 @@ mod tests {
         let mut ep: ReceiverEndpoint<Lease, u32> =
             ReceiverEndpoint::new(RoomConfig::default(), fp(4, 0, 1), Duration::from_secs(5));
         for r in 0..100 {
-            ep.abandon(RankId(r), now);
+            ep.abandon(PeerId(r), now);
         }
-        assert!(!ep.handle_control_up(RankId(7), 1, now + Duration::from_secs(5)));
-        assert!(ep.handle_control_up(RankId(7), 2, now + Duration::from_secs(5)));
+        assert!(!ep.handle_control_up(PeerId(7), 1, now + Duration::from_secs(5)));
+        assert!(ep.handle_control_up(PeerId(7), 2, now + Duration::from_secs(5)));
         // Past twice the handshake timeout, it is forgotten.
-        assert!(ep.handle_control_up(RankId(8), 3, now + Duration::from_secs(11)));
+        assert!(ep.handle_control_up(PeerId(8), 3, now + Duration::from_secs(11)));
         // The next abandon forgets the expired ones.
-        ep.abandon(RankId(500), now + Duration::from_secs(11));
+        ep.abandon(PeerId(500), now + Duration::from_secs(11));
         assert_eq!(ep.abandoned.len(), 1);
         // A connected peer that is abandoned is simply closed.
-        ep.abandon(RankId(7), now + Duration::from_secs(11));
-        assert!(!ep.has_control(RankId(7)));
+        ep.abandon(PeerId(7), now + Duration::from_secs(11));
+        assert!(!ep.has_control(PeerId(7)));
         assert_eq!(ep.abandoned.len(), 1);
     }
 

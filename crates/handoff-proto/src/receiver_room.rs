@@ -23,18 +23,18 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
-use crate::error::{AbortOrigin, Phase, TransferError};
-use crate::ids::{AuxSlot, PageIndex, RankId, Role, RoomId};
+use crate::error::{AbortOrigin, Misbehavior, Phase, TransferError};
+use crate::ids::{AuxSlot, PageIndex, PeerId, RankId, Role, RoomId};
 use crate::message::{Abort, AbortAck, Destination, Message, Outcome, Status};
 use crate::rank::{RankError, RankMap};
 use crate::room::{Deadlines, Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
 use crate::timer::Timer;
 
-/// A prefill rank a decode room needs KV from.
+/// A prefill peer a decode room needs KV from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Source {
-    /// The prefill rank.
-    pub rank: RankId,
+    /// The prefill peer.
+    pub peer: PeerId,
     /// How many decode ranks send that prefill rank a destination for this
     /// room (its `required_destinations`).
     pub required_destinations: u16,
@@ -42,14 +42,19 @@ pub struct Source {
 
 impl Source {
     /// The sources decode rank `d` needs under `map`, each with the number of
-    /// decode ranks that rank serves (fan-in and fan-out both covered).
-    pub fn for_decode_rank(map: &RankMap, d: RankId) -> Result<Vec<Source>, RankError> {
+    /// decode ranks that rank serves (fan-in and fan-out both covered);
+    /// `peer_of` names the peer that plays each prefill TP rank.
+    pub fn for_decode_rank(
+        map: &RankMap,
+        d: RankId,
+        peer_of: impl Fn(RankId) -> PeerId,
+    ) -> Result<Vec<Source>, RankError> {
         map.required_prefill_ranks(d)?
             .into_iter()
             .map(|p| {
                 let n = map.destination_ranks(p)?.len();
                 Ok(Source {
-                    rank: p,
+                    peer: peer_of(p),
                     required_destinations: u16::try_from(n).unwrap_or(u16::MAX),
                 })
             })
@@ -132,14 +137,14 @@ enum Expect {
     Pages,
     /// WaitingForInput (`started == false`) / Transferring: every source's Status.
     Statuses {
-        succeeded: BTreeSet<RankId>,
+        succeeded: BTreeSet<PeerId>,
         started: bool,
     },
     /// Transferring: the aux slot check.
     AuxCheck,
     /// Draining: these sources may still be writing.
     Drain {
-        may_write: BTreeSet<RankId>,
+        may_write: BTreeSet<PeerId>,
         error: TransferError,
     },
 }
@@ -162,13 +167,13 @@ impl ReceiverRoom {
         }
     }
 
-    fn has_source(&self, rank: RankId) -> bool {
-        self.sources.iter().any(|s| s.rank == rank)
+    fn has_source(&self, peer: PeerId) -> bool {
+        self.sources.iter().any(|s| s.peer == peer)
     }
 }
 
 /// The decode side's rooms. One instance per decode rank; the shell
-/// identifies prefill peers by their [`RankId`].
+/// identifies prefill peers by their [`PeerId`].
 #[derive(Debug)]
 pub struct ReceiverRooms {
     config: RoomConfig,
@@ -260,7 +265,7 @@ impl ReceiverRooms {
         sources: Vec<Source>,
         now: Instant,
     ) -> Result<(), TransferError> {
-        let distinct: BTreeSet<RankId> = sources.iter().map(|s| s.rank).collect();
+        let distinct: BTreeSet<PeerId> = sources.iter().map(|s| s.peer).collect();
         let refused = if sources.is_empty()
             || distinct.len() != sources.len()
             || sources.iter().any(|s| s.required_destinations == 0)
@@ -325,7 +330,7 @@ impl ReceiverRooms {
         };
         for s in &r.sources {
             self.transmits.push_back(Transmit {
-                to: s.rank,
+                to: s.peer,
                 message: Message::Destination(Destination {
                     room,
                     pages: pages.clone(),
@@ -361,7 +366,7 @@ impl ReceiverRooms {
     }
 
     /// A message from prefill rank `from`.
-    pub fn handle_message(&mut self, from: RankId, msg: Message, now: Instant) {
+    pub fn handle_message(&mut self, from: PeerId, msg: Message, now: Instant) {
         match msg {
             Message::Status(s) => self.on_status(from, s, now),
             Message::Abort(a) => self.on_abort(from, a, now),
@@ -373,7 +378,7 @@ impl ReceiverRooms {
         }
     }
 
-    fn on_status(&mut self, from: RankId, s: Status, now: Instant) {
+    fn on_status(&mut self, from: PeerId, s: Status, now: Instant) {
         let room = s.room;
         let Some(r) = self.rooms.get_mut(&room) else {
             self.stats.unknown_room_events += 1;
@@ -452,7 +457,7 @@ impl ReceiverRooms {
         }
     }
 
-    fn on_abort(&mut self, from: RankId, a: Abort, now: Instant) {
+    fn on_abort(&mut self, from: PeerId, a: Abort, now: Instant) {
         let room = a.room;
         // Decode never writes to prefill: its ack is always drained.
         self.transmits.push_back(Transmit {
@@ -476,7 +481,7 @@ impl ReceiverRooms {
         self.fail_room(room, error, None, now);
     }
 
-    fn on_abort_ack(&mut self, from: RankId, a: AbortAck, now: Instant) {
+    fn on_abort_ack(&mut self, from: PeerId, a: AbortAck, now: Instant) {
         let room = a.room;
         let Some(r) = self.rooms.get_mut(&room) else {
             self.stats.unknown_room_events += 1;
@@ -505,10 +510,10 @@ impl ReceiverRooms {
         }
         if found != room.get() {
             let error = TransferError::PeerMisbehaved {
-                detail: format!(
-                    "aux slot carries room {found:#018x}, expected {:#018x}",
-                    room.get()
-                ),
+                what: Misbehavior::AuxRoomMismatch {
+                    found,
+                    expected: room.get(),
+                },
             };
             self.fail_room(room, error, None, now);
             return;
@@ -537,18 +542,18 @@ impl ReceiverRooms {
         }
     }
 
-    /// Prefill rank `rank` is dead: fail every room it is a source of.
-    pub fn handle_peer_dead(&mut self, rank: RankId, now: Instant) {
+    /// Prefill peer `peer` is dead: fail every room it is a source of.
+    pub fn handle_peer_dead(&mut self, peer: PeerId, now: Instant) {
         let mut hit: Vec<RoomId> = self
             .rooms
             .iter()
-            .filter(|(_, r)| r.has_source(rank) && !matches!(r.expect, Expect::Drain { .. }))
+            .filter(|(_, r)| r.has_source(peer) && !matches!(r.expect, Expect::Drain { .. }))
             .map(|(id, _)| *id)
             .collect();
         hit.sort();
         for room in hit {
             let error = TransferError::PeerDead {
-                rank,
+                peer,
                 detail: "prefill peer stopped answering".into(),
             };
             self.fail_room(room, error, None, now);
@@ -597,7 +602,7 @@ impl ReceiverRooms {
         &mut self,
         room: RoomId,
         error: TransferError,
-        stopped: Option<RankId>,
+        stopped: Option<PeerId>,
         now: Instant,
     ) {
         let fence = self.config.timers.get(Timer::AbortAckFence);
@@ -609,21 +614,21 @@ impl ReceiverRooms {
         // destination would otherwise wait for its bootstrap deadline.
         if matches!(r.expect, Expect::Pages) {
             for s in &r.sources {
-                if Some(s.rank) != stopped {
+                if Some(s.peer) != stopped {
                     self.transmits.push_back(Transmit {
-                        to: s.rank,
+                        to: s.peer,
                         message: abort_message(room, &error),
                     });
                 }
             }
         }
-        let may_write: BTreeSet<RankId> = match &r.expect {
+        let may_write: BTreeSet<PeerId> = match &r.expect {
             Expect::Drain { .. } => return,
             Expect::Pages | Expect::AuxCheck => BTreeSet::new(),
             Expect::Statuses { succeeded, .. } => r
                 .sources
                 .iter()
-                .map(|s| s.rank)
+                .map(|s| s.peer)
                 .filter(|k| !succeeded.contains(k) && Some(*k) != stopped)
                 .collect(),
         };
@@ -691,7 +696,7 @@ mod tests {
         ranks
             .iter()
             .map(|r| Source {
-                rank: RankId(*r),
+                peer: PeerId(*r),
                 required_destinations: 1,
             })
             .collect()
@@ -753,17 +758,17 @@ mod tests {
             (pages(), AuxSlot(4), Some(16))
         );
         assert_eq!(t.state(r), Some(RoomState::WaitingForInput));
-        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
+        t.handle_message(PeerId(0), status(r, Outcome::Success), t0);
         assert_eq!(t.state(r), Some(RoomState::Transferring));
-        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
-        t.handle_message(RankId(9), status(r, Outcome::Success), t0);
+        t.handle_message(PeerId(0), status(r, Outcome::Success), t0);
+        t.handle_message(PeerId(9), status(r, Outcome::Success), t0);
         assert_eq!(
             drain(&mut t).1,
             vec![],
             "a duplicate and a stranger do not complete the room"
         );
         assert_eq!((t.stats().duplicates, t.stats().violations), (1, 1));
-        t.handle_message(RankId(1), status(r, Outcome::Success), t0);
+        t.handle_message(PeerId(1), status(r, Outcome::Success), t0);
         assert_eq!(
             drain(&mut t).1,
             vec![ReceiverAction::CheckAux {
@@ -790,7 +795,7 @@ mod tests {
         let mut t = ReceiverRooms::new(RoomConfig::default());
         let r = room(2);
         reserved(&mut t, r, &[0], t0);
-        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
+        t.handle_message(PeerId(0), status(r, Outcome::Success), t0);
         drain(&mut t);
         t.handle_aux_checked(r, 99, t0);
         let (_, acts) = drain(&mut t);
@@ -817,7 +822,7 @@ mod tests {
             reason: "prompt too long".into(),
             http_status: Some(400),
         };
-        t.handle_message(RankId(0), status(r, failed), t0);
+        t.handle_message(PeerId(0), status(r, failed), t0);
         let (tx, acts) = drain(&mut t);
         assert_eq!(
             acts,
@@ -832,7 +837,7 @@ mod tests {
         assert_eq!(tx.len(), 1);
         assert_eq!(
             tx[0].to,
-            RankId(1),
+            PeerId(1),
             "only the source that may still write is aborted"
         );
         let Message::Abort(a) = &tx[0].message else {
@@ -845,7 +850,7 @@ mod tests {
         assert_eq!(t.state(r), Some(RoomState::Draining));
         assert_eq!(t.leased_pages(), 2);
         // A late success after the failure stays failed.
-        t.handle_message(RankId(1), status(r, Outcome::Success), t0);
+        t.handle_message(PeerId(1), status(r, Outcome::Success), t0);
         assert_eq!(drain(&mut t).1, vec![release(r, false)]);
         assert_eq!(t.state(r), Some(RoomState::Failed));
     }
@@ -880,9 +885,9 @@ mod tests {
                 }
             ]
         );
-        t.handle_message(RankId(0), ack(a, true), t0);
-        t.handle_message(RankId(1), ack(a, false), t0);
-        t.handle_message(RankId(0), ack(b, true), t0);
+        t.handle_message(PeerId(0), ack(a, true), t0);
+        t.handle_message(PeerId(1), ack(a, false), t0);
+        t.handle_message(PeerId(0), ack(b, true), t0);
         assert_eq!(
             drain(&mut t).1,
             vec![ReceiverAction::ReleasePages {
@@ -954,10 +959,10 @@ mod tests {
         let t0 = Instant::now();
         let mut t = ReceiverRooms::new(RoomConfig::default());
         let r = room(7);
-        t.handle_message(RankId(0), status(r, Outcome::Success), t0);
-        t.handle_message(RankId(0), ack(r, true), t0);
+        t.handle_message(PeerId(0), status(r, Outcome::Success), t0);
+        t.handle_message(PeerId(0), ack(r, true), t0);
         t.handle_message(
-            RankId(0),
+            PeerId(0),
             Message::Abort(Abort {
                 room: r,
                 reason: "x".into(),
@@ -970,7 +975,7 @@ mod tests {
         assert_eq!(
             tx,
             vec![Transmit {
-                to: RankId(0),
+                to: PeerId(0),
                 message: ack(r, true)
             }]
         );
@@ -987,7 +992,7 @@ mod tests {
         let mut t = ReceiverRooms::new(RoomConfig::default());
         let r = room(8);
         reserved(&mut t, r, &[0], t0);
-        t.handle_peer_dead(RankId(0), t0);
+        t.handle_peer_dead(PeerId(0), t0);
         let (_, acts) = drain(&mut t);
         let [ReceiverAction::FailRequest { error, .. }] = acts.as_slice() else {
             panic!("{acts:?}")
@@ -1027,7 +1032,7 @@ mod tests {
         let r = room(12);
         reserved(&mut t, r, &[0, 1], t0);
         let t1 = t0 + Duration::from_secs(1);
-        t.handle_message(RankId(0), status(r, Outcome::Success), t1);
+        t.handle_message(PeerId(0), status(r, Outcome::Success), t1);
         // The waiting deadline (t0 + 30 s) is stale: the transfer one is t1 + 30 s.
         t.handle_timeout(t0 + Duration::from_secs(30));
         assert_eq!(t.state(r), Some(RoomState::Transferring));
@@ -1040,27 +1045,27 @@ mod tests {
     fn sources_follow_the_rank_map() {
         let four_to_two = RankMap::new(8, 4, 2).unwrap();
         assert_eq!(
-            Source::for_decode_rank(&four_to_two, RankId(1)).unwrap(),
+            Source::for_decode_rank(&four_to_two, RankId(1), |r| PeerId(r.0 + 10)).unwrap(),
             vec![
                 Source {
-                    rank: RankId(2),
+                    peer: PeerId(12),
                     required_destinations: 1
                 },
                 Source {
-                    rank: RankId(3),
+                    peer: PeerId(13),
                     required_destinations: 1
                 }
             ]
         );
         let two_to_four = RankMap::new(8, 2, 4).unwrap();
         assert_eq!(
-            Source::for_decode_rank(&two_to_four, RankId(3)).unwrap(),
+            Source::for_decode_rank(&two_to_four, RankId(3), |r| PeerId(r.0 + 10)).unwrap(),
             vec![Source {
-                rank: RankId(1),
+                peer: PeerId(11),
                 required_destinations: 2
             }]
         );
-        assert!(Source::for_decode_rank(&two_to_four, RankId(4)).is_err());
+        assert!(Source::for_decode_rank(&two_to_four, RankId(4), |r| PeerId(r.0)).is_err());
     }
 
     #[test]

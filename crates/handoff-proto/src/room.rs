@@ -12,7 +12,7 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::time::Instant;
 
 use crate::error::TransferError;
-use crate::ids::{RankId, RoomId};
+use crate::ids::{PeerId, RoomId};
 use crate::message::Message;
 use crate::timer::TimerConfig;
 
@@ -93,7 +93,7 @@ impl Default for RoomConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Transmit {
     /// Destination peer rank.
-    pub to: RankId,
+    pub to: PeerId,
     /// The message.
     pub message: Message,
 }

@@ -24,15 +24,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::datalink::AuxData;
-use crate::error::TransferError;
+use crate::error::{Misbehavior, TransferError};
 use crate::heartbeat::Liveness;
-use crate::ids::{RankId, RoomId};
+use crate::ids::{PeerId, RoomId};
 use crate::message::{Destination, Message};
 use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Transmit};
 use crate::sender_room::{SenderAction, SenderRooms};
 use crate::timer::Timer;
 
-/// Decode ranks whose newest connect number is kept even with nothing left
+/// Decode peers whose newest connect number is kept even with nothing left
 /// of them.
 const MAX_NEWEST: usize = 4096;
 
@@ -53,11 +53,11 @@ pub enum SenderPoll {
 /// What the prefill shell must do, besides sending control messages.
 #[derive(Debug)]
 pub enum SenderEvent<W, C> {
-    /// No more writes for `room` on the data link to `rank`: queue the aux
+    /// No more writes for `room` on the data link to `peer`: queue the aux
     /// record (or none, for cancelled writes), then the room's end marker.
     Finish {
         /// The decode peer.
-        rank: RankId,
+        peer: PeerId,
         /// The room.
         room: RoomId,
         /// The aux slot and data; `None` when the writes were cancelled.
@@ -73,11 +73,11 @@ pub enum SenderEvent<W, C> {
         /// Its cancel token.
         cancel: C,
     },
-    /// Drop the I/O handles of `rank`'s control connection `control` and
+    /// Drop the I/O handles of `peer`'s control connection `control` and
     /// data link `link` (where the shell's current ones have these ids).
     ClosePeer {
         /// The decode peer.
-        rank: RankId,
+        peer: PeerId,
         /// Its control connection, if one is to close.
         control: Option<u64>,
         /// Its data link, if one is to close.
@@ -140,7 +140,7 @@ pub struct SenderStats {
     /// Live rooms (Draining included).
     pub live_rooms: usize,
     /// Peers with an established control connection.
-    pub peers_ranks: Vec<RankId>,
+    pub peers_ranks: Vec<PeerId>,
     /// Peers with a data link up.
     pub links: usize,
     /// Peers with a multi-stream link partly accepted.
@@ -191,7 +191,7 @@ impl<S> Peer<S> {
 /// A room whose writes started.
 #[derive(Debug)]
 struct Writing<C> {
-    destinations: Vec<(RankId, Arc<Destination>)>,
+    destinations: Vec<(PeerId, Arc<Destination>)>,
     cancel: C,
     cancelled: bool,
     ended: bool,
@@ -202,9 +202,9 @@ struct Writing<C> {
 pub struct SenderEndpoint<S, W, C> {
     rooms: SenderRooms,
     liveness: Liveness,
-    peers: HashMap<RankId, Peer<S>>,
-    /// Per decode rank seen, the newest connect number.
-    newest: HashMap<RankId, u64>,
+    peers: HashMap<PeerId, Peer<S>>,
+    /// Per decode peer seen, the newest connect number.
+    newest: HashMap<PeerId, u64>,
     /// Rooms opened but not yet writing: their cancel tokens.
     tokens: HashMap<RoomId, C>,
     writing: HashMap<RoomId, Writing<C>>,
@@ -271,12 +271,12 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
     /// Deadlines that passed: rooms fail, outcomes expire, silent peers are
     /// declared dead (their connections go, their rooms fail).
     /// Returns the peers declared dead.
-    pub fn handle_timeout(&mut self, now: Instant) -> Vec<RankId> {
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<PeerId> {
         self.rooms.handle_timeout(now);
         self.outcomes.expire(now);
         let dead = self.liveness.handle_timeout(now);
-        for &rank in &dead {
-            self.drop_peer(rank, now);
+        for &peer in &dead {
+            self.drop_peer(peer, now);
         }
         self.drive(now);
         dead
@@ -285,49 +285,49 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
     // ----- what the sockets report -----
 
     /// Whether a connection of decode's connect `connect` may join what
-    /// `rank` has. Not when a newer connect of that endpoint was seen (a
+    /// `peer` has. Not when a newer connect of that endpoint was seen (a
     /// connect cancelled on decode, completing late here). A newer connect
     /// replaces the older one: its control connection and data link go and
-    /// its rooms fail, so no rank is left with the control connection of
+    /// its rooms fail, so no peer is left with the control connection of
     /// one connect and the data link of another.
-    fn admit(&mut self, rank: RankId, connect: u64, now: Instant) -> bool {
-        match self.newest.get(&rank) {
+    fn admit(&mut self, peer: PeerId, connect: u64, now: Instant) -> bool {
+        match self.newest.get(&peer) {
             Some(&newest) if newest > connect => return false,
             Some(&newest) if newest == connect => return true,
             _ => {}
         }
-        if self.peers.get(&rank).is_some_and(|p| !p.is_empty()) {
-            self.drop_peer(rank, now);
+        if self.peers.get(&peer).is_some_and(|p| !p.is_empty()) {
+            self.drop_peer(peer, now);
         }
         // After dropping the older connect: its bound on `newest` must not
-        // forget this rank's newest connect.
-        self.newest.insert(rank, connect);
+        // forget this peer's newest connect.
+        self.newest.insert(peer, connect);
         true
     }
 
-    /// `rank`'s control connection `conn`, of decode's connect `connect`,
+    /// `peer`'s control connection `conn`, of decode's connect `connect`,
     /// finished its handshake. Returns whether to keep it (not for an older
     /// connect than the newest seen).
     pub fn handle_control_up(
         &mut self,
-        rank: RankId,
+        peer: PeerId,
         conn: u64,
         connect: u64,
         now: Instant,
     ) -> bool {
-        if !self.admit(rank, connect, now) {
+        if !self.admit(peer, connect, now) {
             return false;
         }
-        self.peers.entry(rank).or_default().control = Some(conn);
-        self.liveness.add_peer(rank, now);
+        self.peers.entry(peer).or_default().control = Some(conn);
+        self.liveness.add_peer(peer, now);
         self.drive(now);
         true
     }
 
-    /// A control message from `rank`.
-    pub fn handle_message(&mut self, rank: RankId, msg: Message, now: Instant) {
-        self.liveness.handle_seen(rank, now);
-        self.rooms.handle_message(rank, msg, now);
+    /// A control message from `peer`.
+    pub fn handle_message(&mut self, peer: PeerId, msg: Message, now: Instant) {
+        self.liveness.handle_seen(peer, now);
+        self.rooms.handle_message(peer, msg, now);
         self.drive(now);
     }
 
@@ -341,42 +341,42 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         self.handshakes_failed += 1;
     }
 
-    /// Control connection `conn` of `rank` closed. If it is the peer's
+    /// Control connection `conn` of `peer` closed. If it is the peer's
     /// current one, the peer is gone: its data link goes too and its rooms
     /// fail.
-    pub fn handle_control_closed(&mut self, rank: RankId, conn: u64, now: Instant) {
+    pub fn handle_control_closed(&mut self, peer: PeerId, conn: u64, now: Instant) {
         if self
             .peers
-            .get(&rank)
+            .get(&peer)
             .is_some_and(|p| p.control == Some(conn))
         {
-            self.drop_peer(rank, now);
+            self.drop_peer(peer, now);
             self.drive(now);
         }
     }
 
     /// Stream `index` of `count` of a data link (`nonce`, decode's connect
-    /// `connect`) from `rank` was accepted. Returns the link's streams, in
+    /// `connect`) from `peer` was accepted. Returns the link's streams, in
     /// index order, once all of them are here (at once for one stream);
     /// `None` while more are expected or when the connect is older than the
     /// newest seen (the stream is dropped). A new nonce means decode started
     /// the link over: the older attempt's streams are dropped.
     pub fn handle_link_stream(
         &mut self,
-        rank: RankId,
+        peer: PeerId,
         connect: u64,
         (nonce, index, count): (u64, u8, u8),
         stream: S,
         now: Instant,
     ) -> Option<Vec<S>> {
-        if !self.admit(rank, connect, now) {
+        if !self.admit(peer, connect, now) {
             return None;
         }
         self.drive(now);
         if count <= 1 {
             return Some(vec![stream]);
         }
-        let peer = self.peers.entry(rank).or_default();
+        let peer = self.peers.entry(peer).or_default();
         let (n, streams) = peer.pending.get_or_insert_with(|| (nonce, Vec::new()));
         if *n != nonce || streams.len() != usize::from(count) {
             *n = nonce;
@@ -391,16 +391,16 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             .map(|(_, s)| s.into_iter().flatten().collect())
     }
 
-    /// `rank`'s data link `link` (the shell's id) is up; the decode pool
+    /// `peer`'s data link `link` (the shell's id) is up; the decode pool
     /// has `dest_pages` pages.
-    pub fn handle_link_up(&mut self, rank: RankId, link: u64, dest_pages: usize) {
-        self.peers.entry(rank).or_default().link = Some((link, dest_pages));
+    pub fn handle_link_up(&mut self, peer: PeerId, link: u64, dest_pages: usize) {
+        self.peers.entry(peer).or_default().link = Some((link, dest_pages));
     }
 
-    /// Data link `link` of `rank` closed. If it is the peer's current one,
+    /// Data link `link` of `peer` closed. If it is the peer's current one,
     /// every room writing to it fails (peer dead).
-    pub fn handle_link_closed(&mut self, rank: RankId, link: u64, reason: &str, now: Instant) {
-        let Some(p) = self.peers.get_mut(&rank) else {
+    pub fn handle_link_closed(&mut self, peer: PeerId, link: u64, reason: &str, now: Instant) {
+        let Some(p) = self.peers.get_mut(&peer) else {
             return;
         };
         if p.link.is_none_or(|(id, _)| id != link) {
@@ -408,30 +408,30 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         }
         p.link = None;
         self.events.push_back(SenderEvent::ClosePeer {
-            rank,
+            peer,
             control: None,
             link: Some(link),
         });
         let hit: Vec<RoomId> = self
             .writing
             .iter()
-            .filter(|(_, w)| w.destinations.iter().any(|(r, _)| *r == rank))
+            .filter(|(_, w)| w.destinations.iter().any(|(r, _)| *r == peer))
             .map(|(room, _)| *room)
             .collect();
         for room in hit {
             let err = TransferError::PeerDead {
-                rank,
+                peer,
                 detail: format!("data link closed: {reason}"),
             };
-            self.rooms.handle_write_failed(room, rank, err, now);
+            self.rooms.handle_write_failed(room, peer, err, now);
         }
         self.bound_newest();
         self.drive(now);
     }
 
-    /// Decode acknowledged everything of `room` on `rank`'s link up to its
+    /// Decode acknowledged everything of `room` on `peer`'s link up to its
     /// end marker (`ok`: no segment was rejected).
-    pub fn handle_ack(&mut self, rank: RankId, room: RoomId, ok: bool, now: Instant) {
+    pub fn handle_ack(&mut self, peer: PeerId, room: RoomId, ok: bool, now: Instant) {
         let Some(w) = self.writing.get(&room) else {
             return;
         };
@@ -439,28 +439,28 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             let err = TransferError::Internal {
                 reason: "writes cancelled".into(),
             };
-            self.rooms.handle_write_failed(room, rank, err, now);
+            self.rooms.handle_write_failed(room, peer, err, now);
         } else if ok {
-            self.rooms.handle_write_done(room, rank, now);
+            self.rooms.handle_write_done(room, peer, now);
         } else {
             let err = TransferError::PeerMisbehaved {
-                detail: "decode rejected part of the room's writes".into(),
+                what: Misbehavior::WritesRejected,
             };
-            self.rooms.handle_write_failed(room, rank, err, now);
+            self.rooms.handle_write_failed(room, peer, err, now);
         }
         self.drive(now);
     }
 
-    /// The shell could not write `room` to `rank` (e.g. it could not build
+    /// The shell could not write `room` to `peer` (e.g. it could not build
     /// the segments): that destination fails.
     pub fn handle_write_failed(
         &mut self,
         room: RoomId,
-        rank: RankId,
+        peer: PeerId,
         error: TransferError,
         now: Instant,
     ) {
-        self.rooms.handle_write_failed(room, rank, error, now);
+        self.rooms.handle_write_failed(room, peer, error, now);
         self.drive(now);
     }
 
@@ -495,7 +495,7 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         layers: Range<usize>,
         pages: Range<usize>,
         now: Instant,
-    ) -> Result<(Vec<(RankId, Arc<Destination>, usize)>, C), SendRefused> {
+    ) -> Result<(Vec<(PeerId, Arc<Destination>, usize)>, C), SendRefused> {
         self.start_writes(room, now)?;
         let Some(w) = self.writing.get(&room) else {
             return Err(SendRefused::FailedBeforeWrites);
@@ -507,27 +507,26 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             return Err(SendRefused::OutOfRange { layers, pages });
         }
         let mut out = Vec::with_capacity(w.destinations.len());
-        let mut failed: Vec<(RankId, TransferError)> = Vec::new();
-        for (rank, d) in &w.destinations {
-            let Some((_, dest_pages)) = self.peers.get(rank).and_then(|p| p.link) else {
+        let mut failed: Vec<(PeerId, TransferError)> = Vec::new();
+        for (peer, d) in &w.destinations {
+            let Some((_, dest_pages)) = self.peers.get(peer).and_then(|p| p.link) else {
                 failed.push((
-                    *rank,
+                    *peer,
                     TransferError::PeerDead {
-                        rank: *rank,
-                        detail: "no data link to this decode rank".into(),
+                        peer: *peer,
+                        detail: "no data link to this decode peer".into(),
                     },
                 ));
                 continue;
             };
             if pages.end > d.pages.len() {
                 failed.push((
-                    *rank,
+                    *peer,
                     TransferError::PeerMisbehaved {
-                        detail: format!(
-                            "destination has {} pages, the room sends {}",
-                            d.pages.len(),
-                            pages.end
-                        ),
+                        what: Misbehavior::DestinationTooShort {
+                            has: d.pages.len(),
+                            sends: pages.end,
+                        },
                     },
                 ));
                 continue;
@@ -539,21 +538,21 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
                 .find(|p| p.0 as usize >= dest_pages)
             {
                 failed.push((
-                    *rank,
+                    *peer,
                     TransferError::PeerMisbehaved {
-                        detail: format!(
-                            "destination page {} is outside the decode pool of {dest_pages} pages",
-                            bad.0
-                        ),
+                        what: Misbehavior::PageOutsidePool {
+                            page: bad.0,
+                            pool_pages: dest_pages,
+                        },
                     },
                 ));
                 continue;
             }
-            out.push((*rank, d.clone(), dest_pages));
+            out.push((*peer, d.clone(), dest_pages));
         }
         let cancel = w.cancel.clone();
-        for (rank, e) in failed {
-            self.rooms.handle_write_failed(room, rank, e, now);
+        for (peer, e) in failed {
+            self.rooms.handle_write_failed(room, peer, e, now);
         }
         self.drive(now);
         Ok((out, cancel))
@@ -567,10 +566,10 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         if let Some(w) = self.writing.get_mut(&room) {
             if !w.ended {
                 w.ended = true;
-                for (rank, d) in &w.destinations {
-                    if self.peers.get(rank).is_some_and(|p| p.link.is_some()) {
+                for (peer, d) in &w.destinations {
+                    if self.peers.get(peer).is_some_and(|p| p.link.is_some()) {
                         self.events.push_back(SenderEvent::Finish {
-                            rank: *rank,
+                            peer: *peer,
                             room,
                             aux: Some((d.aux_slot.0, aux)),
                             cancel: w.cancel.clone(),
@@ -699,23 +698,23 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         }
     }
 
-    /// Forget `rank`'s control connection, link and pending streams (its
+    /// Forget `peer`'s control connection, link and pending streams (its
     /// rooms fail as the peer is dead).
-    fn drop_peer(&mut self, rank: RankId, now: Instant) {
-        if let Some(p) = self.peers.remove(&rank) {
+    fn drop_peer(&mut self, peer: PeerId, now: Instant) {
+        if let Some(p) = self.peers.remove(&peer) {
             self.events.push_back(SenderEvent::ClosePeer {
-                rank,
+                peer,
                 control: p.control,
                 link: p.link.map(|(id, _)| id),
             });
         }
-        self.liveness.remove_peer(rank);
-        self.rooms.handle_peer_dead(rank, now);
+        self.liveness.remove_peer(peer);
+        self.rooms.handle_peer_dead(peer, now);
         self.bound_newest();
     }
 
     /// Keep `newest` bounded: past [`MAX_NEWEST`] entries, forget those of
-    /// ranks with nothing left (a late connection of a forgotten rank is
+    /// ranks with nothing left (a late connection of a forgotten peer is
     /// then admitted, and closes when decode drops it).
     fn bound_newest(&mut self) {
         if self.newest.len() > MAX_NEWEST {
@@ -796,25 +795,25 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             cancel: w.cancel.clone(),
         });
         let mut orphans = Vec::new();
-        for (rank, _) in &w.destinations {
-            match self.peers.get(rank).and_then(|p| p.link) {
+        for (peer, _) in &w.destinations {
+            match self.peers.get(peer).and_then(|p| p.link) {
                 Some(_) if !w.ended => self.events.push_back(SenderEvent::Finish {
-                    rank: *rank,
+                    peer: *peer,
                     room,
                     aux: None,
                     cancel: w.cancel.clone(),
                 }),
                 Some(_) => {}
-                None => orphans.push(*rank),
+                None => orphans.push(*peer),
             }
         }
         w.ended = true;
-        for rank in orphans {
+        for peer in orphans {
             let err = TransferError::PeerDead {
-                rank,
+                peer,
                 detail: "no data link".into(),
             };
-            self.rooms.handle_write_failed(room, rank, err, now);
+            self.rooms.handle_write_failed(room, peer, err, now);
         }
     }
 }
@@ -827,7 +826,7 @@ mod tests {
 
     type Ep = SenderEndpoint<&'static str, u32, u8>;
 
-    const D: RankId = RankId(3);
+    const D: PeerId = PeerId(3);
 
     fn room(n: u64) -> RoomId {
         RoomId::new(n).unwrap()
@@ -895,8 +894,8 @@ mod tests {
         .unwrap();
         assert!(matches!(
             &events(&mut ep)[..],
-            [SenderEvent::Finish { rank, aux: Some((5, a)), cancel: 1, .. }]
-                if *rank == D && a.first_token == 7
+            [SenderEvent::Finish { peer, aux: Some((5, a)), cancel: 1, .. }]
+                if *peer == D && a.first_token == 7
         ));
         assert_eq!(ep.send(r, 0..1, 0..1, now).unwrap_err(), SendRefused::Ended);
         ep.handle_ack(D, r, true, now);
@@ -938,10 +937,18 @@ mod tests {
         let (dests, _) = ep.send(r, 0..1, 0..2, now).unwrap();
         assert!(dests.is_empty(), "nothing to write");
         match ep.poll(r) {
-            SenderPoll::Failed(TransferError::PeerMisbehaved { detail }) => {
+            SenderPoll::Failed(TransferError::PeerMisbehaved { what }) => {
+                assert_eq!(
+                    what,
+                    Misbehavior::PageOutsidePool {
+                        page: 8,
+                        pool_pages: 8
+                    }
+                );
                 assert!(
-                    detail.contains("outside the decode pool of 8 pages"),
-                    "{detail}"
+                    what.to_string()
+                        .contains("outside the decode pool of 8 pages"),
+                    "{what}"
                 )
             }
             other => panic!("{other:?}"),
@@ -1053,8 +1060,8 @@ mod tests {
         let mut ep = Ep::new(RoomConfig::default(), 2);
         assert!(ep.handle_control_up(D, 1, 5, now));
         for r in 100..(100 + MAX_NEWEST as u32 + 10) {
-            assert!(ep.handle_control_up(RankId(r), 1, 1, now));
-            ep.handle_control_closed(RankId(r), 1, now);
+            assert!(ep.handle_control_up(PeerId(r), 1, 1, now));
+            ep.handle_control_closed(PeerId(r), 1, now);
         }
         assert!(ep.newest.len() <= MAX_NEWEST + 1, "{}", ep.newest.len());
         assert!(!ep.handle_control_up(D, 2, 4, now), "D's newest is kept");
@@ -1062,7 +1069,7 @@ mod tests {
         // connect: the bound runs while D is empty, yet D's new connect is
         // remembered and an older one stays refused.
         for r in 10_000..(10_000 + MAX_NEWEST as u32) {
-            ep.newest.insert(RankId(r), 1);
+            ep.newest.insert(PeerId(r), 1);
         }
         assert!(ep.handle_control_up(D, 3, 6, now));
         assert_eq!(ep.newest.get(&D), Some(&6));

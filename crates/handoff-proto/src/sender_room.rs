@@ -27,8 +27,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Instant;
 
-use crate::error::{AbortOrigin, Phase, TransferError};
-use crate::ids::{RankId, Role, RoomId};
+use crate::error::{AbortOrigin, Misbehavior, Phase, TransferError};
+use crate::ids::{PeerId, Role, RoomId};
 use crate::message::{Abort, AbortAck, Destination, Message, Outcome, Status};
 use crate::room::{Deadlines, Expiring, RoomConfig, RoomState, RoomStats, Tombstone, Transmit};
 use crate::timer::Timer;
@@ -47,7 +47,7 @@ pub enum SenderAction {
         /// The room.
         room: RoomId,
         /// Decode rank and its destination, in rank order.
-        destinations: Vec<(RankId, Destination)>,
+        destinations: Vec<(PeerId, Destination)>,
     },
     /// Stop writing `room` as soon as possible and report every write that
     /// was in flight (done or failed).
@@ -73,12 +73,12 @@ enum Expect {
     /// WaitingForInput: the forward pass.
     Compute,
     /// Transferring: these destinations' writes.
-    Writes { pending: BTreeSet<RankId> },
+    Writes { pending: BTreeSet<PeerId> },
     /// Draining: these writes to stop, then tell the decode side.
     Drain {
-        in_flight: BTreeSet<RankId>,
+        in_flight: BTreeSet<PeerId>,
         error: TransferError,
-        ack_to: BTreeSet<RankId>,
+        ack_to: BTreeSet<PeerId>,
     },
 }
 
@@ -86,7 +86,7 @@ enum Expect {
 struct SenderRoom {
     expect: Expect,
     required: Option<u16>,
-    dests: BTreeMap<RankId, Destination>,
+    dests: BTreeMap<PeerId, Destination>,
     deadline: Instant,
 }
 
@@ -102,14 +102,14 @@ impl SenderRoom {
 }
 
 /// The prefill side's rooms. One instance per prefill rank; the shell
-/// identifies decode peers by their [`RankId`].
+/// identifies decode peers by their [`PeerId`].
 #[derive(Debug)]
 pub struct SenderRooms {
     config: RoomConfig,
     rooms: HashMap<RoomId, SenderRoom>,
     deadlines: Deadlines,
     closed: Expiring<Tombstone>,
-    parked: Expiring<BTreeMap<RankId, Destination>>,
+    parked: Expiring<BTreeMap<PeerId, Destination>>,
     transmits: VecDeque<Transmit>,
     actions: VecDeque<SenderAction>,
     stats: RoomStats,
@@ -231,7 +231,7 @@ impl SenderRooms {
     }
 
     /// A message from decode rank `from`.
-    pub fn handle_message(&mut self, from: RankId, msg: Message, now: Instant) {
+    pub fn handle_message(&mut self, from: PeerId, msg: Message, now: Instant) {
         match msg {
             Message::Destination(d) => self.on_destination(from, d, now),
             Message::Abort(a) => self.on_abort(from, a, now),
@@ -246,7 +246,7 @@ impl SenderRooms {
         }
     }
 
-    fn on_destination(&mut self, from: RankId, d: Destination, now: Instant) {
+    fn on_destination(&mut self, from: PeerId, d: Destination, now: Instant) {
         let room = d.room;
         let Some(r) = self.rooms.get_mut(&room) else {
             self.stats.unknown_room_events += 1;
@@ -277,23 +277,25 @@ impl SenderRooms {
             return;
         }
         let bad = match r.required {
-            Some(n) if n != d.required_destinations => Some(format!(
-                "rank {} says {} destinations, an earlier destination said {n}",
-                from.0, d.required_destinations
-            )),
-            _ if !matches!(r.expect, Expect::Destinations) => Some(format!(
-                "destination from rank {} after all {} arrived",
-                from.0,
-                r.dests.len()
-            )),
+            Some(n) if n != d.required_destinations => Some(Misbehavior::DestinationCountChanged {
+                peer: from,
+                said: d.required_destinations,
+                earlier: n,
+            }),
+            _ if !matches!(r.expect, Expect::Destinations) => {
+                Some(Misbehavior::DestinationAfterAll {
+                    peer: from,
+                    arrived: r.dests.len(),
+                })
+            }
             _ => None,
         };
-        if let Some(detail) = bad {
+        if let Some(what) = bad {
             self.stats.violations += 1;
             if matches!(r.expect, Expect::Drain { .. }) {
                 return;
             }
-            self.fail_room(room, TransferError::PeerMisbehaved { detail }, None, now);
+            self.fail_room(room, TransferError::PeerMisbehaved { what }, None, now);
             return;
         }
         r.required = Some(d.required_destinations);
@@ -306,7 +308,7 @@ impl SenderRooms {
         }
     }
 
-    fn on_abort(&mut self, from: RankId, a: Abort, now: Instant) {
+    fn on_abort(&mut self, from: PeerId, a: Abort, now: Instant) {
         let room = a.room;
         let error = TransferError::Aborted {
             origin: a.origin.unwrap_or(AbortOrigin::Decode),
@@ -344,7 +346,7 @@ impl SenderRooms {
             self.stats.violations += 1;
             return;
         }
-        let pending: BTreeSet<RankId> = r.dests.keys().copied().collect();
+        let pending: BTreeSet<PeerId> = r.dests.keys().copied().collect();
         let destinations = r.dests.iter().map(|(k, v)| (*k, v.clone())).collect();
         r.expect = Expect::Writes { pending };
         r.deadline = now + self.config.timers.get(Timer::Transfer);
@@ -354,7 +356,7 @@ impl SenderRooms {
     }
 
     /// KV and aux of `room` are fully written to decode rank `dest`.
-    pub fn handle_write_done(&mut self, room: RoomId, dest: RankId, now: Instant) {
+    pub fn handle_write_done(&mut self, room: RoomId, dest: PeerId, now: Instant) {
         let Some(r) = self.rooms.get_mut(&room) else {
             return;
         };
@@ -383,7 +385,7 @@ impl SenderRooms {
     pub fn handle_write_failed(
         &mut self,
         room: RoomId,
-        dest: RankId,
+        dest: PeerId,
         error: TransferError,
         now: Instant,
     ) {
@@ -413,20 +415,20 @@ impl SenderRooms {
         }
     }
 
-    /// Decode rank `rank` is dead: fail every room it is a destination of.
-    pub fn handle_peer_dead(&mut self, rank: RankId, now: Instant) {
+    /// Decode peer `peer` is dead: fail every room it is a destination of.
+    pub fn handle_peer_dead(&mut self, peer: PeerId, now: Instant) {
         let mut hit: Vec<RoomId> = self
             .rooms
             .iter()
             .filter(|(_, r)| {
-                r.dests.contains_key(&rank) && !matches!(r.expect, Expect::Drain { .. })
+                r.dests.contains_key(&peer) && !matches!(r.expect, Expect::Drain { .. })
             })
             .map(|(id, _)| *id)
             .collect();
         hit.sort();
         for room in hit {
             let error = TransferError::PeerDead {
-                rank,
+                peer,
                 detail: "decode peer stopped answering".into(),
             };
             self.fail_room(room, error, None, now);
@@ -487,7 +489,7 @@ impl SenderRooms {
         self.closed.insert(room, t, expires);
     }
 
-    fn push_abort(&mut self, to: RankId, room: RoomId, error: &TransferError) {
+    fn push_abort(&mut self, to: PeerId, room: RoomId, error: &TransferError) {
         self.transmits.push_back(Transmit {
             to,
             message: Message::Abort(Abort {
@@ -499,7 +501,7 @@ impl SenderRooms {
         });
     }
 
-    fn push_status_failed(&mut self, to: RankId, room: RoomId, error: &TransferError) {
+    fn push_status_failed(&mut self, to: PeerId, room: RoomId, error: &TransferError) {
         self.transmits.push_back(Transmit {
             to,
             message: Message::Status(Status {
@@ -519,7 +521,7 @@ impl SenderRooms {
         &mut self,
         room: RoomId,
         error: TransferError,
-        aborter: Option<RankId>,
+        aborter: Option<PeerId>,
         now: Instant,
     ) {
         let Some(r) = self.rooms.get_mut(&room) else {
@@ -626,7 +628,7 @@ mod tests {
 
     fn status(to: u32, r: RoomId, outcome: Outcome) -> Transmit {
         Transmit {
-            to: RankId(to),
+            to: PeerId(to),
             message: Message::Status(Status { room: r, outcome }),
         }
     }
@@ -637,16 +639,16 @@ mod tests {
         let mut t = SenderRooms::new(RoomConfig::default());
         let r = room(1);
         t.open(r, t0).unwrap();
-        t.handle_message(RankId(0), dest(r, 2), t0);
+        t.handle_message(PeerId(0), dest(r, 2), t0);
         assert_eq!(
             drain(&mut t),
             (vec![], vec![]),
             "one of two destinations: no compute yet"
         );
         assert_eq!(t.state(r), Some(RoomState::Bootstrapping));
-        t.handle_message(RankId(0), dest(r, 2), t0);
+        t.handle_message(PeerId(0), dest(r, 2), t0);
         assert_eq!(t.stats().duplicates, 1);
-        t.handle_message(RankId(1), dest(r, 2), t0);
+        t.handle_message(PeerId(1), dest(r, 2), t0);
         assert_eq!(
             drain(&mut t).1,
             vec![SenderAction::StartCompute { room: r }]
@@ -661,9 +663,9 @@ mod tests {
             destinations.iter().map(|(k, _)| k.0).collect::<Vec<_>>(),
             vec![0, 1]
         );
-        t.handle_write_done(r, RankId(0), t0);
+        t.handle_write_done(r, PeerId(0), t0);
         assert_eq!(drain(&mut t), (vec![], vec![]));
-        t.handle_write_done(r, RankId(1), t0);
+        t.handle_write_done(r, PeerId(1), t0);
         let (tx, acts) = drain(&mut t);
         assert_eq!(
             tx,
@@ -688,7 +690,7 @@ mod tests {
         let t0 = Instant::now();
         let mut t = SenderRooms::new(RoomConfig::default());
         let r = room(2);
-        t.handle_message(RankId(0), dest(r, 1), t0);
+        t.handle_message(PeerId(0), dest(r, 1), t0);
         assert_eq!(t.live_rooms(), 0);
         assert_eq!(t.parked_rooms(), 1);
         assert_eq!(t.state(r), None);
@@ -708,7 +710,7 @@ mod tests {
             ..RoomConfig::default()
         });
         for n in 1..=3 {
-            t.handle_message(RankId(0), dest(room(n), 1), t0);
+            t.handle_message(PeerId(0), dest(room(n), 1), t0);
         }
         assert_eq!(t.parked_rooms(), 2);
         t.handle_timeout(t0 + Duration::from_secs(61));
@@ -727,21 +729,21 @@ mod tests {
         let mut t = SenderRooms::new(RoomConfig::default());
         let r = room(3);
         t.open(r, t0).unwrap();
-        t.handle_message(RankId(0), dest(r, 2), t0);
-        t.handle_message(RankId(1), dest(r, 2), t0);
+        t.handle_message(PeerId(0), dest(r, 2), t0);
+        t.handle_message(PeerId(1), dest(r, 2), t0);
         t.handle_compute_done(r, t0);
         drain(&mut t);
-        t.handle_message(RankId(0), abort(r), t0);
+        t.handle_message(PeerId(0), abort(r), t0);
         assert_eq!(
             drain(&mut t),
             (vec![], vec![SenderAction::CancelWrites { room: r }])
         );
         assert_eq!(t.state(r), Some(RoomState::Draining));
         // A late success on a cancelled write does not make the room succeed.
-        t.handle_write_done(r, RankId(0), t0);
+        t.handle_write_done(r, PeerId(0), t0);
         t.handle_write_failed(
             r,
-            RankId(1),
+            PeerId(1),
             TransferError::Internal {
                 reason: "cancelled".into(),
             },
@@ -752,7 +754,7 @@ mod tests {
             tx,
             vec![
                 Transmit {
-                    to: RankId(0),
+                    to: PeerId(0),
                     message: Message::AbortAck(AbortAck {
                         room: r,
                         drained: true
@@ -781,12 +783,12 @@ mod tests {
         let t0 = Instant::now();
         let mut t = SenderRooms::new(RoomConfig::default());
         let r = room(4);
-        t.handle_message(RankId(2), abort(r), t0);
+        t.handle_message(PeerId(2), abort(r), t0);
         let (tx, acts) = drain(&mut t);
         assert_eq!(
             tx,
             vec![Transmit {
-                to: RankId(2),
+                to: PeerId(2),
                 message: Message::AbortAck(AbortAck {
                     room: r,
                     drained: true
@@ -826,7 +828,7 @@ mod tests {
                 })
             }]
         );
-        t.handle_message(RankId(0), dest(r, 1), t0);
+        t.handle_message(PeerId(0), dest(r, 1), t0);
         let (tx, _) = drain(&mut t);
         assert_eq!(
             tx,
@@ -869,7 +871,7 @@ mod tests {
         let mut t = SenderRooms::new(RoomConfig::default());
         t.open(room(8), t0).unwrap();
         t.open(room(9), t0).unwrap();
-        t.handle_message(RankId(0), dest(room(9), 1), t0);
+        t.handle_message(PeerId(0), dest(room(9), 1), t0);
         assert_eq!(t.poll_timeout(), Some(t0 + Duration::from_secs(30)));
         t.handle_timeout(t0 + Duration::from_secs(30));
         let (_, acts) = drain(&mut t);
@@ -895,17 +897,17 @@ mod tests {
         let mut t = SenderRooms::new(RoomConfig::default());
         let r = room(10);
         t.open(r, t0).unwrap();
-        t.handle_message(RankId(0), dest(r, 2), t0);
-        t.handle_message(RankId(1), dest(r, 2), t0);
+        t.handle_message(PeerId(0), dest(r, 2), t0);
+        t.handle_message(PeerId(1), dest(r, 2), t0);
         t.handle_compute_done(r, t0);
-        t.handle_message(RankId(0), abort(r), t0);
+        t.handle_message(PeerId(0), abort(r), t0);
         drain(&mut t);
         t.handle_timeout(t0 + Duration::from_secs(5));
         let (tx, _) = drain(&mut t);
         assert_eq!(
             tx[0],
             Transmit {
-                to: RankId(0),
+                to: PeerId(0),
                 message: Message::AbortAck(AbortAck {
                     room: r,
                     drained: false
@@ -915,17 +917,17 @@ mod tests {
         assert!(matches!(
             &tx[1],
             Transmit {
-                to: RankId(1),
+                to: PeerId(1),
                 message: Message::Abort(_)
             }
         ));
         assert_eq!(t.stats().fence_expired, 1);
         // A repeated abort is answered from the tombstone, still not drained.
-        t.handle_message(RankId(0), abort(r), t0 + Duration::from_secs(6));
+        t.handle_message(PeerId(0), abort(r), t0 + Duration::from_secs(6));
         assert_eq!(
             drain(&mut t).0,
             vec![Transmit {
-                to: RankId(0),
+                to: PeerId(0),
                 message: Message::AbortAck(AbortAck {
                     room: r,
                     drained: false
@@ -940,8 +942,8 @@ mod tests {
         let mut t = SenderRooms::new(RoomConfig::default());
         let r = room(11);
         t.open(r, t0).unwrap();
-        t.handle_message(RankId(0), dest(r, 2), t0);
-        t.handle_message(RankId(1), dest(r, 3), t0);
+        t.handle_message(PeerId(0), dest(r, 2), t0);
+        t.handle_message(PeerId(1), dest(r, 3), t0);
         let (tx, acts) = drain(&mut t);
         let [SenderAction::Finished { result: Err(e), .. }] = acts.as_slice() else {
             panic!("{acts:?}")
@@ -956,10 +958,10 @@ mod tests {
         let mut t = SenderRooms::new(RoomConfig::default());
         t.open(room(12), t0).unwrap();
         t.open(room(13), t0).unwrap();
-        t.handle_message(RankId(0), dest(room(12), 1), t0);
-        t.handle_message(RankId(1), dest(room(13), 1), t0);
+        t.handle_message(PeerId(0), dest(room(12), 1), t0);
+        t.handle_message(PeerId(1), dest(room(13), 1), t0);
         drain(&mut t);
-        t.handle_peer_dead(RankId(0), t0);
+        t.handle_peer_dead(PeerId(0), t0);
         assert_eq!(t.state(room(12)), Some(RoomState::Failed));
         assert_eq!(t.state(room(13)), Some(RoomState::WaitingForInput));
         let (_, acts) = drain(&mut t);

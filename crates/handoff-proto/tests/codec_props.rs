@@ -7,7 +7,8 @@ use handoff_proto::error::{AbortOrigin, CodecError, FailureKind};
 use handoff_proto::frame::{
     encode_frame, FrameDecoder, DEFAULT_MAX_FRAME_LEN, HEADER_LEN, PROTOCOL_VERSION,
 };
-use handoff_proto::handshake::{Capabilities, Fingerprint, KvDtype, KvLayoutKind};
+use handoff_proto::handshake::{Capabilities, Fingerprint, KvLayoutKind};
+use handoff_proto::layout::KvDtype;
 use handoff_proto::message::{
     Abort, AbortAck, AuthProof, Destination, Heartbeat, Message, MessageKind, Outcome, Register,
     Status,

@@ -14,7 +14,7 @@ use handoff_proto::receiver_room::{ReceiverAction, ReceiverRooms, Source};
 use handoff_proto::room::{RoomConfig, RoomState};
 use handoff_proto::sender_room::{SenderAction, SenderRooms};
 use handoff_proto::timer::{Timer, TimerConfig};
-use handoff_proto::{AuxSlot, PageIndex, RankId, RoomId};
+use handoff_proto::{AuxSlot, PageIndex, PeerId, RoomId};
 use proptest::prelude::*;
 
 fn config() -> RoomConfig {
@@ -115,9 +115,9 @@ struct RxHarness {
     watch: StateWatch,
     opened: BTreeSet<RoomId>,
     /// (room, prefill rank) that got a Destination and has not said it stopped.
-    may_write: BTreeSet<(RoomId, RankId)>,
-    succeeded: BTreeMap<RoomId, BTreeSet<RankId>>,
-    sources: BTreeMap<RoomId, Vec<RankId>>,
+    may_write: BTreeSet<(RoomId, PeerId)>,
+    succeeded: BTreeMap<RoomId, BTreeSet<PeerId>>,
+    sources: BTreeMap<RoomId, Vec<PeerId>>,
     reserved: BTreeMap<RoomId, Vec<PageIndex>>,
     ended: BTreeMap<RoomId, &'static str>,
     released: BTreeSet<RoomId>,
@@ -140,7 +140,7 @@ impl RxHarness {
     }
 
     fn deliver(&mut self, from: u32, m: Message) {
-        let from = RankId(from);
+        let from = PeerId(from);
         if let Some(r) = m.room() {
             let stops = matches!(
                 &m,
@@ -167,7 +167,7 @@ impl RxHarness {
             RxEvent::Open(i, n) => {
                 let srcs: Vec<Source> = (0..u32::from(n))
                     .map(|k| Source {
-                        rank: RankId(k),
+                        peer: PeerId(k),
                         required_destinations: 1,
                     })
                     .collect();
@@ -183,7 +183,7 @@ impl RxHarness {
                 if res.is_ok() {
                     self.opened.insert(r);
                     self.sources
-                        .insert(r, (0..u32::from(n)).map(RankId).collect());
+                        .insert(r, (0..u32::from(n)).map(PeerId).collect());
                 }
             }
             RxEvent::Reserve(i) => {
@@ -248,7 +248,7 @@ impl RxHarness {
                 self.t
                     .handle_aux_checked(room(i), if ok { room(i).get() } else { 12345 }, now)
             }
-            RxEvent::Dead(k) => self.t.handle_peer_dead(RankId(k), now),
+            RxEvent::Dead(k) => self.t.handle_peer_dead(PeerId(k), now),
             RxEvent::Advance(s) => {
                 self.now += Duration::from_secs(s);
                 let now = self.now;
@@ -268,7 +268,7 @@ impl RxHarness {
             match a {
                 ReceiverAction::CheckAux { .. } => {}
                 ReceiverAction::Commit { room: r, pages, .. } => {
-                    let need: BTreeSet<RankId> = self.sources[&r].iter().copied().collect();
+                    let need: BTreeSet<PeerId> = self.sources[&r].iter().copied().collect();
                     let got = self.succeeded.get(&r).cloned().unwrap_or_default();
                     prop_assert!(
                         need.is_subset(&got),
@@ -364,9 +364,9 @@ struct TxHarness {
     now: Instant,
     watch: StateWatch,
     opened: BTreeSet<RoomId>,
-    in_flight: BTreeSet<(RoomId, RankId)>,
-    written: BTreeMap<RoomId, BTreeSet<RankId>>,
-    write_targets: BTreeMap<RoomId, BTreeSet<RankId>>,
+    in_flight: BTreeSet<(RoomId, PeerId)>,
+    written: BTreeMap<RoomId, BTreeSet<PeerId>>,
+    write_targets: BTreeMap<RoomId, BTreeSet<PeerId>>,
     finished: BTreeSet<RoomId>,
 }
 
@@ -381,7 +381,7 @@ impl TxHarness {
                 }
             }
             TxEvent::Dest(i, k, n) => self.t.handle_message(
-                RankId(k),
+                PeerId(k),
                 Message::Destination(Destination {
                     room: room(i),
                     pages: vec![PageIndex(1)],
@@ -392,7 +392,7 @@ impl TxHarness {
                 now,
             ),
             TxEvent::Abort(i, k) => self.t.handle_message(
-                RankId(k),
+                PeerId(k),
                 Message::Abort(Abort {
                     room: room(i),
                     reason: "client".into(),
@@ -404,16 +404,16 @@ impl TxHarness {
             TxEvent::ComputeDone(i) => self.t.handle_compute_done(room(i), now),
             TxEvent::WriteDone(i, k) => {
                 let r = room(i);
-                if self.in_flight.remove(&(r, RankId(k))) {
-                    self.written.entry(r).or_default().insert(RankId(k));
+                if self.in_flight.remove(&(r, PeerId(k))) {
+                    self.written.entry(r).or_default().insert(PeerId(k));
                 }
-                self.t.handle_write_done(r, RankId(k), now);
+                self.t.handle_write_done(r, PeerId(k), now);
             }
             TxEvent::WriteFailed(i, k) => {
-                self.in_flight.remove(&(room(i), RankId(k)));
+                self.in_flight.remove(&(room(i), PeerId(k)));
                 self.t.handle_write_failed(
                     room(i),
-                    RankId(k),
+                    PeerId(k),
                     TransferError::Internal {
                         reason: "io".into(),
                     },
@@ -428,7 +428,7 @@ impl TxHarness {
                 },
                 now,
             ),
-            TxEvent::Dead(k) => self.t.handle_peer_dead(RankId(k), now),
+            TxEvent::Dead(k) => self.t.handle_peer_dead(PeerId(k), now),
             TxEvent::Advance(s) => {
                 self.now += Duration::from_secs(s);
                 let now = self.now;

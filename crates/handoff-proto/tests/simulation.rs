@@ -31,7 +31,7 @@ use handoff_proto::receiver_endpoint::{ReceiverEndpoint, ReceiverEvent, Receiver
 use handoff_proto::receiver_room::Source;
 use handoff_proto::room::{RoomConfig, RoomState, Transmit};
 use handoff_proto::sender_endpoint::{SenderEndpoint, SenderEvent, SenderPoll};
-use handoff_proto::{AuxSlot, PageIndex, RankId, Role, RoomId};
+use handoff_proto::{AuxSlot, PageIndex, PeerId, RankId, Role, RoomId};
 
 /// splitmix64: deterministic, dependency-free.
 struct Rng(u64);
@@ -263,7 +263,7 @@ impl Sim {
             .map(|_| {
                 let mut ep = SenderEndpoint::new(RoomConfig::default(), 1);
                 for d in 0..decode_tp {
-                    let rank = RankId(d);
+                    let rank = PeerId(d);
                     assert!(ep.handle_control_up(rank, 1, 1, t0));
                     assert!(ep.handle_link_stream(rank, 1, (1, 0, 1), (), t0).is_some());
                     ep.handle_link_up(rank, 1, PAGES as usize);
@@ -281,12 +281,12 @@ impl Sim {
                 let mut ep =
                     ReceiverEndpoint::new(RoomConfig::default(), fp, Duration::from_secs(5));
                 for p in 0..prefill_tp {
-                    assert!(ep.handle_control_up(RankId(p), 1, t0));
+                    assert!(ep.handle_control_up(PeerId(p), 1, t0));
                     let tp = TpPosition {
                         rank: p,
                         size: prefill_tp,
                     };
-                    ep.handle_link_up(RankId(p), 1, tp);
+                    ep.handle_link_up(PeerId(p), 1, tp);
                 }
                 Some(DecodeNode {
                     ep,
@@ -459,12 +459,12 @@ impl Sim {
                     match to {
                         Node::Prefill(p) => {
                             if let Some(n) = self.prefill[p as usize].as_mut() {
-                                n.ep.handle_message(RankId(peer), m, now);
+                                n.ep.handle_message(PeerId(peer), m, now);
                             }
                         }
                         Node::Decode(d) => {
                             if let Some(n) = self.decode[d as usize].as_mut() {
-                                n.ep.handle_message(RankId(peer), m, now);
+                                n.ep.handle_message(PeerId(peer), m, now);
                             }
                         }
                     }
@@ -485,7 +485,8 @@ impl Sim {
                 }
             }
             Task::OpenDecode { d, room: r, pages } => {
-                let sources = Source::for_decode_rank(&self.map, RankId(d)).unwrap();
+                let sources =
+                    Source::for_decode_rank(&self.map, RankId(d), |r| PeerId(r.0)).unwrap();
                 let Some(n) = self.decode[d as usize].as_mut() else {
                     return;
                 };
@@ -559,7 +560,10 @@ impl Sim {
                 n.ep.finish(r, aux, now).expect("writes started");
                 let expected = self.map.destination_ranks(RankId(p)).unwrap();
                 for (d, dest, _) in dests {
-                    assert!(expected.contains(&d), "prefill {p} writes {r} to {d}");
+                    assert!(
+                        expected.contains(&RankId(d.0)),
+                        "prefill {p} writes {r} to {d}"
+                    );
                     assert!(
                         self.writes
                             .borrow_mut()
@@ -600,13 +604,13 @@ impl Sim {
                 if decode_alive {
                     // The end marker's ack (a cancelled room's too: the
                     // endpoint knows its writes were cancelled).
-                    n.ep.handle_ack(RankId(d), r, true, now);
+                    n.ep.handle_ack(PeerId(d), r, true, now);
                 } else {
                     let err = TransferError::PeerDead {
-                        rank: RankId(d),
+                        peer: PeerId(d),
                         detail: "write into a dead process".into(),
                     };
-                    n.ep.handle_write_failed(r, RankId(d), err, now);
+                    n.ep.handle_write_failed(r, PeerId(d), err, now);
                 }
             }
             Task::EngineFinish { d, room: r } => {
@@ -699,7 +703,7 @@ impl Sim {
     fn prefill_event(&mut self, p: u32, e: SenderEvent<Waiter, ()>) {
         match e {
             SenderEvent::Finish {
-                rank,
+                peer: rank,
                 room: r,
                 aux: Some(_),
                 ..
@@ -1251,7 +1255,7 @@ fn abort_for_unknown_room_creates_nothing() {
     sim.send(
         Node::Decode(0),
         Transmit {
-            to: RankId(0),
+            to: PeerId(0),
             message: Message::Abort(abort),
         },
     );
@@ -1284,7 +1288,7 @@ fn duplicate_live_room_is_rejected_not_crashed() {
         ("duplicate_room", 409)
     );
     let sources = vec![Source {
-        rank: RankId(0),
+        peer: PeerId(0),
         required_destinations: 1,
     }];
     let err = sim.decode[0]

@@ -15,7 +15,7 @@ use handoff_proto::connection::{Connection, ConnectionEvent};
 use handoff_proto::frame::HEADER_LEN;
 use handoff_proto::handshake::{HandshakeConfig, Negotiated};
 use handoff_proto::message::{Message, NONCE_LEN};
-use handoff_proto::{CodecError, HandshakeError, RankId};
+use handoff_proto::{CodecError, HandshakeError, PeerId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -70,12 +70,12 @@ pub fn nonce() -> [u8; NONCE_LEN] {
 /// What a control connection task reports to its endpoint's driver.
 #[derive(Debug)]
 pub enum CtlEvent {
-    /// Handshake done: `tx` sends messages to the peer of rank `rank`.
+    /// Handshake done: `tx` sends messages to `peer`.
     Established {
         /// Connection id.
         conn: u64,
-        /// The peer's rank.
-        rank: RankId,
+        /// Our id for the peer.
+        peer: PeerId,
         /// Outbound messages; dropping every clone closes the connection.
         tx: mpsc::UnboundedSender<Message>,
     },
@@ -83,8 +83,8 @@ pub enum CtlEvent {
     Message {
         /// Connection id.
         conn: u64,
-        /// The peer's rank.
-        rank: RankId,
+        /// Our id for the peer.
+        peer: PeerId,
         /// The message.
         msg: Message,
     },
@@ -106,8 +106,8 @@ pub enum CtlEvent {
     Closed {
         /// Connection id.
         conn: u64,
-        /// The peer's rank if the handshake had completed.
-        rank: Option<RankId>,
+        /// The peer, if the handshake had completed.
+        peer: Option<PeerId>,
     },
 }
 
@@ -124,15 +124,15 @@ async fn writer_task(
 }
 
 /// Run one control connection until it closes. `send` delivers events to
-/// the driver (mapped into its event type). Events name the peer `peer`
-/// (the endpoint's own id for it), or its TP rank when `None`.
+/// the driver (mapped into its event type). Events name the peer `peer`,
+/// the endpoint's own id for it, once the handshake is done.
 #[allow(clippy::too_many_arguments)]
 pub async fn run_control<E, F>(
     stream: TcpStream,
     config: HandshakeConfig,
     handshake_timeout: Duration,
     conn_id: u64,
-    peer_id: Option<RankId>,
+    peer: PeerId,
     tasks: TaskCounter,
     send: F,
 ) where
@@ -151,7 +151,7 @@ pub async fn run_control<E, F>(
     );
     let (mtx, mut mrx) = mpsc::unbounded_channel::<Message>();
     let mut mtx = Some(mtx);
-    let mut rank: Option<RankId> = None;
+    let mut established = false;
     let mut buf = vec![0u8; 64 * 1024];
     let flush = |conn: &mut Connection| {
         let out = conn.take_output();
@@ -169,18 +169,17 @@ pub async fn run_control<E, F>(
                 let mut failed = false;
                 while let Some(ev) = conn.poll_event() {
                     let sent = match ev {
-                        ConnectionEvent::Established(n) => {
-                            let peer = peer_id.unwrap_or_else(|| n.peer_rank());
-                            rank = Some(peer);
+                        ConnectionEvent::Established(_) => {
+                            established = true;
                             match mtx.take() {
-                                Some(tx) => send(CtlEvent::Established { conn: conn_id, rank: peer, tx }),
+                                Some(tx) => send(CtlEvent::Established { conn: conn_id, peer, tx }),
                                 None => Ok(()),
                             }
                         }
-                        ConnectionEvent::Message(msg) => match rank {
-                            Some(rank) => send(CtlEvent::Message { conn: conn_id, rank, msg }),
-                            None => Ok(()),
-                        },
+                        ConnectionEvent::Message(msg) if established => {
+                            send(CtlEvent::Message { conn: conn_id, peer, msg })
+                        }
+                        ConnectionEvent::Message(_) => Ok(()),
                         ConnectionEvent::Malformed(error) => {
                             tracing::warn!(conn = conn_id, %error, "malformed control frame dropped");
                             send(CtlEvent::Malformed { conn: conn_id, error })
@@ -219,7 +218,7 @@ pub async fn run_control<E, F>(
     drop(wtx);
     let _ = send(CtlEvent::Closed {
         conn: conn_id,
-        rank,
+        peer: established.then_some(peer),
     });
 }
 

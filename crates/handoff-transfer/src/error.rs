@@ -3,6 +3,9 @@
 
 use handoff_proto::{HandshakeError, TransferError};
 
+use crate::link::SetupRefusal;
+use crate::plan::PlanError;
+
 /// Why a transfer-layer operation failed (connections, links, handles).
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -22,6 +25,9 @@ pub enum TransportError {
     /// The peer broke the data-plane protocol.
     #[error("peer misbehaved on the data link: {0}")]
     PeerMisbehaved(String),
+    /// We refused a decode peer's data link setup (and told it why).
+    #[error("data link setup refused: {0}")]
+    LinkSetup(#[from] SetupRefusal),
     /// Shared memory could not be mapped or written.
     #[error("shared memory: {0}")]
     Kv(#[from] handoff_kv::KvError),
@@ -37,7 +43,7 @@ pub enum TransportError {
     /// Our own settings cannot work with this peer (e.g. a pool whose KV
     /// heads per block are not this rank's TP share).
     #[error("configuration: {0}")]
-    Config(String),
+    Config(#[from] PlanError),
 }
 
 impl TransportError {
@@ -47,6 +53,8 @@ impl TransportError {
             TransportError::Io { .. } => "transport_io",
             TransportError::Handshake(e) => e.error_type(),
             TransportError::PeerMisbehaved(_) => "peer_misbehaved",
+            TransportError::LinkSetup(SetupRefusal::Plan(_)) => "config",
+            TransportError::LinkSetup(_) => "peer_misbehaved",
             TransportError::Kv(_) => "shared_memory",
             TransportError::Room(e) => e.error_type(),
             TransportError::Shutdown => "shutdown",

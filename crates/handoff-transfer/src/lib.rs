@@ -47,7 +47,7 @@
 //!
 //! let room = RoomId::new(7).unwrap();
 //! prefill.open(room).await?; // prefill accepted the request
-//! decode.open(room, vec![Source { rank: peer, required_destinations: 1 }]).await?;
+//! decode.open(room, vec![Source { peer, required_destinations: 1 }]).await?;
 //! let lease = decode_pool.allocator().lease(2)?; // backpressure lives here
 //! decode.reserve(room, lease, AuxSlot(0)).await?;
 //! // Prefill computes once the destination arrived (WaitingForInput) ...
@@ -93,7 +93,7 @@ pub use sender::{KvSender, SenderConfig, SenderPoll};
 pub use transport::{ShmTransport, TcpTransport, Transport, TransportKind};
 
 use handoff_proto::room::RoomStats;
-use handoff_proto::RankId;
+use handoff_proto::PeerId;
 
 /// Counters and gauges of one endpoint (prefill or decode).
 #[derive(Debug, Clone, Default)]
@@ -103,7 +103,7 @@ pub struct EndpointStats {
     /// Peers with an established control connection.
     pub peers: usize,
     /// Their ranks.
-    pub peers_ranks: Vec<RankId>,
+    pub peers_ranks: Vec<PeerId>,
     /// Data links up.
     pub links: usize,
     /// Their streams (a TCP link may have several; shm links have one).

@@ -1,4 +1,4 @@
-//! Data links (DESIGN.md §5): one per (decode rank, prefill rank) pair,
+//! Data links (DESIGN.md §5): one per (decode peer, prefill peer) pair,
 //! opened by decode next to its control connection, authenticated with the
 //! same handshake, then set up for one transport. Both fingerprints fix
 //! the link's [`LinkPlan`]: whole spans, or head slices when the TP sizes
@@ -10,7 +10,7 @@
 //! * Decode side: one reader task owns the socket and the table of rooms it
 //!   may write, each holding the lease's writer guard. Every segment is
 //!   bounds-checked against that room's own pages (and a head slice against
-//!   the heads the plan lets this prefill rank write) before a byte lands; when
+//!   the heads the plan lets this prefill peer write) before a byte lands; when
 //!   the driver forgets a room, the guard is dropped only after any
 //!   in-progress write stopped, so a page never returns under a writer.
 
@@ -20,9 +20,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_kv::lease::WriterGuard;
-use handoff_kv::{KvLayout, ShmRegion, ShmRegionHandle};
+use handoff_kv::{KvLayout, KvPart, PageIndex, PageLayout, ShmRegion, ShmRegionHandle};
 use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
-use handoff_proto::{RankId, RoomId};
+use handoff_proto::{PeerId, RoomId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
@@ -30,21 +30,26 @@ use tokio::sync::mpsc;
 
 use crate::conn::handshake_exact;
 use crate::error::TransportError;
-use crate::plan::{page_layout, LinkPlan};
+use crate::plan::{LinkPlan, PlanError};
 use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
 use handoff_proto::datalink::{
-    encode_preface, Ack, AuxData, Record, TcpStreamSetup, ACK_LEN, PREFACE_DATA, RECORD_LEN,
-    SETUP_SHM, SETUP_TCP,
+    encode_preface, Ack, AuxData, HeadSlice, Record, RecordError, TcpStreamSetup, ACK_LEN,
+    PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP,
 };
 
 /// Bytes of one (layer, page): its K and V blocks, adjacent in the layout.
 pub fn page_span(layout: &KvLayout) -> usize {
-    2 * layout.geometry.block_elems() * layout.geometry.dtype.size()
+    2 * layout.page_layout().block_bytes()
 }
 
-/// Byte offset of (layer, page) in a pool of `num_pages` pages.
+/// Byte offset of (layer, page) in a pool of `num_pages` pages (its K
+/// block, which its V block follows).
 pub fn span_offset(layout: &KvLayout, num_pages: usize, layer: usize, page: usize) -> usize {
-    (layer * num_pages + page) * page_span(layout)
+    let l = PageLayout {
+        num_pages: num_pages as u32,
+        ..layout.page_layout()
+    };
+    l.block_index(layer as u32, PageIndex(page as u32), KvPart::K) * l.block_bytes()
 }
 
 /// Counters shared by an endpoint's tasks (read for stats and metrics).
@@ -62,6 +67,89 @@ pub struct LinkCounters {
 
 /// Refuse a link setup with `msg` (success is a single 0 byte, written by
 /// [`PendingWriter::confirm`]).
+/// Why prefill refuses a decode peer's data link setup. Its text goes back
+/// to decode in the refusal, and the accepting side reports it typed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SetupRefusal {
+    /// No link plan fits the two ends' TP settings and our pool.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The shared region is not a whole number of the decode pool's pages.
+    #[error("region of {len} bytes is not a whole number of {page_bytes}-byte pages")]
+    RegionNotPages {
+        /// Region length the peer sent.
+        len: u64,
+        /// Bytes of one decode page.
+        page_bytes: usize,
+    },
+    /// The file descriptor the peer named is not a handoff KV pool.
+    #[error("{path} is {name:?}, not a handoff KV pool")]
+    NotAPool {
+        /// The `/proc` path of the descriptor.
+        path: String,
+        /// What it links to.
+        name: String,
+    },
+    /// The shared region could not be mapped.
+    #[error("shared memory: {0}")]
+    Shm(#[from] handoff_kv::KvError),
+    /// The TCP stream setup record is malformed.
+    #[error("tcp stream setup: {0}")]
+    Stream(#[from] RecordError),
+    /// The decode pool's page count is zero or past `u32`.
+    #[error("pool of {0} pages")]
+    Pages(u64),
+    /// A transport byte we do not know.
+    #[error("unknown transport {0}")]
+    UnknownTransport(u8),
+}
+
+impl SetupRefusal {
+    /// True when the peer sent something wrong (not our own settings).
+    pub fn blames_peer(&self) -> bool {
+        !matches!(self, SetupRefusal::Plan(_) | SetupRefusal::Shm(_))
+    }
+}
+
+/// Why the decode side's reader of a data link stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkReadError {
+    /// The prefill side closed the link.
+    #[error("peer closed the link")]
+    Closed,
+    /// Reading, writing acks or writing into the pool failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What the reader was doing.
+        what: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A record header did not decode.
+    #[error("malformed record: {0}")]
+    Record(#[from] RecordError),
+    /// A segment's payload cannot fit our pool.
+    #[error("segment of {n_pages} pages, heads {heads:?}, is larger than the pool")]
+    SegmentTooLarge {
+        /// Pages the header claims.
+        n_pages: u32,
+        /// Its head slice, if any.
+        heads: Option<HeadSlice>,
+    },
+    /// Writing a staged payload into the shared pool failed.
+    #[error("pool write: {0}")]
+    Pool(#[from] handoff_kv::KvError),
+}
+
+impl LinkReadError {
+    fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> LinkReadError {
+        move |source| LinkReadError::Io { what, source }
+    }
+}
+
 async fn refuse_setup(stream: &mut TcpStream, msg: &str) {
     let mut out = vec![1u8];
     let b = msg.as_bytes();
@@ -168,8 +256,8 @@ pub async fn connect_link_stream(
 
 /// A link accepted on the prefill side, ready to run.
 pub struct AcceptedLink {
-    /// The decode rank.
-    pub rank: RankId,
+    /// The decode peer.
+    pub peer: PeerId,
     /// Pages in the decode pool (every destination page is checked against it).
     pub dest_pages: usize,
     /// Transport kind.
@@ -215,7 +303,7 @@ impl PendingWriter {
 /// here as `peer` (preface already read).
 pub async fn accept_link(
     mut s: TcpStream,
-    peer: RankId,
+    peer: PeerId,
     config: HandshakeConfig,
     timeout: Duration,
     src: Arc<ShmRegion>,
@@ -224,7 +312,6 @@ pub async fn accept_link(
     let _ = s.set_nodelay(true);
     let ours = config.fingerprint.clone();
     let n = handshake_exact(&mut s, config, timeout).await?;
-    let rank = peer;
     let plan = LinkPlan::new(&ours, &n.peer_fingerprint, true, layout.geometry.kv_heads);
     let mut kind = [0u8; 1];
     let read = tokio::time::timeout(timeout, s.read_exact(&mut kind)).await;
@@ -236,65 +323,65 @@ pub async fn accept_link(
         index: 0,
         count: 1,
     };
-    let setup: Result<(TransportKind, usize, Option<ShmRegion>), String> = match (&plan, kind[0]) {
-        (Err(e), _) => Err(e.clone()),
-        (Ok(plan), SETUP_SHM) => {
-            // The decode rank's blocks hold its own share of the heads.
-            let per_page = plan.decode_page_bytes(layout);
-            let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
-            read_setup(&mut s, &mut h, timeout, "shm link setup").await?;
-            let handle = ShmRegionHandle::from_bytes(&h);
-            if handle.len == 0 || handle.len % per_page as u64 != 0 {
-                Err(format!(
-                    "region of {} bytes is not a whole number of {per_page}-byte pages",
-                    handle.len
-                ))
-            } else {
-                // Only a handoff KV pool may be the target of our writes: a
-                // peer must not point us at another file of this user's.
-                let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
-                let name = std::fs::read_link(&path)
-                    .map(|p| p.to_string_lossy().into_owned())
-                    .unwrap_or_default();
-                let pool_link = format!("/memfd:{}", handoff_kv::shm::POOL_MEMFD_NAME);
-                if !name.starts_with(&pool_link) {
-                    Err(format!("{path} is {name:?}, not a handoff KV pool"))
+    let setup: Result<(TransportKind, usize, Option<ShmRegion>), SetupRefusal> =
+        match (&plan, kind[0]) {
+            (Err(e), _) => Err(e.clone().into()),
+            (Ok(plan), SETUP_SHM) => {
+                // The decode peer's blocks hold its own share of the heads.
+                let per_page = plan.decode_page_bytes(layout);
+                let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
+                read_setup(&mut s, &mut h, timeout, "shm link setup").await?;
+                let handle = ShmRegionHandle::from_bytes(&h);
+                if handle.len == 0 || handle.len % per_page as u64 != 0 {
+                    Err(SetupRefusal::RegionNotPages {
+                        len: handle.len,
+                        page_bytes: per_page,
+                    })
                 } else {
-                    match ShmRegion::open(&handle) {
-                        Ok(r) => Ok((TransportKind::Shm, r.len() / per_page, Some(r))),
-                        Err(e) => Err(e.to_string()),
+                    // Only a handoff KV pool may be the target of our writes: a
+                    // peer must not point us at another file of this user's.
+                    let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
+                    let name = std::fs::read_link(&path)
+                        .map(|p| p.to_string_lossy().into_owned())
+                        .unwrap_or_default();
+                    let pool_link = format!("/memfd:{}", handoff_kv::shm::POOL_MEMFD_NAME);
+                    if !name.starts_with(&pool_link) {
+                        Err(SetupRefusal::NotAPool { path, name })
+                    } else {
+                        ShmRegion::open(&handle)
+                            .map(|r| (TransportKind::Shm, r.len() / per_page, Some(r)))
+                            .map_err(SetupRefusal::from)
                     }
                 }
             }
-        }
-        (Ok(_), SETUP_TCP) => {
-            let mut b = [0u8; 8];
-            read_setup(&mut s, &mut b, timeout, "tcp link setup").await?;
-            let pages = u64::from_le_bytes(b);
-            let mut sb = [0u8; TcpStreamSetup::LEN];
-            read_setup(&mut s, &mut sb, timeout, "tcp link setup").await?;
-            match TcpStreamSetup::decode(&sb) {
-                Err(e) => Err(e.to_string()),
-                Ok(_) if pages == 0 || pages > u64::from(u32::MAX) => {
-                    Err(format!("pool of {pages} pages"))
-                }
-                Ok(st) => {
-                    stream = st;
-                    Ok((TransportKind::Tcp, pages as usize, None))
+            (Ok(_), SETUP_TCP) => {
+                let mut b = [0u8; 8];
+                read_setup(&mut s, &mut b, timeout, "tcp link setup").await?;
+                let pages = u64::from_le_bytes(b);
+                let mut sb = [0u8; TcpStreamSetup::LEN];
+                read_setup(&mut s, &mut sb, timeout, "tcp link setup").await?;
+                match TcpStreamSetup::decode(&sb) {
+                    Err(e) => Err(e.into()),
+                    Ok(_) if pages == 0 || pages > u64::from(u32::MAX) => {
+                        Err(SetupRefusal::Pages(pages))
+                    }
+                    Ok(st) => {
+                        stream = st;
+                        Ok((TransportKind::Tcp, pages as usize, None))
+                    }
                 }
             }
-        }
-        (Ok(_), other) => Err(format!("unknown transport {other}")),
-    };
+            (Ok(_), other) => Err(SetupRefusal::UnknownTransport(other)),
+        };
     // A refusal is answered now; success only once the link is registered.
-    if let Err(msg) = &setup {
-        refuse_setup(&mut s, msg).await;
+    if let Err(why) = &setup {
+        refuse_setup(&mut s, &why.to_string()).await;
     }
-    let (kind, dest_pages, region) = setup.map_err(TransportError::PeerMisbehaved)?;
-    let plan = plan.map_err(TransportError::PeerMisbehaved)?;
+    let (kind, dest_pages, region) = setup?;
+    let plan = plan.map_err(SetupRefusal::from)?;
     let (r, w) = s.into_split();
     Ok(AcceptedLink {
-        rank,
+        peer,
         dest_pages,
         kind,
         stream,
@@ -332,8 +419,8 @@ pub enum LinkJob {
 pub enum LinkEvent {
     /// Decode acknowledged everything of `room` up to its end.
     Acked {
-        /// Decode rank.
-        rank: RankId,
+        /// Decode peer.
+        peer: PeerId,
         /// Link generation.
         link: u64,
         /// The ack.
@@ -341,8 +428,8 @@ pub enum LinkEvent {
     },
     /// The link broke.
     Closed {
-        /// Decode rank.
-        rank: RankId,
+        /// Decode peer.
+        peer: PeerId,
         /// Link generation.
         link: u64,
         /// Why.
@@ -445,7 +532,7 @@ impl AcceptedLink {
         F: Fn(LinkEvent) -> bool + Send + Sync + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
-        let rank = self.rank;
+        let peer = self.peer;
         let send = Arc::new(send);
         let s1 = send.clone();
         let ended = Arc::new(tokio::sync::Notify::new());
@@ -458,7 +545,7 @@ impl AcceptedLink {
             };
             if let Err(e) = r {
                 s1(LinkEvent::Closed {
-                    rank,
+                    peer,
                     link,
                     reason: e.to_string(),
                 });
@@ -466,9 +553,9 @@ impl AcceptedLink {
         });
         let acks = self.acks;
         tasks.spawn(async move {
-            let deliver = |ack| send(LinkEvent::Acked { rank, link, ack });
+            let deliver = |ack| send(LinkEvent::Acked { peer, link, ack });
             if let Some(reason) = read_acks(acks, ended, deliver).await {
-                send(LinkEvent::Closed { rank, link, reason });
+                send(LinkEvent::Closed { peer, link, reason });
             }
         });
         tx
@@ -625,7 +712,7 @@ pub enum ReaderEvent {
     /// The link closed.
     Closed {
         /// Why.
-        reason: String,
+        reason: LinkReadError,
     },
 }
 
@@ -718,11 +805,11 @@ impl LinkReader {
                 },
                 r = self.stream.readable() => {
                     if let Err(e) = r {
-                        break Some(e.to_string());
+                        break Some(LinkReadError::io("waiting to read")(e));
                     }
                     match self.on_readable(&send).await {
                         Ok(true) => {}
-                        Ok(false) => break Some("peer closed the link".to_string()),
+                        Ok(false) => break Some(LinkReadError::Closed),
                         Err(e) => break Some(e),
                     }
                 }
@@ -765,7 +852,7 @@ impl LinkReader {
     }
 
     /// Validate a segment against its room's pages, the pool and this
-    /// link's plan (a head slice must be one this prefill rank serves, within
+    /// link's plan (a head slice must be one this prefill peer serves, within
     /// the local heads); the byte range it may write, or `None` (counted;
     /// the payload is discarded).
     fn place(
@@ -799,7 +886,7 @@ impl LinkReader {
                 let allowed = s.first.checked_add(s.count).is_some()
                     && self.plan.pair.allows_dst_heads(heads, local);
                 allowed
-                    .then(|| page_layout(&self.layout, local, num_pages))
+                    .then(|| self.layout.geometry.page_layout(local as usize, num_pages))
                     .flatten()
                     .and_then(|l| {
                         l.head_range(
@@ -826,7 +913,7 @@ impl LinkReader {
     }
 
     /// Read what is available. `Ok(false)` on EOF.
-    async fn on_readable<F>(&mut self, send: &F) -> Result<bool, String>
+    async fn on_readable<F>(&mut self, send: &F) -> Result<bool, LinkReadError>
     where
         F: Fn(ReaderEvent) -> bool,
     {
@@ -839,14 +926,12 @@ impl LinkReader {
             // last byte; everything else through the staging buffer, so
             // many small records cost one read() between them.
             let direct = match &self.state {
-                ReadState::Payload { dst, keep, .. } => *keep && dst.len() >= DIRECT_MIN,
-                ReadState::Header => false,
+                ReadState::Payload {
+                    dst, filled, keep, ..
+                } if *keep && dst.len() >= DIRECT_MIN => Some(dst.start + *filled..dst.end),
+                _ => None,
             };
-            let res = if direct {
-                let ReadState::Payload { dst, filled, .. } = &self.state else {
-                    return Err("reader state".into());
-                };
-                let want = dst.start + *filled..dst.end;
+            let res = if let Some(want) = direct.clone() {
                 body = want.len();
                 // Staging is empty: every byte it held went into this
                 // payload. The next record's header comes with the same
@@ -856,14 +941,12 @@ impl LinkReader {
                 self.len = 0;
                 let stream = &self.stream;
                 let head = &mut self.buf[..RECORD_LEN];
-                self.pool
-                    .with_mut(want, |b| {
-                        read_once_vectored(
-                            stream,
-                            &mut [std::io::IoSliceMut::new(b), std::io::IoSliceMut::new(head)],
-                        )
-                    })
-                    .map_err(|e| e.to_string())?
+                self.pool.with_mut(want, |b| {
+                    read_once_vectored(
+                        stream,
+                        &mut [std::io::IoSliceMut::new(b), std::io::IoSliceMut::new(head)],
+                    )
+                })?
             } else {
                 if self.pos == self.len {
                     self.pos = 0;
@@ -891,10 +974,10 @@ impl LinkReader {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(true),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.to_string()),
+                Err(e) => return Err(LinkReadError::io("reading the link")(e)),
             };
             budget = budget.saturating_sub(n);
-            if direct {
+            if direct.is_some() {
                 self.advance_payload(n.min(body));
                 self.len = n.saturating_sub(body);
             } else {
@@ -910,7 +993,7 @@ impl LinkReader {
     /// (in the order their ends arrived). Events go first: a room's aux
     /// reaches the driver before prefill can learn, from the ack, that the
     /// room ended.
-    async fn flush<F>(&mut self, send: &F) -> Result<(), String>
+    async fn flush<F>(&mut self, send: &F) -> Result<(), LinkReadError>
     where
         F: Fn(ReaderEvent) -> bool,
     {
@@ -921,7 +1004,7 @@ impl LinkReader {
             self.stream
                 .write_all(&self.acks)
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(LinkReadError::io("writing acks"))?;
             self.acks.clear();
         }
         Ok(())
@@ -945,7 +1028,7 @@ impl LinkReader {
     }
 
     /// Act on every complete record and payload byte in the staging buffer.
-    fn drain_staging(&mut self) -> Result<(), String> {
+    fn drain_staging(&mut self) -> Result<(), LinkReadError> {
         while self.pos < self.len {
             match &self.state {
                 ReadState::Header => {
@@ -955,7 +1038,7 @@ impl LinkReader {
                     let mut h = [0u8; RECORD_LEN];
                     h.copy_from_slice(&self.buf[self.pos..self.pos + RECORD_LEN]);
                     self.pos += RECORD_LEN;
-                    let rec = Record::decode(&h).map_err(|e| e.to_string())?;
+                    let rec = Record::decode(&h)?;
                     self.record(rec)?;
                 }
                 ReadState::Payload {
@@ -964,8 +1047,7 @@ impl LinkReader {
                     let n = (dst.len() - filled).min(self.len - self.pos);
                     if *keep {
                         self.pool
-                            .write_at(dst.start + filled, &self.buf[self.pos..self.pos + n])
-                            .map_err(|e| e.to_string())?;
+                            .write_at(dst.start + filled, &self.buf[self.pos..self.pos + n])?;
                     }
                     self.pos += n;
                     self.advance_payload(n);
@@ -975,16 +1057,16 @@ impl LinkReader {
         Ok(())
     }
 
-    fn record(&mut self, rec: Record) -> Result<(), String> {
+    fn record(&mut self, rec: Record) -> Result<(), LinkReadError> {
         match rec {
             Record::Segment(h) => {
-                let g = &self.layout.geometry;
-                let head_bytes = g.page_size * g.head_dim * g.dtype.size();
+                let head_bytes = self.layout.page_layout().head_bytes();
                 let len = h
                     .payload_len(page_span(&self.layout), head_bytes)
                     .filter(|l| *l <= self.pool.len())
-                    .ok_or_else(|| {
-                        format!("segment of {} pages, heads {:?}", h.n_pages, h.heads)
+                    .ok_or(LinkReadError::SegmentTooLarge {
+                        n_pages: h.n_pages,
+                        heads: h.heads,
                     })?;
                 self.last_payload = len;
                 let (dst, keep) = match self.place(&h) {

@@ -15,11 +15,35 @@ use std::ops::Range;
 
 use handoff_kv::{KvLayout, PageIndex};
 use handoff_proto::handshake::Fingerprint;
-use handoff_proto::rank::{KvPart, PageLayout, PairPlan, RankError, RankMap, SliceTransfer};
+use handoff_proto::layout::KvPart;
+use handoff_proto::rank::{PairPlan, RankError, RankMap, SliceTransfer};
 use handoff_proto::{RankId, RoomId};
 
 use crate::transport::Segment;
 use handoff_proto::datalink::{HeadSlice, SegmentHeader};
+
+/// Why no plan fits a link: the error names the setting that is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlanError {
+    /// The two ends' TP sizes and head count admit no rank mapping.
+    #[error("rank mapping: {0}")]
+    RankMap(#[from] RankError),
+    /// A pool's blocks do not hold this rank's share of the heads.
+    #[error("the {side} pool holds {local_heads} KV heads per block, but TP size {tp} over {kv_heads} KV heads gives each rank {per_rank}")]
+    NotOurShare {
+        /// `prefill` or `decode`: whose pool.
+        side: &'static str,
+        /// KV heads per block in that pool.
+        local_heads: usize,
+        /// That side's TP size.
+        tp: u32,
+        /// The model's KV heads.
+        kv_heads: u32,
+        /// The share each rank should hold.
+        per_rank: u32,
+    },
+}
 
 /// What a link between one prefill rank and one decode rank moves.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,23 +65,23 @@ impl LinkPlan {
         decode: &Fingerprint,
         our_side_is_prefill: bool,
         local_heads: usize,
-    ) -> Result<LinkPlan, String> {
-        let map = RankMap::new(prefill.kv_heads, prefill.tp_size, decode.tp_size)
-            .map_err(|e| format!("rank mapping: {e}"))?;
+    ) -> Result<LinkPlan, PlanError> {
+        let map = RankMap::new(prefill.kv_heads, prefill.tp_size, decode.tp_size)?;
         let (side, ours) = if our_side_is_prefill {
             ("prefill", &map.prefill)
         } else {
             ("decode", &map.decode)
         };
         if local_heads != ours.heads_per_rank as usize {
-            return Err(format!(
-                "the {side} pool holds {local_heads} KV heads per block, but TP size {} over {} KV heads gives each rank {}",
-                ours.tp, ours.kv_heads, ours.heads_per_rank
-            ));
+            return Err(PlanError::NotOurShare {
+                side,
+                local_heads,
+                tp: ours.tp,
+                kv_heads: ours.kv_heads,
+                per_rank: ours.heads_per_rank,
+            });
         }
-        let pair = map
-            .pair_plan(RankId(prefill.tp_rank), RankId(decode.tp_rank))
-            .map_err(|e| format!("rank mapping: {e}"))?;
+        let pair = map.pair_plan(RankId(prefill.tp_rank), RankId(decode.tp_rank))?;
         Ok(LinkPlan {
             pair,
             decode_heads: map.decode.heads_per_rank,
@@ -72,23 +96,11 @@ impl LinkPlan {
     /// Bytes of one page of the decode rank's pool over all layers, K and
     /// V (`layout` is either side's: only its head count differs).
     pub fn decode_page_bytes(&self, layout: &KvLayout) -> usize {
-        let g = &layout.geometry;
-        2 * self.decode_heads as usize * g.page_size * g.head_dim * g.dtype.size() * g.layers
+        layout
+            .geometry
+            .page_layout(self.decode_heads as usize, 1)
+            .map_or(usize::MAX, |l| l.page_bytes())
     }
-}
-
-/// `layout`'s geometry with `local_heads` heads per block over `num_pages`
-/// pages, in the rank module's terms; `None` when a size does not fit.
-pub fn page_layout(layout: &KvLayout, local_heads: u32, num_pages: usize) -> Option<PageLayout> {
-    let g = &layout.geometry;
-    Some(PageLayout {
-        layers: u32::try_from(g.layers).ok()?,
-        local_heads,
-        page_size: u32::try_from(g.page_size).ok()?,
-        head_dim: u32::try_from(g.head_dim).ok()?,
-        dtype_bytes: u32::try_from(g.dtype.size()).ok()?,
-        num_pages: u32::try_from(num_pages).ok()?,
-    })
 }
 
 /// One head-sliced segment per (layer, room page, K|V, slice): room pages
@@ -110,8 +122,13 @@ pub fn build_sliced_segments(
 ) -> Result<Vec<Segment>, RankError> {
     const TOO_BIG: RankError = RankError::OutOfRange { what: "pool size" };
     let src_heads = u32::try_from(layout.geometry.kv_heads).map_err(|_| TOO_BIG)?;
-    let src_layout = page_layout(layout, src_heads, layout.num_pages).ok_or(TOO_BIG)?;
-    let dst_layout = page_layout(layout, decode_heads, dest_pages).ok_or(TOO_BIG)?;
+    let g = &layout.geometry;
+    let src_layout = g
+        .page_layout(src_heads as usize, layout.num_pages)
+        .ok_or(TOO_BIG)?;
+    let dst_layout = g
+        .page_layout(decode_heads as usize, dest_pages)
+        .ok_or(TOO_BIG)?;
     let mut out = Vec::with_capacity(layers.len() * pages.len() * 2 * slices.len());
     for layer in layers {
         let layer = u32::try_from(layer).map_err(|_| RankError::OutOfRange { what: "layer" })?;
@@ -149,7 +166,7 @@ pub fn build_sliced_segments(
 mod tests {
     use super::*;
     use handoff_kv::{KvDtype, KvGeometry};
-    use handoff_proto::handshake::{KvDtype as WireDtype, KvLayoutKind};
+    use handoff_proto::handshake::KvLayoutKind;
 
     fn fp(kv_heads: u32, tp_rank: u32, tp_size: u32) -> Fingerprint {
         Fingerprint {
@@ -159,7 +176,7 @@ mod tests {
             kv_heads,
             head_dim: 4,
             page_size: 4,
-            dtype: WireDtype::F32,
+            dtype: KvDtype::F32,
             layout: KvLayoutKind::LayerPageKv,
             tp_rank,
             tp_size,
@@ -196,10 +213,28 @@ mod tests {
         );
         // A pool that is not this rank's share is refused, naming the setting.
         let e = LinkPlan::new(&fp(4, 1, 2), &fp(4, 0, 1), true, 4).unwrap_err();
-        assert!(e.contains("prefill pool holds 4 KV heads"), "{e}");
+        assert!(
+            matches!(
+                e,
+                PlanError::NotOurShare {
+                    side: "prefill",
+                    local_heads: 4,
+                    per_rank: 2,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(
+            e.to_string().contains("prefill pool holds 4 KV heads"),
+            "{e}"
+        );
         let e = LinkPlan::new(&fp(4, 0, 1), &fp(4, 1, 2), false, 4).unwrap_err();
-        assert!(e.contains("decode pool holds 4"), "{e}");
-        assert!(LinkPlan::new(&fp(4, 2, 2), &fp(4, 0, 1), true, 2).is_err());
+        assert!(e.to_string().contains("decode pool holds 4"), "{e}");
+        assert!(matches!(
+            LinkPlan::new(&fp(4, 2, 2), &fp(4, 0, 1), true, 2),
+            Err(PlanError::RankMap(_))
+        ));
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! the aux records, heartbeats and what is known of every prefill peer; the
 //! driver holds the sockets' and tasks' handles only.
 //!
-//! An engine calls [`KvReceiver::connect`] once per prefill rank (address
+//! An engine calls [`KvReceiver::connect`] once per prefill peer (address
 //! from bootstrap), [`KvReceiver::submit`] when it accepts a request, and
 //! drives the returned [`ReceiverRoom`]: `reserve` once it holds the pages
 //! (backpressure: a room may wait in `Bootstrapping` for them), then
@@ -28,7 +28,7 @@ use handoff_proto::message::Message;
 use handoff_proto::receiver_endpoint::{ReceiverEndpoint, ReceiverEvent, TpPosition};
 use handoff_proto::receiver_room::Source;
 use handoff_proto::room::RoomConfig;
-use handoff_proto::{AuxSlot, PageIndex, RankId, RoomId, TransferError};
+use handoff_proto::{AuxSlot, PageIndex, PeerId, RoomId, TransferError};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -107,11 +107,11 @@ enum Cmd {
     Abort(RoomId, TransferError),
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
-    AddLink(RankId, NewLink),
-    Connected(RankId, oneshot::Sender<bool>),
-    /// Answer once `rank`'s control connection is up.
-    AwaitControl(RankId, oneshot::Sender<()>),
-    Abandon(RankId),
+    AddLink(PeerId, NewLink),
+    Connected(PeerId, oneshot::Sender<bool>),
+    /// Answer once `peer`'s control connection is up.
+    AwaitControl(PeerId, oneshot::Sender<()>),
+    Abandon(PeerId),
     Stats(oneshot::Sender<EndpointStats>),
     Shutdown,
 }
@@ -119,7 +119,7 @@ enum Cmd {
 enum Ev {
     Cmd(Cmd),
     Ctl(CtlEvent),
-    Reader(RankId, u64, ReaderEvent),
+    Reader(PeerId, u64, ReaderEvent),
 }
 
 /// Handle to a decode transfer endpoint. Cheap to clone.
@@ -187,18 +187,18 @@ impl KvReceiver {
         rx.await.map_err(|_| TransportError::Shutdown)
     }
 
-    /// Connect to the prefill rank listening at `addr`: a control
+    /// Connect to the prefill peer listening at `addr`: a control
     /// connection and a data link, both authenticated by the handshake.
-    /// Returns the peer id this endpoint gives that prefill rank (use it in
-    /// [`Source::rank`] of the rooms it serves) once both are up; a
+    /// Returns the peer id this endpoint gives that prefill peer (use it in
+    /// [`Source::peer`] of the rooms it serves) once both are up; a
     /// version, fingerprint or secret mismatch fails here, not at the first
     /// request.
     ///
     /// Cancel-safe: dropped before it returns, it leaves no control
     /// connection, data link or task behind. Prefill keeps one connection
     /// per decode endpoint, so connecting again to the same prefill
-    /// replaces the earlier connection (its rank stops working).
-    pub async fn connect(&self, addr: SocketAddr) -> Result<RankId, TransportError> {
+    /// replaces the earlier connection (its peer stops working).
+    pub async fn connect(&self, addr: SocketAddr) -> Result<PeerId, TransportError> {
         self.connect_with(addr, self.config.transport).await
     }
 
@@ -208,7 +208,7 @@ impl KvReceiver {
         &self,
         addr: SocketAddr,
         transport: TransportKind,
-    ) -> Result<RankId, TransportError> {
+    ) -> Result<PeerId, TransportError> {
         // This connect's number, before anything is sent: prefill keeps the
         // connections of the newest connect of this endpoint, so one
         // cancelled here but completed late there replaces nothing newer.
@@ -221,7 +221,7 @@ impl KvReceiver {
             .map_err(TransportError::io("control preface"))?;
         // Our own id for this prefill endpoint (two prefill workers of the
         // same TP rank are different peers).
-        let rank = RankId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let peer = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
         let tx = self.tx.downgrade();
         let send = move |e: CtlEvent| match tx.upgrade() {
             Some(tx) => tx.send(Ev::Ctl(e)).map_err(|_| ()),
@@ -232,16 +232,16 @@ impl KvReceiver {
             self.config.handshake.clone(),
             self.config.handshake_timeout,
             id,
-            Some(rank),
+            peer,
             self.tasks.clone(),
             send,
         ));
         // From here on, leaving early (an error, or the caller dropping
-        // this future) abandons the rank: its control connection and any
+        // this future) abandons the peer: its control connection and any
         // data link go.
         let mut abandon = AbandonOnDrop {
             tx: self.tx.clone(),
-            rank,
+            peer,
             armed: true,
         };
         let count = match transport {
@@ -284,7 +284,7 @@ impl KvReceiver {
                 Err(_) => failed = failed.or(Some(TransportError::Shutdown)),
             }
         }
-        // What this prefill rank writes into our pool: whole spans with
+        // What this prefill peer writes into our pool: whole spans with
         // equal TP sizes, its head slices otherwise.
         let link = match (failed, prefill) {
             (Some(e), _) => Err(e),
@@ -307,15 +307,15 @@ impl KvReceiver {
         // here returns with `abandon` armed.
         let link = link?;
         self.tx
-            .send(Ev::Cmd(Cmd::AddLink(rank, link)))
+            .send(Ev::Cmd(Cmd::AddLink(peer, link)))
             .map_err(|_| TransportError::Shutdown)?;
         // The control handshake runs concurrently; the driver answers once
         // it is up.
-        let up = self.ask(|r| Cmd::AwaitControl(rank, r));
+        let up = self.ask(|r| Cmd::AwaitControl(peer, r));
         match tokio::time::timeout(self.config.handshake_timeout, up).await {
             Ok(Ok(())) => {
                 abandon.armed = false;
-                Ok(rank)
+                Ok(peer)
             }
             Ok(Err(e)) => Err(e),
             Err(_) => Err(TransportError::Handshake(
@@ -324,14 +324,14 @@ impl KvReceiver {
         }
     }
 
-    /// Whether the prefill rank `rank` (from [`Self::connect`]) still has
+    /// Whether the prefill peer `peer` (from [`Self::connect`]) still has
     /// its control connection and data link up.
-    pub async fn is_connected(&self, rank: RankId) -> Result<bool, TransportError> {
-        self.ask(|r| Cmd::Connected(rank, r)).await
+    pub async fn is_connected(&self, peer: PeerId) -> Result<bool, TransportError> {
+        self.ask(|r| Cmd::Connected(peer, r)).await
     }
 
     /// Accept a request for `room` needing KV from `sources`. Their TP
-    /// ranks must cover every prefill rank this decode rank needs heads from
+    /// peers must cover every prefill peer this decode peer needs heads from
     /// ([`handoff_proto::rank::RankMap::required_prefill_ranks`]; one source with equal TP
     /// sizes), so the room cannot succeed with part of its heads missing.
     pub async fn open(&self, room: RoomId, sources: Vec<Source>) -> Result<(), TransportError> {
@@ -410,18 +410,18 @@ impl KvReceiver {
     }
 }
 
-/// Sends `Abandon(rank)` to the driver when dropped armed: a connect that
+/// Sends `Abandon(peer)` to the driver when dropped armed: a connect that
 /// failed or was cancelled leaves no control connection or link behind.
 struct AbandonOnDrop {
     tx: mpsc::UnboundedSender<Ev>,
-    rank: RankId,
+    peer: PeerId,
     armed: bool,
 }
 
 impl Drop for AbandonOnDrop {
     fn drop(&mut self) {
         if self.armed {
-            let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(self.rank)));
+            let _ = self.tx.send(Ev::Cmd(Cmd::Abandon(self.peer)));
         }
     }
 }
@@ -445,7 +445,7 @@ struct NewLink {
     tp: TpPosition,
 }
 
-/// The I/O handles of one data link to a prefill rank: one reader per
+/// The I/O handles of one data link to a prefill peer: one reader per
 /// stream.
 struct Link {
     id: u64,
@@ -463,10 +463,10 @@ impl Link {
 /// every decision; this only holds the sockets' and tasks' handles.
 struct Driver {
     endpoint: ReceiverEndpoint<PageLease, Waiter>,
-    ctl: HashMap<RankId, mpsc::UnboundedSender<Message>>,
-    links: HashMap<RankId, Link>,
+    ctl: HashMap<PeerId, mpsc::UnboundedSender<Message>>,
+    links: HashMap<PeerId, Link>,
     /// `connect` calls waiting for their control connection to come up.
-    control_waiters: HashMap<RankId, Vec<oneshot::Sender<()>>>,
+    control_waiters: HashMap<PeerId, Vec<oneshot::Sender<()>>>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     pool: Arc<ShmRegion>,
@@ -488,7 +488,7 @@ impl Driver {
                 ev = rx.recv() => ev,
                 _ = sleep => {
                     for dead in self.endpoint.handle_timeout(now()) {
-                        tracing::warn!(rank = dead.0, "prefill peer missed heartbeats");
+                        tracing::warn!(peer = dead.0, "prefill peer missed heartbeats");
                     }
                     self.flush();
                     continue;
@@ -499,7 +499,7 @@ impl Driver {
                 Ev::Cmd(Cmd::Shutdown) => break,
                 Ev::Cmd(c) => self.command(c),
                 Ev::Ctl(e) => self.control(e),
-                Ev::Reader(rank, id, e) => self.reader_event(rank, id, e),
+                Ev::Reader(peer, id, e) => self.reader_event(peer, id, e),
             }
             self.flush();
         }
@@ -511,27 +511,27 @@ impl Driver {
     fn control(&mut self, e: CtlEvent) {
         let t = now();
         match e {
-            CtlEvent::Established { conn, rank, tx } => {
-                if self.endpoint.handle_control_up(rank, conn, t) {
-                    self.ctl.insert(rank, tx);
-                    for w in self.control_waiters.remove(&rank).unwrap_or_default() {
+            CtlEvent::Established { conn, peer, tx } => {
+                if self.endpoint.handle_control_up(peer, conn, t) {
+                    self.ctl.insert(peer, tx);
+                    for w in self.control_waiters.remove(&peer).unwrap_or_default() {
                         let _ = w.send(());
                     }
                 }
                 // else: an abandoned connect's; dropping `tx` closes it.
             }
-            CtlEvent::Message { rank, msg, .. } => self.endpoint.handle_message(rank, msg, t),
+            CtlEvent::Message { peer, msg, .. } => self.endpoint.handle_message(peer, msg, t),
             CtlEvent::Malformed { .. } => self.endpoint.handle_malformed(),
             CtlEvent::HandshakeFailed { .. } => self.endpoint.handle_handshake_failed(),
-            CtlEvent::Closed { conn, rank } => {
-                if let Some(rank) = rank {
-                    self.endpoint.handle_control_closed(rank, conn, t);
+            CtlEvent::Closed { conn, peer } => {
+                if let Some(peer) = peer {
+                    self.endpoint.handle_control_closed(peer, conn, t);
                 }
             }
         }
     }
 
-    fn reader_event(&mut self, rank: RankId, id: u64, e: ReaderEvent) {
+    fn reader_event(&mut self, peer: PeerId, id: u64, e: ReaderEvent) {
         match e {
             ReaderEvent::Aux {
                 room,
@@ -539,17 +539,17 @@ impl Driver {
                 aux,
             } => self.endpoint.handle_aux(room, written_room, aux),
             ReaderEvent::Closed { reason } => {
-                if self.links.get(&rank).is_some_and(|l| l.id == id) {
-                    tracing::warn!(rank = rank.0, %reason, "data link closed");
+                if self.links.get(&peer).is_some_and(|l| l.id == id) {
+                    tracing::warn!(peer = peer.0, %reason, "data link closed");
                     // The reader is gone already: dropping its handle is all.
-                    self.links.remove(&rank);
+                    self.links.remove(&peer);
                 }
-                self.endpoint.handle_link_closed(rank, id, now());
+                self.endpoint.handle_link_closed(peer, id, now());
             }
         }
     }
 
-    fn add_link(&mut self, rank: RankId, link: NewLink) {
+    fn add_link(&mut self, peer: PeerId, link: NewLink) {
         self.next_link += 1;
         let id = self.next_link;
         let mut streams = Vec::with_capacity(link.sockets.len());
@@ -566,12 +566,12 @@ impl Driver {
             let weak = self.self_tx.clone();
             self.tasks.spawn(reader.run(rx, move |e| {
                 weak.upgrade()
-                    .is_some_and(|tx| tx.send(Ev::Reader(rank, id, e)).is_ok())
+                    .is_some_and(|tx| tx.send(Ev::Reader(peer, id, e)).is_ok())
             }));
             streams.push(tx);
         }
-        self.links.insert(rank, Link { id, streams });
-        self.endpoint.handle_link_up(rank, id, link.tp);
+        self.links.insert(peer, Link { id, streams });
+        self.endpoint.handle_link_up(peer, id, link.tp);
     }
 
     fn command(&mut self, c: Cmd) {
@@ -612,20 +612,20 @@ impl Driver {
                     self.endpoint.abort(room, error, t);
                 }
             }
-            Cmd::AddLink(rank, link) => self.add_link(rank, link),
-            Cmd::Connected(rank, reply) => {
-                let _ = reply.send(self.endpoint.is_connected(rank));
+            Cmd::AddLink(peer, link) => self.add_link(peer, link),
+            Cmd::Connected(peer, reply) => {
+                let _ = reply.send(self.endpoint.is_connected(peer));
             }
-            Cmd::AwaitControl(rank, reply) => {
-                if self.endpoint.has_control(rank) {
+            Cmd::AwaitControl(peer, reply) => {
+                if self.endpoint.has_control(peer) {
                     let _ = reply.send(());
                 } else {
-                    self.control_waiters.entry(rank).or_default().push(reply);
+                    self.control_waiters.entry(peer).or_default().push(reply);
                 }
             }
-            Cmd::Abandon(rank) => {
-                self.control_waiters.remove(&rank);
-                self.endpoint.abandon(rank, t);
+            Cmd::Abandon(peer) => {
+                self.control_waiters.remove(&peer);
+                self.endpoint.abandon(peer, t);
             }
             Cmd::Stats(reply) => {
                 let s = self.endpoint.stats();
@@ -656,12 +656,12 @@ impl Driver {
         while let Some(e) = self.endpoint.poll_event() {
             match e {
                 ReceiverEvent::RegisterWrites {
-                    rank,
+                    peer,
                     room,
                     pages,
                     aux_slot,
                 } => {
-                    let (Some(l), Some(lease)) = (self.links.get(&rank), self.endpoint.lease(room))
+                    let (Some(l), Some(lease)) = (self.links.get(&peer), self.endpoint.lease(room))
                     else {
                         continue;
                     };
@@ -672,17 +672,17 @@ impl Driver {
                         guard: lease.writer_guard(),
                     });
                 }
-                ReceiverEvent::ForgetWrites { rank, room } => {
-                    if let Some(l) = self.links.get(&rank) {
+                ReceiverEvent::ForgetWrites { peer, room } => {
+                    if let Some(l) = self.links.get(&peer) {
                         let _ = l.tx(room).send(ReaderCmd::Forget { room });
                     }
                 }
-                ReceiverEvent::ClosePeer { rank } => {
+                ReceiverEvent::ClosePeer { peer } => {
                     // Dropping the handles closes the control connection and
                     // stops the link's readers at their next step (the writer
                     // guards they hold keep their pages until then).
-                    self.ctl.remove(&rank);
-                    self.links.remove(&rank);
+                    self.ctl.remove(&peer);
+                    self.links.remove(&peer);
                 }
                 ReceiverEvent::Released {
                     room,

@@ -28,7 +28,7 @@ use handoff_proto::message::Message;
 use handoff_proto::rank::PairPlan;
 use handoff_proto::room::RoomConfig;
 use handoff_proto::sender_endpoint::{SendRefused, SenderEndpoint, SenderEvent};
-use handoff_proto::{RankId, RoomId, TransferError};
+use handoff_proto::{PeerId, RoomId, TransferError};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
@@ -173,7 +173,7 @@ impl KvSender {
         Ok(KvSender { tx, addr, tasks })
     }
 
-    /// Where decode peers connect (the bootstrap address of this rank).
+    /// Where decode peers connect (the bootstrap address of this peer).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
@@ -321,7 +321,7 @@ async fn accept_loop(
                         config.handshake.clone(),
                         config.handshake_timeout,
                         id,
-                        Some(peer),
+                        peer,
                         t2,
                         send,
                     )
@@ -371,7 +371,7 @@ struct PeerIds {
 
 #[derive(Default)]
 struct PeerIdTable {
-    ids: HashMap<u64, (RankId, bool)>,
+    ids: HashMap<u64, (PeerId, bool)>,
     unconfirmed: std::collections::VecDeque<u64>,
     confirmed: std::collections::VecDeque<u64>,
     next: u32,
@@ -383,13 +383,13 @@ const MAX_UNCONFIRMED: usize = 4096;
 const MAX_CONFIRMED: usize = 65_536;
 
 impl PeerIds {
-    fn assign(&self, endpoint: u64) -> RankId {
+    fn assign(&self, endpoint: u64) -> PeerId {
         let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let t = &mut *g;
         if let Some((r, _)) = t.ids.get(&endpoint) {
             return *r;
         }
-        let r = RankId(t.next);
+        let r = PeerId(t.next);
         t.next = t.next.wrapping_add(1);
         t.ids.insert(endpoint, (r, false));
         t.unconfirmed.push_back(endpoint);
@@ -460,12 +460,12 @@ mod peer_id_tests {
     }
 }
 
-/// The I/O handles of one data link to a decode rank: one writer per
+/// The I/O handles of one data link to a decode peer: one writer per
 /// stream.
 struct Link {
     id: u64,
     streams: Vec<mpsc::UnboundedSender<LinkJob>>,
-    /// Whole spans, or the head slices this decode rank takes from us.
+    /// Whole spans, or the head slices this decode peer takes from us.
     plan: LinkPlan,
 }
 
@@ -482,8 +482,8 @@ struct Driver {
     config: SenderConfig,
     layout: KvLayout,
     endpoint: SenderEndpoint<AcceptedLink, Reply, Arc<AtomicBool>>,
-    ctl: HashMap<RankId, (u64, mpsc::UnboundedSender<Message>)>,
-    links: HashMap<RankId, Link>,
+    ctl: HashMap<PeerId, (u64, mpsc::UnboundedSender<Message>)>,
+    links: HashMap<PeerId, Link>,
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
@@ -509,7 +509,7 @@ impl Driver {
                 ev = self_rx.recv() => ev,
                 _ = sleep => {
                     for dead in self.endpoint.handle_timeout(now()) {
-                        tracing::warn!(rank = dead.0, "decode peer missed heartbeats");
+                        tracing::warn!(peer = dead.0, "decode peer missed heartbeats");
                     }
                     self.flush();
                     continue;
@@ -536,9 +536,9 @@ impl Driver {
     /// has all its streams (a stream of a connect older than the newest is
     /// dropped, closing its socket).
     fn accepted(&mut self, l: AcceptedLink, connect: u64, self_tx: &mpsc::UnboundedSender<Ev>) {
-        let (rank, st) = (l.rank, l.stream);
+        let (peer, st) = (l.peer, l.stream);
         let Some(streams) = self.endpoint.handle_link_stream(
-            rank,
+            peer,
             connect,
             (st.nonce, st.index, st.count),
             l,
@@ -561,32 +561,32 @@ impl Driver {
             })
             .collect();
         self.links.insert(
-            rank,
+            peer,
             Link {
                 id,
                 streams: txs,
                 plan,
             },
         );
-        self.endpoint.handle_link_up(rank, id, dest_pages);
+        self.endpoint.handle_link_up(peer, id, dest_pages);
     }
 
     fn control(&mut self, e: CtlEvent, connect: u64) {
         let t = now();
         match e {
-            CtlEvent::Established { conn, rank, tx } => {
-                if self.endpoint.handle_control_up(rank, conn, connect, t) {
-                    self.ctl.insert(rank, (conn, tx));
+            CtlEvent::Established { conn, peer, tx } => {
+                if self.endpoint.handle_control_up(peer, conn, connect, t) {
+                    self.ctl.insert(peer, (conn, tx));
                 }
                 // else: a cancelled connect's control connection, completed
                 // late: dropping `tx` closes it.
             }
-            CtlEvent::Message { rank, msg, .. } => self.endpoint.handle_message(rank, msg, t),
+            CtlEvent::Message { peer, msg, .. } => self.endpoint.handle_message(peer, msg, t),
             CtlEvent::Malformed { .. } => self.endpoint.handle_malformed(),
             CtlEvent::HandshakeFailed { .. } => self.endpoint.handle_handshake_failed(),
-            CtlEvent::Closed { conn, rank } => {
-                if let Some(rank) = rank {
-                    self.endpoint.handle_control_closed(rank, conn, t);
+            CtlEvent::Closed { conn, peer } => {
+                if let Some(peer) = peer {
+                    self.endpoint.handle_control_closed(peer, conn, t);
                 }
             }
         }
@@ -595,11 +595,11 @@ impl Driver {
     fn link_event(&mut self, e: LinkEvent) {
         let t = now();
         match e {
-            LinkEvent::Acked { rank, ack, .. } => {
-                self.endpoint.handle_ack(rank, ack.room, ack.ok, t)
+            LinkEvent::Acked { peer, ack, .. } => {
+                self.endpoint.handle_ack(peer, ack.room, ack.ok, t)
             }
-            LinkEvent::Closed { rank, link, reason } => {
-                self.endpoint.handle_link_closed(rank, link, &reason, t)
+            LinkEvent::Closed { peer, link, reason } => {
+                self.endpoint.handle_link_closed(peer, link, &reason, t)
             }
         }
     }
@@ -697,8 +697,8 @@ impl Driver {
             .send(room, layers.clone(), pages.clone(), now())?;
         let span = page_span(&self.layout);
         let max_run = (self.config.max_segment_bytes / span).max(1);
-        for (rank, d, dest_pages) in dests {
-            let Some(link) = self.links.get(&rank) else {
+        for (peer, d, dest_pages) in dests {
+            let Some(link) = self.links.get(&peer) else {
                 continue; // the endpoint knows of no link either
             };
             let segs = match &link.plan.pair {
@@ -728,7 +728,7 @@ impl Driver {
                         let err = TransferError::Internal {
                             reason: format!("head-sliced segments: {e}"),
                         };
-                        self.endpoint.handle_write_failed(room, rank, err, now());
+                        self.endpoint.handle_write_failed(room, peer, err, now());
                         continue;
                     }
                 },
@@ -751,28 +751,28 @@ impl Driver {
         while let Some(e) = self.endpoint.poll_event() {
             match e {
                 SenderEvent::Finish {
-                    rank,
+                    peer,
                     room,
                     aux,
                     cancel,
                 } => {
-                    if let Some(l) = self.links.get(&rank) {
+                    if let Some(l) = self.links.get(&peer) {
                         let _ = l.tx(room).send(LinkJob::Finish { room, aux, cancel });
                     }
                 }
                 SenderEvent::Cancel { cancel, .. } => cancel.store(true, Ordering::Release),
                 SenderEvent::ClosePeer {
-                    rank,
+                    peer,
                     control,
                     link,
                 } => {
                     // Dropping the handles closes the sockets: the writers
                     // finish the job in hand and stop.
-                    if control.is_some() && self.ctl.get(&rank).map(|(c, _)| *c) == control {
-                        self.ctl.remove(&rank);
+                    if control.is_some() && self.ctl.get(&peer).map(|(c, _)| *c) == control {
+                        self.ctl.remove(&peer);
                     }
-                    if link.is_some() && self.links.get(&rank).map(|l| l.id) == link {
-                        self.links.remove(&rank);
+                    if link.is_some() && self.links.get(&peer).map(|l| l.id) == link {
+                        self.links.remove(&peer);
                     }
                 }
                 SenderEvent::Answer { waiter, poll } => answers.push((waiter, poll)),

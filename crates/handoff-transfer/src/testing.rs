@@ -6,11 +6,11 @@
 use std::time::Duration;
 
 use handoff_kv::{KvDtype, KvGeometry, KvPool, ShmRegionHandle};
-use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvDtype as WireDtype, KvLayoutKind};
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvLayoutKind};
 use handoff_proto::receiver_room::Source;
 use handoff_proto::room::{RoomConfig, RoomState};
 use handoff_proto::timer::TimerConfig;
-use handoff_proto::{RankId, Role, RoomId};
+use handoff_proto::{PeerId, Role, RoomId};
 
 use crate::{KvSender, ReceiverConfig, SenderConfig, SenderPoll, TransportError, TransportKind};
 
@@ -45,7 +45,7 @@ pub fn fingerprint(g: &KvGeometry) -> Fingerprint {
         kv_heads: g.kv_heads as u32,
         head_dim: g.head_dim as u32,
         page_size: g.page_size as u32,
-        dtype: WireDtype::F32,
+        dtype: g.dtype,
         layout: KvLayoutKind::LayerPageKv,
         tp_rank: 0,
         tp_size: 1,
@@ -152,9 +152,9 @@ pub fn tp_receiver_config(kind: TransportKind, rank: u32, size: u32) -> Receiver
 }
 
 /// One source, prefill rank `rank`.
-pub fn sources(rank: RankId) -> Vec<Source> {
+pub fn sources(peer: PeerId) -> Vec<Source> {
     vec![Source {
-        rank,
+        peer,
         required_destinations: 1,
     }]
 }

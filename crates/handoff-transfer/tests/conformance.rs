@@ -14,7 +14,8 @@ use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::message::{Abort, Destination, Message};
 use handoff_proto::room::RoomState;
 use handoff_proto::{
-    AbortOrigin, AuxSlot, FailureKind, HandshakeError, RankId, RoomId, TransferError,
+    AbortOrigin, AuxSlot, FailureKind, HandshakeError, Misbehavior, PeerId, RankId, RoomId,
+    TransferError,
 };
 use handoff_transfer::testing::{self, sources};
 use handoff_transfer::{
@@ -80,7 +81,7 @@ struct Pair {
     rx: KvReceiver,
     p_pool: KvPool,
     d_pool: KvPool,
-    rank: RankId,
+    rank: PeerId,
 }
 
 /// Fill the prefill pool with a pattern unique per byte position.
@@ -193,8 +194,8 @@ async fn open_both(p: &Pair, r: RoomId, n: usize) -> Vec<PageIndex> {
 
 fn span_bytes(pool: &KvPool, layer: usize, page: PageIndex) -> Vec<u8> {
     let l = pool.layout();
-    let k = l.block_bytes(layer, page, handoff_kv::KvKind::K).unwrap();
-    let v = l.block_bytes(layer, page, handoff_kv::KvKind::V).unwrap();
+    let k = l.block_bytes(layer, page, handoff_kv::KvPart::K).unwrap();
+    let v = l.block_bytes(layer, page, handoff_kv::KvPart::V).unwrap();
     assert_eq!(k.end, v.start);
     let mut out = vec![0u8; v.end - k.start];
     pool.shared_region()
@@ -1066,10 +1067,13 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
     let src: Arc<[PageIndex]> = [1, 2].into_iter().map(PageIndex).collect::<Vec<_>>().into();
     p.tx.send(r, 0..2, 0..2, src).await.unwrap();
     let out = sender_outcome(&p.tx, r, Duration::from_secs(1)).await;
-    let SenderPoll::Failed(TransferError::PeerMisbehaved { detail }) = out else {
+    let SenderPoll::Failed(TransferError::PeerMisbehaved { what }) = out else {
         panic!("{out:?}")
     };
-    assert!(detail.contains("outside the decode pool"), "{detail}");
+    assert!(
+        matches!(what, Misbehavior::PageOutsidePool { .. }),
+        "{what}"
+    );
     match raw.recv(Duration::from_secs(1)).await {
         Some(Message::Status(s)) => assert_eq!(s.room, r),
         other => panic!("decode not told: {other:?}"),
@@ -1562,7 +1566,7 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
 async fn one_room(
     tx: &KvSender,
     rx: &KvReceiver,
-    rank: RankId,
+    rank: PeerId,
     d_pool: &KvPool,
     p_pool: &KvPool,
     r: RoomId,
@@ -1815,7 +1819,7 @@ fn tp_byte(rank: usize, layer: usize, page: u32, part: usize, head: usize, i: us
     (x as u8) | 1
 }
 
-const KV_KINDS: [handoff_kv::KvKind; 2] = [handoff_kv::KvKind::K, handoff_kv::KvKind::V];
+const KV_KINDS: [handoff_kv::KvPart; 2] = [handoff_kv::KvPart::K, handoff_kv::KvPart::V];
 
 /// Fill prefill TP rank `rank` of `tp`'s pool: every head of every block
 /// gets bytes naming (rank, layer, page, K|V, global head).
@@ -1977,14 +1981,8 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
     }
     // The room's sources come from the rank map, prefill TP rank -> peer.
     let map = RankMap::new(testing::TP_KV_HEADS as u32, 2, 1).unwrap();
-    let srcs: Vec<Source> = Source::for_decode_rank(&map, RankId(0))
-        .unwrap()
-        .into_iter()
-        .map(|s| Source {
-            rank: peers[s.rank.0 as usize],
-            ..s
-        })
-        .collect();
+    let srcs: Vec<Source> =
+        Source::for_decode_rank(&map, RankId(0), |r| peers[r.0 as usize]).unwrap();
     assert_eq!(srcs.len(), 2);
     // A room naming only prefill rank 0 could never hold heads 2..4: refused.
     let err = rx.open(room(901), vec![srcs[0]]).await.unwrap_err();
@@ -2106,11 +2104,7 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
             *pool.layout(),
         );
         let peer = rx.connect(tx.local_addr()).await.unwrap();
-        let srcs: Vec<Source> = Source::for_decode_rank(&map, RankId(d))
-            .unwrap()
-            .into_iter()
-            .map(|s| Source { rank: peer, ..s })
-            .collect();
+        let srcs: Vec<Source> = Source::for_decode_rank(&map, RankId(d), |_| peer).unwrap();
         assert_eq!(srcs.len(), 1);
         assert_eq!(srcs[0].required_destinations, 2);
         rx.open(r, srcs).await.unwrap();
@@ -2251,7 +2245,7 @@ async fn raw_prefill(
 
 async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kind: TransportKind) {
     use handoff_proto::datalink::{HeadSlice, Record, SegmentHeader};
-    use handoff_proto::rank::KvPart;
+    use handoff_proto::layout::KvPart;
     // A raw prefill TP rank 0 of 1 (4 heads) feeding decode rank 1 of 2,
     // whose blocks hold 2 heads.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -2280,7 +2274,7 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
         .find(|p| !mine.contains(&PageIndex(*p)))
         .unwrap();
     let g = d_pool.layout().geometry;
-    let head_bytes = g.page_size * g.head_dim * g.dtype.size();
+    let head_bytes = g.page_size * g.head_dim * g.dtype.bytes();
     let slice = |layer, page, part, first, count| {
         Record::Segment(SegmentHeader {
             room: r,
@@ -2327,7 +2321,7 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
     region.read_at(0, &mut all).unwrap();
     let good = d_pool
         .layout()
-        .head_slice_bytes(1, mine[1], handoff_kv::KvKind::V, 1..2)
+        .head_slice_bytes(1, mine[1], handoff_kv::KvPart::V, 1..2)
         .unwrap();
     match kind {
         // Only the good slice landed, exactly where it belongs.

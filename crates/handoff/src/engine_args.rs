@@ -109,7 +109,7 @@ fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// KV pages that fit in `mb` MiB for this model (f32 K and V, every layer).
+/// KV pages that fit in `mb` MiB for this model (K and V, every layer).
 fn pages_for_memory(model: &Path, mb: u64, page_size: usize) -> anyhow::Result<usize> {
     let mut f =
         std::fs::File::open(model).with_context(|| format!("opening {}", model.display()))?;
@@ -117,7 +117,7 @@ fn pages_for_memory(model: &Path, mb: u64, page_size: usize) -> anyhow::Result<u
         .with_context(|| format!("reading the GGUF header of {}", model.display()))?;
     let cfg = handoff_model::LlamaConfig::from_gguf(&content)
         .with_context(|| format!("reading the model configuration of {}", model.display()))?;
-    let bytes_per_page = cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * 4 * page_size;
+    let bytes_per_page = cfg.kv_geometry(page_size).page_bytes();
     let total = usize::try_from(mb.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
     let pages = total / bytes_per_page.max(1);
     if pages == 0 {

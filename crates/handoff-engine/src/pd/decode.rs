@@ -23,7 +23,9 @@ use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::receiver_room::Source;
-use handoff_proto::{AbortOrigin, AuxSlot, FailureKind, RankId, Role, RoomId, TransferError};
+use handoff_proto::{
+    AbortOrigin, AuxSlot, FailureKind, Misbehavior, PeerId, Role, RoomId, TransferError,
+};
 use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig};
 use tokio::sync::mpsc;
 
@@ -117,7 +119,7 @@ struct Ctx {
     shared: Shared,
     receiver: KvReceiver,
     /// Prefill bootstrap address → the peer id of its connection.
-    peers: tokio::sync::Mutex<HashMap<SocketAddr, RankId>>,
+    peers: tokio::sync::Mutex<HashMap<SocketAddr, PeerId>>,
     /// The prealloc queue: requests waiting for pages.
     pages: PageQueue,
     /// Requests between submit and joining the batch.
@@ -191,8 +193,8 @@ impl DecodeHandle {
         };
         tracing::debug!(room = room.get(), error = %error, "decode rejected the request");
         rt.spawn(async move {
-            if let Ok(rank) = ctx.peer(prefill).await {
-                ctx.receiver.refuse(room, sources(rank), error);
+            if let Ok(peer) = ctx.peer(prefill).await {
+                ctx.receiver.refuse(room, sources(peer), error);
             }
         });
     }
@@ -222,9 +224,9 @@ impl DecodeHandle {
     }
 }
 
-fn sources(rank: RankId) -> Vec<Source> {
+fn sources(peer: PeerId) -> Vec<Source> {
     vec![Source {
-        rank,
+        peer,
         required_destinations: 1,
     }]
 }
@@ -233,7 +235,7 @@ impl Ctx {
     /// The connection to the prefill at `addr`, made once and reused. The
     /// connect runs in its own task, so a request cancelled meanwhile never
     /// leaves a half-made connection.
-    async fn peer(self: &Arc<Self>, addr: SocketAddr) -> Result<RankId, EngineError> {
+    async fn peer(self: &Arc<Self>, addr: SocketAddr) -> Result<PeerId, EngineError> {
         let ctx = self.clone();
         tokio::spawn(async move {
             let mut peers = ctx.peers.lock().await;
@@ -243,22 +245,22 @@ impl Ctx {
                 if ctx.receiver.is_connected(r).await? {
                     return Ok(r);
                 }
-                tracing::info!(prefill = %addr, rank = r.0, "prefill connection lost: reconnecting");
+                tracing::info!(prefill = %addr, peer = r.0, "prefill connection lost: reconnecting");
                 peers.remove(&addr);
             }
             let kind = ctx.transport.for_peer(addr);
-            let rank = ctx.receiver.connect_with(addr, kind).await?;
-            peers.insert(addr, rank);
-            Ok(rank)
+            let peer = ctx.receiver.connect_with(addr, kind).await?;
+            peers.insert(addr, peer);
+            Ok(peer)
         })
         .await
         .unwrap_or(Err(EngineError::ShuttingDown))
     }
 
     /// Forget a dead prefill's connection: the next request reconnects.
-    async fn forget_peer(&self, addr: SocketAddr, rank: RankId) {
+    async fn forget_peer(&self, addr: SocketAddr, peer: PeerId) {
         let mut peers = self.peers.lock().await;
-        if peers.get(&addr) == Some(&rank) {
+        if peers.get(&addr) == Some(&peer) {
             peers.remove(&addr);
         }
     }
@@ -285,13 +287,13 @@ async fn decode_room(
             // drained. A room it never opened (it was still connecting) is
             // refused now, so the prefill learns too.
             drop(pending);
-            if let Ok(rank) = ctx.peer(prefill).await {
+            if let Ok(peer) = ctx.peer(prefill).await {
                 let gone = TransferError::Aborted {
                     origin: AbortOrigin::Client,
                     reason: "the client went away".into(),
                     http_status: 499,
                 };
-                ctx.receiver.refuse(room, sources(rank), gone);
+                ctx.receiver.refuse(room, sources(peer), gone);
             }
             tracing::debug!(room = room.get(), "decode request cancelled before joining");
             return;
@@ -308,10 +310,10 @@ async fn decode_room(
         drop(lease);
         drop(pending);
         let e = EngineError::from(TransferError::PeerMisbehaved {
-            detail: format!(
-                "prefill sent first token {} outside the vocabulary of {}",
-                aux.first_token, ctx.shared.info.vocab_size
-            ),
+            what: Misbehavior::TokenOutsideVocabulary {
+                token: aux.first_token,
+                vocab: ctx.shared.info.vocab_size,
+            },
         });
         let _ = tx.send(StreamEvent::Error(e));
         return;
@@ -340,11 +342,11 @@ async fn transfer(
     room: RoomId,
     prefill: SocketAddr,
 ) -> Result<(PageLease, AuxData), EngineError> {
-    let rank = ctx.peer(prefill).await?;
-    let r = joined(ctx, room, rank, req).await;
+    let peer = ctx.peer(prefill).await?;
+    let r = joined(ctx, room, peer, req).await;
     if r.as_ref().is_err_and(connection_lost) {
         // The next request to this address reconnects.
-        ctx.forget_peer(prefill, rank).await;
+        ctx.forget_peer(prefill, peer).await;
     }
     r
 }
@@ -366,17 +368,17 @@ fn connection_lost(e: &EngineError) -> bool {
     )
 }
 
-/// [`transfer`] once connected to the prefill as peer `rank`. The request
+/// [`transfer`] once connected to the prefill as peer `peer`. The request
 /// owns its room (a [`handoff_transfer::ReceiverRoom`]): dropped before the
 /// KV landed (the client left), the room is aborted on both sides.
 async fn joined(
     ctx: &Ctx,
     room: RoomId,
-    rank: RankId,
+    peer: PeerId,
     req: &GenerateRequest,
 ) -> Result<(PageLease, AuxData), EngineError> {
     let t_open = std::time::Instant::now();
-    let mut handle = ctx.receiver.submit(room, sources(rank)).await?;
+    let mut handle = ctx.receiver.submit(room, sources(peer)).await?;
     let need =
         (req.prompt_ids.len() + req.sampling.max_new_tokens).div_ceil(ctx.shared.info.page_size);
     let lease = lease_pages(&ctx.pages, need).await;
@@ -410,7 +412,7 @@ mod tests {
     fn a_dead_peer_by_type_makes_the_next_request_reconnect() {
         // Decode found the prefill dead.
         let local = EngineError::from(TransferError::PeerDead {
-            rank: RankId(0),
+            peer: PeerId(0),
             detail: "prefill peer stopped answering".into(),
         });
         assert!(connection_lost(&local));
@@ -424,7 +426,7 @@ mod tests {
         assert!(connection_lost(&remote), "{remote:?}");
         // Through the transport error, as `receiver.wait` returns it.
         let wrapped = EngineError::from(TransportError::Room(TransferError::PeerDead {
-            rank: RankId(3),
+            peer: PeerId(3),
             detail: "no live connection".into(),
         }));
         assert!(connection_lost(&wrapped), "{wrapped:?}");

@@ -59,8 +59,8 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use handoff_kv::{KvDtype, PageAllocator, PageLease};
-use handoff_proto::handshake::{Fingerprint, KvDtype as WireDtype, KvLayoutKind};
+use handoff_kv::{PageAllocator, PageLease};
+use handoff_proto::handshake::{Fingerprint, KvLayoutKind};
 use handoff_proto::room::RoomConfig;
 
 use crate::config::EngineConfig;
@@ -197,15 +197,7 @@ fn fingerprint(loaded: &Loaded, config: &EngineConfig) -> Result<Fingerprint, En
         kv_heads: g.kv_heads as u32,
         head_dim: g.head_dim as u32,
         page_size: g.page_size as u32,
-        dtype: match g.dtype {
-            KvDtype::F32 => WireDtype::F32,
-            other => {
-                return Err(EngineError::InvalidParams(format!(
-                    "KV dtype {} has no wire name",
-                    other.name()
-                )))
-            }
-        },
+        dtype: g.dtype,
         layout: KvLayoutKind::LayerPageKv,
         tp_rank: 0,
         tp_size: 1,

@@ -18,8 +18,9 @@ use crate::router::relay::{
     self, relay_headers, AttemptGuards, AttemptSpec, Failure, Pair, RelayBody,
 };
 use crate::router::timeline::Timeline;
-use crate::router::workers::{Role, Worker};
+use crate::router::workers::Worker;
 use crate::router::RouterState;
+use handoff_proto::Role;
 
 /// `POST /generate`.
 pub async fn generate(State(state): State<RouterState>, req: Request) -> Response {
@@ -114,7 +115,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         let room = guards.room.id();
         body.insert("bootstrap_host".into(), json!(pair.prefill.host));
         body.insert("bootstrap_port".into(), json!(pair.prefill.bootstrap_port));
-        body.insert("bootstrap_room".into(), json!(room.0));
+        body.insert("bootstrap_room".into(), json!(room.get()));
         let payload = match serde_json::to_vec(&body) {
             Ok(p) => Bytes::from(p),
             Err(e) => {
@@ -167,7 +168,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                     return fail(&mut tl, f);
                 }
                 tracing::warn!(
-                    room = room.0,
+                    room = room.get(),
                     worker = %worker.url,
                     side = f.side().name(),
                     kind = %f.kind(),

@@ -10,8 +10,9 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::errors::ApiError;
-use crate::router::workers::{Health, Role};
+use crate::router::workers::Health;
 use crate::router::RouterState;
+use handoff_proto::Role;
 
 /// `GET /health`: the router is up.
 pub async fn health() -> &'static str {

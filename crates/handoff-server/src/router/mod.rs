@@ -29,7 +29,7 @@ use axum::Router;
 pub use config::{PrefillSpec, RouterConfig, RouterConfigError, DEFAULT_BOOTSTRAP_PORT};
 pub use metrics::RouterMetrics;
 pub use policy::{Policy, PolicyKind};
-pub use workers::{Health, Role, Worker, Workers};
+pub use workers::{Health, Worker, Workers};
 
 use rooms::Rooms;
 

@@ -21,7 +21,8 @@ use crate::errors::ApiError;
 use crate::router::metrics::RouterMetrics;
 use crate::router::rooms::RoomGuard;
 use crate::router::timeline::Timeline;
-use crate::router::workers::{InFlightGuard, Role, Worker};
+use crate::router::workers::{InFlightGuard, Worker};
+use handoff_proto::Role;
 
 type RespFut = Pin<Box<dyn Future<Output = reqwest::Result<reqwest::Response>> + Send>>;
 type BodyFut = Pin<Box<dyn Future<Output = reqwest::Result<Bytes>> + Send>>;

@@ -5,17 +5,8 @@
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
+use handoff_proto::RoomId;
 use rand::Rng;
-
-/// The `bootstrap_room` of one attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RoomId(pub u64);
-
-impl std::fmt::Display for RoomId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
 
 /// The live rooms.
 #[derive(Debug, Default)]
@@ -32,7 +23,7 @@ impl Rooms {
             let id = rng.random_range(1..=i64::MAX as u64);
             if live.insert(id) {
                 return RoomGuard {
-                    id: RoomId(id),
+                    id: RoomId::new(id).expect("drawn from 1.."),
                     rooms: Arc::clone(self),
                 };
             }
@@ -62,7 +53,7 @@ impl RoomGuard {
 impl Drop for RoomGuard {
     fn drop(&mut self) {
         let mut live = self.rooms.live.lock().unwrap_or_else(|e| e.into_inner());
-        live.remove(&self.id.0);
+        live.remove(&self.id.get());
     }
 }
 
@@ -74,7 +65,7 @@ mod tests {
     fn rooms_are_unique_nonzero_and_freed() {
         let rooms = Arc::new(Rooms::default());
         let guards: Vec<_> = (0..1000).map(|_| rooms.allocate()).collect();
-        let ids: HashSet<u64> = guards.iter().map(|g| g.id().0).collect();
+        let ids: HashSet<u64> = guards.iter().map(|g| g.id().get()).collect();
         assert_eq!(ids.len(), 1000);
         assert!(ids.iter().all(|&i| i >= 1 && i <= i64::MAX as u64));
         assert_eq!(rooms.live(), 1000);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::router::metrics::RouterMetrics;
-use crate::router::rooms::RoomId;
+use handoff_proto::RoomId;
 
 /// One request's timeline; logs and records itself when dropped.
 #[derive(Debug)]
@@ -125,7 +125,7 @@ impl Drop for Timeline {
         }
         self.metrics.observe_e2e(done.as_secs_f64());
         tracing::info!(
-            room = self.room.map(|r| r.0).unwrap_or(0),
+            room = self.room.map(RoomId::get).unwrap_or(0),
             route = self.route,
             prefill = %self.prefill,
             decode = %self.decode,

@@ -17,25 +17,7 @@ use serde_json::{json, Value};
 
 use crate::router::config::{worker_host, RouterConfig, RouterConfigError, DEFAULT_BOOTSTRAP_PORT};
 use crate::router::metrics::RouterMetrics;
-
-/// Which half of the PD pair a worker is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// Computes the prompt's KV and sends it.
-    Prefill,
-    /// Receives the KV and streams the answer.
-    Decode,
-}
-
-impl Role {
-    /// `prefill` or `decode`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
+use handoff_proto::Role;
 
 /// A worker's health as the router knows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

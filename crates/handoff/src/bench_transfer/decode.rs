@@ -57,7 +57,7 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
         let _in_io = io.handle().enter();
         KvReceiver::start(rc, region.clone(), layout)
     };
-    let rank = {
+    let peer = {
         let rx = rx.clone();
         io.handle()
             .spawn(async move { rx.connect(addr).await })
@@ -66,7 +66,7 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
             .map_err(|e| e.to_string())?
     };
     let sources = vec![Source {
-        rank,
+        peer,
         required_destinations: 1,
     }];
     println!("HANDLE {} {} {}", handle.pid, handle.fd, handle.len);

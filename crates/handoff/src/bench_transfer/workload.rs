@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use handoff_kv::{KvDtype, KvGeometry, PageIndex, ShmRegion};
-use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvDtype as WireDtype, KvLayoutKind};
+use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvLayoutKind};
 use handoff_proto::Role;
 use handoff_transfer::TransportKind;
 use rand::seq::SliceRandom;
@@ -166,7 +166,7 @@ pub fn handshake(role: Role, g: &KvGeometry) -> HandshakeConfig {
             kv_heads: g.kv_heads as u32,
             head_dim: g.head_dim as u32,
             page_size: g.page_size as u32,
-            dtype: WireDtype::F32,
+            dtype: g.dtype,
             layout: KvLayoutKind::LayerPageKv,
             tp_rank: 0,
             tp_size: 1,
