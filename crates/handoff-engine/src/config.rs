@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use handoff_kv::KvDtype;
 use handoff_model::PhaseFormats;
 
 /// How to load the model and size the engine.
@@ -15,6 +16,9 @@ pub struct EngineConfig {
     pub page_size: usize,
     /// Pages in the KV pool.
     pub kv_pages: usize,
+    /// Element type of stored K and V (f16 halves the pool and the bytes on
+    /// the wire; the arithmetic is f32 either way).
+    pub kv_dtype: KvDtype,
     /// Most requests in the running batch.
     pub max_batch: usize,
     /// Most requests waiting for admission; beyond it a request is refused
@@ -32,13 +36,15 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Defaults for a model path: 2 threads, 16-token pages, 2048 pages, batch 32, chunk 256.
+    /// Defaults for a model path: 2 threads, 16-token pages, 2048 f16 pages,
+    /// batch 32, chunk 256.
     pub fn new(model_path: impl Into<PathBuf>) -> Self {
         Self {
             model_path: model_path.into(),
             threads: 2,
             page_size: 16,
             kv_pages: 2048,
+            kv_dtype: KvDtype::F16,
             max_batch: 32,
             max_waiting: 4096,
             prefill_chunk: 256,

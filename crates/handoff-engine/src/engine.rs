@@ -212,7 +212,7 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
         Some(c) => c,
         None => model_ctx,
     };
-    let geometry = model.kv_geometry(config.page_size);
+    let geometry = model.kv_geometry(config.page_size, config.kv_dtype);
     let pool = if shared_pool {
         KvPool::new_shared(geometry, config.kv_pages).map(|(p, _)| p)
     } else {

@@ -20,6 +20,7 @@ use handoff_engine::{
     Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestStream,
     SamplingParams, StreamEvent,
 };
+use handoff_kv::KvDtype;
 use handoff_model::tiny::write_tiny_gguf;
 use handoff_proto::room::RoomConfig;
 use handoff_proto::timer::TimerConfig;
@@ -43,6 +44,8 @@ per_transport!(
     greedy_output_is_colocated_output_page_size_1,
     greedy_output_is_colocated_output_page_size_16,
     greedy_output_is_colocated_output_page_size_64,
+    greedy_output_is_colocated_output_with_f32_kv,
+    a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
     prefill_rejection_reaches_decode_with_status_and_reason,
     dropped_stream_mid_prefill_releases_both_sides,
@@ -91,6 +94,8 @@ struct Opts {
     decode_max_batch: usize,
     timers: Option<TimerConfig>,
     decode_kv_pages: Option<usize>,
+    kv_dtype: KvDtype,
+    prefill_kv_dtype: Option<KvDtype>,
 }
 
 impl Default for Opts {
@@ -104,6 +109,8 @@ impl Default for Opts {
             decode_max_batch: 32,
             timers: None,
             decode_kv_pages: None,
+            kv_dtype: KvDtype::F16,
+            prefill_kv_dtype: None,
         }
     }
 }
@@ -130,6 +137,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     cfg.page_size = o.page_size;
     cfg.kv_pages = o.kv_pages;
     cfg.prefill_chunk = o.prefill_chunk;
+    cfg.kv_dtype = o.kv_dtype;
     cfg.threads = 1;
     let colocated = Engine::start(cfg.clone()).unwrap();
     let mut dcfg = cfg.clone();
@@ -140,6 +148,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     let decode = DecodeEngine::start(dcfg, pd_config_with(kind, timers)).unwrap();
     let mut pcfg = cfg;
     pcfg.max_context = o.prefill_max_context;
+    pcfg.kv_dtype = o.prefill_kv_dtype.unwrap_or(o.kv_dtype);
     let prefill = PrefillEngine::start(pcfg.clone(), pd_config_with(kind, timers)).unwrap();
     Setup {
         prefill,
@@ -237,12 +246,13 @@ fn assert_clean(s: &Setup) {
     assert_eq!(s.colocated.load().pages_used, 0);
 }
 
-fn identity(kind: TransportKind, page_size: usize) {
+fn identity(kind: TransportKind, page_size: usize, kv_dtype: KvDtype) {
     let s = setup(
         kind,
         Opts {
             page_size,
             kv_pages: 8192 / page_size,
+            kv_dtype,
             ..Opts::default()
         },
     );
@@ -273,15 +283,56 @@ fn identity(kind: TransportKind, page_size: usize) {
 }
 
 fn greedy_output_is_colocated_output_page_size_1(kind: TransportKind) {
-    identity(kind, 1);
+    identity(kind, 1, KvDtype::F16);
 }
 
 fn greedy_output_is_colocated_output_page_size_16(kind: TransportKind) {
-    identity(kind, 16);
+    identity(kind, 16, KvDtype::F16);
 }
 
 fn greedy_output_is_colocated_output_page_size_64(kind: TransportKind) {
-    identity(kind, 64);
+    identity(kind, 64, KvDtype::F16);
+}
+
+fn greedy_output_is_colocated_output_with_f32_kv(kind: TransportKind) {
+    identity(kind, 16, KvDtype::F32);
+}
+
+fn a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both(kind: TransportKind) {
+    // Short room deadlines: decode never reaches the prefill, so the
+    // prefill's half of the pair ends at its bootstrap deadline.
+    let timers = TimerConfig {
+        bootstrap: Duration::from_millis(500),
+        ..room_timers()
+    };
+    let s = setup(
+        kind,
+        Opts {
+            kv_dtype: KvDtype::F16,
+            prefill_kv_dtype: Some(KvDtype::F32),
+            timers: Some(timers),
+            ..Opts::default()
+        },
+    );
+    let r = req(prompt(20, 3), 4);
+    let room = room();
+    let ticket = s.prefill.submit(r.clone(), room).unwrap();
+    let stream = s
+        .decode
+        .submit(r.clone(), room, s.prefill.bootstrap_addr())
+        .unwrap();
+    let e = drain(stream).unwrap_err();
+    assert_eq!(e.error_type(), "peer_incompatible", "{e}");
+    assert!(
+        e.to_string()
+            .contains("KV dtype: prefill has f32, decode has f16"),
+        "{e}"
+    );
+    // The prefill never got a destination: its room times out waiting for
+    // one, and nothing is left on either side.
+    let e = ticket.blocking_wait().unwrap_err();
+    assert_eq!(e.error_type(), "timeout", "{e}");
+    assert_clean(&s);
 }
 
 fn seeded_sampling_is_colocated_sampling(kind: TransportKind) {

@@ -8,7 +8,7 @@ pub enum KvError {
     #[error("invalid KV geometry: {0}")]
     InvalidGeometry(String),
     /// The pool cannot store this element type.
-    #[error("a KV pool of {dtype} is not supported: the pool stores f32")]
+    #[error("a KV pool of {dtype} is not supported: the pool stores f32 or f16")]
     UnsupportedDtype {
         /// The dtype asked for.
         dtype: &'static str,

@@ -14,5 +14,5 @@ pub mod shm;
 pub use error::KvError;
 pub use layout::{KvDtype, KvGeometry, KvLayout, KvPart, PageIndex, PageLayout};
 pub use lease::{PageAllocator, PageLease, PageStats};
-pub use pool::KvPool;
+pub use pool::{KvBlock, KvPool};
 pub use shm::{ShmRegion, ShmRegionHandle};

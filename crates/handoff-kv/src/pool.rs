@@ -1,52 +1,134 @@
-//! The KV pool's memory: one plain f32 region addressed by [`KvLayout`],
-//! either on the heap ([`KvPool::new`]) or in shared memory
-//! ([`KvPool::new_shared`]) that a transfer peer maps across processes.
+//! The KV pool's memory: one plain region addressed by [`KvLayout`], either
+//! on the heap ([`KvPool::new`]) or in shared memory ([`KvPool::new_shared`])
+//! that a transfer peer maps across processes. Elements are f32 or f16
+//! ([`KvDtype`]): K and V are written from f32 and read back as f32
+//! ([`KvBlock`] converts), so the model's arithmetic is f32 either way.
 //! Everything here works on a plain slice so the backing can change.
 
 use std::sync::Arc;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::error::KvError;
 use crate::layout::{KvDtype, KvGeometry, KvLayout, KvPart, PageIndex};
 use crate::lease::PageAllocator;
 use crate::shm::{ShmRegion, ShmRegionHandle};
 
-/// Where a pool's bytes live.
+/// Where a pool's bytes live. The heap backing is a vector of 4-byte words
+/// so every dtype's view of it is aligned.
 enum Backing {
     Heap(Vec<f32>),
     Shared(Arc<ShmRegion>),
 }
 
+/// One block (or a run of it) of a pool, in the pool's element type.
+#[derive(Debug, Clone, Copy)]
+pub enum KvBlock<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// f16 elements.
+    F16(&'a [f16]),
+}
+
+impl<'a> KvBlock<'a> {
+    /// Elements `range` of this block.
+    pub fn slice(self, range: std::ops::Range<usize>) -> KvBlock<'a> {
+        match self {
+            KvBlock::F32(s) => KvBlock::F32(&s[range]),
+            KvBlock::F16(s) => KvBlock::F16(&s[range]),
+        }
+    }
+
+    /// Elements in the block.
+    pub fn len(self) -> usize {
+        match self {
+            KvBlock::F32(s) => s.len(),
+            KvBlock::F16(s) => s.len(),
+        }
+    }
+
+    /// True when the block has no elements.
+    pub fn is_empty(self) -> bool {
+        self.len() == 0
+    }
+
+    /// The elements as f32: borrowed when they are f32, converted into
+    /// `scratch` when they are not.
+    pub fn to_f32<'s>(self, scratch: &'s mut Vec<f32>) -> &'s [f32]
+    where
+        'a: 's,
+    {
+        match self {
+            KvBlock::F32(s) => s,
+            KvBlock::F16(s) => {
+                scratch.clear();
+                scratch.resize(s.len(), 0.0);
+                s.convert_to_f32_slice(scratch);
+                scratch
+            }
+        }
+    }
+
+    /// Append the elements, as f32, to `out`.
+    pub fn extend_f32(self, out: &mut Vec<f32>) {
+        match self {
+            KvBlock::F32(s) => out.extend_from_slice(s),
+            KvBlock::F16(s) => {
+                let from = out.len();
+                out.resize(from + s.len(), 0.0);
+                s.convert_to_f32_slice(&mut out[from..]);
+            }
+        }
+    }
+}
+
 /// A paged KV cache: memory plus the allocator of its pages.
 pub struct KvPool {
     layout: KvLayout,
+    elem: Elem,
     memory: Backing,
     allocator: PageAllocator,
 }
 
-/// The layout of a pool this module can hold: its memory is f32.
-fn pool_layout(geometry: KvGeometry, num_pages: usize) -> Result<KvLayout, KvError> {
-    if geometry.dtype != KvDtype::F32 {
-        return Err(KvError::UnsupportedDtype {
-            dtype: geometry.dtype.name(),
-        });
-    }
-    KvLayout::new(geometry, num_pages)
+/// The element types a pool stores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Elem {
+    F32,
+    F16,
+}
+
+/// The layout of a pool this module can hold, and its element type.
+fn pool_layout(geometry: KvGeometry, num_pages: usize) -> Result<(KvLayout, Elem), KvError> {
+    let elem = match geometry.dtype {
+        KvDtype::F32 => Elem::F32,
+        KvDtype::F16 => Elem::F16,
+        other => {
+            return Err(KvError::UnsupportedDtype {
+                dtype: other.name(),
+            })
+        }
+    };
+    Ok((KvLayout::new(geometry, num_pages)?, elem))
 }
 
 impl KvPool {
     /// A zeroed pool of `num_pages` pages on the heap.
     pub fn new(geometry: KvGeometry, num_pages: usize) -> Result<Self, KvError> {
-        let layout = pool_layout(geometry, num_pages)?;
+        let (layout, elem) = pool_layout(geometry, num_pages)?;
+        // Pools are whole 4-byte words: every block count is even (K and V).
+        let words = layout.pool_bytes().div_ceil(4);
         let mut memory = Vec::new();
-        memory.try_reserve_exact(layout.pool_elems()).map_err(|_| {
+        memory.try_reserve_exact(words).map_err(|_| {
             KvError::InvalidGeometry(format!(
                 "cannot allocate a KV pool of {} bytes",
                 layout.pool_bytes()
             ))
         })?;
-        memory.resize(layout.pool_elems(), 0.0);
+        memory.resize(words, 0.0);
         Ok(Self {
             layout,
+            elem,
             memory: Backing::Heap(memory),
             allocator: PageAllocator::new(num_pages),
         })
@@ -58,12 +140,13 @@ impl KvPool {
         geometry: KvGeometry,
         num_pages: usize,
     ) -> Result<(Self, ShmRegionHandle), KvError> {
-        let layout = pool_layout(geometry, num_pages)?;
+        let (layout, elem) = pool_layout(geometry, num_pages)?;
         let region = ShmRegion::create(crate::shm::POOL_MEMFD_NAME, layout.pool_bytes())?;
         let handle = region.handle();
         Ok((
             Self {
                 layout,
+                elem,
                 memory: Backing::Shared(Arc::new(region)),
                 allocator: PageAllocator::new(num_pages),
             },
@@ -80,14 +163,15 @@ impl KvPool {
         }
     }
 
-    fn elems(&self) -> &[f32] {
+    /// The region as 4-byte words (f32 pools' elements; two f16 each).
+    fn words(&self) -> &[f32] {
         match &self.memory {
             Backing::Heap(v) => v,
             Backing::Shared(r) => r.as_f32(),
         }
     }
 
-    fn elems_mut(&mut self) -> &mut [f32] {
+    fn words_mut(&mut self) -> &mut [f32] {
         match &mut self.memory {
             Backing::Heap(v) => v,
             // A transport may hold the region too: the view is tied to
@@ -112,26 +196,23 @@ impl KvPool {
     }
 
     /// One (layer, page, kind) block: `[kv_head][slot][head_dim]`.
-    pub fn block(&self, layer: usize, page: PageIndex, kind: KvPart) -> &[f32] {
+    pub fn block(&self, layer: usize, page: PageIndex, kind: KvPart) -> KvBlock<'_> {
         let off = self.layout.block_offset(layer, page, kind);
-        &self.elems()[off..off + self.layout.geometry.block_elems()]
-    }
-
-    /// Mutable access to one block.
-    pub fn block_mut(&mut self, layer: usize, page: PageIndex, kind: KvPart) -> &mut [f32] {
-        let off = self.layout.block_offset(layer, page, kind);
-        let n = self.layout.geometry.block_elems();
-        &mut self.elems_mut()[off..off + n]
+        let range = off..off + self.layout.geometry.block_elems();
+        match self.elem {
+            Elem::F32 => KvBlock::F32(&self.words()[range]),
+            Elem::F16 => KvBlock::F16(&bytemuck::cast_slice::<f32, f16>(self.words())[range]),
+        }
     }
 
     /// The whole region as bytes (what a transport reads).
     pub fn as_bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(self.elems())
+        bytemuck::cast_slice(self.words())
     }
 
     /// The whole region as mutable bytes (what a transport writes into).
     pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(self.elems_mut())
+        bytemuck::cast_slice_mut(self.words_mut())
     }
 
     /// Write K and V of one token at sequence position `pos` of a sequence
@@ -151,13 +232,19 @@ impl KvPool {
         })?;
         self.layout.check_page(page)?;
         let slot = pos % g.page_size;
+        let layout = self.layout;
+        let elem = self.elem;
+        let words = self.words_mut();
         for (kind, src) in [(KvPart::K, k), (KvPart::V, v)] {
-            let layout = self.layout;
-            let block = self.block_mut(layer, page, kind);
+            let base = layout.block_offset(layer, page, kind);
             for h in 0..g.kv_heads {
-                let off = layout.slot_offset(h, slot);
-                block[off..off + g.head_dim]
-                    .copy_from_slice(&src[h * g.head_dim..(h + 1) * g.head_dim]);
+                let off = base + layout.slot_offset(h, slot);
+                let src = &src[h * g.head_dim..(h + 1) * g.head_dim];
+                match elem {
+                    Elem::F32 => words[off..off + g.head_dim].copy_from_slice(src),
+                    Elem::F16 => bytemuck::cast_slice_mut::<f32, f16>(words)[off..off + g.head_dim]
+                        .convert_from_f32_slice(src),
+                }
             }
         }
         Ok(())
@@ -181,9 +268,10 @@ impl KvPool {
                 break;
             }
             let n = left.min(g.page_size);
-            let block = self.block(layer, page, kind);
             let off = self.layout.slot_offset(head, 0);
-            out.extend_from_slice(&block[off..off + n * g.head_dim]);
+            self.block(layer, page, kind)
+                .slice(off..off + n * g.head_dim)
+                .extend_f32(out);
             left -= n;
         }
     }
@@ -253,12 +341,58 @@ mod tests {
             .unwrap();
         peer.write_at(v.start, bytemuck::cast_slice(&[9.0f32, 8.0, 7.0, 6.0]))
             .unwrap();
+        let mut scratch = Vec::new();
         assert_eq!(
-            pool.block(0, PageIndex(0), KvPart::V),
+            pool.block(0, PageIndex(0), KvPart::V).to_f32(&mut scratch),
             &[9.0, 8.0, 7.0, 6.0]
         );
         assert!(pool.shared_region().is_some());
         assert!(KvPool::new(g, 4).unwrap().shared_region().is_none());
+    }
+
+    #[test]
+    fn an_f16_pool_holds_half_the_bytes_and_reads_back_what_f16_can_hold() {
+        let g = |dtype| KvGeometry {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 4,
+            page_size: 2,
+            dtype,
+        };
+        let f32_pool = KvPool::new(g(KvDtype::F32), 3).unwrap();
+        let (mut pool, handle) = KvPool::new_shared(g(KvDtype::F16), 3).unwrap();
+        assert_eq!(
+            2 * pool.layout().pool_bytes(),
+            f32_pool.layout().pool_bytes()
+        );
+        assert_eq!(handle.len as usize, pool.layout().pool_bytes());
+        let pages = [PageIndex(2), PageIndex(0)];
+        // Exactly representable in f16, and one value that is not.
+        let k: Vec<f32> = (0..8).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let v: Vec<f32> = vec![1.0 / 3.0; 8];
+        pool.write_token(1, &pages, 3, &k, &v).unwrap();
+        let mut out = Vec::new();
+        pool.gather_head(1, &pages, KvPart::K, 1, 4, &mut out);
+        // Positions 0..3 untouched, position 3 is head 1's keys.
+        assert_eq!(&out[..12], &[0.0; 12]);
+        assert_eq!(&out[12..], &k[4..]);
+        out.clear();
+        pool.gather_head(1, &pages, KvPart::V, 0, 4, &mut out);
+        let third = half::f16::from_f32(1.0 / 3.0).to_f32();
+        assert_ne!(third, 1.0 / 3.0);
+        assert_eq!(&out[12..], &[third; 4]);
+        // The bytes a transport moves are the f16 bits, in the block's place.
+        let range = pool
+            .layout()
+            .head_slice_bytes(1, PageIndex(0), KvPart::K, 1..2)
+            .unwrap();
+        assert_eq!(range.len(), 2 * 4 * 2, "2 slots x 4 dims x 2 bytes");
+        let raw = &pool.as_bytes()[range];
+        let slot1: Vec<f32> = raw[8..]
+            .chunks_exact(2)
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        assert_eq!(slot1, &k[4..]);
     }
 
     #[test]
@@ -268,11 +402,11 @@ mod tests {
             kv_heads: 1,
             head_dim: 2,
             page_size: 2,
-            dtype: KvDtype::F16,
+            dtype: KvDtype::Bf16,
         };
         assert_eq!(
             KvPool::new(g, 4).err(),
-            Some(KvError::UnsupportedDtype { dtype: "f16" })
+            Some(KvError::UnsupportedDtype { dtype: "bf16" })
         );
         assert!(KvPool::new_shared(g, 4).is_err());
     }

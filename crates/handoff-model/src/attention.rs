@@ -38,9 +38,16 @@ pub struct SeqAttn<'a> {
     pub n: usize,
 }
 
+/// Scratch of one decode task: scores, and the f32 view of an f16 block.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    block: Vec<f32>,
+}
+
 /// Attention for one token of one sequence, one query head, reading keys and
-/// values in place. `q` is the head's query; writes `[head_dim]` into `out`;
-/// `scores` is scratch (cleared here).
+/// values in place (an f16 pool's run of a page is converted once into
+/// scratch). `q` is the head's query; writes `[head_dim]` into `out`.
 #[allow(clippy::too_many_arguments)]
 fn attend_one(
     pool: &KvPool,
@@ -49,9 +56,10 @@ fn attend_one(
     kvh: usize,
     q: &[f32],
     scale: f32,
-    scores: &mut Vec<f32>,
+    scratch: &mut Scratch,
     out: &mut [f32],
 ) {
+    let Scratch { scores, block } = scratch;
     let g = *pool.geometry();
     let pos = seq.start;
     let len = pos + 1;
@@ -63,9 +71,12 @@ fn attend_one(
             break;
         }
         let n = left.min(g.page_size);
-        let kb = pool.block(layer, page, KvPart::K);
+        let kb = pool
+            .block(layer, page, KvPart::K)
+            .slice(base..base + n * g.head_dim)
+            .to_f32(block);
         let from = scores.len();
-        dots(q, &kb[base..base + n * g.head_dim], scores);
+        dots(q, kb, scores);
         for s in &mut scores[from..] {
             *s *= scale;
         }
@@ -79,8 +90,11 @@ fn attend_one(
             break;
         }
         let n = (len - i).min(g.page_size);
-        let vb = pool.block(layer, page, KvPart::V);
-        axpy_rows(out, &scores[i..i + n], &vb[base..base + n * g.head_dim]);
+        let vb = pool
+            .block(layer, page, KvPart::V)
+            .slice(base..base + n * g.head_dim)
+            .to_f32(block);
+        axpy_rows(out, &scores[i..i + n], vb);
         i += n;
     }
 }
@@ -101,17 +115,18 @@ pub fn attend_decode(
     let width = shape.heads * d;
     let scale = 1.0 / (d as f32).sqrt();
     let mut out = vec![0.0f32; seqs.len() * width];
-    out.par_chunks_mut(group * d)
-        .enumerate()
-        .for_each_init(Vec::new, |scores, (idx, o)| {
+    out.par_chunks_mut(group * d).enumerate().for_each_init(
+        Scratch::default,
+        |scratch, (idx, o)| {
             let (s, kvh) = (idx / shape.kv_heads, idx % shape.kv_heads);
             let seq = &seqs[s];
             for (g, o) in o.chunks_exact_mut(d).enumerate() {
                 let h = kvh * group + g;
                 let qh = &q[s * width + h * d..s * width + (h + 1) * d];
-                attend_one(pool, layer, seq, kvh, qh, scale, scores, o);
+                attend_one(pool, layer, seq, kvh, qh, scale, scratch, o);
             }
-        });
+        },
+    );
     out
 }
 

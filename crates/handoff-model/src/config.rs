@@ -70,14 +70,18 @@ fn get_f32(c: &Content, key: &str) -> Option<f32> {
 }
 
 impl LlamaConfig {
-    /// The KV geometry this model needs for a given page size (f32 K and V).
-    pub fn kv_geometry(&self, page_size: usize) -> handoff_kv::KvGeometry {
+    /// The KV geometry this model needs for a page size and element type.
+    pub fn kv_geometry(
+        &self,
+        page_size: usize,
+        dtype: handoff_kv::KvDtype,
+    ) -> handoff_kv::KvGeometry {
         handoff_kv::KvGeometry {
             layers: self.layers,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
             page_size,
-            dtype: handoff_kv::KvDtype::F32,
+            dtype,
         }
     }
 

@@ -7,7 +7,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::QTensor;
 use candle_core::Device;
-use handoff_kv::{KvGeometry, KvPool, PageIndex};
+use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
 
 use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
 use crate::config::LlamaConfig;
@@ -238,9 +238,9 @@ impl Llama {
         self.formats
     }
 
-    /// The KV geometry this model needs for a given page size.
-    pub fn kv_geometry(&self, page_size: usize) -> KvGeometry {
-        self.config.kv_geometry(page_size)
+    /// The KV geometry this model needs for a page size and element type.
+    pub fn kv_geometry(&self, page_size: usize, dtype: KvDtype) -> KvGeometry {
+        self.config.kv_geometry(page_size, dtype)
     }
 
     fn attn_shape(&self) -> AttnShape {
@@ -278,8 +278,9 @@ impl Llama {
         let cfg = &self.config;
         let (h, d) = (cfg.hidden, cfg.head_dim);
         let kvw = cfg.kv_heads * d;
-        let page_size = pool.geometry().page_size;
-        if pool.geometry() != &self.kv_geometry(page_size) {
+        let pg = *pool.geometry();
+        let page_size = pg.page_size;
+        if pg != self.kv_geometry(page_size, pg.dtype) {
             return Err(ModelError::Forward(
                 "KV pool geometry does not match the model".into(),
             ));

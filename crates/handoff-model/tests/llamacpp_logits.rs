@@ -10,11 +10,13 @@
 //! llama.cpp's pick trails ours by at most `NEAR_TIE` in our logits.
 //! Why not exact equality: llama.cpp quantizes activations to 8 bits in
 //! blocks of 32 before every Q4_1 matmul and stores K/V in f16. With the
-//! default formats (BENCHMARKS.md) we store K/V in f32, prefill in f32 and
-//! decode with Q8_0 weights (activations in blocks of 32, like llama.cpp;
-//! handoff's `q8_matmul` kernel).
-//! Measured here: median top-5 logit difference 0.168, argmax equal at
-//! 534/560 steps (0.18 and 529/560 before `q8_matmul`, when candle ran the
+//! default formats (BENCHMARKS.md) we store K/V in f16 too (the serving
+//! default, `--kv-dtype f16`), prefill in f32 and decode with Q8_0 weights
+//! (activations in blocks of 32, like llama.cpp; handoff's `q8_matmul`
+//! kernel).
+//! Measured here: median top-5 logit difference 0.161, argmax equal at
+//! 537/560 steps (with f32 K/V: 0.168 and 534/560;
+//! 0.18 and 529/560 before `q8_matmul`, when candle ran the
 //! FFN down projection with activations in blocks of 256); with all-Q4_1
 //! weights like llama.cpp: 0.14 and 532/560.
 //! (The faster `q8_0-vnni` decode format quantizes activations in blocks of
@@ -24,7 +26,7 @@
 
 use std::path::PathBuf;
 
-use handoff_kv::{KvPool, PageIndex};
+use handoff_kv::{KvDtype, KvPool, PageIndex};
 use handoff_model::sampling::argmax;
 use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk};
 
@@ -95,8 +97,11 @@ fn logits_track_llamacpp_step_by_step() {
             })
             .collect();
         let total = prompt.len() + out.len();
-        let mut pool =
-            KvPool::new(model.kv_geometry(page_size), total.div_ceil(page_size)).unwrap();
+        let mut pool = KvPool::new(
+            model.kv_geometry(page_size, KvDtype::F16),
+            total.div_ceil(page_size),
+        )
+        .unwrap();
         let pages: Vec<PageIndex> = (0..total.div_ceil(page_size) as u32)
             .rev()
             .map(PageIndex)

@@ -1,7 +1,7 @@
 //! The paged forward equals the unpaged reference, for several page sizes,
 //! chunkings and scattered page orders; batched decode equals one-by-one decode.
 
-use handoff_kv::{KvPool, PageIndex};
+use handoff_kv::{KvDtype, KvPool, PageIndex};
 use handoff_model::tiny::write_tiny_gguf;
 use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk, WeightFormat};
 
@@ -47,7 +47,7 @@ fn paged_prefill_matches_unpaged_reference_for_several_page_sizes() {
     let reference = model.reference_logits(&tokens, Phase::Prefill).unwrap();
     for page_size in [1, 4, 16, 64] {
         let pool_pages = 75usize.div_ceil(page_size) * 2 + 1;
-        let mut pool = KvPool::new(model.kv_geometry(page_size), pool_pages).unwrap();
+        let mut pool = KvPool::new(model.kv_geometry(page_size, KvDtype::F32), pool_pages).unwrap();
         let pages = scattered_pages(75usize.div_ceil(page_size), pool_pages);
         // Prefill in uneven chunks: 30 + 1 + 44 tokens.
         let mut start = 0;
@@ -86,7 +86,7 @@ fn paged_decode_matches_reference_and_batching_changes_nothing() {
     // One by one.
     let mut solo = Vec::new();
     for (i, s) in seqs.iter().enumerate() {
-        let mut pool = KvPool::new(model.kv_geometry(page_size), 64).unwrap();
+        let mut pool = KvPool::new(model.kv_geometry(page_size, KvDtype::F32), 64).unwrap();
         let pages: Vec<PageIndex> = (0..8).map(|p| PageIndex(p * 3 + 1)).collect();
         let pre = &s[..lens[i]];
         model
@@ -122,7 +122,7 @@ fn paged_decode_matches_reference_and_batching_changes_nothing() {
         solo.push(outs);
     }
     // All three in one pool, decoded as a batch.
-    let mut pool = KvPool::new(model.kv_geometry(page_size), 64).unwrap();
+    let mut pool = KvPool::new(model.kv_geometry(page_size, KvDtype::F32), 64).unwrap();
     let pages: Vec<Vec<PageIndex>> = (0..3)
         .map(|i| (0..8).map(|p| PageIndex((p * 3 + i) as u32)).collect())
         .collect();
@@ -155,7 +155,7 @@ fn paged_decode_matches_reference_and_batching_changes_nothing() {
 #[test]
 fn bad_inputs_are_errors_not_panics() {
     let model = tiny(PhaseFormats::default());
-    let mut pool = KvPool::new(model.kv_geometry(4), 4).unwrap();
+    let mut pool = KvPool::new(model.kv_geometry(4, KvDtype::F32), 4).unwrap();
     let pages = [PageIndex(0)];
     let too_long = prompt(5, 0);
     let e = model.forward(
@@ -224,4 +224,50 @@ fn tempfile_dir() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("handoff-arch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
+}
+
+#[test]
+fn f16_kv_tracks_the_f32_reference_in_prefill_and_decode() {
+    // K and V rounded to f16 on the way into the pool: the logits move by
+    // f16's rounding, not more, in both attention paths (prefill gathers,
+    // decode reads pages in place).
+    let formats = PhaseFormats {
+        prefill: WeightFormat::F32,
+        decode: WeightFormat::F32,
+    };
+    let model = tiny(formats);
+    let tokens = prompt(40, 5);
+    let reference = model.reference_logits(&tokens, Phase::Decode).unwrap();
+    let page_size = 4;
+    let mut pool = KvPool::new(model.kv_geometry(page_size, KvDtype::F16), 32).unwrap();
+    let pages = scattered_pages(40usize.div_ceil(page_size), 32);
+    let prefill = model
+        .forward(
+            &mut pool,
+            &[SeqChunk {
+                tokens: &tokens[..30],
+                start_pos: 0,
+                pages: &pages,
+            }],
+            Phase::Prefill,
+        )
+        .unwrap();
+    let mut worst = max_diff(&prefill[0], &reference[29]);
+    for pos in 30..40 {
+        let out = model
+            .forward(
+                &mut pool,
+                &[SeqChunk {
+                    tokens: &tokens[pos..pos + 1],
+                    start_pos: pos,
+                    pages: &pages,
+                }],
+                Phase::Decode,
+            )
+            .unwrap();
+        worst = worst.max(max_diff(&out[0], &reference[pos]));
+    }
+    eprintln!("f16 KV: max |logit diff| {worst}");
+    assert!(worst > 0.0, "f16 storage rounds something");
+    assert!(worst < 1e-2, "max |logit diff| {worst}");
 }

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use handoff_kv::{KvPool, PageIndex};
+use handoff_kv::{KvDtype, KvPool, PageIndex};
 use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk, WeightFormat};
 
 /// Flags of `handoff bench-model`.
@@ -28,6 +28,9 @@ pub struct BenchModelArgs {
     /// Weight format for decode (f32, q8_0, as-loaded).
     #[arg(long, default_value = "q8_0")]
     decode_format: WeightFormat,
+    /// Element type of the KV pool (f16, the serving default, or f32).
+    #[arg(long, default_value = "f16", value_parser = crate::engine_args::parse_kv_dtype)]
+    kv_dtype: KvDtype,
     /// Skip llama.cpp (print only our figures).
     #[arg(long)]
     no_llamacpp: bool,
@@ -52,12 +55,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Tokens/s of prefilling `n` tokens, median of `reps`.
-fn prefill_rate(model: &Llama, n: usize, reps: usize) -> anyhow::Result<f64> {
+fn prefill_rate(model: &Llama, dtype: KvDtype, n: usize, reps: usize) -> anyhow::Result<f64> {
     let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + (i * 7919) % 40_000).collect();
     let pages: Vec<PageIndex> = (0..n.div_ceil(16) as u32).map(PageIndex).collect();
     let mut rates = Vec::new();
     for _ in 0..reps + 1 {
-        let mut kv = KvPool::new(model.kv_geometry(16), pages.len())?;
+        let mut kv = KvPool::new(model.kv_geometry(16, dtype), pages.len())?;
         let t = Instant::now();
         model.forward(
             &mut kv,
@@ -76,12 +79,12 @@ fn prefill_rate(model: &Llama, n: usize, reps: usize) -> anyhow::Result<f64> {
 
 /// Generated tokens/s of one run: `batch` sequences decoding `steps` tokens
 /// each after a 32-token prompt.
-fn decode_once(model: &Llama, batch: usize, steps: usize) -> anyhow::Result<f64> {
+fn decode_once(model: &Llama, dtype: KvDtype, batch: usize, steps: usize) -> anyhow::Result<f64> {
     let per_seq = (32 + steps).div_ceil(16);
     let tokens: Vec<u32> = (0..(32 + steps) as u32)
         .map(|i| 100 + (i * 7919) % 40_000)
         .collect();
-    let mut kv = KvPool::new(model.kv_geometry(16), per_seq * batch)?;
+    let mut kv = KvPool::new(model.kv_geometry(16, dtype), per_seq * batch)?;
     let pages: Vec<Vec<PageIndex>> = (0..batch)
         .map(|b| {
             (0..per_seq)
@@ -120,11 +123,16 @@ fn decode_once(model: &Llama, batch: usize, steps: usize) -> anyhow::Result<f64>
 /// prompt), the batch sizes taking turns run by run (one warm-up round
 /// dropped), so a slow phase of a shared host lands on all of them and the
 /// ratio between them is measured in the same conditions.
-fn decode_rates(model: &Llama, batches: &[usize], reps: usize) -> anyhow::Result<Vec<f64>> {
+fn decode_rates(
+    model: &Llama,
+    dtype: KvDtype,
+    batches: &[usize],
+    reps: usize,
+) -> anyhow::Result<Vec<f64>> {
     let mut rates = vec![Vec::new(); batches.len()];
     for round in 0..reps + 1 {
         for (r, &batch) in rates.iter_mut().zip(batches) {
-            let rate = decode_once(model, batch, 64)?;
+            let rate = decode_once(model, dtype, batch, 64)?;
             if round > 0 {
                 r.push(rate);
             }
@@ -239,15 +247,19 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         for (i, case) in cases.into_iter().enumerate() {
             if wanted(case) {
                 match case {
-                    Case::Prefill128 => out[i] = prefill_rate(&model, 128, reps)?,
-                    Case::Prefill512 => out[i] = prefill_rate(&model, 512, reps)?,
+                    Case::Prefill128 => out[i] = prefill_rate(&model, args.kv_dtype, 128, reps)?,
+                    Case::Prefill512 => out[i] = prefill_rate(&model, args.kv_dtype, 512, reps)?,
                     Case::Decode1 => decode.push((i, 1)),
                     Case::Decode8 => decode.push((i, 8)),
                 }
             }
         }
         let batches: Vec<usize> = decode.iter().map(|d| d.1).collect();
-        for ((i, _), rate) in decode.iter().zip(decode_rates(&model, &batches, reps)?) {
+        for ((i, _), rate) in
+            decode
+                .iter()
+                .zip(decode_rates(&model, args.kv_dtype, &batches, reps)?)
+        {
             out[*i] = rate;
         }
         Ok(out)

@@ -7,6 +7,7 @@ use std::process::Command;
 use anyhow::{bail, Context};
 use clap::Args;
 use handoff_engine::EngineConfig;
+use handoff_kv::KvDtype;
 use handoff_model::{PhaseFormats, WeightFormat};
 
 /// The default model, relative to the repository root.
@@ -31,6 +32,10 @@ pub struct EngineArgs {
     /// Size the KV pool by memory instead of pages (MiB).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) kv_memory_mb: Option<u64>,
+    /// Element type of stored K and V: f16 (half the memory and half the
+    /// bytes on the wire) or f32. Prefill and decode must agree.
+    #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
+    pub(crate) kv_dtype: KvDtype,
     /// Most requests in the running batch.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) max_batch: u32,
@@ -54,6 +59,17 @@ pub struct EngineArgs {
     /// comparison), f32 or as-loaded.
     #[arg(long, default_value = "q8_0")]
     pub(crate) decode_format: WeightFormat,
+}
+
+/// The KV dtypes the pool stores, by name.
+pub(crate) fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
+    match s {
+        "f16" => Ok(KvDtype::F16),
+        "f32" => Ok(KvDtype::F32),
+        other => Err(format!(
+            "unknown KV dtype {other:?}: handoff stores K and V as f16 or f32"
+        )),
+    }
 }
 
 /// The repository root: `$HANDOFF_REPO`, else the current directory.
@@ -110,14 +126,19 @@ fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 }
 
 /// KV pages that fit in `mb` MiB for this model (K and V, every layer).
-fn pages_for_memory(model: &Path, mb: u64, page_size: usize) -> anyhow::Result<usize> {
+fn pages_for_memory(
+    model: &Path,
+    mb: u64,
+    page_size: usize,
+    dtype: KvDtype,
+) -> anyhow::Result<usize> {
     let mut f =
         std::fs::File::open(model).with_context(|| format!("opening {}", model.display()))?;
     let content = candle_core::quantized::gguf_file::Content::read(&mut f)
         .with_context(|| format!("reading the GGUF header of {}", model.display()))?;
     let cfg = handoff_model::LlamaConfig::from_gguf(&content)
         .with_context(|| format!("reading the model configuration of {}", model.display()))?;
-    let bytes_per_page = cfg.kv_geometry(page_size).page_bytes();
+    let bytes_per_page = cfg.kv_geometry(page_size, dtype).page_bytes();
     let total = usize::try_from(mb.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
     let pages = total / bytes_per_page.max(1);
     if pages == 0 {
@@ -149,13 +170,14 @@ impl EngineArgs {
         let page_size = self.page_size as usize;
         let kv_pages = match (self.kv_pages, self.kv_memory_mb) {
             (Some(p), _) => usize::try_from(p).context("--kv-pages is too large")?,
-            (None, Some(mb)) => pages_for_memory(&model, mb, page_size)?,
+            (None, Some(mb)) => pages_for_memory(&model, mb, page_size, self.kv_dtype)?,
             (None, None) => defaults.kv_pages,
         };
         let config = EngineConfig {
             threads: usize::from(self.threads),
             page_size,
             kv_pages,
+            kv_dtype: self.kv_dtype,
             max_batch: self.max_batch as usize,
             max_waiting: self.max_waiting as usize,
             prefill_chunk: self.prefill_chunk as usize,
@@ -199,6 +221,7 @@ impl EngineArgs {
         if let Some(mb) = self.kv_memory_mb {
             flag("kv-memory-mb", mb.to_string());
         }
+        flag("kv-dtype", self.kv_dtype.name().to_string());
         flag("max-batch", self.max_batch.to_string());
         flag("max-waiting", self.max_waiting.to_string());
         flag("prefill-chunk", self.prefill_chunk.to_string());

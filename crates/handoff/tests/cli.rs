@@ -35,6 +35,10 @@ fn cli_errors_are_precise() {
         "the argument '--kv-pages <KV_PAGES>' cannot be used with '--kv-memory-mb <KV_MEMORY_MB>'",
     );
     fails_with(
+        &["serve", "--kv-dtype", "bf16"],
+        "invalid value 'bf16' for '--kv-dtype <KV_DTYPE>': unknown KV dtype \"bf16\": handoff stores K and V as f16 or f32",
+    );
+    fails_with(
         &["serve", "--model", "/nonexistent/model.gguf"],
         "model file /nonexistent/model.gguf does not exist",
     );
