@@ -33,6 +33,9 @@ pub struct EngineConfig {
     pub served_name: Option<String>,
     /// Weight formats per phase.
     pub formats: PhaseFormats,
+    /// Reuse the KV of cached prompt prefixes (the radix cache); off with
+    /// `--disable-radix-cache`.
+    pub prefix_cache: bool,
 }
 
 impl EngineConfig {
@@ -51,6 +54,7 @@ impl EngineConfig {
             max_context: None,
             served_name: None,
             formats: PhaseFormats::default(),
+            prefix_cache: true,
         }
     }
 }

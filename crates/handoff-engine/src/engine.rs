@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 
-use handoff_kv::{KvPool, PageAllocator};
+use handoff_kv::{KvPool, PageAllocator, PrefixCache};
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::Llama;
@@ -34,6 +34,9 @@ pub(crate) struct Shared {
 pub(crate) struct Counters {
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
+    /// Pages the prefix cache holds, and of those the evictable ones.
+    pub cache_pages: AtomicUsize,
+    pub cache_evictable: AtomicUsize,
 }
 
 impl Shared {
@@ -62,11 +65,13 @@ impl Shared {
 
     pub fn load(&self) -> LoadSnapshot {
         let pages = self.allocator.stats();
+        let evictable = self.counters.cache_evictable.load(Ordering::Acquire);
         LoadSnapshot {
             running: self.counters.running.load(Ordering::Acquire),
             waiting: self.counters.waiting.load(Ordering::Acquire),
             pages_total: pages.total,
-            pages_used: pages.leased,
+            pages_used: pages.leased.saturating_sub(evictable),
+            pages_cached: self.counters.cache_pages.load(Ordering::Acquire),
         }
     }
 }
@@ -151,6 +156,7 @@ impl Loaded {
         self,
         config: &EngineConfig,
         name: &str,
+        cache: Option<PrefixCache>,
     ) -> Result<Shared, EngineError> {
         let (tx, rx) = std_mpsc::channel();
         let shared = Shared {
@@ -173,6 +179,7 @@ impl Loaded {
             waiting: Default::default(),
             active: Vec::new(),
             resumed: Default::default(),
+            cache,
         };
         std::thread::Builder::new()
             .name(name.into())
@@ -256,13 +263,18 @@ impl Engine {
     /// Load the model and start the scheduler thread. Returns once the model
     /// is loaded and the engine accepts requests.
     pub fn start(config: EngineConfig) -> Result<EngineHandle, EngineError> {
-        let shared = Arc::new(load(&config, false)?.spawn_scheduler(&config, "handoff-scheduler")?);
+        let cache = config
+            .prefix_cache
+            .then(|| PrefixCache::new(config.page_size));
+        let shared =
+            Arc::new(load(&config, false)?.spawn_scheduler(&config, "handoff-scheduler", cache)?);
         tracing::info!(
             model = %shared.info.model_path,
             context = shared.info.context_length,
             page_size = shared.info.page_size,
             kv_pages = config.kv_pages,
             formats = ?config.formats,
+            prefix_cache = config.prefix_cache,
             "engine started"
         );
         Ok(EngineHandle { inner: shared })

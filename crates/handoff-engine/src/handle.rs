@@ -37,8 +37,12 @@ pub struct LoadSnapshot {
     pub waiting: usize,
     /// Pages in the KV pool.
     pub pages_total: usize,
-    /// Pages currently leased to requests.
+    /// Pages held for requests (running, queued for a transfer, or read
+    /// by one from the prefix cache); cached pages no request reads are
+    /// free to evict and not counted.
     pub pages_used: usize,
+    /// Pages the prefix cache holds (some of them also in `pages_used`).
+    pub pages_cached: usize,
 }
 
 /// Cheap, cloneable handle to a running engine.
@@ -82,6 +86,17 @@ impl EngineHandle {
     /// Current load.
     pub fn load(&self) -> LoadSnapshot {
         self.inner.load()
+    }
+
+    /// Empty the prefix cache of every page no request reads; returns how
+    /// many pages that freed (0 with the cache off).
+    pub async fn flush_cache(&self) -> Result<usize, EngineError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.inner
+            .commands
+            .send(crate::scheduler::Command::FlushCache(tx))
+            .map_err(|_| EngineError::ShuttingDown)?;
+        rx.await.map_err(|_| EngineError::ShuttingDown)
     }
 }
 

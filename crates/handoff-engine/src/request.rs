@@ -104,6 +104,8 @@ pub struct Finished {
     pub prompt_tokens: usize,
     /// Tokens generated (including a final EOS/stop token).
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache (not computed).
+    pub cached_tokens: usize,
 }
 
 /// What a request's stream yields, in order: zero or more `Token`, then exactly

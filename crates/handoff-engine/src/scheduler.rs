@@ -1,13 +1,16 @@
 //! The colocated scheduler loop (DESIGN.md §2 `handoff-engine`): one thread
-//! owns the model, the KV pool and every request. Each iteration: take new
-//! requests, drop cancelled ones, admit waiting requests whose pages fit,
-//! run one prefill chunk, run one decode step for the running batch.
+//! owns the model, the KV pool, the prefix cache and every request. Each
+//! iteration: take new requests, drop cancelled ones, admit waiting requests
+//! whose pages fit (reusing the longest cached prefix, evicting unused cached
+//! pages when the pool runs short), run one prefill chunk, run one decode
+//! step for the running batch. A request's full prompt pages go to the cache
+//! once its prefill ends.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc as std_mpsc, Arc};
 
-use handoff_kv::{KvPool, PageLease};
+use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache, PrefixLock};
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
@@ -26,6 +29,8 @@ pub(crate) enum Command {
     /// pages (written by a prefill worker) joins the running batch with the
     /// first token the prefill sampled.
     Resume(Box<Resumed>),
+    /// Empty the prefix cache of pages no request reads; answer how many.
+    FlushCache(tokio::sync::oneshot::Sender<usize>),
 }
 
 /// A request prefilled elsewhere, ready to decode.
@@ -64,7 +69,14 @@ pub(crate) struct Active {
     prompt_len: usize,
     /// Tokens whose K/V are in the pool.
     cached: usize,
+    /// The sequence's pages in order: the cached prefix's, then its own.
+    pages: Vec<PageIndex>,
+    /// Its own pages (those it handed to the cache leave it).
     lease: PageLease,
+    /// The cached pages it reads, kept from eviction.
+    prefix: PrefixLock,
+    /// Prompt tokens that came from the cache.
+    prefix_tokens: usize,
     sampler: Sampler,
     text: TextTracker,
     max_new: usize,
@@ -95,6 +107,8 @@ pub(crate) struct Scheduler {
     /// Requests prefilled elsewhere, waiting for a batch slot (their pages
     /// are already held, so they go before `waiting`).
     pub resumed: VecDeque<Resumed>,
+    /// The prefix cache (`None` when disabled).
+    pub cache: Option<PrefixCache>,
 }
 
 impl Scheduler {
@@ -116,6 +130,12 @@ impl Scheduler {
                 match cmd {
                     Command::Submit(req, tx) => self.waiting.push_back(Waiting { req, tx }),
                     Command::Resume(r) => self.resumed.push_back(*r),
+                    Command::FlushCache(reply) => {
+                        let freed = self.cache.as_mut().map_or(0, PrefixCache::flush);
+                        tracing::info!(pages = freed, "prefix cache flushed");
+                        self.publish_cache();
+                        let _ = reply.send(freed);
+                    }
                 }
             }
             self.drop_cancelled();
@@ -140,7 +160,21 @@ impl Scheduler {
         self.publish();
     }
 
+    /// The cache's counts, published before anyone can see their effect (a
+    /// finished request's stream end, a flush's reply): `pages_used` leaves
+    /// out the cached pages no request reads.
+    fn publish_cache(&self) {
+        if let Some(c) = &self.cache {
+            let s = c.stats();
+            self.counters.cache_pages.store(s.pages, Ordering::Release);
+            self.counters
+                .cache_evictable
+                .store(s.evictable, Ordering::Release);
+        }
+    }
+
     fn publish(&self) {
+        self.publish_cache();
         self.counters
             .running
             .store(self.active.len(), Ordering::Release);
@@ -162,25 +196,50 @@ impl Scheduler {
     }
 
     /// Admit waiting requests in arrival order while pages and batch slots
-    /// last. Pages for prompt + max_new_tokens are reserved up front, so a
-    /// running request never runs out of pages mid-generation.
+    /// last. Pages for prompt + max_new_tokens are reserved up front (less
+    /// the cached prefix it reuses), so a running request never runs out of
+    /// pages mid-generation. Cached pages no request reads are evicted, least
+    /// recently used first, when the free ones do not suffice.
     fn admit(&mut self) {
         let page_size = self.pool.geometry().page_size;
         while self.active.len() < self.max_batch {
             let Some(w) = self.waiting.front() else { break };
-            let need = (w.req.prompt_ids.len() + w.req.sampling.max_new_tokens).div_ceil(page_size);
-            let Ok(lease) = self.pool.allocator().lease(need) else {
-                break;
+            let prefix = match &mut self.cache {
+                Some(c) => c.lookup(&w.req.prompt_ids),
+                None => PrefixLock::default(),
+            };
+            let total =
+                (w.req.prompt_ids.len() + w.req.sampling.max_new_tokens).div_ceil(page_size);
+            let need = total - prefix.pages().len();
+            let allocator = self.pool.allocator().clone();
+            let lease = match allocator.lease(need) {
+                Ok(l) => l,
+                Err(_) => {
+                    let short = need.saturating_sub(allocator.stats().free());
+                    if let Some(c) = &mut self.cache {
+                        c.evict(short);
+                    }
+                    match allocator.lease(need) {
+                        Ok(l) => l,
+                        Err(_) => break,
+                    }
+                }
             };
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
+            let mut pages = prefix.pages().to_vec();
+            pages.extend_from_slice(lease.pages());
+            let prefix_tokens = prefix.tokens(page_size);
             let s = &w.req.sampling;
             let seed = s.seed.unwrap_or_else(rand::random);
             self.active.push(Active {
                 prompt_len: w.req.prompt_ids.len(),
-                cached: 0,
+                cached: prefix_tokens,
+                pages,
                 lease,
+                prefix,
+                prefix_tokens,
                 sampler: Sampler::new(SamplerConfig {
                     temperature: s.temperature,
                     top_k: s.top_k,
@@ -216,7 +275,10 @@ impl Scheduler {
         self.active.push(Active {
             prompt_len: r.req.prompt_ids.len(),
             cached: r.req.prompt_ids.len(),
+            pages: r.lease.pages().to_vec(),
             lease: r.lease,
+            prefix: PrefixLock::default(),
+            prefix_tokens: 0,
             sampler,
             text: TextTracker::new(s.stop.clone()),
             max_new: s.max_new_tokens,
@@ -240,7 +302,7 @@ impl Scheduler {
             let chunk = SeqChunk {
                 tokens: &a.tokens[a.cached..end],
                 start_pos: a.cached,
-                pages: a.lease.pages(),
+                pages: &a.pages,
             };
             let pool = &mut self.pool;
             let logits = self
@@ -250,6 +312,16 @@ impl Scheduler {
             let a = &mut self.active[i];
             a.cached = end;
             if !a.prefilling() {
+                // The whole prompt's KV is in: its full pages join the cache
+                // (this request keeps reading them, locked).
+                if let Some(c) = &mut self.cache {
+                    c.insert(
+                        &a.tokens[..a.prompt_len],
+                        &a.pages,
+                        &mut a.lease,
+                        &mut a.prefix,
+                    );
+                }
                 if let Some(l) = logits.first() {
                     if let Some(last) = self.emit(i, l) {
                         self.finish(i, last);
@@ -272,7 +344,7 @@ impl Scheduler {
                 SeqChunk {
                     tokens: &a.tokens[pos..],
                     start_pos: pos,
-                    pages: a.lease.pages(),
+                    pages: &a.pages,
                 }
             })
             .collect();
@@ -300,6 +372,7 @@ impl Scheduler {
         let a = self.active.swap_remove(i);
         let tx = a.tx.clone();
         drop(a);
+        self.publish_cache();
         if let Some(ev) = last {
             let _ = tx.send(ev);
         }
@@ -351,6 +424,7 @@ impl Scheduler {
                 reason,
                 prompt_tokens: a.prompt_len,
                 completion_tokens: a.generated(),
+                cached_tokens: a.prefix_tokens,
             }))),
             None if sent.is_err() => Some(None),
             None => None,

@@ -45,6 +45,7 @@ per_transport!(
     greedy_output_is_colocated_output_page_size_16,
     greedy_output_is_colocated_output_page_size_64,
     greedy_output_is_colocated_output_with_f32_kv,
+    prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
     prefill_rejection_reaches_decode_with_status_and_reason,
@@ -296,6 +297,65 @@ fn greedy_output_is_colocated_output_page_size_64(kind: TransportKind) {
 
 fn greedy_output_is_colocated_output_with_f32_kv(kind: TransportKind) {
     identity(kind, 16, KvDtype::F32);
+}
+
+fn prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated(kind: TransportKind) {
+    let s = setup(
+        kind,
+        Opts {
+            page_size: 4,
+            kv_pages: 1024,
+            ..Opts::default()
+        },
+    );
+    // A shared system prompt (10 pages), conversations that grow, repeats.
+    let system = prompt(40, 5);
+    let mut reqs = Vec::new();
+    for conv in 0..4u32 {
+        let mut history = system.clone();
+        for turn in 0..3u32 {
+            history.extend(prompt(7 + turn as usize, 50 + conv * 5 + turn));
+            reqs.push(req(history.clone(), 5));
+        }
+    }
+    reqs.push(reqs[0].clone());
+    let want: Vec<Output> = reqs.iter().map(|r| colocated(&s, r)).collect();
+    let run = |r: &GenerateRequest| {
+        let room = room();
+        let ticket = s.prefill.submit(r.clone(), room).unwrap();
+        let stream = s
+            .decode
+            .submit(r.clone(), room, s.prefill.bootstrap_addr())
+            .unwrap();
+        let out = drain(stream).unwrap_or_else(|e| panic!("PD request failed: {e}"));
+        (out, ticket.blocking_wait().unwrap().cached_tokens)
+    };
+    let first = run(&reqs[0]);
+    assert_eq!(first, (want[0].clone(), 0), "a cold cache");
+    let mut hits = 0;
+    for (i, r) in reqs.iter().enumerate().skip(1) {
+        let (out, cached) = run(r);
+        assert_eq!(out, want[i], "request {i}");
+        assert_eq!(cached % 4, 0, "whole pages");
+        assert!(cached < r.prompt_ids.len());
+        hits += usize::from(cached >= 40);
+    }
+    assert_eq!(
+        hits,
+        reqs.len() - 1,
+        "every later request reuses the system prompt"
+    );
+    // All at once: hits and misses racing on the same prefixes.
+    s.prefill.flush_cache();
+    let got: Vec<Output> = std::thread::scope(|sc| {
+        let hs: Vec<_> = reqs.iter().map(|r| sc.spawn(|| run(r).0)).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+    assert_clean(&s);
+    assert!(s.prefill.load().pages_cached > 0);
+    assert!(s.prefill.flush_cache() > 0);
+    assert_eq!(s.prefill.load().pages_cached, 0);
 }
 
 fn a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both(kind: TransportKind) {

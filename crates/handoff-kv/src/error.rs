@@ -13,6 +13,15 @@ pub enum KvError {
         /// The dtype asked for.
         dtype: &'static str,
     },
+    /// A lease with a writer guard out cannot give pages away.
+    #[error("the lease has a writer guard out: its pages cannot move")]
+    LeaseGuarded,
+    /// A page asked of a lease is not in it.
+    #[error("page {page} is not in this lease")]
+    NotInLease {
+        /// The page.
+        page: u32,
+    },
     /// A page index is outside the pool.
     #[error("page {page} is out of range for a pool of {num_pages} pages")]
     PageOutOfRange {

@@ -310,6 +310,36 @@ impl PageLease {
         Ok(())
     }
 
+    /// Move page `page` out of this lease into a lease of its own (a page
+    /// handed to the prefix cache). Refused while a writer guard is out:
+    /// the guard must keep every page of the lease out of the free list
+    /// until the writer drains, and a page moved away would escape it.
+    pub fn take_page(&mut self, page: PageIndex) -> Result<PageLease, KvError> {
+        if Arc::strong_count(&self.core) > 1 {
+            return Err(KvError::LeaseGuarded);
+        }
+        let at = self
+            .pages
+            .iter()
+            .position(|p| *p == page)
+            .ok_or(KvError::NotInLease { page: page.0 })?;
+        self.pages.remove(at);
+        self.core
+            .pages
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|p| *p != page);
+        let alloc = self.core.alloc.clone();
+        alloc.leases.fetch_add(1, Ordering::AcqRel);
+        Ok(PageLease {
+            pages: vec![page],
+            core: Arc::new(LeaseCore {
+                pages: Mutex::new(vec![page]),
+                alloc,
+            }),
+        })
+    }
+
     /// A guard for a writer that may still write into these pages. The pages
     /// are returned only once the lease and all its guards are dropped.
     pub fn writer_guard(&self) -> WriterGuard {
@@ -328,6 +358,33 @@ pub struct WriterGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_page_taken_out_of_a_lease_returns_with_its_new_owner() {
+        let alloc = PageAllocator::new(4);
+        let mut lease = alloc.lease(3).unwrap();
+        let pages = lease.pages().to_vec();
+        let one = lease.take_page(pages[1]).unwrap();
+        assert_eq!(lease.pages(), &[pages[0], pages[2]]);
+        assert_eq!(one.pages(), &[pages[1]]);
+        assert_eq!(alloc.stats().leases, 2);
+        assert_eq!(
+            lease.take_page(pages[1]).unwrap_err(),
+            KvError::NotInLease { page: pages[1].0 }
+        );
+        drop(lease);
+        assert_eq!(alloc.stats().leased, 1, "the taken page is still held");
+        drop(one);
+        assert_eq!(alloc.stats().leased, 0);
+        assert_eq!(alloc.stats().leases, 0);
+        // A lease with a writer out gives nothing away.
+        let mut lease = alloc.lease(2).unwrap();
+        let guard = lease.writer_guard();
+        let p = lease.pages()[0];
+        assert_eq!(lease.take_page(p).unwrap_err(), KvError::LeaseGuarded);
+        drop(guard);
+        assert!(lease.take_page(p).is_ok());
+    }
 
     #[test]
     fn on_return_runs_once_the_pages_are_back() {

@@ -9,10 +9,12 @@ pub mod error;
 pub mod layout;
 pub mod lease;
 pub mod pool;
+pub mod prefix;
 pub mod shm;
 
 pub use error::KvError;
 pub use layout::{KvDtype, KvGeometry, KvLayout, KvPart, PageIndex, PageLayout};
 pub use lease::{PageAllocator, PageLease, PageStats};
 pub use pool::{KvBlock, KvPool};
+pub use prefix::{PrefixCache, PrefixLock, PrefixStats};
 pub use shm::{ShmRegion, ShmRegionHandle};

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use handoff_engine::handle::{EngineHandle, LoadSnapshot, ModelInfo, RequestStream};
 use handoff_engine::pd::{DecodeHandle, PrefillHandle, PrefillTicket, RoomId};
 use handoff_engine::request::GenerateRequest;
+use handoff_engine::EngineError;
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use serde_json::Value;
@@ -163,6 +164,16 @@ impl Backend {
             Backend::Colocated(e) => e.chat_template(),
             Backend::Prefill(p) => p.chat_template(),
             Backend::Decode(d) => d.chat_template(),
+        }
+    }
+
+    /// Empty the prefix cache: pages freed, or `None` for a worker that
+    /// keeps no cache.
+    pub async fn flush_cache(&self) -> Result<Option<usize>, EngineError> {
+        match self {
+            Backend::Colocated(e) => e.flush_cache().await.map(Some),
+            Backend::Prefill(p) => Ok(Some(p.flush_cache())),
+            Backend::Decode(_) => Ok(None),
         }
     }
 

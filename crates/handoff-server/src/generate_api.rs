@@ -175,7 +175,7 @@ pub async fn generate(
             "finish_reason": sglang_finish_reason(&c.finished.reason, c.finished.completion_tokens),
             "prompt_tokens": c.finished.prompt_tokens,
             "completion_tokens": c.finished.completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": c.finished.cached_tokens,
             "e2e_latency": arrived.elapsed().as_secs_f64(),
         },
     });
@@ -264,7 +264,7 @@ async fn stream(
                         "finish_reason": sglang_finish_reason(&f.reason, f.completion_tokens),
                         "prompt_tokens": f.prompt_tokens,
                         "completion_tokens": f.completion_tokens,
-                        "cached_tokens": 0,
+                        "cached_tokens": f.cached_tokens,
                         "e2e_latency": gen.arrived().elapsed().as_secs_f64(),
                     },
                 }))

@@ -50,6 +50,7 @@ impl Source {
                                 reason: FinishReason::Length,
                                 prompt_tokens: d.prompt_tokens,
                                 completion_tokens: 1,
+                                cached_tokens: d.cached_tokens,
                             });
                             let text = tokenizer
                                 .token_bytes(d.first_token, false)

@@ -93,6 +93,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
             "num_running_reqs": load.running,
             "num_waiting_reqs": load.waiting,
             "kv_pages_used": load.pages_used,
+            "kv_pages_cached": load.pages_cached,
         }],
     }))
 }
@@ -120,10 +121,14 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-/// `POST`/`GET /flush_cache`: handoff keeps no prefix cache, so flushing
-/// always succeeds and says so.
-pub async fn flush_cache() -> &'static str {
-    "Cache flushed (handoff keeps no prefix cache).\n"
+/// `POST`/`GET /flush_cache`: empty the prefix cache of every page no
+/// request reads, and say how many pages that freed. A decode worker keeps
+/// no cache today and says so.
+pub async fn flush_cache(State(state): State<AppState>) -> Result<String, ApiError> {
+    match state.engine.flush_cache().await? {
+        Some(pages) => Ok(format!("Cache flushed: {pages} KV pages freed.\n")),
+        None => Ok("Cache flushed (this worker keeps no prefix cache).\n".into()),
+    }
 }
 
 /// `GET /get_load`: one object per data-parallel rank (one rank here).

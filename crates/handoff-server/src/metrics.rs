@@ -241,6 +241,7 @@ mod tests {
             waiting: 1,
             pages_total: 10,
             pages_used: 3,
+            pages_cached: 0,
         });
         for needle in [
             "handoff_http_requests_total{endpoint=\"/generate\",status=\"200\"} 1",

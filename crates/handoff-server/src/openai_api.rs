@@ -42,6 +42,7 @@ fn usage(f: &Finished) -> Value {
         "prompt_tokens": f.prompt_tokens,
         "completion_tokens": f.completion_tokens,
         "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": f.cached_tokens },
     })
 }
 

@@ -44,8 +44,42 @@ async fn info_endpoints() {
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["is_generation"], true);
     assert!(v["model_path"].as_str().unwrap().ends_with("tiny.gguf"));
-    let (s, _) = post_raw("/flush_cache", "").await;
+    // A repeated prompt reuses its cached pages, and says so in both APIs.
+    let long = "the prefix cache keeps whole pages of this prompt ".repeat(4);
+    let body = chat_body(&long, 2);
+    let (s, first) = post("/v1/chat/completions", &body).await;
+    assert_eq!(s, 200, "{first}");
+    let (_, again) = post("/v1/chat/completions", &body).await;
+    let prompt = first["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached > 0 && cached < prompt,
+        "{cached} of {prompt}: {again}"
+    );
+    assert_eq!(cached % common::PAGE_SIZE as u64, 0, "whole pages");
+    assert_eq!(
+        again["choices"][0]["message"],
+        first["choices"][0]["message"]
+    );
+    let gen_body =
+        json!({"text": long, "sampling_params": {"max_new_tokens": 2, "temperature": 0}});
+    let (_, gen) = post("/generate", &gen_body).await;
+    let (_, gen_again) = post("/generate", &gen_body).await;
+    assert_eq!(gen_again["output_ids"], gen["output_ids"]);
+    assert!(
+        gen_again["meta_info"]["cached_tokens"].as_u64().unwrap() > 0,
+        "{gen_again}"
+    );
+    common::wait_idle().await;
+    let (s, text) = post_raw("/flush_cache", "").await;
     assert_eq!(s, 200);
+    assert!(
+        text.starts_with("Cache flushed: ") && text.contains(" KV pages freed"),
+        "{text}"
+    );
+    assert_ne!(text, "Cache flushed: 0 KV pages freed.\n", "{text}");
 
     let (s, body) = get("/get_load").await;
     assert_eq!(s, 200);
@@ -131,7 +165,14 @@ async fn chat_completion_whole_and_streamed_agree() {
     let n = chunks.len();
     assert_eq!(chunks[n - 2]["choices"][0]["finish_reason"], "length");
     assert_eq!(chunks[n - 1]["choices"], json!([]));
-    assert_eq!(chunks[n - 1]["usage"], *usage);
+    // The same usage, except that the second request may have found the
+    // first's prompt pages in the prefix cache (unless another test flushed
+    // it in between; `info_endpoints` checks the hit).
+    let mut streamed_usage = chunks[n - 1]["usage"].clone();
+    streamed_usage["prompt_tokens_details"]["cached_tokens"].take();
+    let mut whole_usage = usage.clone();
+    whole_usage["prompt_tokens_details"]["cached_tokens"].take();
+    assert_eq!(streamed_usage, whole_usage);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

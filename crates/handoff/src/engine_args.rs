@@ -51,6 +51,10 @@ pub struct EngineArgs {
     /// Model name served in /v1/models and responses [default: the file name].
     #[arg(long)]
     pub(crate) served_model_name: Option<String>,
+    /// Turn the prefix (radix) cache off: every request computes its whole
+    /// prompt. The cache is on by default in colocated serving.
+    #[arg(long)]
+    pub(crate) disable_radix_cache: bool,
     /// Weight format for prefill: f32, q8_0, q8_0-vnni or as-loaded (BENCHMARKS.md).
     #[arg(long, default_value = "f32")]
     pub(crate) prefill_format: WeightFormat,
@@ -178,6 +182,7 @@ impl EngineArgs {
             page_size,
             kv_pages,
             kv_dtype: self.kv_dtype,
+            prefix_cache: !self.disable_radix_cache,
             max_batch: self.max_batch as usize,
             max_waiting: self.max_waiting as usize,
             prefill_chunk: self.prefill_chunk as usize,
@@ -233,6 +238,9 @@ impl EngineArgs {
         }
         flag("prefill-format", self.prefill_format.to_string());
         flag("decode-format", self.decode_format.to_string());
+        if self.disable_radix_cache {
+            a.push("--disable-radix-cache".into());
+        }
         a
     }
 

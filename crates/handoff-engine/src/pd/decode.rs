@@ -67,7 +67,7 @@ impl DecodeEngine {
             let _enter = rt.enter();
             KvReceiver::start(rc, region, layout)
         };
-        let shared = loaded.spawn_scheduler(&config, "handoff-decode")?;
+        let shared = loaded.spawn_scheduler(&config, "handoff-decode", None)?;
         tracing::info!(
             model = %shared.info.model_path,
             transport = %pd.transport_choice,
@@ -75,7 +75,7 @@ impl DecodeEngine {
             kv_pages = config.kv_pages,
             "decode engine started"
         );
-        let pages = PageQueue::new(shared.allocator.clone());
+        let pages = PageQueue::new(shared.allocator.clone(), None);
         Ok(DecodeHandle {
             inner: Arc::new(Inner {
                 ctx: Arc::new(Ctx {

@@ -57,9 +57,10 @@ use std::io::Read;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use handoff_kv::{PageAllocator, PageLease};
+use handoff_kv::{PageAllocator, PageLease, PrefixCache};
 use handoff_proto::handshake::{Fingerprint, KvLayoutKind};
 use handoff_proto::room::RoomConfig;
 
@@ -235,8 +236,10 @@ fn model_hash(path: &Path, formats: &str) -> Result<[u8; 32], EngineError> {
 }
 
 /// Lease `n` pages, waiting in FIFO order behind earlier requests while the
-/// pool is full (the prealloc queue: pool memory is the backpressure). Never
-/// spins or polls: it wakes when pages return ([`PageQueue::new`]).
+/// pool is full (the prealloc queue: pool memory is the backpressure).
+/// Cached prefix pages no request reads are evicted first when the free ones
+/// do not suffice. Never spins or polls: it wakes when pages return
+/// ([`PageQueue::new`]).
 async fn lease_pages(queue: &PageQueue, n: usize) -> PageLease {
     let _turn = queue.turn.lock().await;
     loop {
@@ -247,8 +250,20 @@ async fn lease_pages(queue: &PageQueue, n: usize) -> PageLease {
         if let Ok(lease) = queue.allocator.lease(n) {
             return lease;
         }
+        if let Some(cache) = &queue.cache {
+            let short = n.saturating_sub(queue.allocator.stats().free());
+            if lock_cache(cache).evict(short) > 0 {
+                continue;
+            }
+        }
         returned.await;
     }
+}
+
+/// The prefix cache, even if a panicking holder poisoned its lock (its
+/// tree is only changed by complete operations).
+fn lock_cache(cache: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCache> {
+    cache.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The requests of one engine waiting for pages of its pool, head first.
@@ -258,11 +273,13 @@ struct PageQueue {
     turn: tokio::sync::Mutex<()>,
     /// Woken each time pages return to the pool.
     returned: std::sync::Arc<tokio::sync::Notify>,
+    /// The pool's prefix cache, whose unread pages give way to requests.
+    cache: Option<Arc<Mutex<PrefixCache>>>,
 }
 
 impl PageQueue {
-    /// A queue for `allocator`'s pages.
-    fn new(allocator: PageAllocator) -> Self {
+    /// A queue for `allocator`'s pages (and `cache`'s, if any).
+    fn new(allocator: PageAllocator, cache: Option<Arc<Mutex<PrefixCache>>>) -> Self {
         let returned = std::sync::Arc::new(tokio::sync::Notify::new());
         let wake = returned.clone();
         allocator.on_return(move || wake.notify_waiters());
@@ -270,6 +287,7 @@ impl PageQueue {
             allocator,
             turn: tokio::sync::Mutex::new(()),
             returned,
+            cache,
         }
     }
 }

@@ -15,13 +15,20 @@
 //! One compute thread owns the model and the pool and runs one prefill job
 //! at a time, in arrival order; each request is driven by a task on the
 //! engine's I/O runtime.
+//!
+//! The prefix cache: a request reuses the pages of the longest cached
+//! prefix of its prompt (whole pages), computes only the rest, and sends the
+//! cached pages to decode right away (all layers) while the rest computes.
+//! Once computed, its full prompt pages join the cache; the request keeps
+//! them locked until its room ends, so nothing evicts a page a transfer may
+//! still read.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
-use handoff_kv::{KvPool, PageIndex, PageLease};
+use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache, PrefixLock};
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
@@ -31,7 +38,7 @@ use handoff_proto::{Role, RoomId, TransferError};
 use handoff_transfer::{AuxData, KvSender, SenderConfig, TransportError};
 use tokio::sync::oneshot;
 
-use super::{fingerprint, lease_pages, runtime, Gauge, PageQueue, PdConfig};
+use super::{fingerprint, lease_pages, lock_cache, runtime, Gauge, PageQueue, PdConfig};
 use crate::config::EngineConfig;
 use crate::engine::{load, validate, Loaded};
 use crate::error::EngineError;
@@ -47,6 +54,8 @@ pub struct PrefillDone {
     pub logprob: f32,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
     /// Where the time went.
     pub timings: PrefillTimings,
 }
@@ -123,12 +132,16 @@ impl PrefillEngine {
         });
         let sender = rx.recv().map_err(|_| EngineError::ShuttingDown)??;
         let (jobs, jobs_rx) = std_mpsc::channel();
+        let cache = config
+            .prefix_cache
+            .then(|| Arc::new(std::sync::Mutex::new(PrefixCache::new(info.page_size))));
         let ctx = Arc::new(Ctx {
             sender,
             jobs,
             layers: layout.geometry.layers,
             page_size: info.page_size,
-            pages: PageQueue::new(pool.allocator().clone()),
+            pages: PageQueue::new(pool.allocator().clone(), cache.clone()),
+            cache,
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
         });
@@ -259,13 +272,32 @@ impl PrefillHandle {
     /// `waiting` those waiting for decode's destination or for pages.
     pub fn load(&self) -> LoadSnapshot {
         let ctx = &self.inner.ctx;
+        let cache = ctx
+            .cache
+            .as_ref()
+            .map(|c| lock_cache(c).stats())
+            .unwrap_or_default();
         let pages = ctx.pages.allocator.stats();
         LoadSnapshot {
             running: ctx.running.load(Ordering::Acquire),
             waiting: ctx.waiting.load(Ordering::Acquire),
             pages_total: pages.total,
-            pages_used: pages.leased,
+            pages_used: pages.leased.saturating_sub(cache.evictable),
+            pages_cached: cache.pages,
         }
+    }
+
+    /// Empty the prefix cache of every page no room reads; returns how many
+    /// pages that freed (0 with the cache off).
+    pub fn flush_cache(&self) -> usize {
+        let freed = self
+            .inner
+            .ctx
+            .cache
+            .as_ref()
+            .map_or(0, |c| lock_cache(c).flush());
+        tracing::info!(pages = freed, "prefix cache flushed");
+        freed
     }
 
     /// Counters and gauges of the transfer endpoint (live rooms, peers,
@@ -292,6 +324,8 @@ struct Ctx {
     page_size: usize,
     /// Requests waiting for source pages.
     pages: PageQueue,
+    /// The prefix cache (`None` when disabled).
+    cache: Option<Arc<std::sync::Mutex<PrefixCache>>>,
     running: AtomicUsize,
     waiting: AtomicUsize,
 }
@@ -314,8 +348,14 @@ async fn prefill_room(
     handle.ready().await?;
     tracing::debug!(room = room.get(), "destination arrived");
     let destination = std::time::Instant::now();
-    let need = req.prompt_ids.len().div_ceil(ctx.page_size);
-    let lease = tokio::select! {
+    // The cached prefix, locked for as long as this room may read it.
+    let mut prefix = match &ctx.cache {
+        Some(c) => lock_cache(c).lookup(&req.prompt_ids),
+        None => PrefixLock::default(),
+    };
+    let cached_tokens = prefix.tokens(ctx.page_size);
+    let need = req.prompt_ids.len().div_ceil(ctx.page_size) - prefix.pages().len();
+    let mut lease = tokio::select! {
         l = lease_pages(&ctx.pages, need) => l,
         end = handle.outcome() => return Err(end.err().map_or_else(before_compute, Into::into)),
     };
@@ -325,10 +365,27 @@ async fn prefill_room(
     let cancel = Arc::new(AtomicBool::new(false));
     let (reply, mut done) = oneshot::channel();
     let (progress_tx, mut progress) = tokio::sync::mpsc::unbounded_channel();
-    let src: Arc<[PageIndex]> = lease.pages().into();
+    let src: Arc<[PageIndex]> = prefix
+        .pages()
+        .iter()
+        .chain(lease.pages())
+        .copied()
+        .collect::<Vec<_>>()
+        .into();
+    // The cached pages hold every layer already: they go first, while the
+    // rest computes.
+    let cached_pages = prefix.pages().len();
+    let mut queued: Result<(), TransportError> = Ok(());
+    if cached_pages > 0 {
+        queued = handle
+            .send(0..ctx.layers, 0..cached_pages, src.clone())
+            .await;
+    }
     ctx.jobs
         .send(Job {
             tokens: req.prompt_ids.clone(),
+            start: cached_tokens,
+            pages: src.clone(),
             lease,
             sampler: SamplerConfig {
                 temperature: s.temperature,
@@ -345,13 +402,12 @@ async fn prefill_room(
     // token of the page is computed (it never changes afterwards), while the
     // later layers and chunks compute.
     let mut stream = LayerStream {
-        sent: 0,
+        sent: cached_pages,
         layers_sent: 0,
         layers: ctx.layers,
         page_size: ctx.page_size,
         prompt_len: req.prompt_ids.len(),
     };
-    let mut queued: Result<(), TransportError> = Ok(());
     let computed = loop {
         tokio::select! {
             biased;
@@ -369,7 +425,7 @@ async fn prefill_room(
         }
     }
     let sent = stream.sent;
-    let (result, lease) = match computed {
+    let (result, returned) = match computed {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => return Err(EngineError::ShuttingDown),
         Err(e) => {
@@ -391,10 +447,16 @@ async fn prefill_room(
             });
             // Pages streamed so far may still be in flight: drain first.
             let _ = handle.outcome().await;
-            drop(lease);
+            drop(returned);
             return Err(e);
         }
     };
+    lease = returned;
+    // The prompt's full pages join the cache (still locked by this room,
+    // which the transfer may be reading).
+    if let Some(c) = &ctx.cache {
+        lock_cache(c).insert(&req.prompt_ids, &src, &mut lease, &mut prefix);
+    }
     tracing::debug!(room = room.get(), first_token, "prefill computed");
     let computed_at = std::time::Instant::now();
     // The remaining pages, then the aux record; then the room's status.
@@ -415,6 +477,7 @@ async fn prefill_room(
     let end = handle.outcome().await.map_err(EngineError::from);
     tracing::debug!(room = room.get(), ok = end.is_ok(), "prefill room ended");
     drop(lease);
+    drop(prefix);
     if let Err(e) = &queued {
         // The room's own failure explains a refused write best.
         tracing::debug!(room = room.get(), error = %e, "a KV write was refused");
@@ -427,6 +490,7 @@ async fn prefill_room(
     tracing::info!(
         room = room.get(),
         prompt_tokens = req.prompt_ids.len(),
+        cached_tokens,
         ok = end.is_ok(),
         wait_destination_ms = ms(timings.wait_destination),
         compute_ms = ms(timings.compute),
@@ -437,6 +501,7 @@ async fn prefill_room(
         first_token,
         logprob,
         prompt_tokens: req.prompt_ids.len(),
+        cached_tokens,
         timings,
     })
 }
@@ -503,9 +568,13 @@ fn before_compute() -> EngineError {
 
 type JobResult = (Result<Option<(u32, f32)>, EngineError>, PageLease);
 
-/// One prompt to prefill into `lease`.
+/// One prompt to prefill from position `start` (the cached prefix before
+/// it is in the pool already) into `pages`, the sequence's pages: the
+/// cached prefix's, then `lease`'s.
 struct Job {
     tokens: Vec<u32>,
+    start: usize,
+    pages: Arc<[PageIndex]>,
     lease: PageLease,
     sampler: SamplerConfig,
     /// Set when the room failed: stop at the next chunk.
@@ -539,7 +608,7 @@ impl Compute {
     fn prefill(&mut self, job: &Job) -> Result<Option<(u32, f32)>, EngineError> {
         let model = self.model.clone();
         let len = job.tokens.len();
-        let mut cached = 0;
+        let mut cached = job.start;
         let mut last = None;
         while cached < len {
             if job.cancel.load(Ordering::Acquire) {
@@ -549,7 +618,7 @@ impl Compute {
             let chunk = SeqChunk {
                 tokens: &job.tokens[cached..end],
                 start_pos: cached,
-                pages: job.lease.pages(),
+                pages: &job.pages,
             };
             let pool = &mut self.pool;
             let progress = &job.progress;
