@@ -60,8 +60,9 @@ if [ "${LLAMACPP_FETCH_ONLY:-0}" = 1 ]; then
     exit 0
 fi
 
-# 3. configure (only once per build dir)
-if [ ! -f "$BUILD/CMakeCache.txt" ]; then
+# 3. configure (once per build dir; again if an older run built no server)
+if [ ! -f "$BUILD/CMakeCache.txt" ] \
+   || ! grep -q '^LLAMA_BUILD_SERVER:BOOL=ON' "$BUILD/CMakeCache.txt"; then
     log "configuring in $BUILD"
     cmake -S "$SRC" -B "$BUILD" \
         -DCMAKE_BUILD_TYPE=Release \
@@ -72,7 +73,7 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_OPENCL=OFF \
         -DGGML_BACKEND_DL=OFF \
         -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_SERVER=ON \
         -DLLAMA_BUILD_APP=OFF \
         -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_BUILD_EXAMPLES=ON \
@@ -83,9 +84,9 @@ if [ ! -f "$BUILD/CMakeCache.txt" ]; then
 fi
 
 # 4. build only the needed targets
-log "building llama llama-bench llama-batched-bench llama-simple llama-tokenize (-j$JOBS)"
+log "building llama llama-bench llama-batched-bench llama-simple llama-tokenize llama-server (-j$JOBS)"
 cmake --build "$BUILD" --config Release -j "$JOBS" \
-    --target llama llama-bench llama-batched-bench llama-simple llama-tokenize >&2
+    --target llama llama-bench llama-batched-bench llama-simple llama-tokenize llama-server >&2
 
 # 5. the greedy reference tool, linked statically against libllama + ggml
 GREEDY_BIN="$BIN/llamacpp-greedy"
@@ -115,6 +116,6 @@ bin=$BIN
 INFO
 
 echo "llama.cpp $LLAMA_CPP_COMMIT (llama-cpp-python $LLAMA_CPP_PYTHON_VERSION) binaries:"
-for b in llama-bench llama-simple llama-tokenize llamacpp-greedy; do
+for b in llama-bench llama-simple llama-tokenize llama-server llamacpp-greedy; do
     echo "  $BIN/$b"
 done

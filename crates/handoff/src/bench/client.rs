@@ -95,6 +95,8 @@ pub enum Chunk {
         content: bool,
         /// `usage.completion_tokens`, if present.
         completion_tokens: Option<u64>,
+        /// `usage.prompt_tokens_details.cached_tokens`, if present.
+        cached_tokens: Option<u64>,
     },
 }
 
@@ -123,11 +125,15 @@ pub fn classify(v: &Value) -> Chunk {
                     .is_some_and(|d| non_empty(&d["content"]) || non_empty(&d["reasoning_content"]))
                 || (c.get("text").is_some() && c["finish_reason"].is_null())
         });
+    let usage = v.get("usage");
     Chunk::Data {
         content,
-        completion_tokens: v
-            .get("usage")
+        completion_tokens: usage
             .and_then(|u| u.get("completion_tokens"))
+            .and_then(Value::as_u64),
+        cached_tokens: usage
+            .and_then(|u| u.get("prompt_tokens_details"))
+            .and_then(|d| d.get("cached_tokens"))
             .and_then(Value::as_u64),
     }
 }
@@ -155,6 +161,8 @@ pub struct Outcome {
     pub output_tokens: u64,
     /// Prompt length sent.
     pub prompt_tokens: u32,
+    /// Prompt tokens the server reported as served from its prefix cache.
+    pub cached_tokens: u64,
     /// Workload class of the request.
     pub class: usize,
     /// Set if the request failed.
@@ -284,8 +292,12 @@ pub async fn send(
                     Chunk::Data {
                         content,
                         completion_tokens,
+                        cached_tokens,
                     } => {
                         usage = completion_tokens.or(usage);
+                        if let Some(c) = cached_tokens {
+                            out.cached_tokens = c;
+                        }
                         if content {
                             content_events += 1;
                             match last {
@@ -363,6 +375,7 @@ mod tests {
         let data = |content, completion_tokens| Chunk::Data {
             content,
             completion_tokens,
+            cached_tokens: None,
         };
         assert_eq!(
             kinds,
@@ -405,6 +418,20 @@ mod tests {
     }
 
     #[test]
+    fn the_usage_chunk_reports_prefix_cache_hits() {
+        let usage = json!({"choices":[],"usage":{"prompt_tokens":40,"completion_tokens":2,
+            "prompt_tokens_details":{"cached_tokens":32}}});
+        assert_eq!(
+            classify(&usage),
+            Chunk::Data {
+                content: false,
+                completion_tokens: Some(2),
+                cached_tokens: Some(32)
+            }
+        );
+    }
+
+    #[test]
     fn chat_chunks_count_only_with_content() {
         let role =
             json!({"choices":[{"delta":{"role":"assistant","content":""},"finish_reason":null}]});
@@ -413,14 +440,16 @@ mod tests {
             classify(&role),
             Chunk::Data {
                 content: false,
-                completion_tokens: None
+                completion_tokens: None,
+                cached_tokens: None
             }
         );
         assert_eq!(
             classify(&tok),
             Chunk::Data {
                 content: true,
-                completion_tokens: None
+                completion_tokens: None,
+                cached_tokens: None
             }
         );
     }

@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use client::Outcome;
 use report::{RunReport, Slo};
-use workload::{Class, Endpoint, LenDist, WorkloadSpec};
+use workload::{Class, Endpoint, LenDist, SharedPrefix, WorkloadSpec};
 
 fn positive_f64(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
@@ -94,6 +94,13 @@ pub struct BenchArgs {
     /// 0.2:uniform:512-1024/16 makes long prompts arrive while others decode.
     #[arg(long, value_name = "WEIGHT:PROMPT/OUTPUT", conflicts_with_all = ["prompt_len", "output_len"])]
     mix: Vec<Class>,
+    /// The shared-prefix chat workload SYSTEMS:SYSTEM_LEN:CONVERSATIONS:TURNS
+    /// instead of independent prompts: each turn's prompt is its
+    /// conversation's whole history plus a new user message of --prompt-len
+    /// tokens, answers --output-len long; CONVERSATIONS x TURNS measured
+    /// requests (--requests is ignored). The report adds the prefix hit rate.
+    #[arg(long, value_name = "S:L:C:T", conflicts_with = "mix")]
+    shared_prefix: Option<SharedPrefix>,
     /// Smallest prompt token id (skips special tokens at low ids).
     #[arg(long, default_value_t = 100)]
     min_token_id: u32,
@@ -294,7 +301,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         endpoint: args.endpoint,
     };
     let mut all = spec.generate();
-    let measured: Arc<[workload::RequestSpec]> = all.split_off(args.warmup as usize).into();
+    let measured: Arc<[workload::RequestSpec]> = match args.shared_prefix {
+        Some(sp) => {
+            all.truncate(args.warmup as usize);
+            spec.shared_prefix(sp).into()
+        }
+        None => all.split_off(args.warmup as usize).into(),
+    };
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
         .build()
@@ -313,7 +326,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         },
         class_names: class_names.clone(),
     };
-    let shape = if args.mix.is_empty() {
+    let shape = if let Some(sp) = args.shared_prefix {
+        format!(
+            "shared prefix {sp} (S:L:C:T), user message {} tokens, output {} tokens",
+            args.prompt_len, args.output_len
+        )
+    } else if args.mix.is_empty() {
         format!(
             "prompt {} tokens, output {} tokens",
             args.prompt_len, args.output_len
@@ -336,7 +354,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     println!(
         "handoff bench: {} {} requests (+{} warm-up), {}, {}, seed {}",
         args.endpoint.path(),
-        args.requests,
+        plan.measured.len(),
         args.warmup,
         load,
         shape,
@@ -357,7 +375,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             "config": {
                 "endpoint": args.endpoint,
                 "load": load.to_string(),
-                "requests": args.requests,
+                "requests": plan.measured.len(),
+                "shared_prefix": args.shared_prefix.map(|s| s.to_string()),
                 "warmup": args.warmup,
                 "seed": args.seed,
                 "classes": class_names,

@@ -145,6 +145,9 @@ pub struct RunReport {
     pub total_prompt_tokens: u64,
     /// Output tokens of successful requests.
     pub total_output_tokens: u64,
+    /// Prompt tokens the server served from its prefix cache (as reported
+    /// in `usage.prompt_tokens_details.cached_tokens`).
+    pub total_cached_tokens: u64,
     /// Time to first token, ms.
     pub ttft_ms: Percentiles,
     /// Inter-token latency over all gaps of successful requests, ms.
@@ -206,6 +209,7 @@ impl RunReport {
             request_throughput: good.len() as f64 / secs,
             output_token_throughput: total_output_tokens as f64 / secs,
             total_prompt_tokens: good.iter().map(|o| u64::from(o.prompt_tokens)).sum(),
+            total_cached_tokens: good.iter().map(|o| o.cached_tokens).sum(),
             total_output_tokens,
             ttft_ms: all.ttft_ms,
             itl_ms: all.itl_ms,
@@ -248,6 +252,14 @@ const ROWS: &[(&str, Getter, usize)] = &[
         1,
     ),
     ("output tokens", |r| Some(r.total_output_tokens as f64), 0),
+    (
+        "prefix hit rate",
+        |r| {
+            (r.total_prompt_tokens > 0)
+                .then(|| r.total_cached_tokens as f64 / r.total_prompt_tokens as f64)
+        },
+        3,
+    ),
     ("TTFT p50 (ms)", |r| r.ttft_ms.p50, 1),
     ("TTFT p90 (ms)", |r| r.ttft_ms.p90, 1),
     ("TTFT p99 (ms)", |r| r.ttft_ms.p99, 1),
@@ -401,6 +413,7 @@ mod tests {
             e2e: Duration::from_millis(ttft_ms + gaps_ms.iter().sum::<u64>()),
             output_tokens: tokens,
             prompt_tokens: 10,
+            cached_tokens: 4,
             failure: failed.then(|| Failure {
                 kind: "http_503".into(),
                 message: "HTTP 503: overloaded".into(),
@@ -435,7 +448,11 @@ mod tests {
         assert_eq!(r.first_errors, ["HTTP 503: overloaded"]);
         assert_eq!(r.ttft_ms.p50, Some(50.0));
         assert_eq!(r.itl_ms.count, 6);
+        // 4 of 10 prompt tokens cached in each of the 4 good requests.
+        assert_eq!((r.total_prompt_tokens, r.total_cached_tokens), (40, 16));
         let text = table(&[r.clone(), r.clone()]);
+        let hit = text.lines().find(|l| l.starts_with("prefix hit rate"));
+        assert!(hit.is_some_and(|l| l.contains("0.400")), "{text}");
         assert!(text.contains("goodput (req/s)"), "{text}");
         assert!(text.lines().nth(1).unwrap().ends_with("1.000"), "{text}");
         assert_eq!(r.per_class[0].ok, 2);

@@ -276,6 +276,116 @@ impl WorkloadSpec {
     }
 }
 
+/// The shared-prefix chat workload: `systems` system prompts of
+/// `system_len` tokens, `conversations` conversations (conversation `c`
+/// uses system prompt `c % systems`) of `turns` turns each. Every turn's
+/// prompt is the whole history (system prompt, then each earlier turn's user
+/// message and a stand-in for its answer) plus a new user message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedPrefix {
+    /// Distinct system prompts.
+    pub systems: u32,
+    /// Tokens of each system prompt.
+    pub system_len: u32,
+    /// Conversations.
+    pub conversations: u32,
+    /// Turns per conversation.
+    pub turns: u32,
+}
+
+impl FromStr for SharedPrefix {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "expected SYSTEMS:SYSTEM_LEN:CONVERSATIONS:TURNS, four whole numbers >= 1, got '{s}'"
+            )
+        };
+        let parts: Vec<u32> = s
+            .split(':')
+            .map(|p| p.trim().parse::<u32>().ok().filter(|n| *n >= 1))
+            .collect::<Option<_>>()
+            .ok_or_else(bad)?;
+        let [systems, system_len, conversations, turns] = parts[..] else {
+            return Err(bad());
+        };
+        if system_len > MAX_LEN {
+            return Err(format!("SYSTEM_LEN {system_len} is over {MAX_LEN}"));
+        }
+        Ok(SharedPrefix {
+            systems,
+            system_len,
+            conversations,
+            turns,
+        })
+    }
+}
+
+impl fmt::Display for SharedPrefix {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}:{}",
+            self.systems, self.system_len, self.conversations, self.turns
+        )
+    }
+}
+
+impl WorkloadSpec {
+    /// The shared-prefix requests, turn by turn (every conversation's turn
+    /// 0, then every turn 1, ...): with at most `conversations` requests in
+    /// flight, a conversation's next turn is sent about when its previous
+    /// one ends. User messages and answers take their lengths from the first
+    /// class (`--prompt-len`, `--output-len`).
+    pub fn shared_prefix(&self, sp: SharedPrefix) -> Vec<RequestSpec> {
+        let mut rng = StdRng::seed_from_u64(self.seed ^ 0x5eed_5eed);
+        let class = &self.classes[0];
+        let words = |rng: &mut StdRng, n: u32| -> Vec<u32> {
+            (0..n)
+                .map(|_| rng.random_range(self.min_token_id..self.max_token_id))
+                .collect()
+        };
+        let systems: Vec<Vec<u32>> = (0..sp.systems)
+            .map(|_| words(&mut rng, sp.system_len))
+            .collect();
+        let mut history: Vec<Vec<u32>> = (0..sp.conversations)
+            .map(|c| systems[(c % sp.systems) as usize].clone())
+            .collect();
+        let mut out = Vec::new();
+        for _turn in 0..sp.turns {
+            for h in history.iter_mut() {
+                let user_len = class.prompt_len.sample(&mut rng);
+                let max_tokens = class.output_len.sample(&mut rng);
+                h.extend(words(&mut rng, user_len));
+                out.push(self.request(h.clone(), max_tokens));
+                // The answer, as the client would keep it in the history.
+                h.extend(words(&mut rng, max_tokens));
+            }
+        }
+        out
+    }
+
+    fn request(&self, ids: Vec<u32>, max_tokens: u32) -> RequestSpec {
+        let prompt_len = ids.len() as u32;
+        let prompt = match self.endpoint {
+            Endpoint::Completions => Prompt::Ids(ids),
+            Endpoint::Chat => Prompt::Text(
+                ids.iter()
+                    .map(|&i| WORDS[i as usize % WORDS.len()])
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+        };
+        RequestSpec {
+            prompt,
+            class: 0,
+            prompt_len,
+            max_tokens,
+        }
+    }
+}
+
 /// Send offsets (seconds from the start) of `n` Poisson arrivals at `rate`
 /// requests/s: cumulative exponential gaps, from their own seeded stream so
 /// the prompts do not depend on the load shape.
@@ -296,6 +406,43 @@ mod tests {
 
     fn err(s: &str) -> String {
         s.parse::<LenDist>().unwrap_err()
+    }
+
+    #[test]
+    fn shared_prefix_turns_extend_their_conversation_and_share_the_system_prompt() {
+        let spec = WorkloadSpec {
+            seed: 3,
+            requests: 0,
+            classes: vec![Class {
+                weight: 1.0,
+                prompt_len: LenDist::Fixed(5),
+                output_len: LenDist::Fixed(4),
+            }],
+            min_token_id: 100,
+            max_token_id: 10_000,
+            endpoint: Endpoint::Completions,
+        };
+        let sp: SharedPrefix = "2:30:3:2".parse().unwrap();
+        assert_eq!(sp.to_string(), "2:30:3:2");
+        let reqs = spec.shared_prefix(sp);
+        assert_eq!(reqs, spec.shared_prefix(sp), "seeded");
+        assert_eq!(reqs.len(), 6);
+        let ids = |i: usize| match &reqs[i].prompt {
+            Prompt::Ids(v) => v.clone(),
+            other => panic!("{other:?}"),
+        };
+        // Turn 0: system + 5 user tokens; conversations 0 and 2 share system 0.
+        assert_eq!(ids(0).len(), 35);
+        assert_eq!(ids(0)[..30], ids(2)[..30]);
+        assert_ne!(ids(0)[..30], ids(1)[..30]);
+        // Turn 1 of conversation 0: turn 0's prompt + 4 answer + 5 user.
+        assert_eq!(ids(3).len(), 35 + 4 + 5);
+        assert_eq!(ids(3)[..35], ids(0)[..]);
+        assert_eq!(reqs[3].prompt_len, 44);
+        assert_eq!(reqs[3].max_tokens, 4);
+        for bad in ["2:30:3", "0:30:3:2", "a:1:1:1", "1:1:1:1:1"] {
+            assert!(bad.parse::<SharedPrefix>().is_err(), "{bad}");
+        }
     }
 
     #[test]
