@@ -46,6 +46,7 @@ per_transport!(
     greedy_output_is_colocated_output_page_size_64,
     greedy_output_is_colocated_output_with_f32_kv,
     prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated,
+    a_short_prompt_is_not_stuck_behind_a_long_prefill,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
     prefill_rejection_reaches_decode_with_status_and_reason,
@@ -356,6 +357,56 @@ fn prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated(kind: TransportKi
     assert!(s.prefill.load().pages_cached > 0);
     assert!(s.prefill.flush_cache() > 0);
     assert_eq!(s.prefill.load().pages_cached, 0);
+}
+
+fn a_short_prompt_is_not_stuck_behind_a_long_prefill(kind: TransportKind) {
+    // Prefill chunks of 2 tokens: the 1000-token prompt takes 500 chunks;
+    // the 32-token one, arriving while it runs, takes turns with it and is
+    // done in 16 of its own (so the margin holds on a loaded machine too).
+    let s = setup(
+        kind,
+        Opts {
+            kv_pages: 1024,
+            prefill_chunk: 2,
+            ..Opts::default()
+        },
+    );
+    let long = req(prompt(1000, 1), 2);
+    let short = req(prompt(32, 2), 2);
+    let want_short = colocated(&s, &short);
+    let start = |r: &GenerateRequest| {
+        let room = room();
+        let ticket = s.prefill.submit(r.clone(), room).unwrap();
+        let stream = s
+            .decode
+            .submit(r.clone(), room, s.prefill.bootstrap_addr())
+            .unwrap();
+        (ticket, stream)
+    };
+    let (long_ticket, long_stream) = start(&long);
+    eventually("the long prefill runs", Duration::from_secs(5), || {
+        s.prefill.load().running == 1
+    });
+    let (short_ticket, short_stream) = start(&short);
+    let (short_done, long_done) = std::thread::scope(|sc| {
+        let a = sc.spawn(|| {
+            let d = short_ticket.blocking_wait().unwrap();
+            (Instant::now(), d)
+        });
+        let b = sc.spawn(|| {
+            let d = long_ticket.blocking_wait().unwrap();
+            (Instant::now(), d)
+        });
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(
+        short_done.0 < long_done.0,
+        "the short prompt's first token came {:?} after the long one's",
+        short_done.0 - long_done.0
+    );
+    assert_eq!(drain(short_stream).unwrap(), want_short);
+    assert_eq!(drain(long_stream).unwrap().0.len(), 2);
+    assert_clean(&s);
 }
 
 fn a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both(kind: TransportKind) {

@@ -12,9 +12,10 @@
 //! A decode-side abort (seed 000) cancels the writes, stops the compute at
 //! the next chunk and releases the pages once nothing reads them.
 //!
-//! One compute thread owns the model and the pool and runs one prefill job
-//! at a time, in arrival order; each request is driven by a task on the
-//! engine's I/O runtime.
+//! One compute thread owns the model and the pool and prefills every job
+//! that arrived, a chunk of one job per step, the jobs taking turns (a short
+//! prompt never waits for a long one to finish). Each request is driven by a
+//! task on the engine's I/O runtime.
 //!
 //! The prefix cache: a request reuses the pages of the longest cached
 //! prefix of its prompt (whole pages), computes only the rest, and sends the
@@ -594,46 +595,104 @@ struct Compute {
     prefill_chunk: usize,
 }
 
+/// A sampled first token and its log-probability.
+type FirstToken = (u32, f32);
+
+/// A job the compute thread is prefilling: tokens before `cached` are in
+/// the pool.
+struct Running {
+    job: Job,
+    cached: usize,
+}
+
 impl Compute {
+    /// Prefill every job that arrived, interleaved: each step computes the
+    /// next chunk of one running job, the jobs taking turns (round robin),
+    /// so a short prompt waits for at most one chunk of each prompt ahead of
+    /// it, never for a long prompt's whole prefill. Chunks are the colocated
+    /// engine's (`prefill_chunk` tokens from the end of the cached prefix,
+    /// one sequence per forward pass), so a request's KV is the same bits
+    /// whatever else runs beside it: batching several sequences' rows into
+    /// one pass changes the matmul's summation order, and with it greedy
+    /// output on SmolLM2.
     fn run(mut self, jobs: std_mpsc::Receiver<Job>) {
-        while let Ok(job) = jobs.recv() {
-            let r = self.prefill(&job);
-            let _ = job.reply.send((r, job.lease));
+        let mut running: Vec<Running> = Vec::new();
+        let mut turn = 0;
+        loop {
+            if running.is_empty() {
+                match jobs.recv() {
+                    Ok(job) => running.push(Running::new(job)),
+                    Err(_) => return,
+                }
+            }
+            running.extend(jobs.try_iter().map(Running::new));
+            // A cancelled job stops here, between chunks.
+            let mut i = 0;
+            while i < running.len() {
+                if running[i].job.cancel.load(Ordering::Acquire) {
+                    let r = running.remove(i);
+                    let _ = r.job.reply.send((Ok(None), r.job.lease));
+                    if i < turn {
+                        turn -= 1;
+                    }
+                } else {
+                    i += 1;
+                }
+            }
+            if running.is_empty() {
+                continue;
+            }
+            turn %= running.len();
+            match self.chunk(&mut running[turn]) {
+                Ok(None) => turn += 1,
+                Ok(Some(first)) => {
+                    let r = running.remove(turn);
+                    let _ = r.job.reply.send((Ok(Some(first)), r.job.lease));
+                }
+                Err(e) => {
+                    let r = running.remove(turn);
+                    let _ = r.job.reply.send((Err(e), r.job.lease));
+                }
+            }
         }
     }
 
-    /// The colocated engine's prefill: chunks of `prefill_chunk` from
-    /// position 0, one sequence per forward call, the first token sampled
-    /// from the last chunk's logits.
-    fn prefill(&mut self, job: &Job) -> Result<Option<(u32, f32)>, EngineError> {
+    /// The next chunk of `r`: `prefill_chunk` tokens (fewer at the end),
+    /// its progress reported per layer. Returns the first token once the
+    /// prompt is complete.
+    fn chunk(&mut self, r: &mut Running) -> Result<Option<FirstToken>, EngineError> {
         let model = self.model.clone();
-        let len = job.tokens.len();
-        let mut cached = job.start;
-        let mut last = None;
-        while cached < len {
-            if job.cancel.load(Ordering::Acquire) {
-                return Ok(None);
-            }
-            let end = (cached + self.prefill_chunk).min(len);
-            let chunk = SeqChunk {
-                tokens: &job.tokens[cached..end],
-                start_pos: cached,
-                pages: &job.pages,
-            };
-            let pool = &mut self.pool;
-            let progress = &job.progress;
-            let logits = self
-                .threads
-                .install(|| {
-                    model.forward_observed(pool, &[chunk], Phase::Prefill, &mut |layer| {
-                        let _ = progress.send((end, layer));
-                    })
+        let len = r.job.tokens.len();
+        let end = (r.cached + self.prefill_chunk).min(len);
+        let chunk = SeqChunk {
+            tokens: &r.job.tokens[r.cached..end],
+            start_pos: r.cached,
+            pages: &r.job.pages,
+        };
+        let pool = &mut self.pool;
+        let progress = &r.job.progress;
+        let logits = self
+            .threads
+            .install(|| {
+                model.forward_observed(pool, &[chunk], Phase::Prefill, &mut |layer| {
+                    let _ = progress.send((end, layer));
                 })
-                .map_err(|e| EngineError::Model(e.to_string()))?;
-            cached = end;
-            last = logits.into_iter().next();
+            })
+            .map_err(|e| EngineError::Model(e.to_string()))?;
+        r.cached = end;
+        if end < len {
+            return Ok(None);
         }
-        let logits = last.ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
-        Ok(Some(Sampler::new(job.sampler).sample(&logits)))
+        let logits = logits
+            .first()
+            .ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
+        Ok(Some(Sampler::new(r.job.sampler).sample(logits)))
+    }
+}
+
+impl Running {
+    fn new(job: Job) -> Self {
+        let cached = job.start;
+        Running { job, cached }
     }
 }
