@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use handoff_engine::error::TransferError;
-use handoff_engine::pd::{DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle};
+use handoff_engine::pd::{
+    DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle, PrefillTicket,
+};
 use handoff_engine::{
     Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestStream,
     SamplingParams, StreamEvent,
@@ -210,15 +212,22 @@ fn colocated(s: &Setup, r: &GenerateRequest) -> Output {
     drain(s.colocated.submit(r.clone()).unwrap()).unwrap()
 }
 
-/// One request through prefill and decode; the prefill's first token must
-/// be the stream's first token.
-fn pd(s: &Setup, r: &GenerateRequest) -> Output {
+/// Submit both halves of `r` in a fresh room: the prefill's ticket and the
+/// decode stream.
+fn start(s: &Setup, r: &GenerateRequest) -> (PrefillTicket, RequestStream) {
     let room = room();
     let ticket = s.prefill.submit(r.clone(), room).unwrap();
     let stream = s
         .decode
         .submit(r.clone(), room, s.prefill.bootstrap_addr())
         .unwrap();
+    (ticket, stream)
+}
+
+/// One request through prefill and decode; the prefill's first token must
+/// be the stream's first token.
+fn pd(s: &Setup, r: &GenerateRequest) -> Output {
+    let (ticket, stream) = start(s, r);
     let out = drain(stream).unwrap_or_else(|e| panic!("PD request failed: {e}"));
     let done = ticket.blocking_wait().unwrap();
     assert_eq!(done.first_token, out.0[0]);
@@ -322,12 +331,7 @@ fn prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated(kind: TransportKi
     reqs.push(reqs[0].clone());
     let want: Vec<Output> = reqs.iter().map(|r| colocated(&s, r)).collect();
     let run = |r: &GenerateRequest| {
-        let room = room();
-        let ticket = s.prefill.submit(r.clone(), room).unwrap();
-        let stream = s
-            .decode
-            .submit(r.clone(), room, s.prefill.bootstrap_addr())
-            .unwrap();
+        let (ticket, stream) = start(&s, r);
         let out = drain(stream).unwrap_or_else(|e| panic!("PD request failed: {e}"));
         (out, ticket.blocking_wait().unwrap().cached_tokens)
     };
@@ -374,20 +378,11 @@ fn a_short_prompt_is_not_stuck_behind_a_long_prefill(kind: TransportKind) {
     let long = req(prompt(1000, 1), 2);
     let short = req(prompt(32, 2), 2);
     let want_short = colocated(&s, &short);
-    let start = |r: &GenerateRequest| {
-        let room = room();
-        let ticket = s.prefill.submit(r.clone(), room).unwrap();
-        let stream = s
-            .decode
-            .submit(r.clone(), room, s.prefill.bootstrap_addr())
-            .unwrap();
-        (ticket, stream)
-    };
-    let (long_ticket, long_stream) = start(&long);
+    let (long_ticket, long_stream) = start(&s, &long);
     eventually("the long prefill runs", Duration::from_secs(5), || {
         s.prefill.load().running == 1
     });
-    let (short_ticket, short_stream) = start(&short);
+    let (short_ticket, short_stream) = start(&s, &short);
     let (short_done, long_done) = std::thread::scope(|sc| {
         let a = sc.spawn(|| {
             let d = short_ticket.blocking_wait().unwrap();
@@ -426,12 +421,7 @@ fn a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both(kind: Tran
         },
     );
     let r = req(prompt(20, 3), 4);
-    let room = room();
-    let ticket = s.prefill.submit(r.clone(), room).unwrap();
-    let stream = s
-        .decode
-        .submit(r.clone(), room, s.prefill.bootstrap_addr())
-        .unwrap();
+    let (ticket, stream) = start(&s, &r);
     let e = drain(stream).unwrap_err();
     assert_eq!(e.error_type(), "peer_incompatible", "{e}");
     assert!(
@@ -528,12 +518,7 @@ fn dropped_stream_mid_prefill_releases_both_sides(kind: TransportKind) {
         },
     );
     let r = req(prompt(600, 2), 8);
-    let room = room();
-    let ticket = s.prefill.submit(r.clone(), room).unwrap();
-    let stream = s
-        .decode
-        .submit(r.clone(), room, s.prefill.bootstrap_addr())
-        .unwrap();
+    let (ticket, stream) = start(&s, &r);
     eventually("prefill computing", Duration::from_secs(3), || {
         s.prefill.load().running == 1 && s.prefill.load().pages_used > 0
     });
@@ -626,12 +611,7 @@ fn prefill_death_fails_decode_with_a_typed_error_and_pages_return(kind: Transpor
         },
     );
     let r = req(prompt(600, 5), 8);
-    let room = room();
-    let ticket = s.prefill.submit(r.clone(), room).unwrap();
-    let stream = s
-        .decode
-        .submit(r.clone(), room, s.prefill.bootstrap_addr())
-        .unwrap();
+    let (ticket, stream) = start(&s, &r);
     eventually("prefill computing", Duration::from_secs(3), || {
         s.prefill.load().running == 1
     });
