@@ -60,7 +60,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use handoff_kv::{PageAllocator, PageLease, PrefixCache};
+use handoff_kv::{PageAllocator, PageLease, PrefixCache, PrefixLock};
 use handoff_proto::handshake::{Fingerprint, KvLayoutKind};
 use handoff_proto::room::RoomConfig;
 
@@ -242,6 +242,29 @@ fn model_hash(path: &Path, formats: &str) -> Result<[u8; 32], EngineError> {
 /// ([`PageQueue::new`]).
 async fn lease_pages(queue: &PageQueue, n: usize) -> PageLease {
     let _turn = queue.turn.lock().await;
+    lease_at_head(queue, n).await
+}
+
+/// [`lease_pages`] for a prompt: once at the head of the queue, lock the
+/// longest cached prefix of `prompt` and lease the rest of `total` pages.
+/// Only the head holds a lock while it waits, so queued requests never pin
+/// cached pages the head needs evicted.
+async fn lease_prompt_pages(
+    queue: &PageQueue,
+    prompt: &[u32],
+    total: usize,
+) -> (PrefixLock, PageLease) {
+    let _turn = queue.turn.lock().await;
+    let prefix = match &queue.cache {
+        Some(c) => lock_cache(c).lookup(prompt),
+        None => PrefixLock::default(),
+    };
+    let lease = lease_at_head(queue, total - prefix.pages().len()).await;
+    (prefix, lease)
+}
+
+/// Lease `n` pages for the head of the queue (the caller holds the turn).
+async fn lease_at_head(queue: &PageQueue, n: usize) -> PageLease {
     loop {
         // Registered before the attempt, so a return in between still wakes.
         let returned = queue.returned.notified();

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
-use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache, PrefixLock};
+use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache};
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
@@ -39,7 +39,7 @@ use handoff_proto::{Role, RoomId, TransferError};
 use handoff_transfer::{AuxData, KvSender, SenderConfig, TransportError};
 use tokio::sync::oneshot;
 
-use super::{fingerprint, lease_pages, lock_cache, runtime, Gauge, PageQueue, PdConfig};
+use super::{fingerprint, lease_prompt_pages, lock_cache, runtime, Gauge, PageQueue, PdConfig};
 use crate::config::EngineConfig;
 use crate::engine::{load, validate, Loaded};
 use crate::error::EngineError;
@@ -349,17 +349,14 @@ async fn prefill_room(
     handle.ready().await?;
     tracing::debug!(room = room.get(), "destination arrived");
     let destination = std::time::Instant::now();
-    // The cached prefix, locked for as long as this room may read it.
-    let mut prefix = match &ctx.cache {
-        Some(c) => lock_cache(c).lookup(&req.prompt_ids),
-        None => PrefixLock::default(),
-    };
-    let cached_tokens = prefix.tokens(ctx.page_size);
-    let need = req.prompt_ids.len().div_ceil(ctx.page_size) - prefix.pages().len();
-    let mut lease = tokio::select! {
-        l = lease_pages(&ctx.pages, need) => l,
+    // The cached prefix, locked for as long as this room may read it, and
+    // pages for the rest.
+    let total = req.prompt_ids.len().div_ceil(ctx.page_size);
+    let (mut prefix, mut lease) = tokio::select! {
+        l = lease_prompt_pages(&ctx.pages, &req.prompt_ids, total) => l,
         end = handle.outcome() => return Err(end.err().map_or_else(before_compute, Into::into)),
     };
+    let cached_tokens = prefix.tokens(ctx.page_size);
     drop(waiting);
     let _running = Gauge::enter(&ctx.running);
     let s = &req.sampling;
