@@ -465,6 +465,7 @@ async fn policies_pair_valid_workers() {
         PolicyKind::RoundRobin,
         PolicyKind::LeastLoad,
         PolicyKind::PowerOfTwo,
+        PolicyKind::CacheAware,
     ] {
         let r = real_router(&[&w.decode, &w.decode_b], policy).await;
         for _ in 0..4 {
@@ -483,6 +484,47 @@ async fn policies_pair_valid_workers() {
             assert_eq!(served, [2, 2], "round robin alternates");
         }
         assert_eq!(r.handle.workers().prefill[0].served(), 4);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_keeps_a_conversation_on_one_worker() {
+    let _g = serial().await;
+    let w = workers();
+    let served = |r: &TestRouter| -> Vec<u64> {
+        r.handle
+            .workers()
+            .decode
+            .iter()
+            .map(|d| d.served())
+            .collect()
+    };
+    let system = "You are a patient assistant; answer in one short sentence. ".repeat(8);
+    for (policy, want_one_worker) in [
+        (PolicyKind::CacheAware, true),
+        (PolicyKind::RoundRobin, false),
+    ] {
+        let r = real_router(&[&w.decode, &w.decode_b], policy).await;
+        let mut text = system.clone();
+        let mut workers_used = Vec::new();
+        for turn in 0..4 {
+            text.push_str(&format!(" Question {turn}: what comes after {turn}?"));
+            let before = served(&r);
+            let body =
+                json!({"text": text, "sampling_params": {"max_new_tokens": 2, "temperature": 0}});
+            let (s, v) = post(&r.base, "/generate", &body).await;
+            assert_eq!(s, 200, "{policy}: {v}");
+            let after = served(&r);
+            let i = (0..2)
+                .find(|&i| after[i] > before[i])
+                .expect("a decode worker served it");
+            workers_used.push(i);
+        }
+        let one = workers_used.iter().all(|&i| i == workers_used[0]);
+        assert_eq!(
+            one, want_one_worker,
+            "{policy}: turns went to {workers_used:?}"
+        );
     }
 }
 

@@ -33,9 +33,11 @@ pub struct RouterArgs {
     /// A decode worker's HTTP URL. Repeat for more workers.
     #[arg(long, required = true, value_name = "URL", action = ArgAction::Append)]
     decode: Vec<String>,
-    /// Pairing policy of both roles: round_robin, least_load or power_of_two.
-    #[arg(long, default_value = "round_robin")]
-    policy: PolicyKind,
+    /// Pairing policy of both roles: round_robin, least_load, power_of_two
+    /// or cache_aware [default: cache_aware for a role with more than one
+    /// worker, round_robin otherwise].
+    #[arg(long)]
+    policy: Option<PolicyKind>,
     /// Policy for picking the prefill worker [default: --policy].
     #[arg(long)]
     prefill_policy: Option<PolicyKind>,
@@ -109,9 +111,17 @@ pub fn config(
             bootstrap_port: port,
         });
     }
+    let prefill_workers = prefill.len();
     let mut c = RouterConfig::new(prefill, args.decode.clone());
-    c.prefill_policy = args.prefill_policy.unwrap_or(args.policy);
-    c.decode_policy = args.decode_policy.unwrap_or(args.policy);
+    let default = |workers: usize| {
+        args.policy.unwrap_or(if workers > 1 {
+            PolicyKind::CacheAware
+        } else {
+            PolicyKind::RoundRobin
+        })
+    };
+    c.prefill_policy = args.prefill_policy.unwrap_or(default(prefill_workers));
+    c.decode_policy = args.decode_policy.unwrap_or(default(args.decode.len()));
     c.request_timeout = Duration::from_secs(args.request_timeout_secs);
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;

@@ -98,7 +98,7 @@ fn router_cli_errors_are_precise() {
             "--policy",
             "random",
         ],
-        "unknown policy `random` (expected round_robin, least_load or power_of_two)",
+        "unknown policy `random` (expected round_robin, least_load, power_of_two or cache_aware)",
     );
     fails_with(
         &[

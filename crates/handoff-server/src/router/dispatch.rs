@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
 use crate::errors::ApiError;
+use crate::router::prefix_index::prompt_blocks;
 use crate::router::relay::{
     self, relay_headers, AttemptGuards, AttemptSpec, Failure, Pair, RelayBody,
 };
@@ -89,8 +90,9 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     let deadline = arrived + timeout;
     let mut failed: Vec<Arc<Worker>> = Vec::new();
     let mut last: Option<Failure> = None;
+    let blocks = prompt_blocks(&body);
     for attempt in 0..=state.config.max_retries {
-        let pair = match state.pick_pair(&failed) {
+        let pair = match state.pick_pair(&failed, &blocks) {
             Ok(p) => p,
             Err(role) => {
                 if let Some(f) = last {
@@ -212,13 +214,18 @@ impl RouterState {
     /// A prefill and a decode worker by the policies, avoiding `failed`
     /// where another dispatchable worker exists; `Err(role)` when a role has
     /// no dispatchable worker.
-    pub(crate) fn pick_pair(&self, failed: &[Arc<Worker>]) -> Result<Pair, Role> {
-        let prefill = self.pick(Role::Prefill, failed)?;
-        let decode = self.pick(Role::Decode, failed)?;
+    pub(crate) fn pick_pair(&self, failed: &[Arc<Worker>], blocks: &[u64]) -> Result<Pair, Role> {
+        let prefill = self.pick(Role::Prefill, failed, blocks)?;
+        let decode = self.pick(Role::Decode, failed, blocks)?;
         Ok(Pair { prefill, decode })
     }
 
-    fn pick(&self, role: Role, failed: &[Arc<Worker>]) -> Result<Arc<Worker>, Role> {
+    fn pick(
+        &self,
+        role: Role,
+        failed: &[Arc<Worker>],
+        blocks: &[u64],
+    ) -> Result<Arc<Worker>, Role> {
         let usable: Vec<&Arc<Worker>> = self
             .workers
             .of(role)
@@ -236,8 +243,9 @@ impl RouterState {
             Role::Prefill => &self.prefill_policy,
             Role::Decode => &self.decode_policy,
         };
+        let urls: Vec<&str> = candidates.iter().map(|w| w.url.as_str()).collect();
         policy
-            .pick(&loads)
+            .pick_for(&urls, &loads, blocks)
             .and_then(|i| candidates.get(i))
             .map(|w| Arc::clone(w))
             .ok_or(role)

@@ -12,6 +12,7 @@ pub mod dispatch;
 pub mod info;
 pub mod metrics;
 pub mod policy;
+pub mod prefix_index;
 pub mod relay;
 pub mod rooms;
 pub mod timeline;

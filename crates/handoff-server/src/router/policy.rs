@@ -1,11 +1,16 @@
 //! Pairing policies (DESIGN.md §7): which healthy worker of a role gets the
-//! next request. Pure functions of the candidates' loads (and an RNG for
-//! power of two), so they are tested with fixed loads.
+//! next request. Functions of the candidates' loads (an RNG for power of
+//! two; for cache aware, the prompt and what was routed where), so they are
+//! tested with fixed loads.
 
+use std::collections::HashMap;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use rand::Rng;
+
+use crate::router::prefix_index::{BlockSet, MAX_BLOCKS};
 
 /// A pairing policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +22,10 @@ pub enum PolicyKind {
     LeastLoad,
     /// Two random healthy workers; the less loaded one wins.
     PowerOfTwo,
+    /// The worker most likely to hold the request's prompt prefix in its
+    /// cache (an approximate per-worker index of what was routed to it),
+    /// unless it is much busier than the least loaded one, which then wins.
+    CacheAware,
 }
 
 impl PolicyKind {
@@ -26,6 +35,7 @@ impl PolicyKind {
             PolicyKind::RoundRobin => "round_robin",
             PolicyKind::LeastLoad => "least_load",
             PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::CacheAware => "cache_aware",
         }
     }
 }
@@ -44,18 +54,26 @@ impl FromStr for PolicyKind {
             "round_robin" => Ok(PolicyKind::RoundRobin),
             "least_load" => Ok(PolicyKind::LeastLoad),
             "power_of_two" => Ok(PolicyKind::PowerOfTwo),
+            "cache_aware" => Ok(PolicyKind::CacheAware),
             _ => Err(format!(
-                "unknown policy `{s}` (expected round_robin, least_load or power_of_two)"
+                "unknown policy `{s}` (expected round_robin, least_load, power_of_two or cache_aware)"
             )),
         }
     }
 }
 
-/// A policy with its state (the round-robin cursor).
+/// `cache_aware` sends a request to its best-matching worker only if that
+/// worker has at most this many more requests in flight than the least
+/// loaded one.
+pub const CACHE_AWARE_SLACK: u64 = 8;
+
+/// A policy with its state (the round-robin cursor, the cache-aware index).
 #[derive(Debug)]
 pub struct Policy {
     kind: PolicyKind,
     cursor: AtomicUsize,
+    /// Worker URL → what was routed to it (`cache_aware` only).
+    index: Mutex<HashMap<String, BlockSet>>,
 }
 
 impl Policy {
@@ -64,7 +82,52 @@ impl Policy {
         Policy {
             kind,
             cursor: AtomicUsize::new(0),
+            index: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Index into `workers` (URLs, with their `loads`) for a request whose
+    /// prompt has the chained block hashes `blocks`. `cache_aware` takes the
+    /// worker holding the longest prefix of it if that covers at least half
+    /// the prompt and the worker is within [`CACHE_AWARE_SLACK`] of the least
+    /// load, else the least loaded (equally loaded ones in turn); it then
+    /// remembers the prompt there.
+    /// Other kinds ignore the prompt.
+    pub fn pick_for(&self, workers: &[&str], loads: &[u64], blocks: &[u64]) -> Option<usize> {
+        if self.kind != PolicyKind::CacheAware {
+            return self.pick(loads);
+        }
+        if loads.is_empty() {
+            return None;
+        }
+        let mut index = self.index.lock().unwrap_or_else(|e| e.into_inner());
+        let matched: Vec<usize> = workers
+            .iter()
+            .map(|w| index.get(*w).map_or(0, |s| s.matched(blocks)))
+            .collect();
+        // The least loaded; among equals, in turn, so new prompts spread.
+        let min = loads.iter().copied().min().unwrap_or(0);
+        let idle: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] == min).collect();
+        let least = idle[self.cursor.fetch_add(1, Ordering::Relaxed) % idle.len()];
+        let best = (0..loads.len())
+            .max_by_key(|&i| {
+                (
+                    matched[i],
+                    std::cmp::Reverse(loads[i]),
+                    std::cmp::Reverse(i),
+                )
+            })
+            .unwrap_or(least);
+        let worth = matched[best] > 0 && 2 * matched[best] >= blocks.len();
+        let idle_enough = loads[best] <= loads[least].saturating_add(CACHE_AWARE_SLACK);
+        let chosen = if worth && idle_enough { best } else { least };
+        if let Some(w) = workers.get(chosen) {
+            index
+                .entry((*w).to_string())
+                .or_default()
+                .insert(blocks, MAX_BLOCKS);
+        }
+        Some(chosen)
     }
 
     /// Its kind.
@@ -86,7 +149,7 @@ impl Policy {
         let n = loads.len();
         Some(match self.kind {
             PolicyKind::RoundRobin => self.cursor.fetch_add(1, Ordering::Relaxed) % n,
-            PolicyKind::LeastLoad => least_loaded(loads),
+            PolicyKind::LeastLoad | PolicyKind::CacheAware => least_loaded(loads),
             PolicyKind::PowerOfTwo => {
                 if n == 1 {
                     0
@@ -128,6 +191,7 @@ mod tests {
             PolicyKind::RoundRobin,
             PolicyKind::LeastLoad,
             PolicyKind::PowerOfTwo,
+            PolicyKind::CacheAware,
         ] {
             assert_eq!(k.name().parse::<PolicyKind>().unwrap(), k);
         }
@@ -137,6 +201,32 @@ mod tests {
         );
         let e = "random".parse::<PolicyKind>().unwrap_err();
         assert!(e.contains("`random`") && e.contains("least_load"), "{e}");
+    }
+
+    #[test]
+    fn cache_aware_follows_the_prefix_unless_its_worker_is_much_busier() {
+        let p = Policy::new(PolicyKind::CacheAware);
+        let ws = ["http://a", "http://b", "http://c"];
+        let conv = |turns: u64| -> Vec<u64> { (1..=turns * 4).collect() };
+        // A new prompt goes to the least loaded, and is remembered there.
+        assert_eq!(p.pick_for(&ws, &[3, 1, 2], &conv(1)), Some(1));
+        // Its next turns follow it, though b is now the busiest.
+        assert_eq!(p.pick_for(&ws, &[0, 4, 0], &conv(2)), Some(1));
+        assert_eq!(p.pick_for(&ws, &[0, 4, 0], &conv(3)), Some(1));
+        // Unless b is more than the slack busier: then the least loaded.
+        let busy = CACHE_AWARE_SLACK + 1;
+        assert_eq!(p.pick_for(&ws, &[0, busy, 2], &conv(4)), Some(0));
+        // a holds turn 4, b only turn 3: turn 5 goes to the longer match.
+        assert_eq!(p.pick_for(&ws, &[1, 0, 0], &conv(5)), Some(0));
+        // Less than half the prompt matched: load decides.
+        let mut other: Vec<u64> = (1..=2).collect();
+        other.extend(100..110);
+        assert_eq!(p.pick_for(&ws, &[2, 2, 0], &other), Some(2));
+        // Other kinds ignore the prompt.
+        let rr = Policy::new(PolicyKind::RoundRobin);
+        assert_eq!(rr.pick_for(&ws, &[0, 0, 0], &conv(1)), Some(0));
+        assert_eq!(rr.pick_for(&ws, &[0, 0, 0], &conv(1)), Some(1));
+        assert_eq!(p.pick_for(&[], &[], &conv(1)), None);
     }
 
     #[test]
