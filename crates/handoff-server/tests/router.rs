@@ -551,6 +551,32 @@ async fn info_routes() {
     let list: Value = serde_json::from_str(&t).unwrap();
     assert_eq!(list[0]["bootstrap_port"], 8998);
     assert_eq!(list[0]["healthy"], true);
+    // /flush_cache reaches every worker and reports each answer.
+    let (s, v) = post(&r.base, "/flush_cache", &json!({})).await;
+    assert_eq!(s, 200, "{v}");
+    let replies = v["workers"].as_array().expect("workers");
+    assert_eq!(replies.len(), 2, "{v}");
+    assert_eq!(replies[0]["role"], "prefill");
+    assert_eq!(replies[1]["url"], w.decode.as_str());
+    for reply in replies {
+        assert_eq!(reply["status"], 200, "{v}");
+        assert!(
+            reply["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("Cache flushed")),
+            "{v}"
+        );
+    }
+    // A worker that cannot answer makes it a 502 that names it.
+    let dead = closed_port_url();
+    let mut c = config(&[&w.prefill], &[&w.decode, &dead]);
+    c.prefill_policy = PolicyKind::RoundRobin;
+    let r2 = start_router(c).await;
+    let (s, v) = post(&r2.base, "/flush_cache", &json!({})).await;
+    assert_eq!(s, 502, "{v}");
+    assert_eq!(v["workers"][2]["url"], dead.as_str());
+    assert_eq!(v["workers"][2]["status"], 502);
+    assert_eq!(v["workers"][1]["status"], 200);
     let (s, t) = get(&r.base, "/nope").await;
     let v: Value = serde_json::from_str(&t).unwrap();
     assert_eq!((s, v["error"]["code"].as_str()), (404, Some("not_found")));

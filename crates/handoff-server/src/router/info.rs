@@ -69,6 +69,40 @@ pub async fn get_load(State(state): State<RouterState>) -> Json<Value> {
     ))
 }
 
+/// `POST`/`GET /flush_cache`: every worker empties its prefix cache; the
+/// answer lists each worker's reply (200 when all of them flushed, 502
+/// naming those that could not).
+pub async fn flush_cache(State(state): State<RouterState>) -> Response {
+    let calls = state.workers.all().map(|w| {
+        let client = state.client.clone();
+        let timeout = state.config.health_timeout;
+        let (url, role) = (w.url.clone(), w.role.name());
+        async move {
+            let r = client
+                .post(format!("{url}/flush_cache"))
+                .timeout(timeout)
+                .send()
+                .await;
+            let (status, message) = match r {
+                Ok(r) => {
+                    let s = r.status().as_u16();
+                    (s, r.text().await.unwrap_or_default().trim().to_string())
+                }
+                Err(e) => (502, format!("unreachable: {e}")),
+            };
+            json!({"url": url, "role": role, "status": status, "message": message})
+        }
+    });
+    let replies: Vec<Value> = futures_util::future::join_all(calls).await;
+    let ok = replies.iter().all(|r| r["status"] == 200);
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::BAD_GATEWAY
+    };
+    (status, Json(json!({ "workers": replies }))).into_response()
+}
+
 /// `GET /metrics`: the router's Prometheus exposition.
 pub async fn metrics(State(state): State<RouterState>) -> Response {
     (

@@ -179,6 +179,10 @@ pub fn router_app(config: RouterConfig) -> Result<(Router, RouterHandle), Router
         .route("/readiness", get(info::readiness))
         .route("/v1/models", get(info::models))
         .route("/get_load", get(info::get_load))
+        .route(
+            "/flush_cache",
+            get(info::flush_cache).post(info::flush_cache),
+        )
         .route("/workers", get(info::workers))
         .route("/metrics", get(info::metrics))
         .route_layer(middleware::from_fn_with_state(
