@@ -211,20 +211,12 @@ impl Scheduler {
             let total =
                 (w.req.prompt_ids.len() + w.req.sampling.max_new_tokens).div_ceil(page_size);
             let need = total - prefix.pages().len();
-            let allocator = self.pool.allocator().clone();
-            let lease = match allocator.lease(need) {
-                Ok(l) => l,
-                Err(_) => {
-                    let short = need.saturating_sub(allocator.stats().free());
-                    if let Some(c) = &mut self.cache {
-                        c.evict(short);
-                    }
-                    match allocator.lease(need) {
-                        Ok(l) => l,
-                        Err(_) => break,
-                    }
-                }
+            let allocator = self.pool.allocator();
+            let leased = match &mut self.cache {
+                Some(c) => c.lease(allocator, need),
+                None => allocator.lease(need),
             };
+            let Ok(lease) = leased else { break };
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };

@@ -74,11 +74,6 @@ impl KvGeometry {
         self.kv_heads * self.page_size * self.head_dim
     }
 
-    /// Bytes of KV one token occupies across all layers (K and V).
-    pub fn bytes_per_token(&self) -> usize {
-        self.page_bytes() / self.page_size.max(1)
-    }
-
     /// Pages needed to hold `tokens` tokens.
     pub fn pages_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.page_size)
@@ -119,11 +114,6 @@ impl KvLayout {
         self.geometry
             .page_layout(self.geometry.kv_heads, self.num_pages)
             .expect("checked by KvLayout::new")
-    }
-
-    /// Elements in the whole pool.
-    pub fn pool_elems(&self) -> usize {
-        self.pool_bytes() / self.geometry.dtype.bytes()
     }
 
     /// Bytes in the whole pool.

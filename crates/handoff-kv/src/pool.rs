@@ -40,19 +40,6 @@ impl<'a> KvBlock<'a> {
         }
     }
 
-    /// Elements in the block.
-    pub fn len(self) -> usize {
-        match self {
-            KvBlock::F32(s) => s.len(),
-            KvBlock::F16(s) => s.len(),
-        }
-    }
-
-    /// True when the block has no elements.
-    pub fn is_empty(self) -> bool {
-        self.len() == 0
-    }
-
     /// The elements as f32: borrowed when they are f32, converted into
     /// `scratch` when they are not.
     pub fn to_f32<'s>(self, scratch: &'s mut Vec<f32>) -> &'s [f32]

@@ -12,7 +12,7 @@
 //!   evicted, so a page in use by a running request, an in-flight transfer
 //!   or anything else holding the lock stays;
 //! * eviction takes unreferenced leaves, least recently used first, only
-//!   when asked for pages ([`PrefixCache::evict`]) or flushed.
+//!   when a lease would fail ([`PrefixCache::lease`]) or on a flush.
 //!
 //! The partial last page of a prompt is never cached, and a match never
 //! covers a whole prompt: at least one token is left to compute, whose
@@ -24,8 +24,9 @@ use std::collections::{BinaryHeap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+use crate::error::KvError;
 use crate::layout::PageIndex;
-use crate::lease::PageLease;
+use crate::lease::{PageAllocator, PageLease};
 
 /// A node's slot in the tree's slab.
 type NodeId = usize;
@@ -277,6 +278,16 @@ impl PrefixCache {
         freed
     }
 
+    /// Lease `n` pages of `allocator`, evicting what is short first (least
+    /// recently used unreferenced pages); fails, taking nothing, when even
+    /// that does not free enough.
+    pub fn lease(&mut self, allocator: &PageAllocator, n: usize) -> Result<PageLease, KvError> {
+        allocator.lease(n).or_else(|_| {
+            self.evict(n.saturating_sub(allocator.stats().free()));
+            allocator.lease(n)
+        })
+    }
+
     /// Evict everything no request reads (`/flush_cache`). Returns the
     /// number of pages freed.
     pub fn flush(&mut self) -> usize {
@@ -368,6 +379,14 @@ mod tests {
         assert_eq!(cache.lookup(&a[..8]).pages(), &pages[..1]);
         assert_eq!(cache.lookup(&a[..9]).pages(), &pages[..2]);
         assert_eq!(cache.lookup(&a[..3]).pages(), &[] as &[PageIndex]);
+        // A lease the free pages cannot hold evicts just what is short.
+        let all = alloc.lease(alloc.stats().free() - 1).unwrap();
+        assert_eq!(cache.lease(&alloc, 2).unwrap().len(), 2);
+        assert_eq!(cache.stats().pages, 1, "one page evicted, one kept");
+        // 2 free and 1 evictable: 4 cannot be had; it evicts, takes nothing.
+        assert!(cache.lease(&alloc, 4).is_err(), "not enough even evicting");
+        assert_eq!((cache.stats().pages, alloc.stats().free()), (0, 3));
+        drop(all);
     }
 
     #[test]

@@ -270,14 +270,12 @@ async fn lease_at_head(queue: &PageQueue, n: usize) -> PageLease {
         let returned = queue.returned.notified();
         tokio::pin!(returned);
         returned.as_mut().enable();
-        if let Ok(lease) = queue.allocator.lease(n) {
+        let leased = match &queue.cache {
+            Some(c) => lock_cache(c).lease(&queue.allocator, n),
+            None => queue.allocator.lease(n),
+        };
+        if let Ok(lease) = leased {
             return lease;
-        }
-        if let Some(cache) = &queue.cache {
-            let short = n.saturating_sub(queue.allocator.stats().free());
-            if lock_cache(cache).evict(short) > 0 {
-                continue;
-            }
         }
         returned.await;
     }

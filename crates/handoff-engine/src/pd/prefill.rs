@@ -564,7 +564,7 @@ fn before_compute() -> EngineError {
     })
 }
 
-type JobResult = (Result<Option<(u32, f32)>, EngineError>, PageLease);
+type JobResult = (Result<Option<FirstToken>, EngineError>, PageLease);
 
 /// One prompt to prefill from position `start` (the cached prefix before
 /// it is in the pool already) into `pages`, the sequence's pages: the
