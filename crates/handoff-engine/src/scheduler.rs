@@ -33,12 +33,25 @@ pub(crate) enum Command {
     FlushCache(tokio::sync::oneshot::Sender<usize>),
 }
 
+/// A sequence's pages: a locked cached prefix, then its own.
+pub(crate) struct SeqPages {
+    /// Every page in order (page `i` holds tokens `i*page_size..`).
+    pub pages: Vec<PageIndex>,
+    /// The cached pages it reads, kept from eviction (dropped before
+    /// `lease`, as in `Active`).
+    pub prefix: PrefixLock,
+    /// Its own pages (those handed to the prefix cache left it).
+    pub lease: PageLease,
+    /// Prompt tokens whose K/V came from the cache.
+    pub prefix_tokens: usize,
+}
+
 /// A request prefilled elsewhere, ready to decode.
 pub(crate) struct Resumed {
     pub req: GenerateRequest,
     pub tx: mpsc::UnboundedSender<StreamEvent>,
     /// Pages for prompt + max_new_tokens; the prompt's KV is in them.
-    pub lease: PageLease,
+    pub pages: SeqPages,
     /// The first token and its logprob, as the prefill sampled them.
     pub first: (u32, f32),
     /// Seed of the request's sampler (the prefill used the same one).
@@ -71,10 +84,12 @@ pub(crate) struct Active {
     cached: usize,
     /// The sequence's pages in order: the cached prefix's, then its own.
     pages: Vec<PageIndex>,
+    /// The cached pages it reads, kept from eviction. Declared (so dropped)
+    /// before `lease`: a request waiting for pages is woken by the lease's
+    /// return and then finds these evictable too.
+    prefix: PrefixLock,
     /// Its own pages (those it handed to the cache leave it).
     lease: PageLease,
-    /// The cached pages it reads, kept from eviction.
-    prefix: PrefixLock,
     /// Prompt tokens that came from the cache.
     prefix_tokens: usize,
     sampler: Sampler,
@@ -264,13 +279,19 @@ impl Scheduler {
         if s.temperature > 0.0 && s.top_k != 1 {
             sampler.sample(&[0.0, 0.0]);
         }
+        let SeqPages {
+            pages,
+            lease,
+            prefix,
+            prefix_tokens,
+        } = r.pages;
         self.active.push(Active {
             prompt_len: r.req.prompt_ids.len(),
             cached: r.req.prompt_ids.len(),
-            pages: r.lease.pages().to_vec(),
-            lease: r.lease,
-            prefix: PrefixLock::default(),
-            prefix_tokens: 0,
+            pages,
+            lease,
+            prefix,
+            prefix_tokens,
             sampler,
             text: TextTracker::new(s.stop.clone()),
             max_new: s.max_new_tokens,

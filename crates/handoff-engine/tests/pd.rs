@@ -48,6 +48,9 @@ per_transport!(
     greedy_output_is_colocated_output_page_size_64,
     greedy_output_is_colocated_output_with_f32_kv,
     prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated,
+    delta_transfer_moves_only_the_pages_decode_lacks,
+    a_prefill_without_delta_transfer_still_serves_correctly,
+    decode_cache_eviction_under_pressure_never_touches_pages_in_use,
     a_short_prompt_is_not_stuck_behind_a_long_prefill,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
@@ -100,6 +103,8 @@ struct Opts {
     decode_kv_pages: Option<usize>,
     kv_dtype: KvDtype,
     prefill_kv_dtype: Option<KvDtype>,
+    /// The prefill offers delta transfer (decode always does).
+    prefill_delta: bool,
 }
 
 impl Default for Opts {
@@ -115,6 +120,7 @@ impl Default for Opts {
             decode_kv_pages: None,
             kv_dtype: KvDtype::F16,
             prefill_kv_dtype: None,
+            prefill_delta: true,
         }
     }
 }
@@ -153,7 +159,9 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     let mut pcfg = cfg;
     pcfg.max_context = o.prefill_max_context;
     pcfg.kv_dtype = o.prefill_kv_dtype.unwrap_or(o.kv_dtype);
-    let prefill = PrefillEngine::start(pcfg.clone(), pd_config_with(kind, timers)).unwrap();
+    let mut ppd = pd_config_with(kind, timers);
+    ppd.delta_transfer = o.prefill_delta;
+    let prefill = PrefillEngine::start(pcfg.clone(), ppd).unwrap();
     Setup {
         prefill,
         decode,
@@ -233,6 +241,24 @@ fn pd(s: &Setup, r: &GenerateRequest) -> Output {
     assert_eq!(done.first_token, out.0[0]);
     assert_eq!(done.prompt_tokens, r.prompt_ids.len());
     out
+}
+
+/// KV payload bytes the prefill's transfer endpoint sent so far.
+fn kv_bytes_sent(s: &Setup) -> u64 {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(s.prefill.transfer_stats())
+        .unwrap()
+        .kv_bytes_sent
+}
+
+/// One request through PD: its output and the KV bytes it moved.
+fn pd_bytes(s: &Setup, r: &GenerateRequest) -> (Output, u64) {
+    let before = kv_bytes_sent(s);
+    let out = pd(s, r);
+    (out, kv_bytes_sent(s) - before)
 }
 
 fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) -> Duration {
@@ -361,6 +387,117 @@ fn prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated(kind: TransportKi
     assert!(s.prefill.load().pages_cached > 0);
     assert!(s.prefill.flush_cache() > 0);
     assert_eq!(s.prefill.load().pages_cached, 0);
+}
+
+/// Page size of the delta-transfer tests.
+const DELTA_PAGE: usize = 16;
+
+fn delta_transfer_moves_only_the_pages_decode_lacks(kind: TransportKind) {
+    let s = setup(
+        kind,
+        Opts {
+            page_size: DELTA_PAGE,
+            kv_pages: 1024,
+            ..Opts::default()
+        },
+    );
+    // A 300-token shared prefix (18 whole pages of 16, then 12 tokens).
+    let shared = prompt(300, 7);
+    let with_tail = |salt: u32| {
+        let mut p = shared.clone();
+        p.extend(prompt(20, salt)); // 320 tokens: 20 pages
+        req(p, 6)
+    };
+    let (a, b) = (with_tail(1), with_tail(2));
+    let want_a = colocated(&s, &a);
+    let want_b = colocated(&s, &b);
+    // Cold: the whole prompt moves.
+    let (out, cold) = pd_bytes(&s, &a);
+    assert_eq!(out, want_a);
+    assert!(cold > 0 && cold % 20 == 0, "{cold} bytes for 20 pages");
+    let page = cold / 20;
+    // The same 300-token prefix: decode holds its 18 whole pages, so only
+    // pages 18 and 19 move.
+    let (out, warm) = pd_bytes(&s, &b);
+    assert_eq!(out, want_b);
+    assert_eq!(warm, 2 * page, "{warm} bytes, a page is {page}");
+    // A full hit (a whole number of pages, all cached): no KV moves, the
+    // prefill still sends the first token.
+    let (out, hit) = pd_bytes(&s, &a);
+    assert_eq!(out, want_a);
+    assert_eq!(hit, 0, "a full hit moves no KV");
+    // A prompt that is a prefix of a cached one: all its pages are there.
+    let shorter = req(a.prompt_ids[..160].to_vec(), 4);
+    let (out, hit) = pd_bytes(&s, &shorter);
+    assert_eq!(out, colocated(&s, &shorter));
+    assert_eq!(hit, 0);
+    assert_clean(&s);
+    // The decode cache can be flushed like any other.
+    assert!(s.decode.load().pages_cached >= 20);
+    assert!(s.decode.flush_cache() >= 20);
+    assert_eq!(s.decode.load().pages_cached, 0);
+    let (out, cold_again) = pd_bytes(&s, &a);
+    assert_eq!(out, want_a);
+    assert_eq!(cold_again, cold, "flushed: the whole prompt moves again");
+    assert_clean(&s);
+}
+
+fn a_prefill_without_delta_transfer_still_serves_correctly(kind: TransportKind) {
+    let s = setup(
+        kind,
+        Opts {
+            page_size: DELTA_PAGE,
+            kv_pages: 1024,
+            prefill_delta: false,
+            ..Opts::default()
+        },
+    );
+    let a = req(prompt(320, 3), 6);
+    let want = colocated(&s, &a);
+    let (out, cold) = pd_bytes(&s, &a);
+    assert_eq!(out, want);
+    // Decode has every page cached, but this prefill cannot take a
+    // prefix: the whole prompt moves again, and the output is the same.
+    let (out, again) = pd_bytes(&s, &a);
+    assert_eq!(out, want);
+    assert_eq!(again, cold);
+    assert!(s.decode.load().pages_cached >= 20, "decode still caches");
+    assert_clean(&s);
+}
+
+fn decode_cache_eviction_under_pressure_never_touches_pages_in_use(kind: TransportKind) {
+    // Decode holds 40 pages of 4 tokens; 16 concurrent requests sharing
+    // prefixes need far more over time, so cached pages are evicted while
+    // other requests' transfers and decodes run on theirs.
+    let s = setup(
+        kind,
+        Opts {
+            page_size: 4,
+            kv_pages: 1024,
+            decode_kv_pages: Some(40),
+            ..Opts::default()
+        },
+    );
+    let system = prompt(24, 9);
+    let reqs: Vec<GenerateRequest> = (0..16u32)
+        .map(|i| {
+            let mut p = system.clone();
+            p.extend(prompt(4 + (i as usize % 5) * 3, 100 + i % 6));
+            req(p, 8)
+        })
+        .collect();
+    let want: Vec<Output> = reqs.iter().map(|r| colocated(&s, r)).collect();
+    for round in 0..2 {
+        let got: Vec<Output> = std::thread::scope(|sc| {
+            let hs: Vec<_> = reqs.iter().map(|r| sc.spawn(|| pd(&s, r))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "round {round}, request {i}");
+        }
+        assert_clean(&s);
+    }
+    assert!(s.decode.load().pages_cached > 0);
 }
 
 fn a_short_prompt_is_not_stuck_behind_a_long_prefill(kind: TransportKind) {
@@ -801,6 +938,7 @@ fn full_decode_pool_queues_requests_and_prefill_waits(kind: TransportKind) {
     });
     assert_eq!(got, want);
     eprintln!("peak decode waiting: {peak_waiting}");
+    assert!(peak_waiting >= 1, "no request was seen waiting for pages");
     assert_clean(&s);
 }
 

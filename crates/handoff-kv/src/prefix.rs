@@ -14,9 +14,11 @@
 //! * eviction takes unreferenced leaves, least recently used first, only
 //!   when a lease would fail ([`PrefixCache::lease`]) or on a flush.
 //!
-//! The partial last page of a prompt is never cached, and a match never
-//! covers a whole prompt: at least one token is left to compute, whose
-//! logits give the first output token.
+//! The partial last page of a prompt is never cached, and a match for a
+//! request that computes never covers the whole prompt: at least one token
+//! is left to compute, whose logits give the first output token. A decode
+//! worker (delta transfer) computes no prompt token and may match it all
+//! ([`PrefixCache::lookup_within`]).
 
 use std::cmp::Reverse;
 use std::collections::hash_map::DefaultHasher;
@@ -134,8 +136,16 @@ impl PrefixCache {
     /// The longest cached prefix of `prompt`, in whole pages, leaving at
     /// least one token of the prompt to compute; locked for the caller.
     pub fn lookup(&mut self, prompt: &[u32]) -> PrefixLock {
+        self.lookup_within(prompt, prompt.len().saturating_sub(1))
+    }
+
+    /// The longest cached prefix of `prompt` in whole pages that ends at or
+    /// before token `max_tokens`; locked for the caller. A decode worker,
+    /// which computes no prompt token (prefill sends the first output
+    /// token), may take every full page: `max_tokens = prompt.len()`.
+    pub fn lookup_within(&mut self, prompt: &[u32], max_tokens: usize) -> PrefixLock {
         let ps = self.page_size;
-        let max_blocks = prompt.len().saturating_sub(1) / ps;
+        let max_blocks = max_tokens.min(prompt.len()) / ps;
         self.tick += 1;
         let tick = self.tick;
         let mut lock = PrefixLock::default();
@@ -379,6 +389,10 @@ mod tests {
         assert_eq!(cache.lookup(&a[..8]).pages(), &pages[..1]);
         assert_eq!(cache.lookup(&a[..9]).pages(), &pages[..2]);
         assert_eq!(cache.lookup(&a[..3]).pages(), &[] as &[PageIndex]);
+        // A decode worker computes no prompt token: it may take both.
+        assert_eq!(cache.lookup_within(&a[..8], 8).pages(), &pages[..2]);
+        assert_eq!(cache.lookup_within(&a[..8], 7).pages(), &pages[..1]);
+        assert_eq!(cache.lookup_within(&a[..8], 100).pages(), &pages[..2]);
         // A lease the free pages cannot hold evicts just what is short.
         let all = alloc.lease(alloc.stats().free() - 1).unwrap();
         assert_eq!(cache.lease(&alloc, 2).unwrap().len(), 2);

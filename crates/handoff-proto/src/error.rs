@@ -314,6 +314,15 @@ pub enum Misbehavior {
         /// Pages the room writes.
         sends: usize,
     },
+    /// A destination's cached prefix (delta transfer) does not end on a
+    /// page boundary: the pages after it could not line up with ours.
+    #[error("destination says decode holds {tokens} tokens, not a whole number of {page_size}-token pages")]
+    PrefixNotPageAligned {
+        /// The prefix it claims.
+        tokens: u32,
+        /// Tokens per page.
+        page_size: usize,
+    },
     /// A destination page is outside the decode pool the link announced.
     #[error("destination page {page} is outside the decode pool of {pool_pages} pages")]
     PageOutsidePool {

@@ -34,6 +34,13 @@ use crate::rank;
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Capabilities(u64);
 
+impl Default for Capabilities {
+    /// None: a connection not yet negotiated can do nothing optional.
+    fn default() -> Self {
+        Capabilities::NONE
+    }
+}
+
 impl Capabilities {
     /// No capability.
     pub const NONE: Capabilities = Capabilities(0);

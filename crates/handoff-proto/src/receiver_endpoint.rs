@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use crate::datalink::AuxData;
 use crate::error::TransferError;
-use crate::handshake::Fingerprint;
+use crate::handshake::{Capabilities, Fingerprint};
 use crate::heartbeat::Liveness;
 use crate::ids::{AuxSlot, PageIndex, PeerId, RankId, RoomId};
 use crate::rank::{RankError, RankMap};
@@ -205,6 +205,13 @@ pub enum RefusedRoom {
     /// The room is not waiting for its pages.
     #[error("room {0} is not waiting for pages")]
     NotWaitingForPages(u64),
+    /// A cached prefix was offered to a source whose connection did not
+    /// negotiate delta transfer (`DESTINATION_PREFIX`).
+    #[error("{peer} did not negotiate delta transfer: reserve the whole prompt")]
+    PrefixUnsupported {
+        /// The source.
+        peer: PeerId,
+    },
 }
 
 impl From<RefusedRoom> for TransferError {
@@ -252,6 +259,8 @@ pub struct ReceiverStats {
 struct Peer {
     /// The id of its established control connection.
     control: Option<u64>,
+    /// What that connection's handshake negotiated.
+    capabilities: Capabilities,
     /// Its data link: the shell's id for it and the peer's TP position.
     link: Option<(u64, TpPosition)>,
 }
@@ -359,10 +368,16 @@ impl<L, W> ReceiverEndpoint<L, W> {
 
     // ----- what the sockets report -----
 
-    /// `peer`'s control connection `conn` finished its handshake. Returns
-    /// whether to keep it: not for a peer whose connect was abandoned
-    /// (the shell then drops the connection).
-    pub fn handle_control_up(&mut self, peer: PeerId, conn: u64, now: Instant) -> bool {
+    /// `peer`'s control connection `conn` finished its handshake, which
+    /// negotiated `capabilities`. Returns whether to keep it: not for a peer
+    /// whose connect was abandoned (the shell then drops the connection).
+    pub fn handle_control_up(
+        &mut self,
+        peer: PeerId,
+        conn: u64,
+        capabilities: Capabilities,
+        now: Instant,
+    ) -> bool {
         if self
             .abandoned
             .remove(&peer)
@@ -370,9 +385,20 @@ impl<L, W> ReceiverEndpoint<L, W> {
         {
             return false;
         }
-        self.peers.entry(peer).or_default().control = Some(conn);
+        let p = self.peers.entry(peer).or_default();
+        p.control = Some(conn);
+        p.capabilities = capabilities;
         self.liveness.add_peer(peer, now);
         true
+    }
+
+    /// What `peer`'s current control connection negotiated (`None` while
+    /// it has none).
+    pub fn capabilities(&self, peer: PeerId) -> Option<Capabilities> {
+        self.peers
+            .get(&peer)
+            .filter(|p| p.control.is_some())
+            .map(|p| p.capabilities)
     }
 
     /// A control message from `peer`.
@@ -518,6 +544,18 @@ impl<L, W> ReceiverEndpoint<L, W> {
     ) -> Result<(), RefusedRoom> {
         if self.rooms.state(room) != Some(RoomState::Bootstrapping) {
             return Err(RefusedRoom::NotWaitingForPages(room.get()));
+        }
+        if prefix_tokens.is_some_and(|t| t > 0) {
+            // Without the capability the prefix would not reach the peer,
+            // which would then write the whole prompt from our first page.
+            let lacking = self.sources.get(&room).into_iter().flatten().find(|r| {
+                !self.peers.get(r).is_some_and(|p| {
+                    p.control.is_some() && p.capabilities.contains(Capabilities::DESTINATION_PREFIX)
+                })
+            });
+            if let Some(&peer) = lacking {
+                return Err(RefusedRoom::PrefixUnsupported { peer });
+            }
         }
         let sources = self.sources.remove(&room).unwrap_or_default();
         let mut sorted: Vec<u32> = pages.iter().map(|p| p.0).collect();
@@ -770,7 +808,7 @@ mod tests {
             let now = Instant::now();
             let mut ep =
                 ReceiverEndpoint::new(RoomConfig::default(), fp(4, 0, 1), Duration::from_secs(5));
-            assert!(ep.handle_control_up(P, 1, now));
+            assert!(ep.handle_control_up(P, 1, Capabilities::ALL, now));
             ep.handle_link_up(P, 1, TpPosition { rank: 0, size: 1 });
             Self {
                 ep,
@@ -976,6 +1014,36 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_prefix_goes_only_to_sources_that_negotiated_delta_transfer() {
+        let sources = || {
+            vec![Source {
+                peer: P,
+                required_destinations: 1,
+            }]
+        };
+        let reserve = |f: &mut Fixture, r: RoomId, prefix| {
+            f.ep.open(r, sources(), f.now).unwrap();
+            let lease = f.lease();
+            f.ep.reserve(r, lease, vec![PageIndex(4)], AuxSlot(1), prefix, f.now)
+        };
+        let mut f = Fixture::new();
+        reserve(&mut f, room(30), Some(16)).unwrap();
+        // The same peer reconnected without the capability.
+        assert!(f.ep.handle_control_up(
+            P,
+            2,
+            Capabilities::ALL.without(Capabilities::DESTINATION_PREFIX),
+            f.now
+        ));
+        let e = reserve(&mut f, room(31), Some(16)).unwrap_err();
+        assert_eq!(e, RefusedRoom::PrefixUnsupported { peer: P });
+        assert_eq!(f.live.get(), 1, "the refused lease was dropped");
+        // A whole transfer still works.
+        reserve(&mut f, room(32), Some(0)).unwrap();
+        reserve(&mut f, room(33), None).unwrap();
+    }
+
+    #[test]
     fn an_abandoned_connect_is_refused_when_it_comes_up_late_once() {
         let now = Instant::now();
         let mut ep: ReceiverEndpoint<Lease, u32> =
@@ -983,10 +1051,25 @@ mod tests {
         for r in 0..100 {
             ep.abandon(PeerId(r), now);
         }
-        assert!(!ep.handle_control_up(PeerId(7), 1, now + Duration::from_secs(5)));
-        assert!(ep.handle_control_up(PeerId(7), 2, now + Duration::from_secs(5)));
+        assert!(!ep.handle_control_up(
+            PeerId(7),
+            1,
+            Capabilities::ALL,
+            now + Duration::from_secs(5)
+        ));
+        assert!(ep.handle_control_up(
+            PeerId(7),
+            2,
+            Capabilities::ALL,
+            now + Duration::from_secs(5)
+        ));
         // Past twice the handshake timeout, it is forgotten.
-        assert!(ep.handle_control_up(PeerId(8), 3, now + Duration::from_secs(11)));
+        assert!(ep.handle_control_up(
+            PeerId(8),
+            3,
+            Capabilities::ALL,
+            now + Duration::from_secs(11)
+        ));
         // The next abandon forgets the expired ones.
         ep.abandon(PeerId(500), now + Duration::from_secs(11));
         assert_eq!(ep.abandoned.len(), 1);

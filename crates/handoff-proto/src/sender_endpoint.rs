@@ -188,6 +188,23 @@ impl<S> Peer<S> {
     }
 }
 
+/// What one [`SenderEndpoint::send`] writes to one destination.
+#[derive(Debug, Clone)]
+pub struct DestWrite {
+    /// The decode peer.
+    pub peer: PeerId,
+    /// Its destination for the room.
+    pub destination: Arc<Destination>,
+    /// Pages in that peer's pool (from its data link).
+    pub dest_pool_pages: usize,
+    /// Room pages to write (a sub-range of the call's: those past the
+    /// destination's cached prefix).
+    pub pages: Range<usize>,
+    /// Pages of the cached prefix: room page `i` goes to
+    /// `destination.pages[i - skip]`.
+    pub skip: usize,
+}
+
 /// A room whose writes started.
 #[derive(Debug)]
 struct Writing<C> {
@@ -217,14 +234,16 @@ pub struct SenderEndpoint<S, W, C> {
     events: VecDeque<SenderEvent<W, C>>,
     /// Layers of the prefill pool.
     layers: usize,
+    /// Tokens per page (a destination's cached prefix is whole pages).
+    page_size: usize,
     malformed_frames: u64,
     handshakes_failed: u64,
 }
 
 impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
     /// An endpoint with room limits and timers `config` over a prefill pool
-    /// of `layers` layers.
-    pub fn new(config: RoomConfig, layers: usize) -> Self {
+    /// of `layers` layers and `page_size` tokens per page.
+    pub fn new(config: RoomConfig, layers: usize, page_size: usize) -> Self {
         Self {
             liveness: Liveness::new(config.timers),
             outcomes: Expiring::new(config.max_live_rooms),
@@ -238,6 +257,7 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             input_waiters: HashMap::new(),
             events: VecDeque::new(),
             layers,
+            page_size: page_size.max(1),
             malformed_frames: 0,
             handshakes_failed: 0,
         }
@@ -484,18 +504,21 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
     }
 
     /// Write `layers` × room pages `pages` of `room` (the first call marks
-    /// compute done). Returns the destinations to write, each with the
-    /// room's cancel token; destinations that cannot be written (no data
-    /// link, too few pages, a page outside the decode pool) fail here.
-    /// The caller checked its own (source) pages.
-    #[allow(clippy::type_complexity)]
+    /// compute done). Room page `i` holds the prompt's tokens
+    /// `i*page_size..(i+1)*page_size`. Returns, per destination, what to
+    /// write there with the room's cancel token: a destination that holds a
+    /// cached prefix (delta transfer) gets only the pages past it, mapped
+    /// onto its page list, and none at all when the prefix covers them.
+    /// Destinations that cannot be written (no data link, a prefix not on a
+    /// page boundary, too few pages, a page outside the decode pool) fail
+    /// here. The caller checked its own (source) pages.
     pub fn send(
         &mut self,
         room: RoomId,
         layers: Range<usize>,
         pages: Range<usize>,
         now: Instant,
-    ) -> Result<(Vec<(PeerId, Arc<Destination>, usize)>, C), SendRefused> {
+    ) -> Result<(Vec<DestWrite>, C), SendRefused> {
         self.start_writes(room, now)?;
         let Some(w) = self.writing.get(&room) else {
             return Err(SendRefused::FailedBeforeWrites);
@@ -508,6 +531,7 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         }
         let mut out = Vec::with_capacity(w.destinations.len());
         let mut failed: Vec<(PeerId, TransferError)> = Vec::new();
+        let misbehaved = |what| TransferError::PeerMisbehaved { what };
         for (peer, d) in &w.destinations {
             let Some((_, dest_pages)) = self.peers.get(peer).and_then(|p| p.link) else {
                 failed.push((
@@ -519,36 +543,55 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
                 ));
                 continue;
             };
-            if pages.end > d.pages.len() {
+            let prefix = d.prefix_tokens.unwrap_or(0);
+            if prefix as usize % self.page_size != 0 {
                 failed.push((
                     *peer,
-                    TransferError::PeerMisbehaved {
-                        what: Misbehavior::DestinationTooShort {
-                            has: d.pages.len(),
-                            sends: pages.end,
-                        },
-                    },
+                    misbehaved(Misbehavior::PrefixNotPageAligned {
+                        tokens: prefix,
+                        page_size: self.page_size,
+                    }),
+                ));
+                continue;
+            }
+            let skip = prefix as usize / self.page_size;
+            let start = pages.start.max(skip);
+            if start >= pages.end {
+                continue; // decode holds all of these pages already
+            }
+            let (first, end) = (start - skip, pages.end - skip);
+            if end > d.pages.len() {
+                failed.push((
+                    *peer,
+                    misbehaved(Misbehavior::DestinationTooShort {
+                        has: d.pages.len(),
+                        sends: end,
+                    }),
                 ));
                 continue;
             }
             // Every destination page written is checked against the decode
             // pool before anything is written.
-            if let Some(bad) = d.pages[pages.clone()]
+            if let Some(bad) = d.pages[first..end]
                 .iter()
                 .find(|p| p.0 as usize >= dest_pages)
             {
                 failed.push((
                     *peer,
-                    TransferError::PeerMisbehaved {
-                        what: Misbehavior::PageOutsidePool {
-                            page: bad.0,
-                            pool_pages: dest_pages,
-                        },
-                    },
+                    misbehaved(Misbehavior::PageOutsidePool {
+                        page: bad.0,
+                        pool_pages: dest_pages,
+                    }),
                 ));
                 continue;
             }
-            out.push((*peer, d.clone(), dest_pages));
+            out.push(DestWrite {
+                peer: *peer,
+                destination: d.clone(),
+                dest_pool_pages: dest_pages,
+                pages: start..pages.end,
+                skip,
+            });
         }
         let cancel = w.cancel.clone();
         for (peer, e) in failed {
@@ -833,7 +876,7 @@ mod tests {
     }
 
     fn connected(now: Instant) -> Ep {
-        let mut ep = Ep::new(RoomConfig::default(), 2);
+        let mut ep = Ep::new(RoomConfig::default(), 2, 4);
         assert!(ep.handle_control_up(D, 10, 1, now));
         assert_eq!(
             ep.handle_link_stream(D, 1, (7, 0, 1), "s0", now),
@@ -881,7 +924,8 @@ mod tests {
         let (dests, cancel) = ep.send(r, 0..2, 0..2, now).unwrap();
         assert_eq!(cancel, 1);
         assert_eq!(dests.len(), 1);
-        assert_eq!((dests[0].0, dests[0].2), (D, 8));
+        assert_eq!((dests[0].peer, dests[0].dest_pool_pages), (D, 8));
+        assert_eq!((dests[0].pages.clone(), dests[0].skip), (0..2, 0));
         assert_eq!(ep.poll(r), SenderPoll::Pending(RoomState::Transferring));
         ep.finish(
             r,
@@ -925,6 +969,68 @@ mod tests {
             (0, 0, 0, 0)
         );
         assert!(ep.tokens.is_empty());
+    }
+
+    fn destination_after(r: RoomId, pages: &[u32], prefix_tokens: u32) -> Message {
+        match destination(r, pages) {
+            Message::Destination(d) => Message::Destination(Destination {
+                prefix_tokens: Some(prefix_tokens),
+                ..d
+            }),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_destination_with_a_cached_prefix_gets_only_the_pages_past_it() {
+        let now = Instant::now();
+        let mut ep = connected(now); // 4 tokens per page
+        let r = room(21);
+        ep.open(r, 1, now).unwrap();
+        // Decode holds the first 2 pages (8 tokens); its list starts at
+        // room page 2.
+        ep.handle_message(D, destination_after(r, &[6, 7, 3], 8), now);
+        let (dests, _) = ep.send(r, 0..2, 0..2, now).unwrap();
+        assert!(dests.is_empty(), "pages decode holds are not written");
+        let (dests, _) = ep.send(r, 0..2, 1..4, now).unwrap();
+        assert_eq!(dests.len(), 1);
+        assert_eq!((dests[0].pages.clone(), dests[0].skip), (2..4, 2));
+        assert_eq!(ep.poll(r), SenderPoll::Pending(RoomState::Transferring));
+        // Past the destination's list: too short, counted from its start.
+        let (dests, _) = ep.send(r, 0..1, 4..6, now).unwrap();
+        assert!(dests.is_empty());
+        match ep.poll(r) {
+            SenderPoll::Failed(TransferError::PeerMisbehaved { what }) => {
+                assert_eq!(what, Misbehavior::DestinationTooShort { has: 3, sends: 4 })
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_prefix_off_the_page_boundary_fails_the_room() {
+        let now = Instant::now();
+        let mut ep = connected(now);
+        let r = room(22);
+        ep.open(r, 1, now).unwrap();
+        ep.handle_message(D, destination_after(r, &[6, 7], 6), now);
+        let (dests, _) = ep.send(r, 0..1, 0..2, now).unwrap();
+        assert!(dests.is_empty());
+        match ep.poll(r) {
+            SenderPoll::Failed(TransferError::PeerMisbehaved { what }) => {
+                assert_eq!(
+                    what,
+                    Misbehavior::PrefixNotPageAligned {
+                        tokens: 6,
+                        page_size: 4
+                    }
+                );
+                assert!(what
+                    .to_string()
+                    .contains("not a whole number of 4-token pages"));
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -1004,7 +1110,7 @@ mod tests {
     #[test]
     fn a_newer_connect_replaces_an_older_one_and_a_late_older_one_is_refused() {
         let now = Instant::now();
-        let mut ep = Ep::new(RoomConfig::default(), 2);
+        let mut ep = Ep::new(RoomConfig::default(), 2, 4);
         assert!(ep.handle_control_up(D, 1, 5, now));
         ep.handle_link_up(D, 11, 8);
         let r = room(6);
@@ -1039,7 +1145,7 @@ mod tests {
     #[test]
     fn a_multi_stream_link_starts_once_all_its_streams_are_here() {
         let now = Instant::now();
-        let mut ep = Ep::new(RoomConfig::default(), 2);
+        let mut ep = Ep::new(RoomConfig::default(), 2, 4);
         assert_eq!(ep.handle_link_stream(D, 1, (7, 1, 3), "b", now), None);
         // A new nonce starts over.
         assert_eq!(ep.handle_link_stream(D, 1, (8, 0, 3), "x", now), None);
@@ -1057,7 +1163,7 @@ mod tests {
     #[test]
     fn newest_connects_are_bounded_but_live_peers_keep_theirs() {
         let now = Instant::now();
-        let mut ep = Ep::new(RoomConfig::default(), 2);
+        let mut ep = Ep::new(RoomConfig::default(), 2, 4);
         assert!(ep.handle_control_up(D, 1, 5, now));
         for r in 100..(100 + MAX_NEWEST as u32 + 10) {
             assert!(ep.handle_control_up(PeerId(r), 1, 1, now));

@@ -261,7 +261,7 @@ impl Sim {
         // the start; a crash is seen through heartbeats.
         let prefill = (0..prefill_tp)
             .map(|_| {
-                let mut ep = SenderEndpoint::new(RoomConfig::default(), 1);
+                let mut ep = SenderEndpoint::new(RoomConfig::default(), 1, 1);
                 for d in 0..decode_tp {
                     let rank = PeerId(d);
                     assert!(ep.handle_control_up(rank, 1, 1, t0));
@@ -281,7 +281,7 @@ impl Sim {
                 let mut ep =
                     ReceiverEndpoint::new(RoomConfig::default(), fp, Duration::from_secs(5));
                 for p in 0..prefill_tp {
-                    assert!(ep.handle_control_up(PeerId(p), 1, t0));
+                    assert!(ep.handle_control_up(PeerId(p), 1, Capabilities::ALL, t0));
                     let tp = TpPosition {
                         rank: p,
                         size: prefill_tp,
@@ -559,7 +559,8 @@ impl Sim {
                 };
                 n.ep.finish(r, aux, now).expect("writes started");
                 let expected = self.map.destination_ranks(RankId(p)).unwrap();
-                for (d, dest, _) in dests {
+                for w in dests {
+                    let (d, dest) = (w.peer, w.destination);
                     assert!(
                         expected.contains(&RankId(d.0)),
                         "prefill {p} writes {r} to {d}"

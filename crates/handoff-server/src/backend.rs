@@ -167,13 +167,12 @@ impl Backend {
         }
     }
 
-    /// Empty the prefix cache: pages freed, or `None` for a worker that
-    /// keeps no cache.
-    pub async fn flush_cache(&self) -> Result<Option<usize>, EngineError> {
+    /// Empty the prefix cache: pages freed (0 with the cache off).
+    pub async fn flush_cache(&self) -> Result<usize, EngineError> {
         match self {
-            Backend::Colocated(e) => e.flush_cache().await.map(Some),
-            Backend::Prefill(p) => Ok(Some(p.flush_cache())),
-            Backend::Decode(_) => Ok(None),
+            Backend::Colocated(e) => e.flush_cache().await,
+            Backend::Prefill(p) => Ok(p.flush_cache()),
+            Backend::Decode(d) => Ok(d.flush_cache()),
         }
     }
 

@@ -122,13 +122,10 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
 }
 
 /// `POST`/`GET /flush_cache`: empty the prefix cache of every page no
-/// request reads, and say how many pages that freed. A decode worker keeps
-/// no cache today and says so.
+/// request reads, and say how many pages that freed.
 pub async fn flush_cache(State(state): State<AppState>) -> Result<String, ApiError> {
-    match state.engine.flush_cache().await? {
-        Some(pages) => Ok(format!("Cache flushed: {pages} KV pages freed.\n")),
-        None => Ok("Cache flushed (this worker keeps no prefix cache).\n".into()),
-    }
+    let pages = state.engine.flush_cache().await?;
+    Ok(format!("Cache flushed: {pages} KV pages freed.\n"))
 }
 
 /// `GET /get_load`: one object per data-parallel rank (one rank here).

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use handoff_proto::connection::{Connection, ConnectionEvent};
 use handoff_proto::frame::HEADER_LEN;
-use handoff_proto::handshake::{HandshakeConfig, Negotiated};
+use handoff_proto::handshake::{Capabilities, HandshakeConfig, Negotiated};
 use handoff_proto::message::{Message, NONCE_LEN};
 use handoff_proto::{CodecError, HandshakeError, PeerId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -76,6 +76,8 @@ pub enum CtlEvent {
         conn: u64,
         /// Our id for the peer.
         peer: PeerId,
+        /// What the handshake negotiated.
+        capabilities: Capabilities,
         /// Outbound messages; dropping every clone closes the connection.
         tx: mpsc::UnboundedSender<Message>,
     },
@@ -169,10 +171,11 @@ pub async fn run_control<E, F>(
                 let mut failed = false;
                 while let Some(ev) = conn.poll_event() {
                     let sent = match ev {
-                        ConnectionEvent::Established(_) => {
+                        ConnectionEvent::Established(n) => {
                             established = true;
+                            let capabilities = n.capabilities;
                             match mtx.take() {
-                                Some(tx) => send(CtlEvent::Established { conn: conn_id, peer, tx }),
+                                Some(tx) => send(CtlEvent::Established { conn: conn_id, peer, capabilities, tx }),
                                 None => Ok(()),
                             }
                         }

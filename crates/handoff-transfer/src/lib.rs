@@ -49,7 +49,7 @@
 //! prefill.open(room).await?; // prefill accepted the request
 //! decode.open(room, vec![Source { peer, required_destinations: 1 }]).await?;
 //! let lease = decode_pool.allocator().lease(2)?; // backpressure lives here
-//! decode.reserve(room, lease, AuxSlot(0)).await?;
+//! decode.reserve(room, lease, AuxSlot(0), 0).await?;
 //! // Prefill computes once the destination arrived (WaitingForInput) ...
 //! while prefill.poll(room).await? != SenderPoll::Pending(RoomState::WaitingForInput) {
 //!     tokio::task::yield_now().await;
@@ -121,4 +121,8 @@ pub struct EndpointStats {
     /// How much later than due the driver woke, in all: its process or
     /// machine stalled. Not counted as any peer's heartbeat silence.
     pub stalled: std::time::Duration,
+    /// KV payload bytes queued onto data links since the start (prefill;
+    /// 0 on decode). A room whose decode already held a prefix moves only
+    /// the pages past it.
+    pub kv_bytes_sent: u64,
 }

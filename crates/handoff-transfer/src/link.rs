@@ -63,6 +63,9 @@ pub struct LinkCounters {
     pub handshakes_failed: AtomicU64,
     /// Payload bytes placed into the pool.
     pub bytes_landed: AtomicU64,
+    /// KV payload bytes queued onto data links (prefill; a room cancelled
+    /// mid-write moves less).
+    pub kv_bytes_sent: AtomicU64,
 }
 
 /// Refuse a link setup with `msg` (success is a single 0 byte, written by
@@ -1103,7 +1106,11 @@ impl LinkReader {
                 }
             },
             Record::End { room, .. } => {
-                let ok = self.rooms.get(&room).is_some_and(|s| !s.rejected);
+                // Nothing more lands for this room through this link, and
+                // its writer guard goes before the ack does: once prefill
+                // reports the room's success, no link holds its pages (the
+                // decode engine may hand them to its prefix cache).
+                let ok = self.rooms.remove(&room).is_some_and(|s| !s.rejected);
                 self.acks.extend_from_slice(&Ack { room, ok }.encode());
             }
         }

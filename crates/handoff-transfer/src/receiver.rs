@@ -23,7 +23,7 @@ use handoff_kv::{KvLayout, PageLease, ShmRegion};
 use handoff_proto::datalink::{
     encode_preface, stream_of, TcpStreamSetup, MAX_TCP_STREAMS, PREFACE_CONTROL,
 };
-use handoff_proto::handshake::HandshakeConfig;
+use handoff_proto::handshake::{Capabilities, HandshakeConfig};
 use handoff_proto::message::Message;
 use handoff_proto::receiver_endpoint::{ReceiverEndpoint, ReceiverEvent, TpPosition};
 use handoff_proto::receiver_room::Source;
@@ -98,17 +98,19 @@ enum Cmd {
         oneshot::Sender<Result<Outcome, TransferError>>,
     ),
     Refuse(RoomId, Vec<Source>, TransferError),
-    Reserve(
-        RoomId,
-        PageLease,
-        AuxSlot,
-        oneshot::Sender<Result<(), TransferError>>,
-    ),
+    Reserve {
+        room: RoomId,
+        lease: PageLease,
+        aux_slot: AuxSlot,
+        prefix_tokens: u32,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    },
     Abort(RoomId, TransferError),
     Poll(RoomId, oneshot::Sender<ReceiverPoll>),
     Wait(RoomId, oneshot::Sender<ReceiverPoll>),
     AddLink(PeerId, NewLink),
     Connected(PeerId, oneshot::Sender<bool>),
+    Capabilities(PeerId, oneshot::Sender<Option<Capabilities>>),
     /// Answer once `peer`'s control connection is up.
     AwaitControl(PeerId, oneshot::Sender<()>),
     Abandon(PeerId),
@@ -361,17 +363,36 @@ impl KvReceiver {
     }
 
     /// Pages for `room` are reserved (`lease`, in token order) with aux slot
-    /// `aux_slot`: destinations go to every source. On error the lease is
-    /// dropped (the pages were never advertised).
+    /// `aux_slot`: destinations go to every source. `prefix_tokens` (whole
+    /// pages, 0 for none) are the prompt's leading tokens decode already
+    /// holds: `lease` starts at the page after them and the sources send
+    /// only what follows (delta transfer; refused unless every source's
+    /// connection negotiated it, see [`Self::delta_capable`]). On error the
+    /// lease is dropped (the pages were never advertised).
     pub async fn reserve(
         &self,
         room: RoomId,
         lease: PageLease,
         aux_slot: AuxSlot,
+        prefix_tokens: u32,
     ) -> Result<(), TransportError> {
         Ok(self
-            .ask(|r| Cmd::Reserve(room, lease, aux_slot, r))
+            .ask(|reply| Cmd::Reserve {
+                room,
+                lease,
+                aux_slot,
+                prefix_tokens,
+                reply,
+            })
             .await??)
+    }
+
+    /// Whether `peer`'s control connection negotiated delta transfer
+    /// (`DESTINATION_PREFIX`): a room it serves may then reserve past a
+    /// cached prefix. `false` while it has no connection.
+    pub async fn delta_capable(&self, peer: PeerId) -> Result<bool, TransportError> {
+        let caps = self.ask(|r| Cmd::Capabilities(peer, r)).await?;
+        Ok(caps.is_some_and(|c| c.contains(Capabilities::DESTINATION_PREFIX)))
     }
 
     /// Abort `room` (client gone, validation, shutdown): it fails now, every
@@ -511,8 +532,13 @@ impl Driver {
     fn control(&mut self, e: CtlEvent) {
         let t = now();
         match e {
-            CtlEvent::Established { conn, peer, tx } => {
-                if self.endpoint.handle_control_up(peer, conn, t) {
+            CtlEvent::Established {
+                conn,
+                peer,
+                capabilities,
+                tx,
+            } => {
+                if self.endpoint.handle_control_up(peer, conn, capabilities, t) {
                     self.ctl.insert(peer, tx);
                     for w in self.control_waiters.remove(&peer).unwrap_or_default() {
                         let _ = w.send(());
@@ -580,9 +606,18 @@ impl Driver {
             Cmd::Open(room, sources, reply) => {
                 let _ = reply.send(self.endpoint.open(room, sources, t).map_err(Into::into));
             }
-            Cmd::Reserve(room, lease, aux_slot, reply) => {
+            Cmd::Reserve {
+                room,
+                lease,
+                aux_slot,
+                prefix_tokens,
+                reply,
+            } => {
                 let pages = lease.pages().iter().map(|p| PageIndex(p.0)).collect();
-                let r = self.endpoint.reserve(room, lease, pages, aux_slot, None, t);
+                let prefix = Some(prefix_tokens).filter(|&t| t > 0);
+                let r = self
+                    .endpoint
+                    .reserve(room, lease, pages, aux_slot, prefix, t);
                 // The link readers learn the room and its destination leaves
                 // before the caller hears back.
                 self.flush();
@@ -616,6 +651,9 @@ impl Driver {
             Cmd::Connected(peer, reply) => {
                 let _ = reply.send(self.endpoint.is_connected(peer));
             }
+            Cmd::Capabilities(peer, reply) => {
+                let _ = reply.send(self.endpoint.capabilities(peer));
+            }
             Cmd::AwaitControl(peer, reply) => {
                 if self.endpoint.has_control(peer) {
                     let _ = reply.send(());
@@ -641,6 +679,7 @@ impl Driver {
                     handshakes_failed: s.handshakes_failed,
                     tasks: 0,
                     stalled: s.stalled,
+                    kv_bytes_sent: 0,
                 });
             }
             Cmd::Shutdown => {}

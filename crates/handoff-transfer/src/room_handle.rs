@@ -197,16 +197,22 @@ impl ReceiverRoom {
         self.room
     }
 
-    /// The room's pages are reserved (`lease`, in token order) with aux slot
-    /// `aux_slot`: its destinations go to every source. Refused when the
-    /// room already failed (then that failure, as the side that saw it
-    /// reported it).
+    /// The room's pages are reserved (`lease`, in token order, starting
+    /// after the `prefix_tokens` decode already holds: see
+    /// [`KvReceiver::reserve`]) with aux slot `aux_slot`: its destinations
+    /// go to every source. Refused when the room already failed (then that
+    /// failure, as the side that saw it reported it).
     pub async fn reserve(
         &mut self,
         lease: PageLease,
         aux_slot: AuxSlot,
+        prefix_tokens: u32,
     ) -> Result<(), TransferError> {
-        match self.receiver.reserve(self.room, lease, aux_slot).await {
+        match self
+            .receiver
+            .reserve(self.room, lease, aux_slot, prefix_tokens)
+            .await
+        {
             Ok(()) => Ok(()),
             Err(e) => {
                 // The room failed while waiting for pages (a deadline, a

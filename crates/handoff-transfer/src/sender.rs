@@ -160,7 +160,11 @@ impl KvSender {
             counters.clone(),
         ));
         let driver = Driver {
-            endpoint: SenderEndpoint::new(config.rooms.clone(), layout.geometry.layers),
+            endpoint: SenderEndpoint::new(
+                config.rooms.clone(),
+                layout.geometry.layers,
+                layout.geometry.page_size,
+            ),
             config,
             layout,
             ctl: HashMap::new(),
@@ -574,7 +578,7 @@ impl Driver {
     fn control(&mut self, e: CtlEvent, connect: u64) {
         let t = now();
         match e {
-            CtlEvent::Established { conn, peer, tx } => {
+            CtlEvent::Established { conn, peer, tx, .. } => {
                 if self.endpoint.handle_control_up(peer, conn, connect, t) {
                     self.ctl.insert(peer, (conn, tx));
                 }
@@ -671,6 +675,7 @@ impl Driver {
                         + self.counters.handshakes_failed.load(Ordering::Relaxed),
                     tasks: 0,
                     stalled: s.stalled,
+                    kv_bytes_sent: self.counters.kv_bytes_sent.load(Ordering::Relaxed),
                 });
             }
             Cmd::Shutdown => {}
@@ -697,17 +702,20 @@ impl Driver {
             .send(room, layers.clone(), pages.clone(), now())?;
         let span = page_span(&self.layout);
         let max_run = (self.config.max_segment_bytes / span).max(1);
-        for (peer, d, dest_pages) in dests {
+        for w in dests {
+            let (peer, d, dest_pages) = (w.peer, w.destination, w.dest_pool_pages);
             let Some(link) = self.links.get(&peer) else {
                 continue; // the endpoint knows of no link either
             };
+            // Room page `i` goes to destination page `i - skip`.
+            let (src, pages) = (&src[w.skip..], w.pages.start - w.skip..w.pages.end - w.skip);
             let segs = match &link.plan.pair {
                 PairPlan::Whole => build_segments(
                     room,
                     &self.layout,
                     dest_pages,
                     layers.clone(),
-                    pages.clone(),
+                    pages,
                     src,
                     &d.pages,
                     max_run,
@@ -719,7 +727,7 @@ impl Driver {
                     link.plan.decode_heads,
                     dest_pages,
                     layers.clone(),
-                    pages.clone(),
+                    pages,
                     src,
                     &d.pages,
                 ) {
@@ -733,6 +741,10 @@ impl Driver {
                     }
                 },
             };
+            let bytes: usize = segs.iter().map(|s| s.src.len()).sum();
+            self.counters
+                .kv_bytes_sent
+                .fetch_add(bytes as u64, Ordering::Relaxed);
             let _ = link.tx(room).send(LinkJob::Segments {
                 room,
                 segs,

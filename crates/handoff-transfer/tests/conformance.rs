@@ -185,7 +185,7 @@ async fn open_both(p: &Pair, r: RoomId, n: usize) -> Vec<PageIndex> {
     p.rx.open(r, sources(p.rank)).await.unwrap();
     let lease = p.d_pool.allocator().lease(n).unwrap();
     let pages = lease.pages().to_vec();
-    p.rx.reserve(r, lease, AuxSlot(5)).await.unwrap();
+    p.rx.reserve(r, lease, AuxSlot(5), 0).await.unwrap();
     testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
         .await
         .unwrap();
@@ -283,7 +283,7 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
     let lease = p.d_pool.allocator().lease(3).unwrap();
     let dst = lease.pages().to_vec();
-    dr.reserve(lease, AuxSlot(1)).await.unwrap();
+    dr.reserve(lease, AuxSlot(1), 0).await.unwrap();
     let src = pages(&[9, 4, 30]);
     let (lease, got) = complete(&mut sr, &mut dr, src.clone(), aux).await;
     assert_eq!((lease.pages(), got.first_token), (&dst[..], 7));
@@ -302,7 +302,7 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let r = room(22);
     let mut sr = p.tx.submit(r).await.unwrap();
     let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
-    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(2))
+    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(2), 0)
         .await
         .unwrap();
     tokio::time::timeout(within, sr.ready())
@@ -326,7 +326,7 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let r = room(23);
     let sr = p.tx.submit(r).await.unwrap();
     let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
-    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(3))
+    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(3), 0)
         .await
         .unwrap();
     drop(sr);
@@ -345,7 +345,7 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     // a refusal of a room it owns changes nothing.
     let r = room(24);
     let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
-    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(4))
+    dr.reserve(p.d_pool.allocator().lease(2).unwrap(), AuxSlot(4), 0)
         .await
         .unwrap();
     let rejected = TransferError::Rejected {
@@ -365,7 +365,7 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let mut sr = p.tx.submit(r).await.unwrap();
     p.tx.refuse(r, rejected);
     let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
-    dr.reserve(p.d_pool.allocator().lease(1).unwrap(), AuxSlot(5))
+    dr.reserve(p.d_pool.allocator().lease(1).unwrap(), AuxSlot(5), 0)
         .await
         .unwrap();
     let (lease, _) = complete(&mut sr, &mut dr, pages(&[3]), aux).await;
@@ -545,7 +545,7 @@ async fn decode_abort_in_each_state_releases_prefill_room_fast(kind: TransportKi
         p.rx.open(r, sources(p.rank)).await.unwrap();
         if *state != "bootstrapping" {
             let lease = p.d_pool.allocator().lease(4).unwrap();
-            p.rx.reserve(r, lease, AuxSlot(1)).await.unwrap();
+            p.rx.reserve(r, lease, AuxSlot(1), 0).await.unwrap();
             testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
                 .await
                 .unwrap();
@@ -607,10 +607,10 @@ async fn prefill_rejection_reaches_decode_with_reason_and_status(kind: Transport
         if early {
             p.tx.fail(r, reject.clone());
             let lease = p.d_pool.allocator().lease(2).unwrap();
-            p.rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+            p.rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
         } else {
             let lease = p.d_pool.allocator().lease(2).unwrap();
-            p.rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+            p.rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
             testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
                 .await
                 .unwrap();
@@ -1219,7 +1219,7 @@ async fn killed_prefill_fails_decode_room_in_each_state(kind: TransportKind) {
         rx.open(r, sources(rank)).await.unwrap();
         if state != "bootstrapping" {
             let lease = d_pool.allocator().lease(4).unwrap();
-            rx.reserve(r, lease, AuxSlot(1)).await.unwrap();
+            rx.reserve(r, lease, AuxSlot(1), 0).await.unwrap();
         }
         if state != "bootstrapping" {
             assert_eq!(lines.next(), "READY");
@@ -1272,7 +1272,7 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
     let r = room(77);
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(4).unwrap();
-    rx.reserve(r, lease, AuxSlot(1)).await.unwrap();
+    rx.reserve(r, lease, AuxSlot(1), 0).await.unwrap();
     assert_eq!(lines.next(), "READY");
     // Freeze the writer: it can neither write nor acknowledge.
     let pid = child.0.id().to_string();
@@ -1337,7 +1337,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let mine = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
     let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
         panic!("no destination")
     };
@@ -1479,7 +1479,7 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
     let rank = rx.connect(addr).await.unwrap();
     let r = room(77);
     rx.open(r, sources(rank)).await.unwrap();
-    rx.reserve(r, d_pool.allocator().lease(4).unwrap(), AuxSlot(1))
+    rx.reserve(r, d_pool.allocator().lease(4).unwrap(), AuxSlot(1), 0)
         .await
         .unwrap();
     assert_eq!(lines.next(), "READY");
@@ -1575,7 +1575,7 @@ async fn one_room(
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let dst = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
     testing::wait_sender_state(tx, r, RoomState::WaitingForInput)
         .await
         .unwrap();
@@ -1995,7 +1995,7 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
     rx.open(r, srcs.clone()).await.unwrap();
     let lease = scattered_lease(&d_pool, 6);
     let dst = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(2)).await.unwrap();
+    rx.reserve(r, lease, AuxSlot(2), 0).await.unwrap();
     for tx in &txs {
         testing::wait_sender_state(tx, r, RoomState::WaitingForInput)
             .await
@@ -2045,7 +2045,7 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
     }
     rx.open(r2, srcs).await.unwrap();
     let lease = d_pool.allocator().lease(3).unwrap();
-    rx.reserve(r2, lease, AuxSlot(3)).await.unwrap();
+    rx.reserve(r2, lease, AuxSlot(3), 0).await.unwrap();
     for tx in &txs {
         testing::wait_sender_state(tx, r2, RoomState::WaitingForInput)
             .await
@@ -2112,7 +2112,7 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
         let skip = (d == 1).then(|| pool.allocator().lease(7).unwrap());
         let lease = scattered_lease(&pool, 5);
         dsts.push(lease.pages().to_vec());
-        rx.reserve(r, lease, AuxSlot(d)).await.unwrap();
+        rx.reserve(r, lease, AuxSlot(d), 0).await.unwrap();
         drop(skip);
         if d == 0 {
             // One destination of two: prefill must not start yet.
@@ -2265,7 +2265,7 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let mine = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(0)).await.unwrap();
+    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
     let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
         panic!("no destination")
     };

@@ -213,6 +213,9 @@ pub fn run(
         "--transfer-io-threads".to_string(),
         pd.transfer_io_threads.to_string(),
     ];
+    if pd.disable_delta_transfer {
+        common.push("--disable-delta-transfer".into());
+    }
     if let Some(path) = &pd.transfer_secret_file {
         common.push("--transfer-secret-file".into());
         common.push(path.display().to_string());

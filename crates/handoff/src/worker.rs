@@ -43,6 +43,12 @@ pub struct PdArgs {
     /// on both sides and cores to run them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=16))]
     pub transfer_tcp_streams: u8,
+    /// Do not offer delta transfer in the transfer handshake: a decode that
+    /// holds a cached prefix of a prompt then still receives the whole
+    /// prompt's KV (for peers or tests that need the full transfer; off on
+    /// either side turns it off for the pair).
+    #[arg(long)]
+    pub disable_delta_transfer: bool,
     /// Threads of the worker's KV transfer runtime.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub transfer_io_threads: u16,
@@ -80,6 +86,7 @@ impl PdArgs {
         pd.transport_choice = self.disaggregation_transfer_backend;
         pd.tcp_streams = self.transfer_tcp_streams;
         pd.io_threads = usize::from(self.transfer_io_threads);
+        pd.delta_transfer = !self.disable_delta_transfer;
         let ip: std::net::IpAddr = match host {
             "localhost" => [127, 0, 0, 1].into(),
             h => h.parse().with_context(|| {

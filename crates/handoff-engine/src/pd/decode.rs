@@ -16,12 +16,11 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{mpsc as std_mpsc, Arc};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 
-use handoff_kv::PageLease;
+use handoff_kv::{PageIndex, PrefixCache};
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
-use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::receiver_room::Source;
 use handoff_proto::{
     AbortOrigin, AuxSlot, FailureKind, Misbehavior, PeerId, Role, RoomId, TransferError,
@@ -29,13 +28,16 @@ use handoff_proto::{
 use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig};
 use tokio::sync::mpsc;
 
-use super::{fingerprint, lease_pages, runtime, Gauge, PageQueue, PdConfig, TransportChoice};
+use super::{
+    fingerprint, handshake_config, lease_prompt_pages, runtime, Gauge, PageQueue, PdConfig,
+    TransportChoice,
+};
 use crate::config::EngineConfig;
 use crate::engine::{load, Shared};
 use crate::error::EngineError;
 use crate::handle::{LoadSnapshot, ModelInfo, RequestStream};
 use crate::request::{GenerateRequest, StreamEvent};
-use crate::scheduler::{Command, Resumed};
+use crate::scheduler::{Command, Resumed, SeqPages};
 
 /// Starts decode engines.
 pub struct DecodeEngine;
@@ -53,8 +55,7 @@ impl DecodeEngine {
             .ok_or_else(|| EngineError::Model("the decode KV pool is not shared".into()))?;
         let layout = *loaded.pool.layout();
         let rt = runtime(pd.io_threads, "handoff-decode-io")?;
-        let mut hs = HandshakeConfig::new(Role::Decode, fp);
-        hs.secret = pd.secret.clone();
+        let hs = handshake_config(Role::Decode, fp, &pd);
         let default_kind = match pd.transport_choice {
             TransportChoice::Fixed(k) => k,
             TransportChoice::Auto => handoff_transfer::TransportKind::Tcp,
@@ -75,7 +76,10 @@ impl DecodeEngine {
             kv_pages = config.kv_pages,
             "decode engine started"
         );
-        let pages = PageQueue::new(shared.allocator.clone(), None);
+        let cache = config
+            .prefix_cache
+            .then(|| Arc::new(Mutex::new(PrefixCache::new(shared.info.page_size))));
+        let pages = PageQueue::new(shared.allocator.clone(), cache);
         Ok(DecodeHandle {
             inner: Arc::new(Inner {
                 ctx: Arc::new(Ctx {
@@ -200,12 +204,21 @@ impl DecodeHandle {
     }
 
     /// Current load: `waiting` counts requests in the prealloc queue or in
-    /// transfer; `pages_used` includes pages reserved for transfers.
+    /// transfer; `pages_used` includes pages reserved for transfers and
+    /// leaves out cached pages nothing reads.
     pub fn load(&self) -> LoadSnapshot {
         let ctx = &self.inner.ctx;
-        let mut l = ctx.shared.load();
-        l.waiting += ctx.pending.load(Ordering::Acquire);
-        l
+        let batch = ctx.shared.load();
+        ctx.pages.load(
+            batch.running,
+            batch.waiting + ctx.pending.load(Ordering::Acquire),
+        )
+    }
+
+    /// Empty the prefix cache of every page no request reads; returns how
+    /// many pages that freed (0 with the cache off).
+    pub fn flush_cache(&self) -> usize {
+        self.inner.ctx.pages.flush_cache()
     }
 
     /// Counters and gauges of the transfer endpoint (live rooms, peers,
@@ -279,7 +292,7 @@ async fn decode_room(
         r = transfer(ctx, &req, room, prefill) => Some(r),
         _ = tx.closed() => None,
     };
-    let (lease, aux) = match outcome {
+    let (landed, aux) = match outcome {
         None => {
             // The client went away. A room this request owned was aborted
             // when `transfer` dropped its handle (or by the endpoint, for a
@@ -307,7 +320,7 @@ async fn decode_room(
         Some(Ok(x)) => x,
     };
     if aux.first_token as usize >= ctx.shared.info.vocab_size {
-        drop(lease);
+        drop(landed);
         drop(pending);
         let e = EngineError::from(TransferError::PeerMisbehaved {
             what: Misbehavior::TokenOutsideVocabulary {
@@ -322,7 +335,7 @@ async fn decode_room(
     let resumed = Resumed {
         req,
         tx,
-        lease,
+        pages: landed,
         first: (aux.first_token, aux.logprob),
         seed,
     };
@@ -334,14 +347,14 @@ async fn decode_room(
     }
 }
 
-/// Open, reserve, send the destination, wait for the KV: the committed
+/// Open, reserve, send the destination, wait for the KV: the sequence's
 /// pages and the aux data, or the failure as the side that saw it reported.
 async fn transfer(
     ctx: &Arc<Ctx>,
     req: &GenerateRequest,
     room: RoomId,
     prefill: SocketAddr,
-) -> Result<(PageLease, AuxData), EngineError> {
+) -> Result<(SeqPages, AuxData), EngineError> {
     let peer = ctx.peer(prefill).await?;
     let r = joined(ctx, room, peer, req).await;
     if r.as_ref().is_err_and(connection_lost) {
@@ -371,32 +384,65 @@ fn connection_lost(e: &EngineError) -> bool {
 /// [`transfer`] once connected to the prefill as peer `peer`. The request
 /// owns its room (a [`handoff_transfer::ReceiverRoom`]): dropped before the
 /// KV landed (the client left), the room is aborted on both sides.
+///
+/// Delta transfer: when the prefill negotiated it, the longest cached prefix
+/// of the prompt (whole pages, possibly all of them) stays here, locked, and
+/// only the pages after it are reserved and named to the prefill, which
+/// sends only those. The cached pages are never in the destination, so no
+/// write can reach them. Once the KV landed, the prompt's full pages join
+/// the cache.
 async fn joined(
     ctx: &Ctx,
     room: RoomId,
     peer: PeerId,
     req: &GenerateRequest,
-) -> Result<(PageLease, AuxData), EngineError> {
+) -> Result<(SeqPages, AuxData), EngineError> {
     let t_open = std::time::Instant::now();
     let mut handle = ctx.receiver.submit(room, sources(peer)).await?;
-    let need =
-        (req.prompt_ids.len() + req.sampling.max_new_tokens).div_ceil(ctx.shared.info.page_size);
-    let lease = lease_pages(&ctx.pages, need).await;
-    tracing::debug!(room = room.get(), pages = need, "decode pages reserved");
+    let page_size = ctx.shared.info.page_size;
+    let prompt = &req.prompt_ids;
+    let total = (prompt.len() + req.sampling.max_new_tokens).div_ceil(page_size);
+    let delta = ctx.pages.cache.is_some() && ctx.receiver.delta_capable(peer).await?;
+    let matchable = if delta { prompt.len() } else { 0 };
+    let (mut prefix, lease) = lease_prompt_pages(&ctx.pages, prompt, matchable, total).await;
+    let prefix_tokens = prefix.tokens(page_size);
+    tracing::debug!(
+        room = room.get(),
+        pages = lease.len(),
+        cached_pages = prefix.pages().len(),
+        "decode pages reserved"
+    );
     let t_reserved = std::time::Instant::now();
     let slot = AuxSlot(ctx.next_slot.fetch_add(1, Ordering::Relaxed));
-    handle.reserve(lease, slot).await?;
-    let (lease, aux) = handle.landed().await?;
+    handle.reserve(lease, slot, prefix_tokens as u32).await?;
+    let (mut lease, aux) = handle.landed().await?;
+    let pages: Vec<PageIndex> = prefix
+        .pages()
+        .iter()
+        .chain(lease.pages())
+        .copied()
+        .collect();
+    ctx.pages
+        .cache_prompt(prompt, &pages, &mut lease, &mut prefix);
     tracing::info!(
         room = room.get(),
-        prompt_tokens = req.prompt_ids.len(),
-        pages = need,
+        prompt_tokens = prompt.len(),
+        cached_tokens = prefix_tokens,
+        pages = pages.len(),
         reserve_ms = super::prefill::ms(t_reserved - t_open),
         kv_wait_ms = super::prefill::ms(t_reserved.elapsed()),
         first_token = aux.first_token,
         "decode room: KV landed"
     );
-    Ok((lease, aux))
+    Ok((
+        SeqPages {
+            pages,
+            lease,
+            prefix,
+            prefix_tokens,
+        },
+        aux,
+    ))
 }
 
 #[cfg(test)]

@@ -60,13 +60,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use handoff_kv::{PageAllocator, PageLease, PrefixCache, PrefixLock};
-use handoff_proto::handshake::{Fingerprint, KvLayoutKind};
+use handoff_kv::{PageAllocator, PageIndex, PageLease, PrefixCache, PrefixLock};
+use handoff_proto::handshake::{Capabilities, Fingerprint, HandshakeConfig, KvLayoutKind};
 use handoff_proto::room::RoomConfig;
+use handoff_proto::Role;
 
 use crate::config::EngineConfig;
 use crate::engine::Loaded;
 use crate::error::EngineError;
+use crate::handle::LoadSnapshot;
 
 pub use decode::{DecodeEngine, DecodeHandle};
 pub use handoff_proto::RoomId;
@@ -93,6 +95,11 @@ pub struct PdConfig {
     /// Decode: TCP streams per data link (rooms are spread over them; they
     /// run in parallel with as many `io_threads`).
     pub tcp_streams: u8,
+    /// Offer delta transfer in the handshake (the `DESTINATION_PREFIX`
+    /// capability): a decode holding a cached prefix of a prompt reserves
+    /// and receives only the pages past it. Both sides must offer it; off
+    /// on either, every room moves its whole prompt.
+    pub delta_transfer: bool,
 }
 
 impl PdConfig {
@@ -107,6 +114,7 @@ impl PdConfig {
             secret: None,
             io_threads: 1,
             tcp_streams: 1,
+            delta_transfer: true,
         }
     }
 }
@@ -235,28 +243,23 @@ fn model_hash(path: &Path, formats: &str) -> Result<[u8; 32], EngineError> {
     Ok(out)
 }
 
-/// Lease `n` pages, waiting in FIFO order behind earlier requests while the
-/// pool is full (the prealloc queue: pool memory is the backpressure).
-/// Cached prefix pages no request reads are evicted first when the free ones
-/// do not suffice. Never spins or polls: it wakes when pages return
-/// ([`PageQueue::new`]).
-async fn lease_pages(queue: &PageQueue, n: usize) -> PageLease {
-    let _turn = queue.turn.lock().await;
-    lease_at_head(queue, n).await
-}
-
-/// [`lease_pages`] for a prompt: once at the head of the queue, lock the
-/// longest cached prefix of `prompt` and lease the rest of `total` pages.
-/// Only the head holds a lock while it waits, so queued requests never pin
-/// cached pages the head needs evicted.
+/// Pages for a prompt, waiting in FIFO order behind earlier requests while
+/// the pool is full (the prealloc queue: pool memory is the backpressure):
+/// once at the head of the queue, lock the longest cached prefix of
+/// `prompt` that ends by token `max_tokens` and lease the rest of `total`
+/// pages, evicting cached pages nothing reads when the free ones do not
+/// suffice. Only the head holds a lock while it waits, so queued requests
+/// never pin cached pages the head needs evicted. Never spins or polls: it
+/// wakes when pages return ([`PageQueue::new`]).
 async fn lease_prompt_pages(
     queue: &PageQueue,
     prompt: &[u32],
+    max_tokens: usize,
     total: usize,
 ) -> (PrefixLock, PageLease) {
     let _turn = queue.turn.lock().await;
     let prefix = match &queue.cache {
-        Some(c) => lock_cache(c).lookup(prompt),
+        Some(c) => lock_cache(c).lookup_within(prompt, max_tokens),
         None => PrefixLock::default(),
     };
     let lease = lease_at_head(queue, total - prefix.pages().len()).await;
@@ -287,6 +290,16 @@ fn lock_cache(cache: &Mutex<PrefixCache>) -> std::sync::MutexGuard<'_, PrefixCac
     cache.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The handshake settings of an engine with `pd`'s secret and capabilities.
+fn handshake_config(role: Role, fp: Fingerprint, pd: &PdConfig) -> HandshakeConfig {
+    let mut hs = HandshakeConfig::new(role, fp);
+    hs.secret = pd.secret.clone();
+    if !pd.delta_transfer {
+        hs.capabilities = hs.capabilities.without(Capabilities::DESTINATION_PREFIX);
+    }
+    hs
+}
+
 /// The requests of one engine waiting for pages of its pool, head first.
 struct PageQueue {
     allocator: PageAllocator,
@@ -309,6 +322,49 @@ impl PageQueue {
             turn: tokio::sync::Mutex::new(()),
             returned,
             cache,
+        }
+    }
+}
+
+impl PageQueue {
+    /// Empty the prefix cache of every page nothing reads; how many pages
+    /// that freed (0 with the cache off).
+    fn flush_cache(&self) -> usize {
+        let freed = self.cache.as_ref().map_or(0, |c| lock_cache(c).flush());
+        tracing::info!(pages = freed, "prefix cache flushed");
+        freed
+    }
+
+    /// A computed (or received) prompt's full pages join the cache: see
+    /// [`PrefixCache::insert`]. Nothing with the cache off.
+    fn cache_prompt(
+        &self,
+        prompt: &[u32],
+        pages: &[PageIndex],
+        lease: &mut PageLease,
+        lock: &mut PrefixLock,
+    ) {
+        if let Some(c) = &self.cache {
+            lock_cache(c).insert(prompt, pages, lease, lock);
+        }
+    }
+
+    /// A load report whose page counts leave out the cached pages nothing
+    /// reads (eviction frees them on demand).
+    fn load(&self, running: usize, waiting: usize) -> LoadSnapshot {
+        // Both counts under the cache's lock, which every lease takes: a
+        // request finishing in between can only lower the figure, a lease
+        // that took its pages cannot raise it past the truth.
+        let guard = self.cache.as_ref().map(|c| lock_cache(c));
+        let cache = guard.as_ref().map(|c| c.stats()).unwrap_or_default();
+        let pages = self.allocator.stats();
+        drop(guard);
+        LoadSnapshot {
+            running,
+            waiting,
+            pages_total: pages.total,
+            pages_used: pages.leased.saturating_sub(cache.evictable),
+            pages_cached: cache.pages,
         }
     }
 }

@@ -34,12 +34,13 @@ use handoff_model::chat_template::ChatTemplate;
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
-use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::{Role, RoomId, TransferError};
 use handoff_transfer::{AuxData, KvSender, SenderConfig, TransportError};
 use tokio::sync::oneshot;
 
-use super::{fingerprint, lease_prompt_pages, lock_cache, runtime, Gauge, PageQueue, PdConfig};
+use super::{
+    fingerprint, handshake_config, lease_prompt_pages, runtime, Gauge, PageQueue, PdConfig,
+};
 use crate::config::EngineConfig;
 use crate::engine::{load, validate, Loaded};
 use crate::error::EngineError;
@@ -120,9 +121,7 @@ impl PrefillEngine {
             .ok_or_else(|| EngineError::Model("the prefill KV pool is not shared".into()))?;
         let layout = *pool.layout();
         let rt = runtime(pd.io_threads, "handoff-prefill-io")?;
-        let mut hs = HandshakeConfig::new(Role::Prefill, fp);
-        hs.secret = pd.secret.clone();
-        let mut sc = SenderConfig::new(hs);
+        let mut sc = SenderConfig::new(handshake_config(Role::Prefill, fp, &pd));
         sc.listen = pd.listen;
         sc.rooms = pd.rooms.clone();
         sc.handshake_timeout = pd.handshake_timeout;
@@ -141,8 +140,7 @@ impl PrefillEngine {
             jobs,
             layers: layout.geometry.layers,
             page_size: info.page_size,
-            pages: PageQueue::new(pool.allocator().clone(), cache.clone()),
-            cache,
+            pages: PageQueue::new(pool.allocator().clone(), cache),
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
         });
@@ -273,32 +271,16 @@ impl PrefillHandle {
     /// `waiting` those waiting for decode's destination or for pages.
     pub fn load(&self) -> LoadSnapshot {
         let ctx = &self.inner.ctx;
-        let cache = ctx
-            .cache
-            .as_ref()
-            .map(|c| lock_cache(c).stats())
-            .unwrap_or_default();
-        let pages = ctx.pages.allocator.stats();
-        LoadSnapshot {
-            running: ctx.running.load(Ordering::Acquire),
-            waiting: ctx.waiting.load(Ordering::Acquire),
-            pages_total: pages.total,
-            pages_used: pages.leased.saturating_sub(cache.evictable),
-            pages_cached: cache.pages,
-        }
+        ctx.pages.load(
+            ctx.running.load(Ordering::Acquire),
+            ctx.waiting.load(Ordering::Acquire),
+        )
     }
 
     /// Empty the prefix cache of every page no room reads; returns how many
     /// pages that freed (0 with the cache off).
     pub fn flush_cache(&self) -> usize {
-        let freed = self
-            .inner
-            .ctx
-            .cache
-            .as_ref()
-            .map_or(0, |c| lock_cache(c).flush());
-        tracing::info!(pages = freed, "prefix cache flushed");
-        freed
+        self.inner.ctx.pages.flush_cache()
     }
 
     /// Counters and gauges of the transfer endpoint (live rooms, peers,
@@ -325,8 +307,6 @@ struct Ctx {
     page_size: usize,
     /// Requests waiting for source pages.
     pages: PageQueue,
-    /// The prefix cache (`None` when disabled).
-    cache: Option<Arc<std::sync::Mutex<PrefixCache>>>,
     running: AtomicUsize,
     waiting: AtomicUsize,
 }
@@ -353,7 +333,7 @@ async fn prefill_room(
     // pages for the rest.
     let total = req.prompt_ids.len().div_ceil(ctx.page_size);
     let (mut prefix, mut lease) = tokio::select! {
-        l = lease_prompt_pages(&ctx.pages, &req.prompt_ids, total) => l,
+        l = lease_prompt_pages(&ctx.pages, &req.prompt_ids, req.prompt_ids.len() - 1, total) => l,
         end = handle.outcome() => return Err(end.err().map_or_else(before_compute, Into::into)),
     };
     let cached_tokens = prefix.tokens(ctx.page_size);
@@ -452,9 +432,8 @@ async fn prefill_room(
     lease = returned;
     // The prompt's full pages join the cache (still locked by this room,
     // which the transfer may be reading).
-    if let Some(c) = &ctx.cache {
-        lock_cache(c).insert(&req.prompt_ids, &src, &mut lease, &mut prefix);
-    }
+    ctx.pages
+        .cache_prompt(&req.prompt_ids, &src, &mut lease, &mut prefix);
     tracing::debug!(room = room.get(), first_token, "prefill computed");
     let computed_at = std::time::Instant::now();
     // The remaining pages, then the aux record; then the room's status.
@@ -474,8 +453,10 @@ async fn prefill_room(
     // The outcome comes once nothing is in flight: then the pages may go.
     let end = handle.outcome().await.map_err(EngineError::from);
     tracing::debug!(room = room.get(), ok = end.is_ok(), "prefill room ended");
-    drop(lease);
+    // The lock first: a request woken by the lease's return then finds
+    // the cached pages evictable too.
     drop(prefix);
+    drop(lease);
     if let Err(e) = &queued {
         // The room's own failure explains a refused write best.
         tracing::debug!(room = room.get(), error = %e, "a KV write was refused");

@@ -59,7 +59,7 @@ async fn run(args: &[String]) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             if state != "bootstrapping" {
                 let lease = pool.allocator().lease(4).map_err(|e| e.to_string())?;
-                rx.reserve(room, lease, handoff_proto::AuxSlot(1))
+                rx.reserve(room, lease, handoff_proto::AuxSlot(1), 0)
                     .await
                     .map_err(|e| e.to_string())?;
             }
@@ -123,7 +123,8 @@ async fn pair(k: TransportKind) -> Result<(), handoff_transfer::TransportError> 
         .allocator()
         .lease(4)
         .map_err(|e| handoff_transfer::TransportError::Bootstrap(e.to_string()))?;
-    rx.reserve(room, lease, handoff_proto::AuxSlot(1)).await?;
+    rx.reserve(room, lease, handoff_proto::AuxSlot(1), 0)
+        .await?;
     testing::wait_sender_state(&tx, room, handoff_proto::room::RoomState::WaitingForInput).await?;
     let src: Arc<[handoff_kv::PageIndex]> =
         (0..4).map(handoff_kv::PageIndex).collect::<Vec<_>>().into();

@@ -23,7 +23,7 @@ async fn open_reserved(
     rx.open(room, sources.to_vec())
         .await
         .map_err(|e| e.to_string())?;
-    rx.reserve(room, lease, AuxSlot(0))
+    rx.reserve(room, lease, AuxSlot(0), 0)
         .await
         .map_err(|e| e.to_string())
 }
