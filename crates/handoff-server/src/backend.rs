@@ -176,6 +176,15 @@ impl Backend {
         }
     }
 
+    /// KV bytes this worker's transfer endpoint sent to decode workers (0
+    /// for any other role, or if the endpoint does not answer).
+    pub async fn kv_bytes_sent(&self) -> u64 {
+        match self {
+            Backend::Prefill(p) => p.transfer_stats().await.map_or(0, |s| s.kv_bytes_sent),
+            Backend::Colocated(_) | Backend::Decode(_) => 0,
+        }
+    }
+
     /// Current load.
     pub fn load(&self) -> LoadSnapshot {
         match self {

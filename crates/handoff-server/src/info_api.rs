@@ -142,7 +142,8 @@ pub async fn get_load(State(state): State<AppState>) -> Json<Value> {
 
 /// `GET /metrics`: Prometheus text exposition.
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let body = state.metrics.render(&state.engine.load());
+    let kv_bytes = state.engine.kv_bytes_sent().await;
+    let body = state.metrics.render(&state.engine.load(), kv_bytes);
     (
         [(
             header::CONTENT_TYPE,

@@ -44,6 +44,8 @@ pub struct Metrics {
     waiting: Gauge,
     pages_free: Gauge,
     pages_used: Gauge,
+    pages_cached: Gauge,
+    kv_bytes_sent: Counter,
     prefill_stages: Family<StageLabels, Histogram>,
 }
 
@@ -75,6 +77,8 @@ impl Metrics {
         let waiting = Gauge::default();
         let pages_free = Gauge::default();
         let pages_used = Gauge::default();
+        let pages_cached = Gauge::default();
+        let kv_bytes_sent = Counter::default();
         registry.register(
             "http_requests",
             "HTTP requests by endpoint and status",
@@ -126,6 +130,16 @@ impl Metrics {
             "KV pages leased to requests",
             pages_used.clone(),
         );
+        registry.register(
+            "kv_pages_cached",
+            "KV pages held by the prefix cache (reused by requests sharing a prefix)",
+            pages_cached.clone(),
+        );
+        registry.register(
+            "kv_transfer_bytes",
+            "Prefill worker: KV bytes sent to decode workers (delta transfer sends only the pages a decode lacks)",
+            kv_bytes_sent.clone(),
+        );
         let prefill_stages = Family::<StageLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.0001, 2.0, 20))
         });
@@ -135,6 +149,8 @@ impl Metrics {
             prefill_stages.clone(),
         );
         Metrics {
+            pages_cached,
+            kv_bytes_sent,
             prefill_stages,
             registry,
             requests,
@@ -205,9 +221,15 @@ impl Metrics {
         }
     }
 
-    /// The text exposition, with the engine's load as of now.
-    pub fn render(&self, load: &LoadSnapshot) -> String {
+    /// The text exposition, with the engine's load as of now and the KV
+    /// bytes its transfer endpoint sent so far (a total that only grows).
+    pub fn render(&self, load: &LoadSnapshot, kv_bytes_sent: u64) -> String {
         let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
+        self.pages_cached.set(as_i64(load.pages_cached));
+        // The endpoint keeps the total; concurrent scrapes both set it.
+        self.kv_bytes_sent
+            .inner()
+            .fetch_max(kv_bytes_sent, std::sync::atomic::Ordering::Relaxed);
         self.running.set(as_i64(load.running));
         self.waiting.set(as_i64(load.waiting));
         self.pages_used.set(as_i64(load.pages_used));
@@ -236,13 +258,16 @@ mod tests {
         m.count_request("/generate", 200);
         m.count_error("/generate", "context_length_exceeded");
         m.observe_ttft(0.01);
-        let text = m.render(&LoadSnapshot {
-            running: 2,
-            waiting: 1,
-            pages_total: 10,
-            pages_used: 3,
-            pages_cached: 0,
-        });
+        let text = m.render(
+            &LoadSnapshot {
+                running: 2,
+                waiting: 1,
+                pages_total: 10,
+                pages_used: 3,
+                pages_cached: 4,
+            },
+            4096,
+        );
         for needle in [
             "handoff_http_requests_total{endpoint=\"/generate\",status=\"200\"} 1",
             "handoff_request_errors_total{endpoint=\"/generate\",error_type=\"context_length_exceeded\"} 1",
@@ -251,6 +276,8 @@ mod tests {
             "handoff_num_requests_waiting 1",
             "handoff_kv_pages_free 7",
             "handoff_kv_pages_used 3",
+            "handoff_kv_pages_cached 4",
+            "handoff_kv_transfer_bytes_total 4096",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

@@ -482,6 +482,13 @@ async fn greedy_pd_equals_colocated(w: &Workers) {
             .unwrap_or_else(|| panic!("no {stage} count in\n{metrics}"));
         assert_eq!(count, 24, "{stage}: one per PD request");
     }
+    // What the prefill sent decode, as the bench reads it.
+    let kv_bytes = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("handoff_kv_transfer_bytes_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no KV byte count in\n{metrics}"));
+    assert!(kv_bytes > 0, "{kv_bytes}");
 }
 
 /// Seed 004: the small prefill refuses a prompt the decode accepts; decode

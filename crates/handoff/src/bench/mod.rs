@@ -198,6 +198,7 @@ async fn run_one(plan: &Plan, target: &Target) -> anyhow::Result<RunReport> {
         }
     }
     let n = bodies.len();
+    let kv_before = kv_bytes_sent(&plan.client, &target.base).await;
     let start = Instant::now();
     let mut outcomes: Vec<(usize, Outcome)> = Vec::with_capacity(n);
     match plan.load {
@@ -252,16 +253,56 @@ async fn run_one(plan: &Plan, target: &Target) -> anyhow::Result<RunReport> {
         }
     }
     let duration = start.elapsed();
+    let kv_after = kv_bytes_sent(&plan.client, &target.base).await;
     outcomes.sort_by_key(|(i, _)| *i);
     let outcomes: Vec<Outcome> = outcomes.into_iter().map(|(_, o)| o).collect();
-    Ok(RunReport::new(
+    let mut report = RunReport::new(
         &target.label,
         &target.base,
         &outcomes,
         duration,
         plan.slo,
         &plan.class_names,
-    ))
+    );
+    if let (Some(before), Some(after)) = (kv_before, kv_after) {
+        report.kv_bytes_per_request = Some(after.saturating_sub(before) as f64 / n.max(1) as f64);
+    }
+    Ok(report)
+}
+
+/// KV bytes sent so far by the prefill workers behind a handoff router at
+/// `base` (its `/workers`, then each prefill's `/metrics`); `None` for any
+/// other endpoint or if one of them does not answer.
+async fn kv_bytes_sent(client: &reqwest::Client, base: &str) -> Option<u64> {
+    let get = |url: String| async move {
+        let r = client
+            .get(url)
+            .timeout(Duration::from_secs(10))
+            .send()
+            .await
+            .ok()?;
+        r.status().is_success().then_some(r)
+    };
+    let workers: Value = get(format!("{base}/workers")).await?.json().await.ok()?;
+    let mut total = None;
+    for w in workers.as_array()? {
+        if w["role"] != "prefill" {
+            continue;
+        }
+        let text = get(format!("{}/metrics", w["url"].as_str()?))
+            .await?
+            .text()
+            .await
+            .ok()?;
+        let bytes = text.lines().find_map(|l| {
+            l.strip_prefix("handoff_kv_transfer_bytes_total ")?
+                .trim()
+                .parse::<u64>()
+                .ok()
+        })?;
+        total = Some(total.unwrap_or(0) + bytes);
+    }
+    total
 }
 
 /// Run the benchmark and print its report.

@@ -148,6 +148,10 @@ pub struct RunReport {
     /// Prompt tokens the server served from its prefix cache (as reported
     /// in `usage.prompt_tokens_details.cached_tokens`).
     pub total_cached_tokens: u64,
+    /// KV bytes the endpoint's prefill workers sent to decode workers during
+    /// the run, per request sent (a handoff router only: read from its
+    /// prefill workers' `handoff_kv_transfer_bytes_total`).
+    pub kv_bytes_per_request: Option<f64>,
     /// Time to first token, ms.
     pub ttft_ms: Percentiles,
     /// Inter-token latency over all gaps of successful requests, ms.
@@ -210,6 +214,7 @@ impl RunReport {
             output_token_throughput: total_output_tokens as f64 / secs,
             total_prompt_tokens: good.iter().map(|o| u64::from(o.prompt_tokens)).sum(),
             total_cached_tokens: good.iter().map(|o| o.cached_tokens).sum(),
+            kv_bytes_per_request: None,
             total_output_tokens,
             ttft_ms: all.ttft_ms,
             itl_ms: all.itl_ms,
@@ -260,6 +265,7 @@ const ROWS: &[(&str, Getter, usize)] = &[
         },
         3,
     ),
+    ("KV bytes moved / request", |r| r.kv_bytes_per_request, 0),
     ("TTFT p50 (ms)", |r| r.ttft_ms.p50, 1),
     ("TTFT p90 (ms)", |r| r.ttft_ms.p90, 1),
     ("TTFT p99 (ms)", |r| r.ttft_ms.p99, 1),
