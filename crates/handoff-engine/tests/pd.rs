@@ -51,6 +51,7 @@ per_transport!(
     delta_transfer_moves_only_the_pages_decode_lacks,
     a_prefill_without_delta_transfer_still_serves_correctly,
     decode_cache_eviction_under_pressure_never_touches_pages_in_use,
+    a_prefill_that_never_answers_holds_up_no_other_request,
     a_short_prompt_is_not_stuck_behind_a_long_prefill,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
@@ -498,6 +499,38 @@ fn decode_cache_eviction_under_pressure_never_touches_pages_in_use(kind: Transpo
         assert_clean(&s);
     }
     assert!(s.decode.load().pages_cached > 0);
+}
+
+fn a_prefill_that_never_answers_holds_up_no_other_request(kind: TransportKind) {
+    let s = setup(kind, Opts::default());
+    // Accepts connections (the kernel completes them) and never speaks:
+    // the handshake can only time out (2 s here).
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let r = req(prompt(20, 1), 4);
+    let want = colocated(&s, &r);
+    let stuck = s
+        .decode
+        .submit(r.clone(), room(), silent.local_addr().unwrap())
+        .unwrap();
+    let stuck = std::thread::spawn(move || {
+        let t = Instant::now();
+        (drain(stuck), t.elapsed())
+    });
+    // The silent connect is under way when the good request starts.
+    std::thread::sleep(Duration::from_millis(100));
+    let t = Instant::now();
+    assert_eq!(pd(&s, &r), want);
+    let good = t.elapsed();
+    assert!(
+        !stuck.is_finished(),
+        "the good request ({good:?}) waited for the silent prefill's handshake"
+    );
+    let (out, waited) = stuck.join().unwrap();
+    let e = out.unwrap_err();
+    eprintln!("good request {good:?}; silent prefill failed after {waited:?}: {e}");
+    assert!(waited >= Duration::from_millis(1500), "{waited:?}: {e}");
+    drop(silent);
+    assert_clean(&s);
 }
 
 fn a_short_prompt_is_not_stuck_behind_a_long_prefill(kind: TransportKind) {

@@ -163,6 +163,9 @@ pub struct Tokenizer {
     eos: Option<u32>,
     eog: Vec<u32>,
     add_bos: bool,
+    /// Most text bytes one token stands for (its text or its bytes, the
+    /// longer; at least 1).
+    max_token_len: usize,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -483,7 +486,15 @@ impl Tokenizer {
         for (i, t) in tokens.iter().enumerate() {
             ids.entry(t.clone()).or_insert(i as u32);
         }
+        let max_token_len = tokens
+            .iter()
+            .zip(&token_bytes)
+            .map(|(t, b): (&String, &Vec<u8>)| t.len().max(b.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
         Ok(Tokenizer {
+            max_token_len,
             backend,
             ids,
             tokens,
@@ -582,6 +593,19 @@ impl Tokenizer {
             }
         }
         Ok(ids)
+    }
+
+    /// A lower bound on the tokens `text` encodes to, found without
+    /// encoding it: no token stands for more than the longest token's text,
+    /// so a text far beyond the context is refused before the tokenizer
+    /// spends seconds on it.
+    pub fn min_tokens(&self, text: &str) -> usize {
+        text.len() / self.max_token_len
+    }
+
+    /// Most text bytes one token stands for (see [`Self::min_tokens`]).
+    pub fn max_token_len(&self) -> usize {
+        self.max_token_len
     }
 
     /// The bytes token `id` stands for. Control tokens yield their text; with
@@ -951,6 +975,23 @@ mod tests {
                     prop_assert_eq!(tok.decode(&ids, false).unwrap(), s.clone());
                     if !special {
                         prop_assert!(ids.iter().all(|&i| !tok.is_special(i)));
+                    }
+                }
+            }
+
+            #[test]
+            fn min_tokens_is_a_lower_bound(parts in proptest::collection::vec(
+                prop_oneof![
+                    Just("<|im_start|>".to_string()),
+                    Just("<|endoftext|>".to_string()),
+                    "[a-z \n]{0,40}",
+                    any::<String>(),
+                ], 0..12)) {
+                let s: String = parts.concat();
+                for tok in [shared(), spm_shared()] {
+                    for special in [true, false] {
+                        let n = tok.encode(&s, special).unwrap().len();
+                        prop_assert!(tok.min_tokens(&s) <= n, "{} > {n}", tok.min_tokens(&s));
                     }
                 }
             }

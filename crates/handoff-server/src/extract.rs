@@ -10,18 +10,53 @@ use crate::errors::ApiError;
 /// Largest request body accepted (bytes).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
 
-/// `Json<T>` with OpenAI-style errors. Any content type is accepted as JSON.
+/// Bodies larger than this are parsed on tokio's blocking pool, so that a
+/// client sending megabytes of JSON never holds a runtime thread.
+const PARSE_INLINE_BYTES: usize = 64 * 1024;
+
+/// Refuse a body not sent as JSON: `Content-Type` must be
+/// `application/json` (parameters such as `charset` allowed) or another
+/// `application/*+json`. A browser page can send `text/plain` or a form to
+/// a server on localhost without asking first (no CORS preflight); it cannot
+/// send `application/json` without one, so this keeps other sites out.
+pub fn check_json_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    let ct = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let essence = ct
+        .as_deref()
+        .and_then(|c| c.split(';').next())
+        .map(|e| e.trim().to_ascii_lowercase());
+    let json = essence.as_deref().is_some_and(|e| {
+        e == "application/json"
+            || e.strip_prefix("application/")
+                .is_some_and(|sub| sub.ends_with("+json"))
+    });
+    if json {
+        return Ok(());
+    }
+    let got = ct.map_or_else(|| "no Content-Type".to_string(), |c| format!("`{c}`"));
+    Err(ApiError::new(
+        415,
+        "unsupported_media_type",
+        format!("the request body must be sent as JSON with `Content-Type: application/json` (got {got})"),
+    ))
+}
+
+/// `Json<T>` with OpenAI-style errors; the content type must be JSON
+/// ([`check_json_content_type`]).
 #[derive(Debug)]
 pub struct JsonBody<T>(pub T);
 
 impl<S, T> FromRequest<S> for JsonBody<T>
 where
     S: Send + Sync,
-    T: DeserializeOwned,
+    T: DeserializeOwned + Send + 'static,
 {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        check_json_content_type(req.headers())?;
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             ApiError::new(
                 e.status().as_u16(),
@@ -29,7 +64,12 @@ where
                 format!("could not read the request body: {}", e.body_text()),
             )
         })?;
-        parse_json(&bytes).map(JsonBody)
+        if bytes.len() <= PARSE_INLINE_BYTES {
+            return parse_json(&bytes).map(JsonBody);
+        }
+        crate::prompt::off_runtime(move || parse_json(&bytes))
+            .await
+            .map(JsonBody)
     }
 }
 
@@ -98,6 +138,41 @@ mod tests {
         assert_eq!((e.status, e.code), (400, "invalid_type"));
         assert_eq!(e.param.as_deref(), Some("max_tokens"));
         assert!(e.message.contains("`max_tokens`"), "{}", e.message);
+    }
+
+    #[test]
+    fn only_json_content_types_are_accepted() {
+        use axum::http::{header::CONTENT_TYPE, HeaderMap, HeaderValue};
+        let with = |ct: Option<&'static str>| {
+            let mut h = HeaderMap::new();
+            if let Some(ct) = ct {
+                h.insert(CONTENT_TYPE, HeaderValue::from_static(ct));
+            }
+            check_json_content_type(&h)
+        };
+        for ok in [
+            "application/json",
+            "application/json; charset=utf-8",
+            "Application/JSON",
+            "application/vnd.api+json",
+        ] {
+            assert!(with(Some(ok)).is_ok(), "{ok}");
+        }
+        for (bad, named) in [
+            (Some("text/plain"), "`text/plain`"),
+            (
+                Some("text/plain;charset=UTF-8"),
+                "`text/plain;charset=UTF-8`",
+            ),
+            (Some("application/x-www-form-urlencoded"), "form-urlencoded"),
+            (Some("multipart/form-data; boundary=x"), "multipart"),
+            (Some("application/jsonx"), "jsonx"),
+            (None, "no Content-Type"),
+        ] {
+            let e = with(bad).unwrap_err();
+            assert_eq!((e.status, e.code), (415, "unsupported_media_type"));
+            assert!(e.message.contains(named), "{}", e.message);
+        }
     }
 
     #[test]

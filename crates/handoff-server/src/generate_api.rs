@@ -151,7 +151,13 @@ pub async fn generate(
         body.bootstrap_room.as_ref(),
     )?;
     state.engine.check_bootstrap(&pd)?;
-    let (req, rid) = match prepare(&state, &body, arrived) {
+    let (stream_it, body_wants_logprobs) = (
+        body.stream.unwrap_or(false),
+        body.return_logprob.unwrap_or(false),
+    );
+    let st = state.clone();
+    let prepared = prompt::off_runtime(move || prepare(&st, &body, arrived)).await;
+    let (req, rid) = match prepared {
         Ok(x) => x,
         Err(e) => {
             // Refused before the engine saw it: the PD peer learns now.
@@ -160,9 +166,8 @@ pub async fn generate(
         }
     };
     let prompt_tokens = req.prompt_ids.len();
-    let body_wants_logprobs = body.return_logprob.unwrap_or(false);
     let gen = Generation::submit(&state, req, ENDPOINT, &pd).await?;
-    if body.stream.unwrap_or(false) {
+    if stream_it {
         return Ok(sse_response(move |tx| stream(gen, tx, rid, prompt_tokens)));
     }
     let c = gen.collect().await?;

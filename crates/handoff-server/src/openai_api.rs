@@ -247,7 +247,8 @@ pub async fn chat_completions(
     let arrived = Instant::now();
     let pd = req.bootstrap()?;
     state.engine.check_bootstrap(&pd)?;
-    let prepared = prepare_chat(&state, req, arrived);
+    let st = state.clone();
+    let prepared = prompt::off_runtime(move || prepare_chat(&st, req, arrived)).await;
     run(state, pd, prepared, CHAT_ENDPOINT).await
 }
 
@@ -304,7 +305,8 @@ pub async fn completions(
     let arrived = Instant::now();
     let pd = req.bootstrap()?;
     state.engine.check_bootstrap(&pd)?;
-    let prepared = prepare_completion(&state, req, arrived);
+    let st = state.clone();
+    let prepared = prompt::off_runtime(move || prepare_completion(&st, req, arrived)).await;
     run(state, pd, prepared, COMPLETIONS_ENDPOINT).await
 }
 

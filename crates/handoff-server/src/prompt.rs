@@ -1,6 +1,11 @@
 //! Turning request inputs into prompt token ids: chat messages through the
 //! model's chat template, texts through the tokenizer (special tokens parsed,
 //! BOS only if the GGUF asks for it), token ids checked against the vocabulary.
+//!
+//! This is CPU work proportional to the request body: handlers run it
+//! through [`off_runtime`], on tokio's blocking pool, so a huge prompt never
+//! holds a runtime thread that `/health` and every other request need; and a
+//! text that cannot fit the context is refused before it is tokenized.
 
 use crate::backend::Backend;
 use handoff_model::chat_template::ChatMessage;
@@ -10,6 +15,40 @@ use crate::openai_types::{ContentInput, MessageInput, PromptInput};
 
 /// Roles accepted in `messages` (`developer` is read as `system`).
 pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
+
+/// Run `f` (templating, tokenizing, checking a request) on tokio's blocking
+/// pool and wait for it.
+pub async fn off_runtime<T, F>(f: F) -> Result<T, ApiError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, ApiError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError::new(
+            500,
+            "internal_error",
+            format!("preparing the prompt failed: {e}"),
+        ))
+    })
+}
+
+/// Refuse, without tokenizing it, a prompt whose `bytes` of text cannot fit
+/// the model's context whatever their tokens (no token stands for more than
+/// the longest token's text).
+fn check_fits(engine: &Backend, bytes: usize) -> Result<(), ApiError> {
+    let least = bytes / engine.tokenizer().max_token_len();
+    let context = engine.model().context_length;
+    if least > context {
+        return Err(ApiError::new(
+            400,
+            "context_length_exceeded",
+            format!(
+                "the prompt of {bytes} bytes is at least {least} tokens, over the context length of {context} tokens"
+            ),
+        ));
+    }
+    Ok(())
+}
 
 /// Check the messages and render them with the chat template.
 pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u32>, ApiError> {
@@ -63,6 +102,8 @@ pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u3
         };
         conv.push(ChatMessage::new(role, content));
     }
+    // The rendered prompt holds every message's text.
+    check_fits(engine, conv.iter().map(|m| m.content.len()).sum())?;
     let template = engine.chat_template().ok_or_else(|| {
         ApiError::bad_request(
             "no_chat_template",
@@ -75,6 +116,7 @@ pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u3
 
 /// Tokenize a text prompt (special tokens parsed; BOS if the model wants one).
 pub fn text_prompt(engine: &Backend, text: &str) -> Result<Vec<u32>, ApiError> {
+    check_fits(engine, text.len())?;
     let tok = engine.tokenizer();
     let ids = tok.encode(text, true)?;
     let mut out = Vec::with_capacity(ids.len() + 1);

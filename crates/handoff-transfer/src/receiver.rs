@@ -215,8 +215,17 @@ impl KvReceiver {
         // connections of the newest connect of this endpoint, so one
         // cancelled here but completed late there replaces nothing newer.
         let id = self.conn_ids.fetch_add(1, Ordering::Relaxed) + 1;
-        let mut s = TcpStream::connect(addr)
+        // An address that never answers costs the handshake deadline, not
+        // the OS's SYN timeout.
+        let timeout = self.config.handshake_timeout;
+        let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
             .await
+            .unwrap_or_else(|_| {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer from {addr} within {timeout:?}"),
+                ))
+            })
             .map_err(TransportError::io("control connect"))?;
         s.write_all(&encode_preface(PREFACE_CONTROL, self.endpoint, id))
             .await

@@ -85,7 +85,7 @@ impl DecodeEngine {
                 ctx: Arc::new(Ctx {
                     shared,
                     receiver,
-                    peers: tokio::sync::Mutex::new(HashMap::new()),
+                    peers: Mutex::new(HashMap::new()),
                     pages,
                     pending: AtomicUsize::new(0),
                     next_slot: AtomicU32::new(0),
@@ -123,7 +123,7 @@ struct Ctx {
     shared: Shared,
     receiver: KvReceiver,
     /// Prefill bootstrap address → the peer id of its connection.
-    peers: tokio::sync::Mutex<HashMap<SocketAddr, PeerId>>,
+    peers: Mutex<HashMap<SocketAddr, PeerSlot>>,
     /// The prealloc queue: requests waiting for pages.
     pages: PageQueue,
     /// Requests between submit and joining the batch.
@@ -247,37 +247,53 @@ fn sources(peer: PeerId) -> Vec<Source> {
 impl Ctx {
     /// The connection to the prefill at `addr`, made once and reused. The
     /// connect runs in its own task, so a request cancelled meanwhile never
-    /// leaves a half-made connection.
+    /// leaves a half-made connection. Requests to one address wait for one
+    /// connect; other addresses are not held up (a prefill that never
+    /// answers costs its own requests the handshake deadline, no one else).
     async fn peer(self: &Arc<Self>, addr: SocketAddr) -> Result<PeerId, EngineError> {
         let ctx = self.clone();
+        let slot = ctx.peer_slot(addr);
         tokio::spawn(async move {
-            let mut peers = ctx.peers.lock().await;
-            if let Some(&r) = peers.get(&addr) {
+            let mut known = slot.lock().await;
+            if let Some(r) = *known {
                 // A prefill that died (or restarted on the same address)
                 // left a dead connection behind: connect again.
                 if ctx.receiver.is_connected(r).await? {
                     return Ok(r);
                 }
                 tracing::info!(prefill = %addr, peer = r.0, "prefill connection lost: reconnecting");
-                peers.remove(&addr);
+                *known = None;
             }
             let kind = ctx.transport.for_peer(addr);
             let peer = ctx.receiver.connect_with(addr, kind).await?;
-            peers.insert(addr, peer);
+            *known = Some(peer);
             Ok(peer)
         })
         .await
         .unwrap_or(Err(EngineError::ShuttingDown))
     }
 
+    /// The connection slot of the prefill at `addr`.
+    fn peer_slot(&self, addr: SocketAddr) -> PeerSlot {
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded by the addresses the router sends (its configured or
+        // discovered prefill workers); a slot never connected is dropped.
+        peers.retain(|_, s| Arc::strong_count(s) > 1 || s.try_lock().is_ok_and(|p| p.is_some()));
+        peers.entry(addr).or_default().clone()
+    }
+
     /// Forget a dead prefill's connection: the next request reconnects.
     async fn forget_peer(&self, addr: SocketAddr, peer: PeerId) {
-        let mut peers = self.peers.lock().await;
-        if peers.get(&addr) == Some(&peer) {
-            peers.remove(&addr);
+        let slot = self.peer_slot(addr);
+        let mut known = slot.lock().await;
+        if *known == Some(peer) {
+            *known = None;
         }
     }
 }
+
+/// One prefill address's connection, once made.
+type PeerSlot = Arc<tokio::sync::Mutex<Option<PeerId>>>;
 
 /// One request, from submit until it joins the batch (or fails).
 async fn decode_room(

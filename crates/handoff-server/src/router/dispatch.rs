@@ -69,6 +69,9 @@ pub fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
 async fn handle(state: RouterState, route: &'static str, req: Request) -> Response {
     let arrived = Instant::now();
     let mut tl = Timeline::new(Arc::clone(&state.metrics), route, arrived);
+    if let Err(e) = crate::extract::check_json_content_type(req.headers()) {
+        return refuse(&mut tl, e, "bad_request");
+    }
     let bytes = match Bytes::from_request(req, &()).await {
         Ok(b) => b,
         Err(e) => {

@@ -1,0 +1,135 @@
+//! A hostile or careless client cannot stall a worker (issue 19): huge
+//! prompts are refused before they are tokenized, their JSON is parsed off
+//! the async runtime, and `/health` keeps answering meanwhile.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{assert_error, server};
+use serde_json::{json, Value};
+
+/// Bound on a `/health` answer while the huge bodies are in: the router's
+/// health probe gives a worker 2 s before it counts it dead.
+const HEALTH_BOUND: Duration = Duration::from_secs(2);
+
+async fn post_big(path: &'static str, body: Vec<u8>) -> (u16, Value) {
+    let resp = reqwest::Client::new()
+        .post(format!("{}{path}", server().base))
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.json().await.expect("JSON error body"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_prompts_are_refused_at_once_and_health_keeps_answering() {
+    // 15 MB of text: about 3.8 million tokens, 230 times the context.
+    let huge = "lorem ipsum ".repeat(15 * 1024 * 1024 / 12);
+    let generate = serde_json::to_vec(&json!({
+        "text": huge,
+        "sampling_params": {"max_new_tokens": 4},
+    }))
+    .unwrap();
+    let chat = serde_json::to_vec(&json!({
+        "messages": [{"role": "user", "content": huge}],
+        "max_tokens": 4,
+    }))
+    .unwrap();
+    let completion = serde_json::to_vec(&json!({"prompt": huge, "max_tokens": 4})).unwrap();
+    drop(huge);
+    let client = reqwest::Client::new();
+    // Warm the connection pool: the first request pays the connect.
+    client
+        .get(format!("{}/health", server().base))
+        .send()
+        .await
+        .expect("health");
+    let started = Instant::now();
+    let posts = tokio::spawn(async move {
+        tokio::join!(
+            post_big("/generate", generate),
+            post_big("/v1/chat/completions", chat),
+            post_big("/v1/completions", completion),
+        )
+    });
+    let mut worst = Duration::ZERO;
+    let mut probes = 0;
+    while !posts.is_finished() {
+        let t = Instant::now();
+        let r = client
+            .get(format!("{}/health", server().base))
+            .timeout(Duration::from_secs(30))
+            .send()
+            .await
+            .expect("health answers");
+        assert_eq!(r.status(), 200);
+        worst = worst.max(t.elapsed());
+        probes += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (g, c, p) = posts.await.unwrap();
+    eprintln!(
+        "3 huge bodies refused in {:?}; /health worst {worst:?} over {probes} probes",
+        started.elapsed()
+    );
+    for (status, body) in [g, c, p] {
+        assert_error(
+            status,
+            &body,
+            400,
+            "context_length_exceeded",
+            "over the context length of 16384 tokens",
+        );
+    }
+    assert!(worst < HEALTH_BOUND, "/health took {worst:?}");
+    // The server still serves.
+    let (status, body) = common::post(
+        "/generate",
+        &json!({"text": "Hello", "sampling_params": {"max_new_tokens": 2}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_not_sent_as_json_is_refused_so_no_web_page_can_post_one() {
+    let body = r#"{"text": "Hello", "sampling_params": {"max_new_tokens": 2}}"#;
+    let client = reqwest::Client::new();
+    let send = |ct: Option<&'static str>, path: &'static str| {
+        let mut r = client
+            .post(format!("{}{path}", server().base))
+            .body(body.to_string());
+        if let Some(ct) = ct {
+            r = r.header("content-type", ct);
+        }
+        async move {
+            let resp = r.send().await.expect("request");
+            let status = resp.status().as_u16();
+            (status, resp.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    // What a page can send cross-site without a CORS preflight.
+    for ct in [
+        Some("text/plain;charset=UTF-8"),
+        Some("application/x-www-form-urlencoded"),
+        Some("multipart/form-data; boundary=x"),
+        None,
+    ] {
+        for path in ["/generate", "/v1/completions", "/v1/chat/completions"] {
+            let (status, err) = send(ct, path).await;
+            assert_error(
+                status,
+                &err,
+                415,
+                "unsupported_media_type",
+                "Content-Type: application/json",
+            );
+        }
+    }
+    let (status, out) = send(Some("application/json; charset=utf-8"), "/generate").await;
+    assert_eq!(status, 200, "{out}");
+}
