@@ -14,8 +14,8 @@
 //! default, `--kv-dtype f16`), prefill in f32 and decode with Q8_0 weights
 //! (activations in blocks of 32, like llama.cpp; handoff's `q8_matmul`
 //! kernel).
-//! Measured here: median top-5 logit difference 0.161, argmax equal at
-//! 537/560 steps (with f32 K/V: 0.168 and 534/560;
+//! Measured here: median top-5 logit difference 0.161, worst 1.274, argmax
+//! equal at 537/560 steps (with f32 K/V: 0.168 and 534/560;
 //! 0.18 and 529/560 before `q8_matmul`, when candle ran the
 //! FFN down projection with activations in blocks of 256); with all-Q4_1
 //! weights like llama.cpp: 0.14 and 532/560.
@@ -30,10 +30,13 @@ use handoff_kv::{KvDtype, KvPool, PageIndex};
 use handoff_model::sampling::argmax;
 use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk};
 
-const MAX_LOGIT_DIFF: f32 = 2.0;
-const MEDIAN_LOGIT_DIFF: f32 = 0.3;
+// Bounds about 25% above what the default formats measure (worst top-5
+// difference 1.274, median 0.161, argmax 537/560 = 0.959), so a change that
+// makes the model drift fails here rather than hiding under slack.
+const MAX_LOGIT_DIFF: f32 = 1.6;
+const MEDIAN_LOGIT_DIFF: f32 = 0.2;
 const NEAR_TIE: f32 = 1.0;
-const MIN_ARGMAX_AGREEMENT: f64 = 0.9;
+const MIN_ARGMAX_AGREEMENT: f64 = 0.93;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")

@@ -314,16 +314,39 @@ async fn seeded_sampling_is_reproducible() {
         "text": "Random",
         "sampling_params": {"max_new_tokens": 8, "temperature": 1.0, "top_k": 20, "top_p": 0.9, "seed": 42, "ignore_eos": true},
     });
-    let (_, a) = post("/generate", &body).await;
-    let (_, b) = post("/generate", &body).await;
-    assert_eq!(a["output_ids"], b["output_ids"]);
+    let ids = |status: u16, v: &Value| -> Vec<u64> {
+        assert_eq!(status, 200, "{v}");
+        let ids: Vec<u64> = v["output_ids"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no output_ids in {v}"))
+            .iter()
+            .map(|i| i.as_u64().expect("token id"))
+            .collect();
+        assert_eq!(ids.len(), 8, "{v}");
+        ids
+    };
+    let (s, a) = post("/generate", &body).await;
+    let a = ids(s, &a);
+    let (s, b) = post("/generate", &body).await;
+    assert_eq!(a, ids(s, &b), "the same seed, the same tokens");
     let mut body2 = body.clone();
     body2["sampling_params"]["seed"] = json!(null);
     body2["sampling_params"]["sampling_seed"] = json!(42);
-    let (_, c) = post("/generate", &body2).await;
-    assert_eq!(
-        a["output_ids"], c["output_ids"],
-        "sampling_seed is an alias of seed"
+    let (s, c) = post("/generate", &body2).await;
+    assert_eq!(a, ids(s, &c), "sampling_seed is an alias of seed");
+    // Other seeds draw other tokens (8 tokens from the top 20 at
+    // temperature 1: five seeds all agreeing with seed 42 would mean the
+    // seed is ignored).
+    let mut differ = 0;
+    for seed in 43..48 {
+        let mut other = body.clone();
+        other["sampling_params"]["seed"] = json!(seed);
+        let (s, o) = post("/generate", &other).await;
+        differ += usize::from(ids(s, &o) != a);
+    }
+    assert!(
+        differ >= 4,
+        "only {differ} of 5 other seeds changed the output"
     );
 }
 
