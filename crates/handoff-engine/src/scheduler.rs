@@ -33,17 +33,31 @@ pub(crate) enum Command {
     FlushCache(tokio::sync::oneshot::Sender<usize>),
 }
 
-/// A sequence's pages: a locked cached prefix, then its own.
+/// A sequence's pages: a locked cached prefix, then its own. Fields drop
+/// in order: the lock before the lease, so a request waiting for pages is
+/// woken by the lease's return and then finds the cached pages evictable
+/// too.
 pub(crate) struct SeqPages {
     /// Every page in order (page `i` holds tokens `i*page_size..`).
     pub pages: Vec<PageIndex>,
-    /// The cached pages it reads, kept from eviction (dropped before
-    /// `lease`, as in `Active`).
+    /// The cached pages it reads, kept from eviction.
     pub prefix: PrefixLock,
     /// Its own pages (those handed to the prefix cache left it).
     pub lease: PageLease,
     /// Prompt tokens whose K/V came from the cache.
     pub prefix_tokens: usize,
+}
+
+impl SeqPages {
+    /// `prefix`'s pages, then `lease`'s; the prompt tokens `prefix` covers.
+    pub fn new(prefix: PrefixLock, lease: PageLease, page_size: usize) -> Self {
+        Self {
+            pages: prefix.followed_by(&lease),
+            prefix_tokens: prefix.tokens(page_size),
+            prefix,
+            lease,
+        }
+    }
 }
 
 /// A request prefilled elsewhere, ready to decode.
@@ -82,16 +96,8 @@ pub(crate) struct Active {
     prompt_len: usize,
     /// Tokens whose K/V are in the pool.
     cached: usize,
-    /// The sequence's pages in order: the cached prefix's, then its own.
-    pages: Vec<PageIndex>,
-    /// The cached pages it reads, kept from eviction. Declared (so dropped)
-    /// before `lease`: a request waiting for pages is woken by the lease's
-    /// return and then finds these evictable too.
-    prefix: PrefixLock,
-    /// Its own pages (those it handed to the cache leave it).
-    lease: PageLease,
-    /// Prompt tokens that came from the cache.
-    prefix_tokens: usize,
+    /// Its pages: the cached prefix's (locked), then its own.
+    seq: SeqPages,
     sampler: Sampler,
     text: TextTracker,
     max_new: usize,
@@ -235,18 +241,13 @@ impl Scheduler {
             let Some(w) = self.waiting.pop_front() else {
                 break;
             };
-            let mut pages = prefix.pages().to_vec();
-            pages.extend_from_slice(lease.pages());
-            let prefix_tokens = prefix.tokens(page_size);
+            let seq = SeqPages::new(prefix, lease, page_size);
             let s = &w.req.sampling;
             let seed = s.seed.unwrap_or_else(rand::random);
             self.active.push(Active {
                 prompt_len: w.req.prompt_ids.len(),
-                cached: prefix_tokens,
-                pages,
-                lease,
-                prefix,
-                prefix_tokens,
+                cached: seq.prefix_tokens,
+                seq,
                 sampler: Sampler::new(SamplerConfig {
                     temperature: s.temperature,
                     top_k: s.top_k,
@@ -279,19 +280,10 @@ impl Scheduler {
         if s.temperature > 0.0 && s.top_k != 1 {
             sampler.sample(&[0.0, 0.0]);
         }
-        let SeqPages {
-            pages,
-            lease,
-            prefix,
-            prefix_tokens,
-        } = r.pages;
         self.active.push(Active {
             prompt_len: r.req.prompt_ids.len(),
             cached: r.req.prompt_ids.len(),
-            pages,
-            lease,
-            prefix,
-            prefix_tokens,
+            seq: r.pages,
             sampler,
             text: TextTracker::new(s.stop.clone()),
             max_new: s.max_new_tokens,
@@ -315,7 +307,7 @@ impl Scheduler {
             let chunk = SeqChunk {
                 tokens: &a.tokens[a.cached..end],
                 start_pos: a.cached,
-                pages: &a.pages,
+                pages: &a.seq.pages,
             };
             let pool = &mut self.pool;
             let logits = self
@@ -330,9 +322,9 @@ impl Scheduler {
                 if let Some(c) = &mut self.cache {
                     c.insert(
                         &a.tokens[..a.prompt_len],
-                        &a.pages,
-                        &mut a.lease,
-                        &mut a.prefix,
+                        &a.seq.pages,
+                        &mut a.seq.lease,
+                        &mut a.seq.prefix,
                     );
                 }
                 if let Some(l) = logits.first() {
@@ -357,7 +349,7 @@ impl Scheduler {
                 SeqChunk {
                     tokens: &a.tokens[pos..],
                     start_pos: pos,
-                    pages: &a.pages,
+                    pages: &a.seq.pages,
                 }
             })
             .collect();
@@ -437,7 +429,7 @@ impl Scheduler {
                 reason,
                 prompt_tokens: a.prompt_len,
                 completion_tokens: a.generated(),
-                cached_tokens: a.prefix_tokens,
+                cached_tokens: a.seq.prefix_tokens,
             }))),
             None if sent.is_err() => Some(None),
             None => None,

@@ -77,6 +77,15 @@ impl PrefixLock {
     pub fn tokens(&self, page_size: usize) -> usize {
         self.pages.len() * page_size
     }
+
+    /// A request's whole page sequence: these locked pages, then the pages
+    /// of `lease` (its own, for the rest of the sequence).
+    pub fn followed_by(&self, lease: &PageLease) -> Vec<PageIndex> {
+        let mut pages = Vec::with_capacity(self.pages.len() + lease.len());
+        pages.extend_from_slice(&self.pages);
+        pages.extend_from_slice(lease.pages());
+        pages
+    }
 }
 
 /// Counts for metrics and load reports.
@@ -344,9 +353,7 @@ mod tests {
     ) -> (Vec<PageIndex>, PageLease) {
         let total = prompt.len().div_ceil(ps);
         let lease = alloc.lease(total - lock.pages().len()).unwrap();
-        let mut pages = lock.pages().to_vec();
-        pages.extend_from_slice(lease.pages());
-        (pages, lease)
+        (lock.followed_by(&lease), lease)
     }
 
     #[test]

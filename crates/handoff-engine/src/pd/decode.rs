@@ -18,7 +18,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 
-use handoff_kv::{PageIndex, PrefixCache};
+use handoff_kv::PrefixCache;
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_proto::receiver_room::Source;
@@ -420,7 +420,7 @@ async fn joined(
     let total = (prompt.len() + req.sampling.max_new_tokens).div_ceil(page_size);
     let delta = ctx.pages.cache.is_some() && ctx.receiver.delta_capable(peer).await?;
     let matchable = if delta { prompt.len() } else { 0 };
-    let (mut prefix, lease) = lease_prompt_pages(&ctx.pages, prompt, matchable, total).await;
+    let (prefix, lease) = lease_prompt_pages(&ctx.pages, prompt, matchable, total).await;
     let prefix_tokens = prefix.tokens(page_size);
     tracing::debug!(
         room = room.get(),
@@ -431,34 +431,21 @@ async fn joined(
     let t_reserved = std::time::Instant::now();
     let slot = AuxSlot(ctx.next_slot.fetch_add(1, Ordering::Relaxed));
     handle.reserve(lease, slot, prefix_tokens as u32).await?;
-    let (mut lease, aux) = handle.landed().await?;
-    let pages: Vec<PageIndex> = prefix
-        .pages()
-        .iter()
-        .chain(lease.pages())
-        .copied()
-        .collect();
+    let (lease, aux) = handle.landed().await?;
+    let mut seq = SeqPages::new(prefix, lease, page_size);
     ctx.pages
-        .cache_prompt(prompt, &pages, &mut lease, &mut prefix);
+        .cache_prompt(prompt, &seq.pages, &mut seq.lease, &mut seq.prefix);
     tracing::info!(
         room = room.get(),
         prompt_tokens = prompt.len(),
         cached_tokens = prefix_tokens,
-        pages = pages.len(),
+        pages = seq.pages.len(),
         reserve_ms = super::prefill::ms(t_reserved - t_open),
         kv_wait_ms = super::prefill::ms(t_reserved.elapsed()),
         first_token = aux.first_token,
         "decode room: KV landed"
     );
-    Ok((
-        SeqPages {
-            pages,
-            lease,
-            prefix,
-            prefix_tokens,
-        },
-        aux,
-    ))
+    Ok((seq, aux))
 }
 
 #[cfg(test)]

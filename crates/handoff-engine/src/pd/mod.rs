@@ -324,9 +324,7 @@ impl PageQueue {
             cache,
         }
     }
-}
 
-impl PageQueue {
     /// Empty the prefix cache of every page nothing reads; how many pages
     /// that freed (0 with the cache off).
     fn flush_cache(&self) -> usize {

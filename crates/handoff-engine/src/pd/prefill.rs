@@ -343,13 +343,7 @@ async fn prefill_room(
     let cancel = Arc::new(AtomicBool::new(false));
     let (reply, mut done) = oneshot::channel();
     let (progress_tx, mut progress) = tokio::sync::mpsc::unbounded_channel();
-    let src: Arc<[PageIndex]> = prefix
-        .pages()
-        .iter()
-        .chain(lease.pages())
-        .copied()
-        .collect::<Vec<_>>()
-        .into();
+    let src: Arc<[PageIndex]> = prefix.followed_by(&lease).into();
     // The cached pages hold every layer already: they go first, while the
     // rest computes.
     let cached_pages = prefix.pages().len();
