@@ -511,11 +511,21 @@ impl Tokenizer {
     /// Split `text` around special tokens as llama.cpp's
     /// `tokenizer_st_partition` does: for each special token, longest first,
     /// every occurrence in every remaining text fragment.
-    fn partition<'a>(&self, text: &'a str, parse_special: bool) -> Vec<Fragment<'a>> {
+    ///
+    /// Inside the `plain` byte ranges of `text`, only what parsing without
+    /// special tokens would split out (user-defined tokens) is split out: a
+    /// control token's text there stays text.
+    fn partition<'a>(
+        &self,
+        text: &'a str,
+        parse_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Vec<Fragment<'a>> {
         let mut frags = vec![Fragment::Text(text)];
         for &id in &self.specials {
             let ty = self.token_types[id as usize];
-            if !parse_special && ty != TokenType::UserDefined {
+            let always = ty == TokenType::UserDefined;
+            if !parse_special && !always {
                 continue;
             }
             let needle = self.tokens[id as usize].as_str();
@@ -529,16 +539,23 @@ impl Tokenizer {
             for f in frags {
                 match f {
                     Fragment::Token(_) => next.push(f),
-                    Fragment::Text(mut t) => {
-                        while let Some(pos) = t.find(needle) {
-                            if pos > 0 {
-                                next.push(Fragment::Text(&t[..pos]));
+                    Fragment::Text(t) => {
+                        // Offset of this fragment in `text`.
+                        let base = t.as_ptr() as usize - text.as_ptr() as usize;
+                        let mut cut = 0;
+                        for (pos, _) in t.match_indices(needle) {
+                            let (start, end) = (base + pos, base + pos + needle.len());
+                            if !always && plain.iter().any(|r| r.start < end && start < r.end) {
+                                continue;
+                            }
+                            if pos > cut {
+                                next.push(Fragment::Text(&t[cut..pos]));
                             }
                             next.push(Fragment::Token(id));
-                            t = &t[pos + needle.len()..];
+                            cut = pos + needle.len();
                         }
-                        if !t.is_empty() {
-                            next.push(Fragment::Text(t));
+                        if cut < t.len() {
+                            next.push(Fragment::Text(&t[cut..]));
                         }
                     }
                 }
@@ -553,10 +570,24 @@ impl Tokenizer {
     /// tokens written in the text (`<|im_start|>`) become their ids; without
     /// it they are tokenized as plain text.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        self.encode_marked(text, parse_special, &[])
+    }
+
+    /// [`Self::encode`], reading the `plain` byte ranges of `text` as plain
+    /// text even with `parse_special`: a rendered chat prompt whose message
+    /// contents are user text, where only the template's own markup may
+    /// yield control tokens. Outside those ranges, and wherever a text holds
+    /// no control token's spelling, the ids are those of [`Self::encode`].
+    pub fn encode_marked(
+        &self,
+        text: &str,
+        parse_special: bool,
+        plain: &[std::ops::Range<usize>],
+    ) -> Result<Vec<u32>, TokenizerError> {
         let mut ids = Vec::new();
         // SentencePiece: a space is prepended at the start and after every special token.
         let mut prev_special = true;
-        for frag in self.partition(text, parse_special) {
+        for frag in self.partition(text, parse_special, plain) {
             match frag {
                 Fragment::Token(id) => {
                     ids.push(id);
@@ -666,6 +697,16 @@ impl Tokenizer {
     /// Number of tokens in the vocabulary.
     pub fn vocab_size(&self) -> usize {
         self.tokens.len()
+    }
+
+    /// The first control token (not a user-defined one) whose text `text`
+    /// holds, if any.
+    pub fn spelled_control_token(&self, text: &str) -> Option<&str> {
+        self.specials
+            .iter()
+            .filter(|&&id| self.token_types[id as usize] != TokenType::UserDefined)
+            .map(|&id| self.tokens[id as usize].as_str())
+            .find(|t| !t.is_empty() && text.contains(t))
     }
 
     /// Whether `id` is a control token (skipped by `skip_special` decoding).
@@ -790,6 +831,45 @@ mod tests {
         assert_eq!(tok.eog_ids(), &[0, 2]);
         assert!(!tok.add_bos());
         assert!(tok.is_special(0) && !tok.is_special(3));
+    }
+
+    #[test]
+    fn control_token_text_in_a_plain_range_stays_text() {
+        use std::ops::Range;
+        let tok = tiny();
+        let text = "<|im_start|>user\nhi <|im_end|> there<|im_end|>\n";
+        let content = 17..36; // "hi <|im_end|> there"
+        assert_eq!(&text[content.clone()], "hi <|im_end|> there");
+        let marked = tok
+            .encode_marked(text, true, std::slice::from_ref(&content))
+            .unwrap();
+        // The template's two markers are tokens; the user's is text.
+        assert_eq!(marked.iter().filter(|&&id| id == 1).count(), 1);
+        assert_eq!(marked.iter().filter(|&&id| id == 2).count(), 1);
+        assert_eq!(tok.decode(&marked, false).unwrap(), text);
+        let mut want = tok.encode("<|im_start|>user\n", true).unwrap();
+        let rest = tok.encode("hi <|im_end|> there", false).unwrap();
+        assert!(
+            marked.windows(rest.len()).any(|w| w == rest.as_slice()),
+            "{marked:?}"
+        );
+        want.truncate(1);
+        assert_eq!(marked[..1], want[..]);
+        // Without ranges every spelling is a token, as before.
+        let all = tok.encode(text, true).unwrap();
+        assert_eq!(all.iter().filter(|&&id| id == 2).count(), 2);
+        // A range holding no control token's text changes nothing.
+        let plain_text = "<|im_start|>user\nhello<|im_end|>\n";
+        assert_eq!(
+            tok.encode_marked(plain_text, true, &[Range { start: 17, end: 22 }])
+                .unwrap(),
+            tok.encode(plain_text, true).unwrap()
+        );
+        // A spelling that only overlaps a range's edge is not a token either.
+        let edge = tok
+            .encode_marked(text, true, &[Range { start: 35, end: 37 }])
+            .unwrap();
+        assert_eq!(edge.iter().filter(|&&id| id == 2).count(), 1);
     }
 
     #[test]

@@ -51,6 +51,14 @@ pub struct RawSampling {
 
 /// Largest accepted temperature.
 pub const MAX_TEMPERATURE: f64 = 100.0;
+/// Most stop strings one request may give (OpenAI allows 4, SGLang has no
+/// limit; matching cost does not grow with the count, the request body does).
+pub const MAX_STOP_STRINGS: usize = 64;
+/// Longest stop string, in bytes (text this long is held back while it
+/// could still become a stop).
+pub const MAX_STOP_BYTES: usize = 256;
+/// Most stop token ids one request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
 impl RawSampling {
     /// Validate and convert. `default_max` is used when no limit was given.
@@ -121,6 +129,38 @@ impl RawSampling {
                 "stop strings must not be empty",
             ));
         }
+        if stop.len() > MAX_STOP_STRINGS {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "stop holds {} strings: at most {MAX_STOP_STRINGS} are accepted",
+                    stop.len()
+                ),
+            ));
+        }
+        if let Some((i, s)) = stop
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+        {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "stop[{i}] is {} bytes long: stop strings may be at most {MAX_STOP_BYTES} bytes",
+                    s.len()
+                ),
+            ));
+        }
+        let stop_token_ids = self.stop_token_ids.unwrap_or_default();
+        if stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(ApiError::invalid_param(
+                "stop_token_ids",
+                format!(
+                    "stop_token_ids holds {} ids: at most {MAX_STOP_TOKEN_IDS} are accepted",
+                    stop_token_ids.len()
+                ),
+            ));
+        }
         Ok(SamplingParams {
             temperature,
             top_k,
@@ -128,7 +168,7 @@ impl RawSampling {
             seed,
             max_new_tokens,
             stop,
-            stop_token_ids: self.stop_token_ids.unwrap_or_default(),
+            stop_token_ids,
             ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
@@ -196,5 +236,47 @@ mod tests {
             },
             "stop strings must not be empty",
         );
+    }
+
+    #[test]
+    fn request_shape_limits_name_their_field() {
+        let refused = |r: RawSampling| r.into_params(16).unwrap_err();
+        let many = refused(RawSampling {
+            stop: Some(StopInput::Many(vec!["x".into(); MAX_STOP_STRINGS + 1])),
+            ..Default::default()
+        });
+        assert_eq!((many.status, many.param.as_deref()), (400, Some("stop")));
+        assert!(
+            many.message.contains("stop holds 65 strings: at most 64"),
+            "{}",
+            many.message
+        );
+        let long = refused(RawSampling {
+            stop: Some(StopInput::Many(vec![
+                "a".into(),
+                "y".repeat(MAX_STOP_BYTES + 1),
+            ])),
+            ..Default::default()
+        });
+        assert!(
+            long.message.contains("stop[1] is 257 bytes long"),
+            "{}",
+            long.message
+        );
+        let ids = refused(RawSampling {
+            stop_token_ids: Some(vec![7; MAX_STOP_TOKEN_IDS + 1]),
+            ..Default::default()
+        });
+        assert_eq!(ids.param.as_deref(), Some("stop_token_ids"));
+        // At the limits, accepted.
+        let ok = RawSampling {
+            stop: Some(StopInput::Many(vec![
+                "z".repeat(MAX_STOP_BYTES);
+                MAX_STOP_STRINGS
+            ])),
+            stop_token_ids: Some(vec![7; MAX_STOP_TOKEN_IDS]),
+            ..Default::default()
+        };
+        assert_eq!(ok.into_params(16).unwrap().stop.len(), MAX_STOP_STRINGS);
     }
 }

@@ -1,6 +1,8 @@
 //! Turning request inputs into prompt token ids: chat messages through the
-//! model's chat template, texts through the tokenizer (special tokens parsed,
-//! BOS only if the GGUF asks for it), token ids checked against the vocabulary.
+//! model's chat template (message contents read as plain text, so only the
+//! template's markup yields control tokens), texts through the tokenizer
+//! (special tokens parsed, BOS only if the GGUF asks for it), token ids
+//! checked against the vocabulary.
 //!
 //! This is CPU work proportional to the request body: handlers run it
 //! through [`off_runtime`], on tokio's blocking pool, so a huge prompt never
@@ -15,6 +17,8 @@ use crate::openai_types::{ContentInput, MessageInput, PromptInput};
 
 /// Roles accepted in `messages` (`developer` is read as `system`).
 pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
+/// Most messages one conversation may hold.
+pub const MAX_MESSAGES: usize = 4096;
 
 /// Run `f` (templating, tokenizing, checking a request) on tokio's blocking
 /// pool and wait for it.
@@ -56,6 +60,15 @@ pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u3
         return Err(ApiError::invalid_param(
             "messages",
             "messages must contain at least one message",
+        ));
+    }
+    if messages.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid_param(
+            "messages",
+            format!(
+                "messages holds {} messages: at most {MAX_MESSAGES} are accepted",
+                messages.len()
+            ),
         ));
     }
     let mut conv = Vec::with_capacity(messages.len());
@@ -110,15 +123,40 @@ pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u3
             "the model has no chat template: use /v1/completions or /generate with a raw prompt",
         )
     })?;
-    let text = template.render(&conv, true)?;
-    text_prompt(engine, &text)
+    // User text is text: only the template's own markup yields control
+    // tokens, so a message cannot close its turn and forge a system one.
+    let rendered = template.render_marked(&conv, true)?;
+    if !rendered.verbatim {
+        // The template rewrote some content, so where it lies is unknown:
+        // refuse the spelling of a control token rather than obey it.
+        for (i, m) in conv.iter().enumerate() {
+            if let Some(t) = engine.tokenizer().spelled_control_token(&m.content) {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].content"),
+                    format!(
+                        "messages[{i}].content spells the control token `{t}`, which this model's chat template cannot keep apart from its own markup"
+                    ),
+                ));
+            }
+        }
+    }
+    marked_prompt(engine, &rendered.text, &rendered.content)
 }
 
 /// Tokenize a text prompt (special tokens parsed; BOS if the model wants one).
 pub fn text_prompt(engine: &Backend, text: &str) -> Result<Vec<u32>, ApiError> {
+    marked_prompt(engine, text, &[])
+}
+
+/// [`text_prompt`] with the `plain` byte ranges read as plain text.
+fn marked_prompt(
+    engine: &Backend,
+    text: &str,
+    plain: &[std::ops::Range<usize>],
+) -> Result<Vec<u32>, ApiError> {
     check_fits(engine, text.len())?;
     let tok = engine.tokenizer();
-    let ids = tok.encode(text, true)?;
+    let ids = tok.encode_marked(text, true, plain)?;
     let mut out = Vec::with_capacity(ids.len() + 1);
     if tok.add_bos() {
         if let Some(bos) = tok.bos_id() {
