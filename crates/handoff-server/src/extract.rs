@@ -6,6 +6,7 @@ use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
 use crate::errors::ApiError;
+use crate::listen::BodyDeadline;
 
 /// Largest request body accepted (bytes).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
@@ -57,13 +58,7 @@ where
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         check_json_content_type(req.headers())?;
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
-            ApiError::new(
-                e.status().as_u16(),
-                "invalid_body",
-                format!("could not read the request body: {}", e.body_text()),
-            )
-        })?;
+        let bytes = read_body(req, state).await?;
         if bytes.len() <= PARSE_INLINE_BYTES {
             return parse_json(&bytes).map(JsonBody);
         }
@@ -71,6 +66,38 @@ where
             .await
             .map(JsonBody)
     }
+}
+
+/// Read a request's body within the [`BodyDeadline`] that
+/// [`crate::listen::serve`] gave it (none when served otherwise): a client
+/// that sends its headers and then trickles or stops its body gets a 408
+/// instead of holding the request.
+pub async fn read_body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
+    let deadline = req.extensions().get::<BodyDeadline>().copied();
+    let read = Bytes::from_request(req, state);
+    let read = match deadline {
+        Some(BodyDeadline(limit)) => match tokio::time::timeout(limit, read).await {
+            Ok(r) => r,
+            Err(_) => {
+                return Err(ApiError::new(
+                    408,
+                    "request_timeout",
+                    format!(
+                        "the request body did not arrive within {} s",
+                        limit.as_secs_f64()
+                    ),
+                ))
+            }
+        },
+        None => read.await,
+    };
+    read.map_err(|e| {
+        ApiError::new(
+            e.status().as_u16(),
+            "invalid_body",
+            format!("could not read the request body: {}", e.body_text()),
+        )
+    })
 }
 
 /// Parse `bytes` as `T`, describing failures in words a client can act on.

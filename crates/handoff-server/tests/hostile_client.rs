@@ -222,3 +222,214 @@ async fn request_shapes_past_the_limits_are_refused_by_field() {
     );
     assert_eq!(err["error"]["param"], "messages", "{err}");
 }
+
+/// Serve the shared engine on a port of its own with these limits.
+fn serve_limited(limits: handoff_server::HttpLimits) -> String {
+    let engine: handoff_server::Backend = server().engine.clone().into();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            tx.send(listener.local_addr().expect("addr")).unwrap();
+            handoff_server::serve(
+                listener,
+                handoff_server::app(engine),
+                limits,
+                std::future::pending(),
+            )
+            .await
+            .expect("serve");
+        });
+    });
+    format!("http://{}", rx.recv().unwrap())
+}
+
+fn limits(header: u64, body: u64, write: u64, conns: usize) -> handoff_server::HttpLimits {
+    handoff_server::HttpLimits {
+        header_timeout: Duration::from_secs(header),
+        body_timeout: Duration::from_secs(body),
+        write_timeout: Duration::from_secs(write),
+        max_connections: conns,
+    }
+}
+
+/// Read from `conn` until the server closes it (or 30 s pass); returns what
+/// came and when the close was seen.
+async fn read_to_close(conn: &mut tokio::net::TcpStream) -> (String, Duration) {
+    use tokio::io::AsyncReadExt;
+    let started = Instant::now();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("the server kept the connection open for 30 s"),
+        }
+    }
+    (
+        String::from_utf8_lossy(&got).into_owned(),
+        started.elapsed(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_headers_and_bodies_are_cut_off_at_their_timeouts() {
+    use tokio::io::AsyncWriteExt;
+    let base = serve_limited(limits(2, 2, 30, 64));
+    let addr = base.trim_start_matches("http://").to_string();
+    // Half the headers, then silence.
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    conn.write_all(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-ty")
+        .await
+        .unwrap();
+    let (_, waited) = read_to_close(&mut conn).await;
+    eprintln!("half a header: closed after {waited:?}");
+    // Closed by the 2 s timer: not before it, and not much after (30 s of
+    // slack would be a missing timer; 10 s is load on a 2-core box).
+    assert!(waited >= Duration::from_millis(1900), "{waited:?}");
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    // A whole header and a tenth of the promised body: 408 at the body timeout.
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    conn.write_all(
+        b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"text\": \"",
+    )
+    .await
+    .unwrap();
+    let (answer, waited) = read_to_close(&mut conn).await;
+    eprintln!("a tenth of a body: answered after {waited:?}");
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"code\":\"request_timeout\""), "{answer}");
+    assert!(
+        answer.contains("the request body did not arrive within 2 s"),
+        "{answer}"
+    );
+    assert!(waited >= Duration::from_millis(1900), "{waited:?}");
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    // A kept-alive connection left idle is closed by the same timer.
+    let client = reqwest::Client::new();
+    let r = client.get(format!("{base}/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_get_a_503_and_a_freed_slot_is_reused() {
+    use tokio::io::AsyncWriteExt;
+    let base = serve_limited(limits(30, 30, 30, 3));
+    let addr = base.trim_start_matches("http://").to_string();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let mut extra = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    extra
+        .write_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let (answer, _) = read_to_close(&mut extra).await;
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer}");
+    assert!(
+        answer.contains("\"code\":\"too_many_connections\""),
+        "{answer}"
+    );
+    assert!(answer.contains("3 open connections"), "{answer}");
+    // One held connection goes away: its slot serves the next client.
+    drop(held.pop());
+    let mut served = false;
+    for _ in 0..100 {
+        let r = reqwest::Client::new()
+            .get(format!("{base}/health"))
+            .send()
+            .await;
+        if r.is_ok_and(|r| r.status() == 200) {
+            served = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(served, "a freed connection slot was never reused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_client_stops_reading_is_cancelled_at_the_write_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let base = serve_limited(limits(30, 30, 1, 64));
+    let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse().unwrap();
+    let tokens = |base: String| async move {
+        let text = reqwest::get(format!("{base}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("handoff_generation_tokens_total "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let before = tokens(base.clone()).await;
+    let max_new = server().engine.model().context_length - 16;
+    let body = json!({
+        "text": "Go on and on",
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": true},
+        "stream": true,
+    })
+    .to_string();
+    // A small receive buffer, then read the head and nothing more.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(addr).await.unwrap();
+    conn.write_all(
+        format!(
+            "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = [0u8; 64];
+    conn.read_exact(&mut head).await.unwrap();
+    assert!(head.starts_with(b"HTTP/1.1 200"));
+    let started = Instant::now();
+    // The request holds pages while the socket fills, then is cancelled.
+    let mut freed = None;
+    while started.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let load = server().engine.load();
+        if load.running == 0 && load.pages_used == 0 {
+            freed = Some(started.elapsed());
+            break;
+        }
+    }
+    let freed = freed.expect("the stalled stream still holds its pages after 60 s");
+    // The server dropped the connection mid-stream: what the client reads
+    // now ends without `[DONE]` (a stream merely slowed down, not cut,
+    // would deliver everything once read).
+    let mut rest = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => rest.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("the connection of a stalled stream stayed open"),
+        }
+    }
+    let generated = tokens(base).await - before;
+    eprintln!(
+        "stalled stream cancelled after {freed:?}; the client got {} more bytes, {generated} tokens",
+        rest.len()
+    );
+    assert!(
+        !String::from_utf8_lossy(&rest).contains("data: [DONE]"),
+        "the stalled stream ran to its end instead of being cut off"
+    );
+    assert!((generated as usize) < max_new);
+}

@@ -348,6 +348,84 @@ async fn both_sides_idle_within_1s(r: &TestRouter) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_client_stops_reading_is_cut_at_the_routers_write_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _g = serial().await;
+    let w = workers();
+    let mut c = config(&[&w.prefill], &[&w.decode]);
+    c.http.write_timeout = Duration::from_secs(1);
+    let limits = c.http;
+    let (app, handle) = router_app(c).expect("router config");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(handoff_server::serve(
+        listener,
+        app,
+        limits,
+        std::future::pending(),
+    ));
+    handle.probe_now().await;
+    let r = TestRouter {
+        base: format!("http://{addr}"),
+        handle,
+    };
+    let ctx = w.decode_engine.model().context_length;
+    let body = json!({
+        "text": "Go on forever",
+        "sampling_params": {"max_new_tokens": ctx - 16, "temperature": 0, "ignore_eos": true},
+        "stream": true,
+    })
+    .to_string();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(addr).await.unwrap();
+    conn.write_all(
+        format!(
+            "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut head = [0u8; 64];
+    conn.read_exact(&mut head).await.unwrap();
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    // The client reads nothing more: the router's write stalls, it drops the
+    // connection after 1 s and with it the stream from decode, which cancels.
+    let t0 = Instant::now();
+    while w.decode_engine.load().running > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "decode still generates for a client that stopped reading"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "decode stopped {:?} after the client stopped reading",
+        t0.elapsed()
+    );
+    both_sides_idle_within_1s(&r).await;
+    let mut rest = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(30), conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => rest.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("the router kept a stalled stream's connection open"),
+        }
+    }
+    assert!(
+        !String::from_utf8_lossy(&rest).contains("data: [DONE]"),
+        "the stream ran to its end instead of being cut off"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_non_streaming_disconnect_cancels_both_sides() {
     let _g = serial().await;
     let w = workers();

@@ -207,6 +207,56 @@ pub struct HttpArgs {
     /// Port to listen on.
     #[arg(long, default_value_t = 30000)]
     pub port: u16,
+    /// Connection hygiene of this port.
+    #[command(flatten)]
+    pub limits: HttpLimitArgs,
+}
+
+/// Bounds on what one HTTP connection may hold (DESIGN.md §8).
+#[derive(Debug, Clone, Args)]
+pub struct HttpLimitArgs {
+    /// Seconds to receive a request's headers; also how long a kept-alive
+    /// connection may wait idle for its next request.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub http_header_timeout_secs: u64,
+    /// Seconds to receive a request's body once its headers are in (else 408).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub http_body_timeout_secs: u64,
+    /// Seconds a response write may make no progress (a client that stopped
+    /// reading its stream) before the connection is dropped and the request
+    /// cancelled, its KV pages freed.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub stream_write_timeout_secs: u64,
+    /// Open connections at most; past it a new connection gets a 503.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    pub max_connections: u64,
+}
+
+impl HttpLimitArgs {
+    /// The limits these flags give.
+    pub fn limits(&self) -> handoff_server::HttpLimits {
+        handoff_server::HttpLimits {
+            header_timeout: std::time::Duration::from_secs(self.http_header_timeout_secs),
+            body_timeout: std::time::Duration::from_secs(self.http_body_timeout_secs),
+            write_timeout: std::time::Duration::from_secs(self.stream_write_timeout_secs),
+            max_connections: self.max_connections as usize,
+        }
+    }
+
+    /// These flags as command-line arguments (for the worker processes
+    /// `handoff serve` starts).
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "--http-header-timeout-secs".into(),
+            self.http_header_timeout_secs.to_string(),
+            "--http-body-timeout-secs".into(),
+            self.http_body_timeout_secs.to_string(),
+            "--stream-write-timeout-secs".into(),
+            self.stream_write_timeout_secs.to_string(),
+            "--max-connections".into(),
+            self.max_connections.to_string(),
+        ]
+    }
 }
 
 impl EngineArgs {

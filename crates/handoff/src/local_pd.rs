@@ -213,6 +213,7 @@ pub fn run(
         "--transfer-io-threads".to_string(),
         pd.transfer_io_threads.to_string(),
     ];
+    common.extend(http.limits.to_args());
     if pd.disable_delta_transfer {
         common.push("--disable-delta-transfer".into());
     }
@@ -274,6 +275,7 @@ pub fn run(
             vec![decode.url.clone()],
         );
         config.health_interval = Duration::from_secs(1);
+        config.http = http.limits.limits();
         tracing::info!(
             prefill = %prefill.url,
             decode = %decode.url,

@@ -55,6 +55,9 @@ pub struct RouterArgs {
     /// (connection errors, 502, 503), each with a fresh room.
     #[arg(long, default_value_t = 2)]
     max_retries: u32,
+    /// Connection hygiene of the router's port.
+    #[command(flatten)]
+    limits: crate::engine_args::HttpLimitArgs,
 }
 
 fn usage_error(kind: ErrorKind, message: String) -> clap::Error {
@@ -125,6 +128,7 @@ pub fn config(
     c.request_timeout = Duration::from_secs(args.request_timeout_secs);
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;
+    c.http = args.limits.limits();
     c.validate()
         .map_err(|e| usage_error(ErrorKind::ValueValidation, e.to_string()))?;
     Ok(c)

@@ -173,10 +173,14 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
                 crate::signal::shutdown_signal().await
             }
         };
-        axum::serve(listener, handoff_server::app(backend))
-            .with_graceful_shutdown(stop)
-            .await
-            .context("serving HTTP")?;
+        handoff_server::serve(
+            listener,
+            handoff_server::app(backend),
+            args.http.limits.limits(),
+            stop,
+        )
+        .await
+        .context("serving HTTP")?;
         tracing::info!("shut down");
         Ok::<_, anyhow::Error>(())
     })

@@ -49,6 +49,8 @@ pub struct RouterConfig {
     /// Retries of a request that failed before any byte reached the client
     /// (connection errors, 502, 503 only; default 2).
     pub max_retries: u32,
+    /// Connection hygiene on the router's own port.
+    pub http: crate::listen::HttpLimits,
 }
 
 impl RouterConfig {
@@ -65,6 +67,7 @@ impl RouterConfig {
             health_timeout: Duration::from_secs(2),
             unhealthy_after: 2,
             max_retries: 2,
+            http: crate::listen::HttpLimits::default(),
         }
     }
 

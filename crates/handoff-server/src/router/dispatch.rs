@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{FromRequest, Request, State};
+use axum::extract::{Request, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
@@ -72,16 +72,9 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     if let Err(e) = crate::extract::check_json_content_type(req.headers()) {
         return refuse(&mut tl, e, "bad_request");
     }
-    let bytes = match Bytes::from_request(req, &()).await {
+    let bytes = match crate::extract::read_body(req, &()).await {
         Ok(b) => b,
-        Err(e) => {
-            let err = ApiError::new(
-                e.status().as_u16(),
-                "invalid_body",
-                format!("could not read the request body: {}", e.body_text()),
-            );
-            return refuse(&mut tl, err, "bad_request");
-        }
+        Err(err) => return refuse(&mut tl, err, "bad_request"),
     };
     let mut body = match parse_object(&bytes) {
         Ok(b) => b,

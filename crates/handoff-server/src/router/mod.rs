@@ -34,8 +34,9 @@ pub use workers::{Health, Worker, Workers};
 
 use rooms::Rooms;
 
-/// Largest request body the router accepts (bytes).
-pub const ROUTER_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// Largest request body the router accepts (bytes): the workers' limit, so
+/// that a body the router takes is never refused behind it for its size.
+pub const ROUTER_MAX_BODY_BYTES: usize = crate::extract::MAX_BODY_BYTES;
 
 /// Why the router cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +84,10 @@ impl RouterState {
         let workers = Workers::new(&config, &metrics)?;
         let client = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
+            // Let go of an idle connection before a worker closes it (its
+            // header timeout, 30 s by default), so no request is sent on a
+            // connection being closed.
+            .pool_idle_timeout(std::time::Duration::from_secs(5))
             .no_proxy()
             .build()
             .map_err(|e| RouterError::Client(e.to_string()))?;
@@ -206,6 +211,7 @@ pub async fn run_router<F>(
 where
     F: Future<Output = ()> + Send + 'static,
 {
+    let limits = config.http;
     let (app, handle) = router_app(config)?;
     handle.probe_now().await;
     if !handle.ready() {
@@ -213,9 +219,7 @@ where
             "router starts without a healthy prefill and decode worker; /readiness is 503"
         );
     }
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await?;
+    crate::listen::serve(listener, app, limits, shutdown).await?;
     drop(handle);
     Ok(())
 }
