@@ -42,6 +42,13 @@ pub enum EngineError {
         /// Vocabulary size.
         vocab_size: usize,
     },
+    /// Decode already holds connections to this many prefill addresses and
+    /// the request names another one.
+    #[error("decode already keeps connections to {limit} prefill addresses, its limit")]
+    TooManyPrefillPeers {
+        /// The limit.
+        limit: usize,
+    },
     /// Too many requests are already waiting; try again later.
     #[error("server overloaded: {waiting} requests are already waiting (limit {limit})")]
     Overloaded {
@@ -126,10 +133,30 @@ impl EngineError {
             | EngineError::ExceedsKvCapacity { .. }
             | EngineError::InvalidParams(_)
             | EngineError::TokenOutOfRange { .. } => 400,
-            EngineError::ShuttingDown | EngineError::Overloaded { .. } => 503,
+            EngineError::ShuttingDown
+            | EngineError::Overloaded { .. }
+            | EngineError::TooManyPrefillPeers { .. } => 503,
             EngineError::Model(_) => 500,
             EngineError::Transfer(e) => e.http_status(),
             EngineError::Transport(t) => t.get().http_status(),
+        }
+    }
+
+    /// The request field at fault, named as OpenAI's completions API names
+    /// it (`prompt`, `max_tokens`), where one field is; the HTTP layer
+    /// renames it for its endpoint.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            EngineError::EmptyPrompt | EngineError::TokenOutOfRange { .. } => Some("prompt"),
+            EngineError::ContextExceeded {
+                prompt_tokens,
+                context_length,
+                ..
+            } if prompt_tokens >= context_length => Some("prompt"),
+            EngineError::ContextExceeded { .. } | EngineError::ExceedsKvCapacity { .. } => {
+                Some("max_tokens")
+            }
+            _ => None,
         }
     }
 
@@ -143,6 +170,7 @@ impl EngineError {
             EngineError::TokenOutOfRange { .. } => "invalid_token_id",
             EngineError::ShuttingDown => "shutting_down",
             EngineError::Overloaded { .. } => "overloaded",
+            EngineError::TooManyPrefillPeers { .. } => "too_many_prefill_peers",
             EngineError::Model(_) => "model_error",
             EngineError::Transfer(e) => e.error_type(),
             EngineError::Transport(t) => transport_error_type(t.get()),

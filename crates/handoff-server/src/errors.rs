@@ -122,7 +122,24 @@ impl IntoResponse for ApiError {
 /// is its `Display`: the same body as a response and as an SSE error event.
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
-        ApiError::new(e.http_status(), e.error_type(), e.to_string())
+        let mut err = ApiError::new(e.http_status(), e.error_type(), e.to_string());
+        err.param = e.param().map(str::to_string);
+        err
+    }
+}
+
+impl ApiError {
+    /// Name the field at fault as `endpoint`'s request shape does (the
+    /// engine names them as `/v1/completions` does).
+    pub fn for_endpoint(mut self, endpoint: &str) -> Self {
+        self.param = match (self.param.take().as_deref(), endpoint) {
+            (Some("prompt"), "/v1/chat/completions") => Some("messages".into()),
+            // `text` or `input_ids`: the engine cannot tell which.
+            (Some("prompt"), "/generate") => None,
+            (Some("max_tokens"), "/generate") => Some("sampling_params.max_new_tokens".into()),
+            (p, _) => p.map(str::to_string),
+        };
+        self
     }
 }
 

@@ -124,7 +124,7 @@ impl Generation {
             },
             Err(e) => {
                 state.metrics.count_error(endpoint, e.code);
-                return Err(e);
+                return Err(e.for_endpoint(endpoint));
             }
         };
         Ok(Generation {

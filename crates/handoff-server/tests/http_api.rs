@@ -391,6 +391,15 @@ async fn bad_input_is_a_400_with_an_actionable_message() {
         "context_length_exceeded",
         "exceeds the context length",
     );
+    // An engine refusal names the field at fault, as each endpoint spells it.
+    assert_eq!(v["error"]["param"], "max_tokens", "{v}");
+    let (s, v) = post(
+        "/generate",
+        &json!({"text": "hi", "sampling_params": {"max_new_tokens": 1_000_000_000u64}}),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["param"], "sampling_params.max_new_tokens", "{v}");
 
     let mut b = chat_body("hi", 4);
     b.as_object_mut().unwrap().remove("max_tokens");
@@ -414,6 +423,7 @@ async fn bad_input_is_a_400_with_an_actionable_message() {
         "context_length_exceeded",
         &format!("context length of {ctx} tokens"),
     );
+    assert_eq!(v["error"]["param"], "prompt", "{v}");
     let mut long_stream = long.clone();
     long_stream["stream"] = json!(true);
     let (s, v) = post("/v1/completions", &long_stream).await;

@@ -708,6 +708,9 @@ enum Fake {
     BreaksMidStream,
     /// `/generate` answers 200 with the JSON body it received.
     Echo,
+    /// `/generate` counts the request, answers 200 and a JSON body that
+    /// breaks off half way.
+    BreaksMidBody(&'static std::sync::atomic::AtomicUsize),
 }
 
 async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
@@ -739,6 +742,23 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
                         Ok::<_, std::io::Error>(Bytes::from_static(b"data: {}\n\n"))
                     });
                     Response::new(Body::from_stream(s))
+                }
+                Fake::BreaksMidBody(count) => {
+                    use futures_util::StreamExt;
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let first = futures_util::stream::once(async {
+                        Ok(Bytes::from_static(b"{\"text\": \"half an ans"))
+                    });
+                    let broken = futures_util::stream::once(async {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        Err(std::io::Error::other("boom"))
+                    });
+                    let mut r = Response::new(Body::from_stream(first.chain(broken)));
+                    r.headers_mut().insert(
+                        "content-type",
+                        axum::http::HeaderValue::from_static("application/json"),
+                    );
+                    r
                 }
                 Fake::BreaksMidStream => {
                     use futures_util::StreamExt;
@@ -817,6 +837,33 @@ async fn a_broken_decode_stream_ends_with_a_json_error_event() {
     assert_eq!(err["error"]["code"], "decode_stream_broken");
     assert_eq!(err["error"]["type"], "server_error");
     assert!(err["error"]["message"].as_str().unwrap().contains(&d));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_answer_broken_after_its_status_is_a_502_and_never_retried() {
+    static SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let d = fake_worker(Fake::BreaksMidBody(&SEEN), Arc::new(AtomicBool::new(false))).await;
+    let p = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
+    let mut c = config(&[&p], &[&d]);
+    c.max_retries = 2;
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    let (s, v) = post(&r.base, "/generate", &json!({"text": "hi"})).await;
+    assert_eq!(s, 502, "{v}");
+    assert_eq!(v["error"]["code"], "decode_stream_broken", "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(&d) && msg.contains("not retried"), "{msg}");
+    // Decode answered 200: its generation had started, so it is not rerun.
+    assert_eq!(
+        SEEN.load(Ordering::SeqCst),
+        1,
+        "the broken request was sent again"
+    );
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        !metrics.contains("handoff_router_retries_total{"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -252,7 +252,7 @@ impl Ctx {
     /// answers costs its own requests the handshake deadline, no one else).
     async fn peer(self: &Arc<Self>, addr: SocketAddr) -> Result<PeerId, EngineError> {
         let ctx = self.clone();
-        let slot = ctx.peer_slot(addr);
+        let slot = ctx.peer_slot(addr)?;
         tokio::spawn(async move {
             let mut known = slot.lock().await;
             if let Some(r) = *known {
@@ -273,24 +273,35 @@ impl Ctx {
         .unwrap_or(Err(EngineError::ShuttingDown))
     }
 
-    /// The connection slot of the prefill at `addr`.
-    fn peer_slot(&self, addr: SocketAddr) -> PeerSlot {
+    /// The connection slot of the prefill at `addr`; refused past
+    /// [`MAX_PREFILL_PEERS`] addresses.
+    fn peer_slot(&self, addr: SocketAddr) -> Result<PeerSlot, EngineError> {
         let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        // Bounded by the addresses the router sends (its configured or
-        // discovered prefill workers); a slot never connected is dropped.
+        // The addresses the router sends (its configured or discovered
+        // prefill workers); a slot in no use and never connected is dropped.
         peers.retain(|_, s| Arc::strong_count(s) > 1 || s.try_lock().is_ok_and(|p| p.is_some()));
-        peers.entry(addr).or_default().clone()
+        if !peers.contains_key(&addr) && peers.len() >= MAX_PREFILL_PEERS {
+            return Err(EngineError::TooManyPrefillPeers {
+                limit: MAX_PREFILL_PEERS,
+            });
+        }
+        Ok(peers.entry(addr).or_default().clone())
     }
 
     /// Forget a dead prefill's connection: the next request reconnects.
     async fn forget_peer(&self, addr: SocketAddr, peer: PeerId) {
-        let slot = self.peer_slot(addr);
+        let Ok(slot) = self.peer_slot(addr) else {
+            return;
+        };
         let mut known = slot.lock().await;
         if *known == Some(peer) {
             *known = None;
         }
     }
 }
+
+/// Most prefill addresses decode keeps a connection slot for at once.
+const MAX_PREFILL_PEERS: usize = 256;
 
 /// One prefill address's connection, once made.
 type PeerSlot = Arc<tokio::sync::Mutex<Option<PeerId>>>;

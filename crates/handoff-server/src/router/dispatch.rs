@@ -198,6 +198,7 @@ fn fail(tl: &mut Timeline, f: Failure) -> Response {
     let outcome = match &f {
         Failure::Timeout { .. } => "timeout",
         Failure::Unreachable { .. } => "worker_unreachable",
+        Failure::BrokeOff { .. } => "stream_broken",
         Failure::Status { .. } => "worker_error",
     };
     let resp = f.into_response();

@@ -81,6 +81,17 @@ pub enum Failure {
         /// Its body.
         body: Bytes,
     },
+    /// The worker took the request and then its answer broke off (after a
+    /// 2xx status, or before any status once the request was sent): a
+    /// generation may have started, so this is never retried.
+    BrokeOff {
+        /// Which side.
+        side: Role,
+        /// The worker's URL.
+        url: String,
+        /// The transport error.
+        detail: String,
+    },
     /// The request timeout passed.
     Timeout {
         /// The side still awaited.
@@ -97,6 +108,7 @@ impl Failure {
     pub fn side(&self) -> Role {
         match self {
             Failure::Unreachable { side, .. }
+            | Failure::BrokeOff { side, .. }
             | Failure::Status { side, .. }
             | Failure::Timeout { side, .. } => *side,
         }
@@ -106,18 +118,20 @@ impl Failure {
     pub fn kind(&self) -> String {
         match self {
             Failure::Unreachable { .. } => "unreachable".to_string(),
+            Failure::BrokeOff { .. } => "stream_broken".to_string(),
             Failure::Status { status, .. } => format!("status_{status}"),
             Failure::Timeout { .. } => "timeout".to_string(),
         }
     }
 
     /// Safe to send again with a fresh room: nothing was relayed yet and the
-    /// worker could not take the request (connection error, 502, 503).
+    /// worker could not take the request (connection error, 502, 503), so
+    /// no generation can have started.
     pub fn retryable(&self) -> bool {
         match self {
             Failure::Unreachable { .. } => true,
             Failure::Status { status, .. } => matches!(status, 502 | 503),
-            Failure::Timeout { .. } => false,
+            Failure::BrokeOff { .. } | Failure::Timeout { .. } => false,
         }
     }
 
@@ -129,6 +143,19 @@ impl Failure {
                 502,
                 "worker_unreachable",
                 format!("{} worker {url} is unreachable: {detail}", side.name()),
+            )
+            .into_response(),
+            Failure::BrokeOff { side, url, detail } => ApiError::new(
+                502,
+                if side == Role::Decode {
+                    "decode_stream_broken"
+                } else {
+                    "prefill_stream_broken"
+                },
+                format!(
+                    "{} worker {url} broke off its answer: {detail} (not retried: a generation may have started)",
+                    side.name()
+                ),
             )
             .into_response(),
             Failure::Timeout { side, url, secs } => ApiError::new(
@@ -168,6 +195,24 @@ fn chain(e: &reqwest::Error) -> String {
         src = cause.source();
     }
     s
+}
+
+/// A request to `w` failed with `e` before a status: retryable only if it
+/// failed to connect (the worker never saw the request).
+fn send_failed(w: &Worker, e: &reqwest::Error) -> Failure {
+    if e.is_connect() {
+        unreachable(w, e)
+    } else {
+        broke_off(w, e)
+    }
+}
+
+fn broke_off(w: &Worker, e: &reqwest::Error) -> Failure {
+    Failure::BrokeOff {
+        side: w.role,
+        url: w.url.clone(),
+        detail: chain(e),
+    }
 }
 
 fn unreachable(w: &Worker, e: &reqwest::Error) -> Failure {
@@ -253,8 +298,10 @@ impl PrefillLeg {
             PrefillLeg::Draining(stream) => match stream.next().await {
                 Some(Ok(_)) => PrefillEvent::Progress,
                 Some(Err(e)) => {
+                    // Prefill accepted and answered 2xx: its KV may be on
+                    // decode, whose generation may have started.
                     *self = PrefillLeg::Done;
-                    PrefillEvent::Failed(unreachable(worker, &e))
+                    PrefillEvent::Failed(broke_off(worker, &e))
                 }
                 None => {
                     *self = PrefillLeg::Done;
@@ -323,7 +370,7 @@ pub async fn start(
         tokio::select! {
             r = decode_fut.as_mut() => match r {
                 Ok(r) => break r,
-                Err(e) => return Err(unreachable(&pair.decode, &e)),
+                Err(e) => return Err(send_failed(&pair.decode, &e)),
             },
             ev = prefill.step(&pair.prefill), if prefill.active() => on_prefill(ev, tl)?,
             _ = &mut sleep => return Err(timeout(&pair.decode)),
@@ -360,7 +407,7 @@ pub async fn start(
                     }
                     whole.extend_from_slice(&b);
                 }
-                Some(Err(e)) => return Err(unreachable(&pair.decode, &e)),
+                Some(Err(e)) => return Err(broke_off(&pair.decode, &e)),
                 None => {
                     return Ok((status, content_type, Opened {
                         first: Bytes::from(whole),
