@@ -36,6 +36,8 @@ step "python: openai client against handoff serve"
 BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/handoff"
 [ -x "$BIN" ] || cargo build -p handoff
 HANDOFF_BIN="$BIN" tests/python/run.sh --model "$MODEL"
+step "python: openai client against handoff serve, KV over tcp"
+HANDOFF_BIN="$BIN" tests/python/run.sh --model "$MODEL" --disaggregation-transfer-backend tcp
 
 step "python: SGLang's PD router (sglang-router 0.3.2) in front of handoff prefill + decode"
 HANDOFF_BIN="$BIN" tests/sglang_router/run.sh --model "$MODEL"

@@ -2,7 +2,8 @@
 decode workers, unchanged: chat, completions and generate, whole and
 streamed, equal the colocated output (greedy); a prompt longer than the
 context comes back as a 400 with the workers' message and leaves no pages
-reserved. Started by run.sh, which sets the URLs."""
+reserved, also when the refusal comes from the prefill after decode reserved
+them. Started by run.sh, which sets the URLs."""
 
 import json
 import os
@@ -17,6 +18,9 @@ ROUTER = os.environ["ROUTER_URL"]
 COLOCATED = os.environ["COLOCATED_URL"]
 DECODE = os.environ["DECODE_URL"]
 PREFILL = os.environ["PREFILL_URL"]
+# A router in front of a 256-token-context prefill whose requests arrive
+# 0.5 s late, and the same decode.
+ROUTER_SMALL = os.environ["ROUTER_SMALL_URL"]
 
 
 def post(base, path, body):
@@ -124,3 +128,27 @@ def test_prompt_over_the_context_is_a_400_and_frees_pages():
         time.sleep(0.05)
     assert d["num_tokens"] == 0 and d["num_reqs"] == 0, d
     assert p["num_reqs"] == 0, p
+
+
+def test_a_prefill_refusal_after_decode_reserved_frees_decodes_pages():
+    # Fits decode's context (8192) and not the small prefill's (256): decode
+    # reserves the prompt's pages, then the prefill (reached late) refuses.
+    body = {"model": "m", "messages": [{"role": "user", "content": "word " * 400}],
+            "max_tokens": 4}
+    with ThreadPoolExecutor(1) as ex:
+        answer = ex.submit(post, ROUTER_SMALL, "/v1/chat/completions", body)
+        reserved = 0
+        while not answer.done() and reserved == 0:
+            reserved = load(DECODE)["num_tokens"]
+            time.sleep(0.01)
+        status, text = answer.result()
+    assert status == 400, text
+    assert "exceeds the context length of 256 tokens" in text, text
+    assert reserved > 0, "decode never reserved: the refusal did not come after the reservation"
+    for _ in range(100):
+        d = load(DECODE)
+        if d["num_reqs"] == 0 and d["num_tokens"] == 0:
+            break
+        time.sleep(0.05)
+    assert d["num_tokens"] == 0 and d["num_reqs"] == 0, d
+

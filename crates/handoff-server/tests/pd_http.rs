@@ -33,6 +33,10 @@ struct Workers {
     /// of `prefill` + `decode_tcp`.
     router_shm: String,
     router_tcp: String,
+    /// handoff's router in front of `small_prefill` + `decode_shm`, and in
+    /// front of `small_prefill` + `decode_tcp`.
+    router_small_shm: String,
+    router_small_tcp: String,
     colocated: (String, EngineHandle),
     prefill: (String, PrefillHandle),
     small_prefill: (String, PrefillHandle),
@@ -82,6 +86,61 @@ fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
     format!("http://{}", rx.recv().expect("router address"))
 }
 
+/// How late the routers' requests reach the small prefill.
+const PREFILL_DELAY: Duration = Duration::from_millis(500);
+
+/// A TCP proxy to `target` (`http://host:port`) that forwards what the
+/// client sends `delay` late; returns its `http://` URL.
+fn delayed_proxy(target: &str, delay: Duration) -> String {
+    let target = target.trim_start_matches("http://").to_string();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            listener.set_nonblocking(true).expect("nonblocking");
+            let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+            loop {
+                let Ok((inbound, _)) = listener.accept().await else {
+                    continue;
+                };
+                let target = target.clone();
+                tokio::spawn(async move {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                        return;
+                    };
+                    let (mut in_read, mut in_write) = inbound.into_split();
+                    let (mut out_read, mut out_write) = outbound.into_split();
+                    // Every byte towards the worker is late (a pooled
+                    // connection's next request too); answers are not.
+                    let to_worker = async move {
+                        let mut buf = vec![0u8; 1 << 16];
+                        while let Ok(n) = in_read.read(&mut buf).await {
+                            if n == 0 {
+                                break;
+                            }
+                            tokio::time::sleep(delay).await;
+                            if out_write.write_all(&buf[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    };
+                    let to_client = tokio::io::copy(&mut out_read, &mut in_write);
+                    tokio::select! {
+                        _ = to_worker => {}
+                        _ = to_client => {}
+                    }
+                });
+            }
+        });
+    });
+    url
+}
+
 fn workers() -> &'static Workers {
     static W: OnceLock<Workers> = OnceLock::new();
     W.get_or_init(|| {
@@ -110,12 +169,20 @@ fn workers() -> &'static Workers {
         let decode_shm_url = common::serve_worker(decode_shm.clone());
         let decode_tcp_url = common::serve_worker(decode_tcp.clone());
         let boot = prefill.bootstrap_addr().port();
+        let small_url = common::serve_worker(small_prefill.clone());
+        let small_boot = small_prefill.bootstrap_addr().port();
+        // The routers reach the small prefill's HTTP port late, so decode
+        // (which connects to its transfer port directly) has surely reserved
+        // pages when the prefill refuses.
+        let small_late = delayed_proxy(&small_url, PREFILL_DELAY);
         Workers {
             router_shm: serve_router(&prefill_url, boot, &decode_shm_url),
             router_tcp: serve_router(&prefill_url, boot, &decode_tcp_url),
+            router_small_shm: serve_router(&small_late, small_boot, &decode_shm_url),
+            router_small_tcp: serve_router(&small_late, small_boot, &decode_tcp_url),
             colocated: (common::serve_worker(colocated.clone()), colocated),
             prefill: (prefill_url, prefill),
-            small_prefill: (common::serve_worker(small_prefill.clone()), small_prefill),
+            small_prefill: (small_url, small_prefill),
             decode_shm: (decode_shm_url, decode_shm),
             decode_tcp: (decode_tcp_url, decode_tcp),
         }
@@ -257,13 +324,14 @@ async fn pd_http_workers() {
     missing_or_bad_bootstrap_fields_are_named(w).await;
     client_leaving_mid_stream_frees_both_sides(w).await;
     server_info_reports_the_mode(w).await;
-    for (router, decode, label) in [
-        (&w.router_shm, &w.decode_shm, "shm"),
-        (&w.router_tcp, &w.decode_tcp, "tcp"),
+    for (router, small, decode, label) in [
+        (&w.router_shm, &w.router_small_shm, &w.decode_shm, "shm"),
+        (&w.router_tcp, &w.router_small_tcp, &w.decode_tcp, "tcp"),
     ] {
         router_output_equals_colocated(w, router, label).await;
         router_sixteen_concurrent_equal_colocated(w, router, label).await;
         router_invalid_request_keeps_its_400(w, router, decode).await;
+        router_prefill_refusal_after_decode_reserved(w, small, decode, label).await;
         router_client_leaving_frees_both_sides(w, router, decode, label).await;
     }
 }
@@ -363,6 +431,75 @@ async fn router_invalid_request_keeps_its_400(
         .room_stats
         .succeeded;
     assert_eq!(after, before, "a transfer happened for a refused request");
+}
+
+/// Seed 004 through the router, the refusal coming from prefill after
+/// decode reserved pages (the small prefill's context is 256, decode's
+/// 4096): the client gets prefill's 400 and reason, decode opened a room
+/// and failed it, and every page it reserved is back.
+async fn router_prefill_refusal_after_decode_reserved(
+    w: &Workers,
+    router: &str,
+    decode: &(String, DecodeHandle),
+    label: &str,
+) {
+    let stats = |d: &DecodeHandle| {
+        let d = d.clone();
+        async move { d.transfer_stats().await.expect("stats").room_stats }
+    };
+    let before = stats(&decode.1).await;
+    let t = Instant::now();
+    let body =
+        json!({"messages": [{"role": "user", "content": "word ".repeat(400)}], "max_tokens": 4});
+    let router_url = router.to_string();
+    let answer =
+        tokio::spawn(async move { post_text(&router_url, "/v1/chat/completions", &body).await });
+    // Decode reserves the prompt's pages while the prefill has not yet seen
+    // the request (its HTTP port is reached late).
+    let mut reserved = 0;
+    while !answer.is_finished() && reserved == 0 {
+        reserved = decode.1.load().pages_used;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let (s, b) = answer.await.unwrap();
+    let took = t.elapsed();
+    assert!(
+        reserved >= 400 / PAGE_SIZE,
+        "{label}: decode never held the prompt's pages ({reserved}): the refusal did not come after the reservation"
+    );
+    assert_eq!(s, 400, "{label}: {b}");
+    let e = json_of(&b);
+    // Prefill's own answer carries its code; decode's relay of it (when it
+    // reaches the router first) carries the wire kind: the transfer
+    // protocol moves a failure's kind, status and reason, not the API code.
+    let code = e["error"]["code"].as_str().unwrap();
+    assert!(
+        code == "context_length_exceeded" || code == "rejected",
+        "{label}: {b}"
+    );
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("exceeds the context length of 256 tokens"),
+        "{label}: the prefill's reason, not decode's: {b}"
+    );
+    // Not a timeout: the refusal crossed the protocol (the prefill sees the
+    // request after PREFILL_DELAY; the room timers are 30 s).
+    assert!(
+        took < PREFILL_DELAY + Duration::from_secs(5),
+        "took {took:?}"
+    );
+    let load = wait_decode_idle(&decode.1).await;
+    assert_eq!(load.pages_used, 0, "{label}: decode kept pages: {load:?}");
+    rooms_drained(&w.small_prefill.1, &decode.1).await;
+    let after = stats(&decode.1).await;
+    assert_eq!(
+        (after.opened - before.opened, after.failed - before.failed),
+        (1, 1),
+        "{label}: decode must have reserved a room (and failed it): {before:?} -> {after:?}"
+    );
+    assert_eq!(after.succeeded, before.succeeded, "{label}");
 }
 
 /// Seed 000 through the router: a client that leaves mid-prefill (the
