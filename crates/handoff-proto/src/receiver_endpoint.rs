@@ -163,6 +163,10 @@ pub enum ReceiverEvent<L, W> {
         peer: PeerId,
         /// The room.
         room: RoomId,
+        /// The writer never confirmed it stopped (the abort fence expired): a
+        /// transport whose writer copies into the pages itself (shm) must
+        /// keep them until it knows.
+        may_write: bool,
     },
     /// Close `peer`'s control connection and data link (closed, dead,
     /// abandoned): drop their I/O handles.
@@ -584,7 +588,7 @@ impl<L, W> ReceiverEndpoint<L, W> {
                 Ok(())
             }
             Err(_) => {
-                self.release(room);
+                self.release(room, false);
                 Err(RefusedRoom::NotWaitingForPages(room.get()))
             }
         }
@@ -687,7 +691,7 @@ impl<L, W> ReceiverEndpoint<L, W> {
                 }
                 ReceiverAction::Commit { room, .. } => {
                     let aux = self.aux.remove(&room).map(|(_, a)| a);
-                    if let Some(lease) = self.release(room) {
+                    if let Some(lease) = self.release(room, false) {
                         let aux = aux.unwrap_or(AuxData {
                             first_token: 0,
                             logprob: 0.0,
@@ -705,7 +709,7 @@ impl<L, W> ReceiverEndpoint<L, W> {
                     ..
                 } => {
                     self.aux.remove(&room);
-                    drop(self.release(room));
+                    drop(self.release(room, fence_expired));
                     self.events.push_back(ReceiverEvent::Released {
                         room,
                         fence_expired,
@@ -715,12 +719,16 @@ impl<L, W> ReceiverEndpoint<L, W> {
         }
     }
 
-    /// Take `room`'s lease back from its links.
-    fn release(&mut self, room: RoomId) -> Option<L> {
+    /// Take `room`'s lease back from its links (`may_write`: a writer may
+    /// not have stopped).
+    fn release(&mut self, room: RoomId, may_write: bool) -> Option<L> {
         let held = self.held.remove(&room)?;
         for peer in held.registered {
-            self.events
-                .push_back(ReceiverEvent::ForgetWrites { peer, room });
+            self.events.push_back(ReceiverEvent::ForgetWrites {
+                peer,
+                room,
+                may_write,
+            });
         }
         Some(held.lease)
     }
@@ -889,7 +897,11 @@ mod tests {
         f.land(r, r.get(), 5);
         let ev = f.events();
         match &ev[..] {
-            [ReceiverEvent::ForgetWrites { peer, room }, ReceiverEvent::Outcome {
+            [ReceiverEvent::ForgetWrites {
+                peer,
+                room,
+                may_write: false,
+            }, ReceiverEvent::Outcome {
                 room: o,
                 waiter: 77,
                 outcome: ReceiverPoll::Success { aux, .. },

@@ -202,6 +202,17 @@ pub async fn connect_link(
         addr, endpoint, connect, config, timeout, kind, pool, num_pages, one,
     )
     .await
+    .map(|l| (l.stream, l.fingerprint))
+}
+
+/// A data link stream decode opened.
+pub struct LinkStream {
+    /// The socket.
+    pub stream: TcpStream,
+    /// The prefill's fingerprint (its TP rank and size).
+    pub fingerprint: Fingerprint,
+    /// Over shm, the prefill process that maps decode's pool.
+    pub writer_pid: Option<u32>,
 }
 
 /// [`connect_link`] for stream `stream.index` of a TCP link of
@@ -217,7 +228,7 @@ pub async fn connect_link_stream(
     pool: &ShmRegion,
     num_pages: usize,
     stream: TcpStreamSetup,
-) -> Result<(TcpStream, Fingerprint), TransportError> {
+) -> Result<LinkStream, TransportError> {
     let mut s = TcpStream::connect(addr)
         .await
         .map_err(TransportError::io("data link connect"))?;
@@ -254,7 +265,19 @@ pub async fn connect_link_stream(
             String::from_utf8_lossy(&msg)
         )));
     }
-    Ok((s, n.peer_fingerprint))
+    let writer_pid = match kind {
+        TransportKind::Shm => {
+            let mut pid = [0u8; 4];
+            read_setup(&mut s, &mut pid, timeout, "data link setup reply").await?;
+            Some(u32::from_le_bytes(pid))
+        }
+        TransportKind::Tcp => None,
+    };
+    Ok(LinkStream {
+        stream: s,
+        fingerprint: n.peer_fingerprint,
+        writer_pid,
+    })
 }
 
 /// A link accepted on the prefill side, ready to run.
@@ -291,8 +314,14 @@ struct PendingWriter {
 impl PendingWriter {
     /// Send decode the setup success and build the transport.
     async fn confirm(mut self) -> Result<LinkWriter, TransportError> {
+        // Over shm, decode learns which process maps its pool: pages a
+        // failed room's writer may still reach stay fenced while it does.
+        let mut ok = vec![0u8];
+        if self.region.is_some() {
+            ok.extend_from_slice(&std::process::id().to_le_bytes());
+        }
         self.w
-            .write_all(&[0])
+            .write_all(&ok)
             .await
             .map_err(TransportError::io("data link setup reply"))?;
         Ok(match self.region {
@@ -693,10 +722,13 @@ pub enum ReaderCmd {
         /// Keeps the pages from the free list while this link may write.
         guard: WriterGuard,
     },
-    /// Stop accepting writes for `room` and drop its guard.
+    /// Stop accepting writes for `room` and drop its guard (over shm, keep
+    /// it while `may_write`: see [`LinkReader`]'s fenced rooms).
     Forget {
         /// The room.
         room: RoomId,
+        /// The writer never confirmed it stopped.
+        may_write: bool,
     },
 }
 
@@ -723,7 +755,8 @@ struct Slot {
     pages: Vec<u32>,
     aux_slot: u32,
     rejected: bool,
-    _guard: WriterGuard,
+    /// Keeps the room's pages from the free list.
+    guard: WriterGuard,
 }
 
 enum ReadState {
@@ -757,6 +790,14 @@ pub struct LinkReader {
     acks: Vec<u8>,
     /// Events for the driver, sent before the acks gathered with them.
     events: Vec<ReaderEvent>,
+    /// Over shm, the prefill process that maps our pool.
+    writer_pid: Option<u32>,
+    /// Over shm, the guards of forgotten rooms whose `End` has not come:
+    /// the prefill writes into our memory itself, and a writer frozen in the
+    /// middle of a copy could finish it at any time, so their pages stay out
+    /// of the free list until the `End` (the writer stopped) or until the
+    /// prefill process no longer maps the pool.
+    fenced: HashMap<RoomId, WriterGuard>,
 }
 
 /// Most bytes a reader moves before it looks at its commands again.
@@ -791,7 +832,16 @@ impl LinkReader {
             last_payload: 0,
             acks: Vec::new(),
             events: Vec::new(),
+            writer_pid: None,
+            fenced: HashMap::new(),
         }
+    }
+
+    /// Over shm: the prefill process writing into the pool (from the link
+    /// setup), whose mapping keeps a failed room's pages fenced.
+    pub fn with_writer_pid(mut self, pid: Option<u32>) -> Self {
+        self.writer_pid = pid;
+        self
     }
 
     /// Run until the link closes or the driver drops the command channel.
@@ -821,6 +871,48 @@ impl LinkReader {
         if let Some(reason) = reason {
             send(ReaderEvent::Closed { reason });
         }
+        self.quarantine();
+    }
+
+    /// Whether the writer copies into our pool from another process (shm
+    /// from a prefill process other than this one). An in-process writer
+    /// (tests) is stopped by the fence as before.
+    fn remote_writer(&self) -> bool {
+        self.kind == TransportKind::Shm
+            && self.writer_pid.is_some_and(|pid| pid != std::process::id())
+    }
+
+    /// The link is gone. Over shm, the rooms that may still be written
+    /// (registered or fenced, no `End`) keep their pages until the prefill
+    /// process no longer maps the pool: it may be frozen in a copy.
+    fn quarantine(&mut self) {
+        if !self.remote_writer() {
+            return;
+        }
+        let mut guards: Vec<WriterGuard> = self.fenced.drain().map(|(_, g)| g).collect();
+        guards.extend(self.rooms.drain().map(|(_, s)| s.guard));
+        let (Some(pid), false) = (self.writer_pid, guards.is_empty()) else {
+            return;
+        };
+        let Some(inode) = region_inode(&self.pool) else {
+            return;
+        };
+        tracing::warn!(
+            pid,
+            rooms = guards.len(),
+            "shm link closed with rooms a writer may still reach: their pages stay fenced until prefill process {pid} unmaps the pool"
+        );
+        tokio::spawn(async move {
+            while maps_region(pid, inode) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            tracing::info!(
+                pid,
+                rooms = guards.len(),
+                "prefill process unmapped the pool: fenced pages released"
+            );
+            drop(guards);
+        });
     }
 
     fn command(&mut self, c: ReaderCmd) {
@@ -837,11 +929,11 @@ impl LinkReader {
                         pages,
                         aux_slot,
                         rejected: false,
-                        _guard: guard,
+                        guard,
                     },
                 );
             }
-            ReaderCmd::Forget { room } => {
+            ReaderCmd::Forget { room, may_write } => {
                 // A payload in progress for this room is discarded from here
                 // on: no byte lands after the guard is gone.
                 if let ReadState::Payload { room: r, keep, .. } = &mut self.state {
@@ -849,7 +941,14 @@ impl LinkReader {
                         *keep = false;
                     }
                 }
-                self.rooms.remove(&room);
+                if let Some(slot) = self.rooms.remove(&room) {
+                    if may_write && self.remote_writer() {
+                        // The prefill copies into our pages itself: only its
+                        // `End` (or its process letting go of the pool)
+                        // says it stopped.
+                        self.fenced.insert(room, slot.guard);
+                    }
+                }
             }
         }
     }
@@ -1111,11 +1210,33 @@ impl LinkReader {
                 // reports the room's success, no link holds its pages (the
                 // decode engine may hand them to its prefix cache).
                 let ok = self.rooms.remove(&room).is_some_and(|s| !s.rejected);
+                // A forgotten room's writer has stopped now too.
+                self.fenced.remove(&room);
                 self.acks.extend_from_slice(&Ack { room, ok }.encode());
             }
         }
         Ok(())
     }
+}
+
+/// The inode of `region`'s memfd (how another process's mapping of it is
+/// recognised in `/proc/<pid>/maps`).
+fn region_inode(region: &ShmRegion) -> Option<u64> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let path = format!("/proc/self/fd/{}", region.fd().as_raw_fd());
+    std::fs::metadata(path).ok().map(|m| m.ino())
+}
+
+/// Whether process `pid` maps the file with inode `inode` (false once the
+/// process is gone).
+fn maps_region(pid: u32, inode: u64) -> bool {
+    let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
+        return false;
+    };
+    let want = inode.to_string();
+    maps.lines()
+        .any(|l| l.split_whitespace().nth(4) == Some(want.as_str()) && l.contains("memfd:"))
 }
 
 #[cfg(test)]

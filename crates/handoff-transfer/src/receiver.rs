@@ -284,12 +284,14 @@ impl KvReceiver {
         let mut pending = AbortOnDrop(pending);
         let mut sockets = Vec::with_capacity(pending.0.len());
         let mut prefill = None;
+        let mut writer_pid = None;
         let mut failed = None;
         for p in &mut pending.0 {
             match p.await {
-                Ok(Ok((stream, fp))) => {
-                    sockets.push(stream);
-                    prefill = Some(fp);
+                Ok(Ok(l)) => {
+                    sockets.push(l.stream);
+                    writer_pid = writer_pid.or(l.writer_pid);
+                    prefill = Some(l.fingerprint);
                 }
                 Ok(Err(e)) => failed = failed.or(Some(e)),
                 Err(_) => failed = failed.or(Some(TransportError::Shutdown)),
@@ -311,6 +313,7 @@ impl KvReceiver {
                 sockets,
                 plan,
                 tp: TpPosition::of(&prefill),
+                writer_pid,
             })
             .map_err(TransportError::Config),
         };
@@ -473,6 +476,8 @@ struct NewLink {
     sockets: Vec<TcpStream>,
     plan: LinkPlan,
     tp: TpPosition,
+    /// Over shm, the prefill process that maps our pool.
+    writer_pid: Option<u32>,
 }
 
 /// The I/O handles of one data link to a prefill peer: one reader per
@@ -597,7 +602,8 @@ impl Driver {
                 self.layout,
                 link.plan.clone(),
                 self.counters.clone(),
-            );
+            )
+            .with_writer_pid(link.writer_pid);
             let weak = self.self_tx.clone();
             self.tasks.spawn(reader.run(rx, move |e| {
                 weak.upgrade()
@@ -720,9 +726,13 @@ impl Driver {
                         guard: lease.writer_guard(),
                     });
                 }
-                ReceiverEvent::ForgetWrites { peer, room } => {
+                ReceiverEvent::ForgetWrites {
+                    peer,
+                    room,
+                    may_write,
+                } => {
                     if let Some(l) = self.links.get(&peer) {
-                        let _ = l.tx(room).send(ReaderCmd::Forget { room });
+                        let _ = l.tx(room).send(ReaderCmd::Forget { room, may_write });
                     }
                 }
                 ReceiverEvent::ClosePeer { peer } => {

@@ -1253,9 +1253,11 @@ async fn killed_prefill_fails_decode_room_in_each_state(kind: TransportKind) {
 }
 
 async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKind) {
+    // The child's pool is all 0xA5 and it keeps writing the room's pages
+    // every 5 ms, so a write of its that lands anywhere shows.
     let mut child = ChildGuard(
         Command::new(peer_bin())
-            .args(["prefill", kind.name(), "transferring"])
+            .args(["prefill", kind.name(), "streaming"])
             .stdout(Stdio::piped())
             .spawn()
             .unwrap(),
@@ -1263,9 +1265,10 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
     let lines = Lines::of(&mut child.0);
     let addr: std::net::SocketAddr = lines.next().parse().unwrap();
     let (d_pool, _) = testing::pool();
+    let region = d_pool.shared_region().unwrap().clone();
     let rx = KvReceiver::start(
         testing::receiver_config(kind),
-        d_pool.shared_region().unwrap().clone(),
+        region.clone(),
         *d_pool.layout(),
     );
     let rank = rx.connect(addr).await.unwrap();
@@ -1274,7 +1277,9 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
     let lease = d_pool.allocator().lease(4).unwrap();
     rx.reserve(r, lease, AuxSlot(1), 0).await.unwrap();
     assert_eq!(lines.next(), "READY");
-    // Freeze the writer: it can neither write nor acknowledge.
+    // Let some writes land, then freeze the writer mid-stream: it can
+    // neither write nor acknowledge.
+    tokio::time::sleep(Duration::from_millis(50)).await;
     let pid = child.0.id().to_string();
     assert!(Command::new("kill")
         .args(["-STOP", &pid])
@@ -1299,14 +1304,61 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
         d_pool.allocator().lease(61).unwrap_err().to_string(),
         "need 61 free KV pages, only 60 are free"
     );
+    let fence = testing::timers().abort_ack_fence;
+    if kind == TransportKind::Tcp {
+        // Over tcp decode places every byte itself: once it forgot the room
+        // nothing of the writer's lands, so the fence releases the pages.
+        eventually(
+            "fence releases the pages",
+            Duration::from_secs(2),
+            || async { d_pool.allocator().stats().leased == 0 },
+        )
+        .await;
+        assert!(t0.elapsed() >= fence);
+    } else {
+        // Over shm the writer copies into our memory itself, and it may be
+        // frozen in the middle of a copy: the pages stay fenced, past the
+        // fence, for as long as its process maps the pool.
+        tokio::time::sleep(fence + Duration::from_millis(500)).await;
+        assert_eq!(
+            d_pool.allocator().stats().leased,
+            4,
+            "shm pages released under a frozen writer"
+        );
+    }
+    // The writer resumes, and keeps trying until it is refused.
+    assert!(Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let stopped = lines.next();
+    assert!(
+        stopped.starts_with("STOPPED") && stopped.contains("resumed=true"),
+        "the writer was not seen resuming: {stopped}"
+    );
+    // Over shm the pages come back once the resumed prefill has let go of
+    // the pool: decode declared it dead while it was frozen and closed its
+    // link, and a prefill drops a link's mapping with the link.
     eventually(
-        "fence releases the pages",
-        Duration::from_secs(2),
+        "pages back once the resumed writer let go of the pool",
+        Duration::from_secs(3),
         || async { d_pool.allocator().stats().leased == 0 },
     )
     .await;
-    assert!(t0.elapsed() >= testing::timers().abort_ack_fence);
-    let _ = Command::new("kill").args(["-CONT", &pid]).status();
+    // The pages are reused: a new owner takes every page and marks it; the
+    // resumed writer, still running, must not reach them.
+    let reused = d_pool.allocator().lease(testing::TEST_PAGES).unwrap();
+    region.write_at(0, &vec![0x5A; region.len()]).unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut now = vec![0u8; region.len()];
+    region.read_at(0, &mut now).unwrap();
+    let landed = now.iter().filter(|&&b| b != 0x5A).count();
+    assert_eq!(
+        landed, 0,
+        "a resumed writer wrote {landed} bytes into reused pages ({stopped})"
+    );
+    drop(reused);
     drop(child);
     rx.shutdown();
     eventually("no task left", Duration::from_secs(3), || async {
@@ -1499,13 +1551,31 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
         (0, 0),
         "decode still holds the dead prefill"
     );
-    eventually(
-        "pages back after the fence",
-        Duration::from_secs(3),
-        || async { d_pool.allocator().stats().leased == 0 },
-    )
-    .await;
-    signal(&child.0, "-CONT");
+    if kind == TransportKind::Shm {
+        // It maps our pool and could copy into it the moment it thaws: the
+        // pages wait, past the fence, until it lets go of the pool.
+        tokio::time::sleep(testing::timers().abort_ack_fence + Duration::from_millis(300)).await;
+        assert_eq!(
+            d_pool.allocator().stats().leased,
+            4,
+            "shm pages freed under a frozen writer"
+        );
+        signal(&child.0, "-CONT");
+        eventually(
+            "pages back once the thawed prefill dropped its link's mapping",
+            Duration::from_secs(3),
+            || async { d_pool.allocator().stats().leased == 0 },
+        )
+        .await;
+    } else {
+        eventually(
+            "pages back after the fence",
+            Duration::from_secs(3),
+            || async { d_pool.allocator().stats().leased == 0 },
+        )
+        .await;
+        signal(&child.0, "-CONT");
+    }
     drop(child);
     rx.shutdown();
     // Frozen decode.
@@ -2232,7 +2302,12 @@ async fn raw_prefill(
                 s.read_exact(&mut st).await.unwrap();
                 TcpStreamSetup::decode(&st).unwrap()
             };
-            s.write_all(&[0]).await.unwrap();
+            // Setup accepted; over shm, with the writer's pid.
+            let mut ok = vec![0u8];
+            if k[0] == b'S' {
+                ok.extend_from_slice(&std::process::id().to_le_bytes());
+            }
+            s.write_all(&ok).await.unwrap();
             data.resize_with(usize::from(st.count), || None);
             data[usize::from(st.index)] = Some(s);
         }

@@ -8,7 +8,12 @@
 //! transferring), print `READY`, then wait forever.
 //! `handoff-transfer-peer prefill <shm|tcp> <state>`: listen, print the
 //! address, open room 77 and, once decode's destination arrived, drive it to
-//! `state` (waiting, transferring), print `READY`, then wait forever.
+//! `state` (waiting, transferring), print `READY`, then wait forever. Its
+//! pool is filled with the byte 0xA5 first, so any write it makes shows.
+//! State `streaming`: like `transferring`, then keep sending the room's
+//! layers in turn every 5 ms until a send is refused; then print
+//! `STOPPED sends=<n> resumed=<whether a send came after a pause of over
+//! 1 s, a freeze>`.
 //! `handoff-transfer-peer pair <shm|tcp>`: prefill and decode both in this
 //! process, room 77 half sent; print `READY`, wait for a line on stdin (the
 //! test freezes and thaws the whole process meanwhile), finish the room,
@@ -72,6 +77,9 @@ async fn run(args: &[String]) -> Result<(), String> {
             let state = args.get(3).ok_or("state")?.clone();
             let (pool, _) = testing::pool();
             let region = pool.shared_region().ok_or("shared")?.clone();
+            region
+                .write_at(0, &vec![0xA5; region.len()])
+                .map_err(|e| e.to_string())?;
             let tx = KvSender::start(testing::sender_config(), region, *pool.layout())
                 .await
                 .map_err(|e| e.to_string())?;
@@ -86,14 +94,32 @@ async fn run(args: &[String]) -> Result<(), String> {
                 .await
                 .map_err(|e| e.to_string())?;
             }
-            if state == "transferring" {
-                let src: Arc<[handoff_kv::PageIndex]> =
-                    (0..4).map(handoff_kv::PageIndex).collect::<Vec<_>>().into();
-                tx.send(room, 0..1, 0..4, src)
+            let src: Arc<[handoff_kv::PageIndex]> =
+                (0..4).map(handoff_kv::PageIndex).collect::<Vec<_>>().into();
+            if state == "transferring" || state == "streaming" {
+                tx.send(room, 0..1, 0..4, src.clone())
                     .await
                     .map_err(|e| e.to_string())?;
             }
             println!("READY");
+            if state == "streaming" {
+                let layers = testing::geometry().layers;
+                let (mut sends, mut resumed) = (1u64, false);
+                let mut last = std::time::Instant::now();
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                    // A gap this long is the test's SIGSTOP: what follows is
+                    // the writer resumed.
+                    resumed |= last.elapsed() > std::time::Duration::from_secs(1);
+                    last = std::time::Instant::now();
+                    let layer = (sends as usize) % layers;
+                    if let Err(e) = tx.send(room, layer..layer + 1, 0..4, src.clone()).await {
+                        println!("STOPPED sends={sends} resumed={resumed} error={e}");
+                        break;
+                    }
+                    sends += 1;
+                }
+            }
             std::future::pending::<()>().await;
         }
         Some("pair") => pair(kind(args.get(2).ok_or("transport")?))
