@@ -54,7 +54,11 @@ fn prompt(len: usize, salt: u32) -> Vec<u32> {
 
 /// Collect a stream: (token ids, text, finish reason).
 fn collect(h: &EngineHandle, r: GenerateRequest) -> (Vec<u32>, String, FinishReason) {
-    let mut s = h.submit(r).unwrap();
+    drain(h.submit(r).unwrap())
+}
+
+/// Read a submitted request's stream to its end.
+fn drain(mut s: handoff_engine::handle::RequestStream) -> (Vec<u32>, String, FinishReason) {
     let (mut ids, mut text) = (Vec::new(), String::new());
     loop {
         match s.blocking_next() {
@@ -161,14 +165,27 @@ fn requests_that_do_not_fit_now_wait_and_then_run() {
     let (h, _d) = engine(4, 12, 16);
     let reqs: Vec<_> = (0..3).map(|i| req(prompt(20, i), 12)).collect();
     let solo: Vec<_> = reqs.iter().map(|r| collect(&h, r.clone()).0).collect();
+    // All three submitted at once: two must wait while one runs.
+    let streams: Vec<_> = reqs.iter().map(|r| h.submit(r.clone()).unwrap()).collect();
+    let mut most_waiting = 0;
     let together: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = reqs
-            .iter()
-            .map(|r| s.spawn(|| collect(&h, r.clone()).0))
+        let hs: Vec<_> = streams
+            .into_iter()
+            .map(|st| s.spawn(move || drain(st).0))
             .collect();
+        while hs.iter().any(|j| !j.is_finished()) {
+            let load = h.load();
+            assert!(
+                load.running <= 1,
+                "two requests of 8 pages ran in 12: {load:?}"
+            );
+            most_waiting = most_waiting.max(load.waiting);
+            std::thread::sleep(Duration::from_micros(200));
+        }
         hs.into_iter().map(|j| j.join().unwrap()).collect()
     });
     assert_eq!(solo, together);
+    assert!(most_waiting >= 1, "no request was ever seen waiting");
     wait_for_pages_free(&h);
 }
 

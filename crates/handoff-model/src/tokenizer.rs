@@ -109,18 +109,45 @@ impl TokenType {
     }
 }
 
-/// Token texts of llama.cpp's end-of-generation list: a control token with one
-/// of these texts ends generation like EOS does.
+/// Token texts of llama.cpp's end-of-generation list (`llama-vocab.cpp`,
+/// the version `scripts/` builds): a token with one of these texts ends
+/// generation like EOS does, whatever its type.
 const EOG_TEXTS: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
     "<end_of_turn>",
     "<|endoftext|>",
     "<|eom_id|>",
     "<EOT>",
     "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
     "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+/// llama.cpp's fill-in-the-middle markers, also end-of-generation: the
+/// first token with a text of each list (pad, repo, file separator).
+const FIM_EOG_TEXTS: &[&[&str]] = &[
+    &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+    &[
+        "<|fim_repo|>",
+        "<|repo_name|>",
+        "<fim-repo>",
+        "<REPO>",
+        "<reponame>",
+    ],
+    &["<|file_sep|>"],
 ];
 
 /// Digits split individually, then the GPT-2 regex (llama.cpp's starcoder family).
@@ -475,8 +502,21 @@ impl Tokenizer {
             }
         }
         for (i, t) in tokens.iter().enumerate() {
-            if token_types[i] == TokenType::Control && EOG_TEXTS.contains(&t.as_str()) {
+            if EOG_TEXTS.contains(&t.as_str()) {
                 eog.push(i as u32);
+            }
+        }
+        for texts in FIM_EOG_TEXTS {
+            if let Some(i) = tokens.iter().position(|t| texts.contains(&t.as_str())) {
+                eog.push(i as u32);
+            }
+        }
+        // o200k_harmony and solar-open: `<|end|>` ends a message, not the
+        // generation, when `<|return|>` / `<|flush|>` and `<|call|>` exist.
+        let has = |text: &str| tokens.iter().any(|t| t == text);
+        if (has("<|return|>") || has("<|flush|>")) && (has("<|call|>") || has("<|calls|>")) {
+            if let Some(end) = tokens.iter().position(|t| t == "<|end|>") {
+                eog.retain(|&id| id != end as u32);
             }
         }
         eog.sort_unstable();

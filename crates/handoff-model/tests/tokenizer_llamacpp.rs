@@ -130,7 +130,10 @@ fn smollm2_chat_template_from_gguf() {
     let tok = Tokenizer::from_gguf(&content).unwrap();
     let ids = tok.encode(&out, true).unwrap();
     assert_eq!(ids[0], 1, "<|im_start|> is one token");
-    assert_eq!(tok.eog_ids(), &[0, 2]);
+    // llama.cpp's EOG set for SmolLM2 (its load log: "printing all EOG
+    // tokens"): <|endoftext|>, <|im_end|>, and <reponame>, a FIM marker.
+    assert_eq!(tok.eog_ids(), &[0, 2, 4]);
+    assert_eq!(tok.token_text(4), Some("<reponame>"));
 }
 
 mod round_trip {

@@ -565,8 +565,11 @@ async fn router_client_leaving_frees_both_sides(
         }
         let freed = left.elapsed();
         eprintln!("{label}: client left mid-{phase}; both sides free after {freed:?}");
+        // Freed by the protocol, not a timer: the room and fence timers are
+        // 5 s and more, a client abort frees both sides in a few ms here; 1 s
+        // tells them apart on a loaded 2-core box.
         assert!(
-            freed < Duration::from_millis(100),
+            freed < Duration::from_secs(1),
             "{label} {phase}: freed after {freed:?}"
         );
     }
