@@ -60,6 +60,7 @@ per_transport!(
     dropped_stream_mid_decode_releases_both_sides,
     decode_rejection_reaches_prefill_with_status_and_reason,
     prefill_death_fails_decode_with_a_typed_error_and_pages_return,
+    decode_death_fails_prefill_and_frees_its_pages_and_compute,
     dropped_stream_before_prefill_accepts_fails_the_prefill_at_once,
     decode_batch_limit_queues_prefilled_requests,
     engines_start_and_serve_from_async_code,
@@ -89,6 +90,7 @@ struct Setup {
     decode: DecodeHandle,
     colocated: EngineHandle,
     prefill_cfg: EngineConfig,
+    decode_cfg: EngineConfig,
     kind: TransportKind,
     _dir: tempfile::TempDir,
 }
@@ -156,7 +158,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     dcfg.max_batch = o.decode_max_batch;
     dcfg.kv_pages = o.decode_kv_pages.unwrap_or(o.kv_pages);
     let timers = o.timers.unwrap_or_else(room_timers);
-    let decode = DecodeEngine::start(dcfg, pd_config_with(kind, timers)).unwrap();
+    let decode = DecodeEngine::start(dcfg.clone(), pd_config_with(kind, timers)).unwrap();
     let mut pcfg = cfg;
     pcfg.max_context = o.prefill_max_context;
     pcfg.kv_dtype = o.prefill_kv_dtype.unwrap_or(o.kv_dtype);
@@ -168,6 +170,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
         decode,
         colocated,
         prefill_cfg: pcfg,
+        decode_cfg: dcfg,
         kind,
         _dir: dir,
     }
@@ -800,6 +803,52 @@ fn prefill_death_fails_decode_with_a_typed_error_and_pages_return(kind: Transpor
     });
     // Decode serves the next request through another prefill.
     let r = req(prompt(20, 6), 5);
+    assert_eq!(pd(&s, &r), colocated(&s, &r));
+    assert_clean(&s);
+}
+
+fn decode_death_fails_prefill_and_frees_its_pages_and_compute(kind: TransportKind) {
+    let mut s = setup(
+        kind,
+        Opts {
+            prefill_chunk: 1,
+            ..Opts::default()
+        },
+    );
+    let r = req(prompt(600, 8), 8);
+    let (ticket, stream) = start(&s, &r);
+    eventually("prefill computing", Duration::from_secs(3), || {
+        s.prefill.load().running == 1 && s.prefill.load().pages_used > 0
+    });
+    // The decode worker goes away mid-prefill (its endpoint closes every
+    // connection, as a killed process's sockets do); its client is still
+    // there, so this is no abort.
+    let fresh = DecodeEngine::start(s.decode_cfg.clone(), pd_config(s.kind)).unwrap();
+    drop(std::mem::replace(&mut s.decode, fresh));
+    let t0 = Instant::now();
+    let e = ticket.blocking_wait().unwrap_err();
+    eprintln!("decode death: prefill failed after {:?}: {e}", t0.elapsed());
+    assert_eq!(e.error_type(), "peer_dead", "a typed peer death: {e:?}");
+    assert_eq!(e.http_status(), 503);
+    drop(stream);
+    // Its compute stops and its pages come back: no prompt of 600 tokens a
+    // token at a time runs to the end for nobody.
+    eventually("prefill idle, pages back", Duration::from_secs(5), || {
+        let l = s.prefill.load();
+        l.running == 0 && l.waiting == 0 && l.pages_used == 0
+    });
+    let freed = t0.elapsed();
+    // The prefill serves the next request with the new decode; the same
+    // prompt computed to its end is the baseline the freeing must beat.
+    let t1 = Instant::now();
+    assert_eq!(pd(&s, &r), colocated(&s, &r));
+    let whole = t1.elapsed();
+    eprintln!("decode death: prefill idle {freed:?} after; the whole prompt takes {whole:?}");
+    assert!(
+        freed < whole / 2,
+        "the prefill seems to have computed the prompt to its end ({freed:?} vs {whole:?})"
+    );
+    let r = req(prompt(20, 9), 5);
     assert_eq!(pd(&s, &r), colocated(&s, &r));
     assert_clean(&s);
 }

@@ -1576,6 +1576,129 @@ mod tests {
         drop(lease);
     }
 
+    /// A room forgotten while its large payload is half read straight into
+    /// the pool: the rest of that payload, and later segments for the room,
+    /// land nowhere; the guard goes at once; the reader stays in step with
+    /// the stream (the next room's segment and end are read and acked).
+    #[tokio::test]
+    async fn forgetting_a_room_mid_direct_read_lands_nothing_more() {
+        let g = handoff_kv::KvGeometry {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 160,
+            page_size: 64,
+            dtype: handoff_kv::KvDtype::F32,
+        };
+        let (pool, _handle) = handoff_kv::KvPool::new_shared(g, 4).unwrap();
+        let layout = *pool.layout();
+        let span = page_span(&layout);
+        assert!(span >= DIRECT_MIN, "{span}");
+        let (mut prefill, decode) = tcp_pair().await;
+        let plan = LinkPlan {
+            pair: handoff_proto::rank::PairPlan::Whole,
+            decode_heads: 1,
+        };
+        let reader = LinkReader::new(
+            decode,
+            TransportKind::Tcp,
+            pool.shared_region().unwrap().clone(),
+            layout,
+            plan,
+            Default::default(),
+        );
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let (gone, kept) = (room(21), room(22));
+        let lease = pool.allocator().lease(2).unwrap();
+        let (gone_page, kept_page) = (lease.pages()[0].0, lease.pages()[1].0);
+        for (r, page) in [(gone, gone_page), (kept, kept_page)] {
+            cmd_tx
+                .send(ReaderCmd::Register {
+                    room: r,
+                    pages: vec![page],
+                    aux_slot: 0,
+                    guard: lease.writer_guard(),
+                })
+                .unwrap();
+        }
+        let task = tokio::spawn(reader.run(cmd_rx, |_| true));
+        let segment = |r: RoomId, page: u32| {
+            Record::Segment(SegmentHeader {
+                room: r,
+                layer: 0,
+                dst_page: page,
+                n_pages: 1,
+                heads: None,
+            })
+            .encode()
+        };
+        let region = pool.shared_region().unwrap().clone();
+        let page_bytes = |page: u32| {
+            let mut got = vec![0u8; span];
+            region
+                .read_at(span_offset(&layout, 4, 0, page as usize), &mut got)
+                .unwrap();
+            got
+        };
+        // Half of the forgotten room's payload arrives and lands.
+        prefill.write_all(&segment(gone, gone_page)).await.unwrap();
+        prefill.write_all(&vec![0x11; span / 2]).await.unwrap();
+        let t = std::time::Instant::now();
+        while page_bytes(gone_page)[span / 2 - 1] != 0x11 {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "first half never landed"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // Forgotten mid-payload: the rest, and a later segment, are discarded.
+        cmd_tx
+            .send(ReaderCmd::Forget {
+                room: gone,
+                may_write: true,
+            })
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        prefill
+            .write_all(&vec![0x22; span - span / 2])
+            .await
+            .unwrap();
+        prefill.write_all(&segment(gone, gone_page)).await.unwrap();
+        prefill.write_all(&vec![0x33; span]).await.unwrap();
+        // The other room still gets its page, and its ack.
+        prefill.write_all(&segment(kept, kept_page)).await.unwrap();
+        prefill.write_all(&vec![0x44; span]).await.unwrap();
+        let end = Record::End {
+            room: kept,
+            cancelled: false,
+        };
+        prefill.write_all(&end.encode()).await.unwrap();
+        let mut ack = [0u8; ACK_LEN];
+        tokio::time::timeout(Duration::from_secs(5), prefill.read_exact(&mut ack))
+            .await
+            .expect("no ack")
+            .unwrap();
+        assert_eq!(
+            Ack::decode(&ack).unwrap(),
+            Ack {
+                room: kept,
+                ok: true
+            }
+        );
+        assert!(page_bytes(kept_page).iter().all(|&b| b == 0x44));
+        let gone_now = page_bytes(gone_page);
+        assert!(gone_now[..span / 2].iter().all(|&b| b == 0x11));
+        assert!(
+            gone_now[span / 2..].iter().all(|&b| b == 0),
+            "bytes landed after the room was forgotten"
+        );
+        // Both guards are gone (tcp: forgotten and ended): dropping the
+        // lease frees the pages.
+        drop(lease);
+        assert_eq!(pool.allocator().stats().leased, 0);
+        drop(cmd_tx);
+        task.await.unwrap();
+    }
+
     fn seg_job(room: RoomId, page: u32, cancel: &Arc<AtomicBool>) -> LinkJob {
         LinkJob::Segments {
             room,

@@ -60,6 +60,7 @@ conformance!(
     bad_secret_is_refused,
     out_of_range_destination_page_is_rejected_and_nothing_written,
     decode_rejects_segments_outside_the_room_and_writes_nothing,
+    malformed_frames_and_records_from_a_prefill_harm_nothing_else,
     killed_decode_fails_prefill_room_in_each_state,
     killed_prefill_fails_decode_room_in_each_state,
     pages_are_not_reused_while_a_frozen_writer_may_write,
@@ -1447,6 +1448,92 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     let st = rx.stats().await.unwrap();
     assert_eq!(st.live_rooms, 0);
     assert!(st.room_stats.unknown_room_events >= 2, "{st:?}");
+    drop(control);
+    drop(data);
+    rx.shutdown();
+    eventually("no task left", Duration::from_secs(3), || async {
+        rx.live_tasks() == 0
+    })
+    .await;
+}
+
+/// A prefill that sends garbage: malformed control frames are counted and
+/// dropped, the control connection carries on; a malformed data record
+/// cannot be skipped (the byte stream has no resync point), so decode
+/// closes that link, fails the room as the prefill's fault, writes nothing
+/// and frees the pages; the endpoint keeps serving.
+async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: TransportKind) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (d_pool, _) = testing::pool();
+    let rx = KvReceiver::start(
+        testing::receiver_config(kind),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rx2 = rx.clone();
+    let connecting = tokio::spawn(async move { rx2.connect(addr).await });
+    let r = room(820);
+    let (mut control, mut data, _others) =
+        raw_prefill(&listener, testing::sender_config().handshake, r).await;
+    let rank = connecting.await.unwrap().unwrap();
+    rx.open(r, sources(rank)).await.unwrap();
+    rx.reserve(r, d_pool.allocator().lease(2).unwrap(), AuxSlot(0), 0)
+        .await
+        .unwrap();
+    let Some(Message::Destination(_)) = control.recv(Duration::from_secs(1)).await else {
+        panic!("no destination")
+    };
+    // Control: a foreign protocol, an unknown message kind, a truncated
+    // payload, a header declaring 64 MiB.
+    let mut unknown_kind = b"HOFF".to_vec();
+    unknown_kind.extend_from_slice(&[2, 99, 0, 0, 0, 0, 0, 0]);
+    let mut truncated = b"HOFF".to_vec();
+    truncated.extend_from_slice(&[2, 4, 0, 0]);
+    truncated.extend_from_slice(&3u32.to_le_bytes());
+    truncated.extend_from_slice(&[1, 2, 3]);
+    control.raw(b"GET / HTTP/1.1\r\n\r\n").await;
+    control.raw(&unknown_kind).await;
+    control.raw(&truncated).await;
+    // The connection still carries well-formed messages: an abort for an
+    // unknown room is acknowledged.
+    let unknown = room(821);
+    control.send(abort_msg(unknown)).await;
+    match control.recv(Duration::from_secs(1)).await {
+        Some(Message::AbortAck(a)) => assert_eq!(a.room, unknown),
+        other => panic!("expected AbortAck after garbage, got {other:?}"),
+    }
+    let st = rx.stats().await.unwrap();
+    assert!(st.malformed_frames >= 3, "{st:?}");
+    assert!(
+        matches!(rx.poll(r).await.unwrap(), ReceiverPoll::Pending(_)),
+        "garbage on the control connection must not touch a live room"
+    );
+    // Data link: a record header that decodes to nothing.
+    data.write_all(&[0xEE; handoff_proto::datalink::RECORD_LEN])
+        .await
+        .unwrap();
+    let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r, Duration::from_secs(2)).await else {
+        panic!("decode kept a room whose link sent garbage")
+    };
+    assert!(
+        matches!(
+            e.kind(),
+            FailureKind::PeerMisbehaved | FailureKind::PeerDead
+        ),
+        "{e}"
+    );
+    let region = d_pool.shared_region().unwrap();
+    let mut all = vec![0u8; region.len()];
+    region.read_at(0, &mut all).unwrap();
+    assert!(all.iter().all(|b| *b == 0), "garbage landed in the pool");
+    eventually("pages back", Duration::from_secs(3), || async {
+        d_pool.allocator().stats().leased == 0
+    })
+    .await;
+    // The endpoint still answers and holds nothing of that room.
+    let st = rx.stats().await.unwrap();
+    assert_eq!(st.live_rooms, 0, "{st:?}");
     drop(control);
     drop(data);
     rx.shutdown();
