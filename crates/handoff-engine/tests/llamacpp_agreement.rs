@@ -131,4 +131,15 @@ fn greedy_output_tracks_llamacpp() {
         "{full}/{} continuations fully identical; {same_total}/{total} tokens on the common prefix",
         cases.len()
     );
+    // Measured 256/560 (3 of 14 continuations whole) on this project's AMD
+    // EPYC host; past a near-tie either engine may go its own way, so the
+    // floor sits 30% below that, not at it.
+    assert!(
+        same_total >= AGREEMENT_FLOOR,
+        "only {same_total}/{total} generated tokens match llama.cpp's greedy continuations (floor {AGREEMENT_FLOOR})"
+    );
 }
+
+/// Tokens on the common prefix with llama.cpp, summed over the cases, below
+/// which greedy decoding has drifted (see the measurement at the assert).
+const AGREEMENT_FLOOR: usize = 180;

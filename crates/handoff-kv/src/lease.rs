@@ -360,6 +360,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_lease_says_whether_it_holds_pages_and_which() {
+        let alloc = PageAllocator::new(4);
+        let none = alloc.lease(0).unwrap();
+        let two = alloc.lease(2).unwrap();
+        assert!(none.is_empty());
+        assert!(!two.is_empty());
+        let shown = format!("{two:?}");
+        let want = format!("PageLease {{ pages: {:?} }}", two.pages());
+        assert_eq!(shown, want);
+    }
+
+    #[test]
     fn a_page_taken_out_of_a_lease_returns_with_its_new_owner() {
         let alloc = PageAllocator::new(4);
         let mut lease = alloc.lease(3).unwrap();

@@ -219,6 +219,12 @@ impl ReceiverRooms {
             .sum()
     }
 
+    /// Deadlines in the heap, stale ones included (tests of its bound).
+    #[cfg(test)]
+    fn pending_deadlines(&self) -> usize {
+        self.deadlines.len()
+    }
+
     /// Live rooms in `state` (a gauge for metrics: rooms by state).
     pub fn rooms_in(&self, state: RoomState) -> usize {
         self.rooms.values().filter(|r| r.state() == state).count()
@@ -1088,5 +1094,229 @@ mod tests {
             "internal"
         );
         assert_eq!(t.live_rooms(), 1);
+    }
+
+    fn failed(kind: FailureKind) -> Outcome {
+        Outcome::Failed {
+            kind,
+            reason: "x".into(),
+            http_status: None,
+        }
+    }
+
+    fn client() -> TransferError {
+        TransferError::Aborted {
+            origin: AbortOrigin::Client,
+            reason: "client went away".into(),
+            http_status: 499,
+        }
+    }
+
+    /// Each counter of [`RoomStats`] moves by exactly one for each event it
+    /// counts (metrics read them; a counter stuck at 0 would hide faults).
+    #[test]
+    fn every_counter_counts_each_event_once() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let counts = |t: &ReceiverRooms| {
+            let s = t.stats();
+            (
+                s.opened,
+                s.open_rejected,
+                s.succeeded,
+                s.failed,
+                s.violations,
+                s.duplicates,
+            )
+        };
+        let (a, b, c) = (room(31), room(32), room(33));
+        t.open(a, sources(&[0]), t0).unwrap();
+        assert_eq!(counts(&t), (1, 0, 0, 0, 0, 0));
+        assert!(t.open(a, sources(&[0]), t0).is_err());
+        assert_eq!(counts(&t), (1, 1, 0, 0, 0, 0));
+        // A status before any destination was sent breaks the protocol.
+        t.handle_message(PeerId(0), status(a, Outcome::Success), t0);
+        assert_eq!(counts(&t), (1, 1, 0, 0, 1, 0));
+        t.handle_pages_reserved(a, pages(), AuxSlot(4), None, t0)
+            .unwrap();
+        // Pages reserved twice for a live room; a prefill-only message.
+        assert!(t
+            .handle_pages_reserved(a, pages(), AuxSlot(4), None, t0)
+            .is_err());
+        assert_eq!(counts(&t), (1, 1, 0, 0, 2, 0));
+        let dest = Message::Destination(Destination {
+            room: a,
+            pages: pages(),
+            aux_slot: AuxSlot(4),
+            required_destinations: 1,
+            prefix_tokens: None,
+        });
+        t.handle_message(PeerId(0), dest, t0);
+        assert_eq!(counts(&t), (1, 1, 0, 0, 3, 0));
+        // An aux check for a room not at that step.
+        t.handle_aux_checked(a, a.get(), t0);
+        assert_eq!(counts(&t), (1, 1, 0, 0, 4, 0));
+        t.handle_message(PeerId(0), status(a, Outcome::Success), t0);
+        // A second success while the aux is checked is a duplicate.
+        t.handle_message(PeerId(0), status(a, Outcome::Success), t0);
+        assert_eq!(counts(&t), (1, 1, 0, 0, 4, 1));
+        t.handle_aux_checked(a, a.get(), t0);
+        assert_eq!(counts(&t), (1, 1, 1, 0, 4, 1));
+        // A source that failed after its success, in the aux check.
+        drain(&mut t);
+        reserved(&mut t, b, &[0], t0);
+        t.handle_message(PeerId(0), status(b, Outcome::Success), t0);
+        t.handle_message(PeerId(0), status(b, failed(FailureKind::Internal)), t0);
+        assert_eq!(counts(&t), (2, 1, 1, 1, 5, 1));
+        // Success then failure from the same source while others still write.
+        drain(&mut t);
+        reserved(&mut t, c, &[0, 1], t0);
+        t.handle_message(PeerId(0), status(c, Outcome::Success), t0);
+        t.handle_message(PeerId(0), status(c, failed(FailureKind::Internal)), t0);
+        assert_eq!(counts(&t), (3, 1, 1, 2, 6, 1));
+        // An abort ack for a room that is not draining.
+        let d = room(34);
+        drain(&mut t);
+        reserved(&mut t, d, &[0], t0);
+        t.handle_message(PeerId(0), ack(d, true), t0);
+        assert_eq!(counts(&t), (4, 1, 1, 2, 7, 1));
+    }
+
+    #[test]
+    fn rooms_by_state_and_tombstones_tell_where_each_room_is() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let (a, b, c) = (room(41), room(42), room(43));
+        t.open(a, sources(&[0]), t0).unwrap();
+        reserved(&mut t, b, &[0], t0);
+        reserved(&mut t, c, &[0, 1], t0);
+        t.handle_transfer_progress(c, t0);
+        let by_state = |t: &ReceiverRooms| {
+            [
+                RoomState::Bootstrapping,
+                RoomState::WaitingForInput,
+                RoomState::Transferring,
+                RoomState::Draining,
+            ]
+            .map(|s| t.rooms_in(s))
+        };
+        assert_eq!(by_state(&t), [1, 1, 1, 0]);
+        // b: aborted, drained by its writer's ack: remembered as drained.
+        t.abort(b, client(), t0);
+        assert_eq!(by_state(&t), [1, 0, 1, 1]);
+        t.handle_message(PeerId(0), ack(b, true), t0);
+        assert_eq!(
+            t.tombstone(b),
+            Some(&Tombstone::Failed {
+                error: client(),
+                drained: true
+            })
+        );
+        // c: aborted, never acknowledged: released at the fence, remembered
+        // as possibly written.
+        t.abort(c, client(), t0);
+        t.handle_timeout(t0 + Duration::from_secs(6));
+        assert_eq!(
+            t.tombstone(c),
+            Some(&Tombstone::Failed {
+                error: client(),
+                drained: false
+            })
+        );
+        assert_eq!(by_state(&t), [1, 0, 0, 0]);
+        assert_eq!(t.tombstone(a), None, "a live room has no tombstone");
+    }
+
+    #[test]
+    fn transfer_progress_moves_the_deadline_to_the_transfer_timer() {
+        let t0 = Instant::now();
+        let timers = crate::timer::TimerConfig {
+            waiting_for_input: Duration::from_secs(3),
+            transfer: Duration::from_secs(10),
+            ..Default::default()
+        };
+        let mut t = ReceiverRooms::new(RoomConfig {
+            timers,
+            ..RoomConfig::default()
+        });
+        let (moving, idle) = (room(51), room(52));
+        reserved(&mut t, moving, &[0], t0);
+        reserved(&mut t, idle, &[0], t0);
+        t.handle_transfer_progress(moving, t0 + Duration::from_secs(1));
+        assert_eq!(t.state(moving), Some(RoomState::Transferring));
+        let timed_out = |t: &mut ReceiverRooms| -> Vec<(RoomId, Phase)> {
+            drain(t)
+                .1
+                .into_iter()
+                .filter_map(|a| match a {
+                    ReceiverAction::FailRequest {
+                        room,
+                        error: TransferError::Timeout { phase, .. },
+                    } => Some((room, phase)),
+                    _ => None,
+                })
+                .collect()
+        };
+        // Past the waiting deadline: only the idle room times out.
+        t.handle_timeout(t0 + Duration::from_millis(3500));
+        assert_eq!(timed_out(&mut t), vec![(idle, Phase::WaitingForInput)]);
+        assert_eq!(t.state(moving), Some(RoomState::Transferring));
+        // Progress again changes nothing: the transfer deadline stands.
+        t.handle_transfer_progress(moving, t0 + Duration::from_secs(9));
+        t.handle_timeout(t0 + Duration::from_millis(10_500));
+        assert_eq!(timed_out(&mut t), vec![]);
+        assert_eq!(t.state(moving), Some(RoomState::Transferring));
+        t.handle_timeout(t0 + Duration::from_millis(11_500));
+        assert_eq!(timed_out(&mut t), vec![(moving, Phase::Transferring)]);
+    }
+
+    #[test]
+    fn the_aux_check_waits_its_own_transfer_deadline() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let r = room(61);
+        reserved(&mut t, r, &[0], t0);
+        let later = t0 + Duration::from_secs(20);
+        t.handle_message(PeerId(0), status(r, Outcome::Success), later);
+        // Before its transfer deadline (30 s after the last status).
+        t.handle_timeout(later + Duration::from_secs(29));
+        assert_eq!(t.state(r), Some(RoomState::Transferring));
+        t.handle_timeout(later + Duration::from_secs(31));
+        assert_eq!(t.state(r), Some(RoomState::Failed));
+    }
+
+    #[test]
+    fn a_dead_peer_fails_only_the_rooms_it_feeds() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let (fed, other) = (room(71), room(72));
+        reserved(&mut t, fed, &[0], t0);
+        reserved(&mut t, other, &[1], t0);
+        t.handle_peer_dead(PeerId(0), t0);
+        assert_eq!(t.state(fed), Some(RoomState::Draining));
+        assert_eq!(t.state(other), Some(RoomState::WaitingForInput));
+    }
+
+    /// Thousands of finished rooms leave stale deadlines behind; compacting
+    /// them keeps a live room's own deadline (its room record's, which every
+    /// phase change sets), so the live room is not timed out early.
+    #[test]
+    fn compacting_stale_deadlines_keeps_live_ones() {
+        let t0 = Instant::now();
+        let mut t = ReceiverRooms::new(RoomConfig::default());
+        let live = room(1);
+        t.open(live, sources(&[0]), t0).unwrap();
+        for n in 2..1400 {
+            t.open(room(n), sources(&[1]), t0).unwrap();
+        }
+        t.handle_peer_dead(PeerId(1), t0);
+        assert!(t.pending_deadlines() > 1400);
+        t.handle_timeout(t0 + Duration::from_secs(6));
+        // Compacted: the heap holds what the live rooms need, not 1400.
+        assert!(t.pending_deadlines() <= 4 + 1024, "{}", t.pending_deadlines());
+        t.handle_timeout(t0 + Duration::from_secs(7));
+        assert_eq!(t.state(live), Some(RoomState::Bootstrapping));
+        t.handle_timeout(t0 + Duration::from_secs(31));
+        assert_eq!(t.state(live), Some(RoomState::Failed));
     }
 }

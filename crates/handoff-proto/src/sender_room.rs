@@ -970,4 +970,120 @@ mod tests {
         };
         assert_eq!((e.error_type(), e.http_status()), ("peer_dead", 503));
     }
+
+    /// Each counter of [`RoomStats`] moves by exactly one for each event it
+    /// counts.
+    #[test]
+    fn every_counter_counts_each_event_once() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let counts = |t: &SenderRooms| {
+            let s = t.stats();
+            (
+                s.opened,
+                s.open_rejected,
+                s.succeeded,
+                s.violations,
+                s.duplicates,
+                s.unknown_room_events,
+            )
+        };
+        let (a, b) = (room(31), room(32));
+        t.open(a, t0).unwrap();
+        assert_eq!(counts(&t), (1, 0, 0, 0, 0, 0));
+        assert!(t.open(a, t0).is_err());
+        assert_eq!(counts(&t), (1, 1, 0, 0, 0, 0));
+        // Decode never sends a status to prefill.
+        let st = Message::Status(Status {
+            room: a,
+            outcome: Outcome::Success,
+        });
+        t.handle_message(PeerId(0), st, t0);
+        assert_eq!(counts(&t), (1, 1, 0, 1, 0, 0));
+        // Compute done before any destination; a write done and a write
+        // failed before any write started.
+        t.handle_compute_done(a, t0);
+        t.handle_write_done(a, PeerId(0), t0);
+        let err = TransferError::Internal { reason: "x".into() };
+        t.handle_write_failed(a, PeerId(0), err, t0);
+        assert_eq!(counts(&t), (1, 1, 0, 4, 0, 0));
+        // A destination for a room not open here yet.
+        t.handle_message(PeerId(0), dest(room(99), 1), t0);
+        assert_eq!(counts(&t), (1, 1, 0, 4, 0, 1));
+        t.handle_message(PeerId(0), dest(a, 1), t0);
+        t.handle_compute_done(a, t0);
+        t.handle_write_done(a, PeerId(0), t0);
+        assert_eq!(counts(&t), (1, 1, 1, 4, 0, 1));
+        // A write reported done twice is a duplicate.
+        t.open(b, t0).unwrap();
+        t.handle_message(PeerId(0), dest(b, 2), t0);
+        t.handle_message(PeerId(1), dest(b, 2), t0);
+        t.handle_compute_done(b, t0);
+        t.handle_write_done(b, PeerId(0), t0);
+        t.handle_write_done(b, PeerId(0), t0);
+        assert_eq!(counts(&t), (2, 1, 1, 4, 1, 1));
+        // A destination after all of them arrived breaks the protocol.
+        t.handle_message(PeerId(2), dest(b, 2), t0);
+        assert_eq!(counts(&t), (2, 1, 1, 5, 1, 1));
+    }
+
+    #[test]
+    fn rooms_by_state_and_tombstones_tell_where_each_room_is() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let (a, b, c) = (room(41), room(42), room(43));
+        for r in [a, b, c] {
+            t.open(r, t0).unwrap();
+        }
+        t.handle_message(PeerId(0), dest(b, 1), t0);
+        t.handle_message(PeerId(0), dest(c, 1), t0);
+        t.handle_compute_done(c, t0);
+        let by_state = |t: &SenderRooms| {
+            [
+                RoomState::Bootstrapping,
+                RoomState::WaitingForInput,
+                RoomState::Transferring,
+            ]
+            .map(|s| t.rooms_in(s))
+        };
+        assert_eq!(by_state(&t), [1, 1, 1]);
+        t.handle_write_done(c, PeerId(0), t0);
+        assert_eq!(t.tombstone(c), Some(&Tombstone::Success));
+        assert_eq!(by_state(&t), [1, 1, 0]);
+        assert_eq!(t.tombstone(a), None, "a live room has no tombstone");
+    }
+
+    #[test]
+    fn each_phase_has_its_own_deadline_from_its_start() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let r = room(51);
+        t.open(r, t0).unwrap();
+        let later = t0 + Duration::from_secs(20);
+        t.handle_message(PeerId(0), dest(r, 1), later);
+        // The compute deadline counts from the destination, not the open.
+        t.handle_timeout(later + Duration::from_secs(29));
+        assert_eq!(t.state(r), Some(RoomState::WaitingForInput));
+        t.handle_timeout(later + Duration::from_secs(31));
+        assert_ne!(t.state(r), Some(RoomState::WaitingForInput));
+    }
+
+    /// Compacting stale deadlines keeps a live room's own (see the decode
+    /// side's test of the same name).
+    #[test]
+    fn compacting_stale_deadlines_keeps_live_ones() {
+        let t0 = Instant::now();
+        let mut t = SenderRooms::new(RoomConfig::default());
+        let live = room(1);
+        t.open(live, t0).unwrap();
+        for n in 2..1400 {
+            t.open(room(n), t0).unwrap();
+            t.fail(room(n), TransferError::Internal { reason: "x".into() }, t0);
+        }
+        t.handle_timeout(t0 + Duration::from_secs(6));
+        t.handle_timeout(t0 + Duration::from_secs(7));
+        assert_eq!(t.state(live), Some(RoomState::Bootstrapping));
+        t.handle_timeout(t0 + Duration::from_secs(31));
+        assert_ne!(t.state(live), Some(RoomState::Bootstrapping));
+    }
 }
