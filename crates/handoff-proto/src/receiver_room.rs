@@ -1313,7 +1313,11 @@ mod tests {
         assert!(t.pending_deadlines() > 1400);
         t.handle_timeout(t0 + Duration::from_secs(6));
         // Compacted: the heap holds what the live rooms need, not 1400.
-        assert!(t.pending_deadlines() <= 4 + 1024, "{}", t.pending_deadlines());
+        assert!(
+            t.pending_deadlines() <= 4 + 1024,
+            "{}",
+            t.pending_deadlines()
+        );
         t.handle_timeout(t0 + Duration::from_secs(7));
         assert_eq!(t.state(live), Some(RoomState::Bootstrapping));
         t.handle_timeout(t0 + Duration::from_secs(31));
