@@ -226,29 +226,16 @@ async fn request_shapes_past_the_limits_are_refused_by_field() {
 /// Serve the shared engine on a port of its own with these limits.
 fn serve_limited(limits: handoff_server::HttpLimits) -> String {
     let engine: handoff_server::Backend = server().engine.clone().into();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            tx.send(listener.local_addr().expect("addr")).unwrap();
-            handoff_server::serve(
-                listener,
-                handoff_server::app(engine),
-                limits,
-                std::future::pending(),
-            )
-            .await
-            .expect("serve");
-        });
-    });
-    format!("http://{}", rx.recv().unwrap())
+    common::serve_on_thread(move |listener| async move {
+        handoff_server::serve(
+            listener,
+            handoff_server::app(engine),
+            limits,
+            std::future::pending(),
+        )
+        .await
+        .expect("serve");
+    })
 }
 
 fn limits(header: u64, body: u64, write: u64, conns: usize) -> handoff_server::HttpLimits {
@@ -263,17 +250,8 @@ fn limits(header: u64, body: u64, write: u64, conns: usize) -> handoff_server::H
 /// Read from `conn` until the server closes it (or 30 s pass); returns what
 /// came and when the close was seen.
 async fn read_to_close(conn: &mut tokio::net::TcpStream) -> (String, Duration) {
-    use tokio::io::AsyncReadExt;
     let started = Instant::now();
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    loop {
-        match tokio::time::timeout(Duration::from_secs(30), conn.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => break,
-            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
-            Err(_) => panic!("the server kept the connection open for 30 s"),
-        }
-    }
+    let got = common::read_until_closed(conn).await;
     (
         String::from_utf8_lossy(&got).into_owned(),
         started.elapsed(),
@@ -359,7 +337,6 @@ async fn connections_past_the_cap_get_a_503_and_a_freed_slot_is_reused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_whose_client_stops_reading_is_cancelled_at_the_write_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let base = serve_limited(limits(30, 30, 1, 64));
     let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse().unwrap();
     let tokens = |base: String| async move {
@@ -380,24 +357,8 @@ async fn a_stream_whose_client_stops_reading_is_cancelled_at_the_write_timeout()
         "text": "Go on and on",
         "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": true},
         "stream": true,
-    })
-    .to_string();
-    // A small receive buffer, then read the head and nothing more.
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut conn = socket.connect(addr).await.unwrap();
-    conn.write_all(
-        format!(
-            "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut head = [0u8; 64];
-    conn.read_exact(&mut head).await.unwrap();
-    assert!(head.starts_with(b"HTTP/1.1 200"));
+    });
+    let mut conn = common::stalled_stream(addr, &body).await;
     let started = Instant::now();
     // The request holds pages while the socket fills, then is cancelled.
     let mut freed = None;
@@ -413,15 +374,7 @@ async fn a_stream_whose_client_stops_reading_is_cancelled_at_the_write_timeout()
     // The server dropped the connection mid-stream: what the client reads
     // now ends without `[DONE]` (a stream merely slowed down, not cut,
     // would deliver everything once read).
-    let mut rest = Vec::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        match tokio::time::timeout(Duration::from_secs(30), conn.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => break,
-            Ok(Ok(n)) => rest.extend_from_slice(&buf[..n]),
-            Err(_) => panic!("the connection of a stalled stream stayed open"),
-        }
-    }
+    let rest = common::read_until_closed(&mut conn).await;
     let generated = tokens(base).await - before;
     eprintln!(
         "stalled stream cancelled after {freed:?}; the client got {} more bytes, {generated} tokens",

@@ -66,24 +66,11 @@ fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
         vec![decode.to_string()],
     );
     config.health_interval = Duration::from_secs(1);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            tx.send(listener.local_addr().expect("addr")).expect("addr");
-            handoff_server::run_router(listener, config, std::future::pending())
-                .await
-                .expect("router");
-        });
-    });
-    format!("http://{}", rx.recv().expect("router address"))
+    common::serve_on_thread(move |listener| async move {
+        handoff_server::run_router(listener, config, std::future::pending())
+            .await
+            .expect("router");
+    })
 }
 
 /// How late the routers' requests reach the small prefill.

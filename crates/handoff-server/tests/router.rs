@@ -349,7 +349,6 @@ async fn both_sides_idle_within_1s(r: &TestRouter) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_whose_client_stops_reading_is_cut_at_the_routers_write_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let _g = serial().await;
     let w = workers();
     let mut c = config(&[&w.prefill], &[&w.decode]);
@@ -374,27 +373,8 @@ async fn a_stream_whose_client_stops_reading_is_cut_at_the_routers_write_timeout
         "text": "Go on forever",
         "sampling_params": {"max_new_tokens": ctx - 16, "temperature": 0, "ignore_eos": true},
         "stream": true,
-    })
-    .to_string();
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(4096).unwrap();
-    let mut conn = socket.connect(addr).await.unwrap();
-    conn.write_all(
-        format!(
-            "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-            body.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut head = [0u8; 64];
-    conn.read_exact(&mut head).await.unwrap();
-    assert!(
-        head.starts_with(b"HTTP/1.1 200"),
-        "{}",
-        String::from_utf8_lossy(&head)
-    );
+    });
+    let mut conn = common::stalled_stream(addr, &body).await;
     // The client reads nothing more: the router's write stalls, it drops the
     // connection after 1 s and with it the stream from decode, which cancels.
     let t0 = Instant::now();
@@ -410,15 +390,7 @@ async fn a_stream_whose_client_stops_reading_is_cut_at_the_routers_write_timeout
         t0.elapsed()
     );
     both_sides_idle_within_1s(&r).await;
-    let mut rest = Vec::new();
-    let mut buf = vec![0u8; 1 << 16];
-    loop {
-        match tokio::time::timeout(Duration::from_secs(30), conn.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => break,
-            Ok(Ok(n)) => rest.extend_from_slice(&buf[..n]),
-            Err(_) => panic!("the router kept a stalled stream's connection open"),
-        }
-    }
+    let rest = common::read_until_closed(&mut conn).await;
     assert!(
         !String::from_utf8_lossy(&rest).contains("data: [DONE]"),
         "the stream ran to its end instead of being cut off"

@@ -54,11 +54,14 @@ pub fn start_engine() -> EngineHandle {
     Engine::start(config).expect("engine starts")
 }
 
-/// Serve the worker API around `engine` on an ephemeral port, on a runtime
-/// of its own thread (it outlives any one test's runtime); returns
+/// Run `serve` on a listener bound to an ephemeral loopback port, on a
+/// runtime of its own thread (it outlives any one test's runtime); returns
 /// `http://127.0.0.1:PORT`.
-pub fn serve_worker(engine: impl Into<handoff_server::Backend>) -> String {
-    let engine: handoff_server::Backend = engine.into();
+pub fn serve_on_thread<F, Fut>(serve: F) -> String
+where
+    F: FnOnce(tokio::net::TcpListener) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()>,
+{
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -72,13 +75,64 @@ pub fn serve_worker(engine: impl Into<handoff_server::Backend>) -> String {
                 .expect("bind");
             tx.send(listener.local_addr().expect("addr"))
                 .expect("send addr");
-            axum::serve(listener, handoff_server::app(engine))
-                .await
-                .expect("serve");
+            serve(listener).await;
         });
     });
     let addr = rx.recv().expect("server address");
     format!("http://{addr}")
+}
+
+/// Serve the worker API around `engine` (see [`serve_on_thread`]).
+pub fn serve_worker(engine: impl Into<handoff_server::Backend>) -> String {
+    let engine: handoff_server::Backend = engine.into();
+    serve_on_thread(|listener| async move {
+        axum::serve(listener, handoff_server::app(engine))
+            .await
+            .expect("serve");
+    })
+}
+
+/// Post a streamed `/generate` of `body` to `addr` from a socket with a
+/// small receive buffer, read the response head, and hand back the
+/// connection, from which the caller then reads nothing: a client that
+/// stopped reading its stream.
+pub async fn stalled_stream(addr: std::net::SocketAddr, body: &Value) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let body = body.to_string();
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("receive buffer");
+    let mut conn = socket.connect(addr).await.expect("connect");
+    conn.write_all(
+        format!(
+            "POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("request");
+    let mut head = [0u8; 64];
+    conn.read_exact(&mut head).await.expect("response head");
+    assert!(
+        head.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head)
+    );
+    conn
+}
+
+/// Read `conn` to its end; panics if it stays open 30 s without a byte.
+pub async fn read_until_closed(conn: &mut tokio::net::TcpStream) -> Vec<u8> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match tokio::time::timeout(std::time::Duration::from_secs(30), conn.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return got,
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => panic!("the server kept the connection open for 30 s"),
+        }
+    }
 }
 
 /// Start (once) and return the shared server.
