@@ -480,11 +480,12 @@ async fn router_prefill_refusal_after_decode_reserved(
     let load = wait_decode_idle(&decode.1).await;
     assert_eq!(load.pages_used, 0, "{label}: decode kept pages: {load:?}");
     rooms_drained(&w.small_prefill.1, &decode.1).await;
+    // Decode opened and failed this room (a refusal decode relayed for the
+    // previous step's request may land in the same window, so at least).
     let after = stats(&decode.1).await;
-    assert_eq!(
-        (after.opened - before.opened, after.failed - before.failed),
-        (1, 1),
-        "{label}: decode must have reserved a room (and failed it): {before:?} -> {after:?}"
+    assert!(
+        after.opened > before.opened && after.failed > before.failed,
+        "{label}: decode must have reserved a room and failed it: {before:?} -> {after:?}"
     );
     assert_eq!(after.succeeded, before.succeeded, "{label}");
 }
