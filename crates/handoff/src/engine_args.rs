@@ -217,18 +217,18 @@ pub struct HttpArgs {
 pub struct HttpLimitArgs {
     /// Seconds to receive a request's headers; also how long a kept-alive
     /// connection may wait idle for its next request.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    #[arg(long, default_value_t = handoff_server::HttpLimits::default().header_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub http_header_timeout_secs: u64,
     /// Seconds to receive a request's body once its headers are in (else 408).
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    #[arg(long, default_value_t = handoff_server::HttpLimits::default().body_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub http_body_timeout_secs: u64,
     /// Seconds a response write may make no progress (a client that stopped
     /// reading its stream) before the connection is dropped and the request
     /// cancelled, its KV pages freed.
-    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    #[arg(long, default_value_t = handoff_server::HttpLimits::default().write_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub stream_write_timeout_secs: u64,
     /// Open connections at most; past it a new connection gets a 503.
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    #[arg(long, default_value_t = handoff_server::HttpLimits::default().max_connections as u64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections: u64,
 }
 
