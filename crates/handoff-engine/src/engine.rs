@@ -8,12 +8,12 @@ use handoff_kv::{KvPool, PageAllocator, PrefixCache};
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::Llama;
-use tokio::sync::mpsc;
 
 use crate::config::EngineConfig;
 use crate::error::EngineError;
+use crate::events::EventSender;
 use crate::handle::{EngineHandle, LoadSnapshot, ModelInfo};
-use crate::request::{GenerateRequest, StreamEvent};
+use crate::request::GenerateRequest;
 use crate::scheduler::{Command, Scheduler};
 
 /// State shared between the handle and the scheduler thread. Only counters
@@ -34,6 +34,8 @@ pub(crate) struct Shared {
 pub(crate) struct Counters {
     pub running: AtomicUsize,
     pub waiting: AtomicUsize,
+    /// Running requests whose reader lags a full buffer behind.
+    pub paused: AtomicUsize,
     /// Pages the prefix cache holds, and of those the evictable ones.
     pub cache_pages: AtomicUsize,
     pub cache_evictable: AtomicUsize,
@@ -44,11 +46,7 @@ impl Shared {
         validate(&self.info, self.allocator.stats().total, req)
     }
 
-    pub fn submit(
-        &self,
-        req: GenerateRequest,
-        tx: mpsc::UnboundedSender<StreamEvent>,
-    ) -> Result<(), EngineError> {
+    pub fn submit(&self, req: GenerateRequest, tx: EventSender) -> Result<(), EngineError> {
         // The count is the scheduler's last published one, so a burst within
         // one step may overshoot the limit by that burst: a bound, not a quota.
         let waiting = self.counters.waiting.load(Ordering::Acquire);
@@ -69,6 +67,7 @@ impl Shared {
         LoadSnapshot {
             running: self.counters.running.load(Ordering::Acquire),
             waiting: self.counters.waiting.load(Ordering::Acquire),
+            paused: self.counters.paused.load(Ordering::Acquire),
             pages_total: pages.total,
             pages_used: pages.leased.saturating_sub(evictable),
             pages_cached: self.counters.cache_pages.load(Ordering::Acquire),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::error::EngineError;
 use crate::request::{GenerateRequest, StreamEvent};
@@ -35,6 +35,9 @@ pub struct LoadSnapshot {
     pub running: usize,
     /// Requests waiting for admission (KV pages or batch slots).
     pub waiting: usize,
+    /// Running requests paused because their reader lags a full
+    /// [`STREAM_BUFFER`](crate::events::STREAM_BUFFER) behind.
+    pub paused: usize,
     /// Pages in the KV pool.
     pub pages_total: usize,
     /// Pages held for requests (running, queued for a transfer, or read
@@ -78,9 +81,9 @@ impl EngineHandle {
     /// engine's next step.
     pub fn submit(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
         self.inner.validate(&req)?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, stream) = crate::events::channel();
         self.inner.submit(req, tx)?;
-        Ok(RequestStream { rx })
+        Ok(stream)
     }
 
     /// Current load.
@@ -100,24 +103,41 @@ impl EngineHandle {
     }
 }
 
-/// The events of one request. Drop it to cancel the request.
+/// The events of one request: its tokens, then one `Finished` or `Error`.
+/// Drop it to cancel the request. A reader that falls
+/// [`STREAM_BUFFER`](crate::events::STREAM_BUFFER) tokens behind pauses the
+/// request's generation until it catches up.
 #[derive(Debug)]
 pub struct RequestStream {
-    rx: mpsc::UnboundedReceiver<StreamEvent>,
+    tokens: mpsc::Receiver<StreamEvent>,
+    last: Option<oneshot::Receiver<StreamEvent>>,
 }
 
 impl RequestStream {
-    pub(crate) fn new(rx: mpsc::UnboundedReceiver<StreamEvent>) -> Self {
-        Self { rx }
+    pub(crate) fn new(
+        tokens: mpsc::Receiver<StreamEvent>,
+        last: oneshot::Receiver<StreamEvent>,
+    ) -> Self {
+        Self {
+            tokens,
+            last: Some(last),
+        }
     }
 
-    /// Next event; `None` after `Finished`/`Error` has been yielded.
+    /// Next event; `None` after `Finished`/`Error` has been yielded (or
+    /// when the engine dropped the request without a last event).
     pub async fn next(&mut self) -> Option<StreamEvent> {
-        self.rx.recv().await
+        if let Some(ev) = self.tokens.recv().await {
+            return Some(ev);
+        }
+        self.last.take()?.await.ok()
     }
 
     /// Blocking variant of [`RequestStream::next`] for non-async callers (tests, benches).
     pub fn blocking_next(&mut self) -> Option<StreamEvent> {
-        self.rx.blocking_recv()
+        if let Some(ev) = self.tokens.blocking_recv() {
+            return Some(ev);
+        }
+        self.last.take()?.blocking_recv().ok()
     }
 }

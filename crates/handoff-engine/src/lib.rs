@@ -9,6 +9,7 @@
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod events;
 pub mod handle;
 pub mod pd;
 pub mod request;

@@ -14,17 +14,22 @@ use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache, PrefixLock};
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
-use tokio::sync::mpsc;
 
 use crate::engine::Counters;
 use crate::error::EngineError;
+use crate::events::{EventSender, NotSent};
 use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
 use crate::stop::TextTracker;
+
+/// How long the scheduler waits when every running request is paused on a
+/// lagging reader before it looks again (a reader taking tokens does not
+/// wake it).
+const PAUSED_POLL: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// What the handle sends the scheduler.
 pub(crate) enum Command {
     /// A validated request and where its events go.
-    Submit(Box<GenerateRequest>, mpsc::UnboundedSender<StreamEvent>),
+    Submit(Box<GenerateRequest>, EventSender),
     /// Disaggregated decode: a request whose prompt KV already sits in its
     /// pages (written by a prefill worker) joins the running batch with the
     /// first token the prefill sampled.
@@ -60,10 +65,17 @@ impl SeqPages {
     }
 }
 
+impl Resumed {
+    /// Its sender; the rest (its pages) is dropped here.
+    pub fn into_sender(self) -> EventSender {
+        self.tx
+    }
+}
+
 /// A request prefilled elsewhere, ready to decode.
 pub(crate) struct Resumed {
     pub req: GenerateRequest,
-    pub tx: mpsc::UnboundedSender<StreamEvent>,
+    pub tx: EventSender,
     /// Pages for prompt + max_new_tokens; the prompt's KV is in them.
     pub pages: SeqPages,
     /// The first token and its logprob, as the prefill sampled them.
@@ -72,26 +84,23 @@ pub(crate) struct Resumed {
     pub seed: u64,
 }
 
-/// Send `e` to each request after dropping what it holds (its page lease):
-/// a client that sees the end of its stream never sees its pages still held.
-fn fail_all<T>(
-    items: impl Iterator<Item = (mpsc::UnboundedSender<StreamEvent>, T)>,
-    e: &EngineError,
-) {
-    for (tx, held) in items {
-        drop(held);
-        let _ = tx.send(StreamEvent::Error(e.clone()));
+/// Send `e` to each request; each item is a request's sender, taken out of
+/// what it held (its page lease), which is dropped first: a client that sees
+/// the end of its stream never sees its pages still held.
+fn fail_all(items: impl Iterator<Item = EventSender>, e: &EngineError) {
+    for tx in items {
+        tx.end(StreamEvent::Error(e.clone()));
     }
 }
 
 pub(crate) struct Waiting {
     req: Box<GenerateRequest>,
-    tx: mpsc::UnboundedSender<StreamEvent>,
+    tx: EventSender,
 }
 
 /// A request holding pages: prefilling, then decoding.
 pub(crate) struct Active {
-    tx: mpsc::UnboundedSender<StreamEvent>,
+    tx: EventSender,
     tokens: Vec<u32>,
     prompt_len: usize,
     /// Tokens whose K/V are in the pool.
@@ -106,6 +115,11 @@ pub(crate) struct Active {
 }
 
 impl Active {
+    /// Its sender; the rest (its pages) is dropped here.
+    fn into_sender(self) -> EventSender {
+        self.tx
+    }
+
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
@@ -134,9 +148,12 @@ pub(crate) struct Scheduler {
 
 impl Scheduler {
     pub fn run(mut self, rx: std_mpsc::Receiver<Command>) {
+        let mut pending = None;
         loop {
             let idle = self.active.is_empty() && self.waiting.is_empty() && self.resumed.is_empty();
-            let first = if idle {
+            let first = if pending.is_some() {
+                pending.take()
+            } else if idle {
                 match rx.recv() {
                     Ok(c) => Some(c),
                     Err(_) => break,
@@ -168,16 +185,29 @@ impl Scheduler {
             }
             self.admit();
             self.publish();
-            if let Err(e) = self.step() {
-                tracing::error!(error = %e, "forward pass failed; failing the running batch");
-                fail_all(self.active.drain(..).map(|a| (a.tx.clone(), a)), &e);
-            }
+            let ran = match self.step() {
+                Ok(ran) => ran,
+                Err(e) => {
+                    tracing::error!(error = %e, "forward pass failed; failing the running batch");
+                    fail_all(self.active.drain(..).map(Active::into_sender), &e);
+                    true
+                }
+            };
             self.publish();
+            if !ran {
+                // Every running request is paused on a lagging reader: wait
+                // for a command, or a while for readers to catch up.
+                match rx.recv_timeout(PAUSED_POLL) {
+                    Ok(c) => pending = Some(c),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => {}
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
         }
         let e = EngineError::ShuttingDown;
-        fail_all(self.waiting.drain(..).map(|w| (w.tx.clone(), ())), &e);
-        fail_all(self.resumed.drain(..).map(|r| (r.tx.clone(), r)), &e);
-        fail_all(self.active.drain(..).map(|a| (a.tx.clone(), a)), &e);
+        fail_all(self.waiting.drain(..).map(|w| w.tx), &e);
+        fail_all(self.resumed.drain(..).map(Resumed::into_sender), &e);
+        fail_all(self.active.drain(..).map(Active::into_sender), &e);
         self.publish();
     }
 
@@ -202,6 +232,12 @@ impl Scheduler {
         self.counters
             .waiting
             .store(self.waiting.len() + self.resumed.len(), Ordering::Release);
+        let paused = self
+            .active
+            .iter()
+            .filter(|a| !a.prefilling() && !a.tx.has_room())
+            .count();
+        self.counters.paused.store(paused, Ordering::Release);
     }
 
     /// A client that went away frees its pages here (dropping the lease).
@@ -298,10 +334,13 @@ impl Scheduler {
         }
     }
 
-    fn step(&mut self) -> Result<(), EngineError> {
+    /// One prefill chunk and one decode step; whether it ran anything.
+    fn step(&mut self) -> Result<bool, EngineError> {
         let model = self.model.clone();
+        let mut ran = false;
         // One prefill chunk: the oldest request still prefilling.
         if let Some(i) = self.active.iter().position(Active::prefilling) {
+            ran = true;
             let a = &self.active[i];
             let end = (a.cached + self.prefill_chunk).min(a.prompt_len);
             let chunk = SeqChunk {
@@ -334,12 +373,13 @@ impl Scheduler {
                 }
             }
         }
-        // One decode step for every request past prefill.
+        // One decode step for every request past prefill whose reader has
+        // room for its next token; the others are paused until it catches up.
         let idx: Vec<usize> = (0..self.active.len())
-            .filter(|&i| !self.active[i].prefilling())
+            .filter(|&i| !self.active[i].prefilling() && self.active[i].tx.has_room())
             .collect();
         if idx.is_empty() {
-            return Ok(());
+            return Ok(ran);
         }
         let chunks: Vec<SeqChunk<'_>> = idx
             .iter()
@@ -368,18 +408,16 @@ impl Scheduler {
         for (i, last) in finished.into_iter().rev() {
             self.finish(i, last);
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Remove request `i`, returning its pages, then send its last event: a
     /// client that sees the end of its stream never sees its pages still held.
     fn finish(&mut self, i: usize, last: Option<StreamEvent>) {
-        let a = self.active.swap_remove(i);
-        let tx = a.tx.clone();
-        drop(a);
+        let tx = self.active.swap_remove(i).into_sender();
         self.publish_cache();
         if let Some(ev) = last {
-            let _ = tx.send(ev);
+            tx.end(ev);
         }
     }
 
@@ -422,8 +460,15 @@ impl Scheduler {
         ) {
             text.push_str(&a.text.flush());
         }
-        let sent =
-            a.tx.send(StreamEvent::Token(TokenOut { id, logprob, text }));
+        let sent = a.tx.token(TokenOut { id, logprob, text });
+        if sent == Err(NotSent::Full) {
+            // Steps skip a request without room, so this is a bug: fail the
+            // request rather than lose a token.
+            tracing::error!("a token found its request's buffer full");
+            return Some(Some(StreamEvent::Error(EngineError::Model(
+                "internal error: a token found its stream's buffer full".into(),
+            ))));
+        }
         match reason {
             Some(reason) => Some(Some(StreamEvent::Finished(Finished {
                 reason,

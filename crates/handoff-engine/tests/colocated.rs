@@ -58,8 +58,16 @@ fn collect(h: &EngineHandle, r: GenerateRequest) -> (Vec<u32>, String, FinishRea
 }
 
 /// Read a submitted request's stream to its end.
-fn drain(mut s: handoff_engine::handle::RequestStream) -> (Vec<u32>, String, FinishReason) {
-    let (mut ids, mut text) = (Vec::new(), String::new());
+fn drain(s: handoff_engine::handle::RequestStream) -> (Vec<u32>, String, FinishReason) {
+    drain_from(s, Vec::new(), String::new())
+}
+
+/// `drain` for a stream whose first tokens (`ids`, `text`) were already read.
+fn drain_from(
+    mut s: handoff_engine::handle::RequestStream,
+    mut ids: Vec<u32>,
+    mut text: String,
+) -> (Vec<u32>, String, FinishReason) {
     loop {
         match s.blocking_next() {
             Some(StreamEvent::Token(t)) => {
@@ -203,6 +211,45 @@ fn dropping_the_stream_cancels_and_frees_pages() {
     drop(s);
     wait_for_pages_free(&h);
     assert_eq!(h.load().running, 0);
+}
+
+/// A reader that stops taking tokens pauses its request after a full buffer:
+/// the engine generates no further while the neighbour runs on, and once the
+/// reader drains the request resumes and loses nothing.
+#[test]
+fn a_reader_that_lags_pauses_its_request_and_loses_nothing() {
+    use handoff_engine::events::STREAM_BUFFER;
+    let (h, _d) = engine(4, 512, 16);
+    let n = STREAM_BUFFER * 4;
+    let solo = collect(&h, req(prompt(20, 3), n));
+    let mut lagging = h.submit(req(prompt(20, 3), n)).unwrap();
+    // Never read: the request must pause with a full buffer.
+    let t = Instant::now();
+    while h.load().paused == 0 {
+        assert!(t.elapsed() < Duration::from_secs(60), "never paused");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(h.load().running, 1);
+    // A neighbour runs to its end while the lagging one stays paused.
+    let neighbour = collect(&h, req(prompt(12, 9), 40));
+    assert_eq!(neighbour.0.len(), 40);
+    assert_eq!(h.load().paused, 1, "the unread request was stepped");
+    // Exactly a buffer's worth was generated: nothing past it, nothing lost.
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    for _ in 0..STREAM_BUFFER {
+        match lagging.blocking_next() {
+            Some(StreamEvent::Token(t)) => {
+                ids.push(t.id);
+                text.push_str(&t.text);
+            }
+            other => panic!("expected a token, got {other:?}"),
+        }
+    }
+    assert_eq!(ids[..], solo.0[..STREAM_BUFFER]);
+    // Reading on resumes it: the rest arrives in order, then `Finished`.
+    assert_eq!(drain_from(lagging, ids, text), solo);
+    wait_for_pages_free(&h);
+    assert_eq!(h.load().paused, 0);
 }
 
 #[test]

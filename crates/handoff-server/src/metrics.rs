@@ -42,6 +42,7 @@ pub struct Metrics {
     generation_tokens: Counter,
     running: Gauge,
     waiting: Gauge,
+    paused: Gauge,
     pages_free: Gauge,
     pages_used: Gauge,
     pages_cached: Gauge,
@@ -75,6 +76,7 @@ impl Metrics {
         let generation_tokens = Counter::default();
         let running = Gauge::default();
         let waiting = Gauge::default();
+        let paused = Gauge::default();
         let pages_free = Gauge::default();
         let pages_used = Gauge::default();
         let pages_cached = Gauge::default();
@@ -124,6 +126,11 @@ impl Metrics {
             "Requests waiting for admission",
             waiting.clone(),
         );
+        registry.register(
+            "num_requests_paused",
+            "Running requests not stepped because their client lags a full stream buffer behind",
+            paused.clone(),
+        );
         registry.register("kv_pages_free", "Free KV pages", pages_free.clone());
         registry.register(
             "kv_pages_used",
@@ -162,6 +169,7 @@ impl Metrics {
             generation_tokens,
             running,
             waiting,
+            paused,
             pages_free,
             pages_used,
         }
@@ -232,6 +240,7 @@ impl Metrics {
             .fetch_max(kv_bytes_sent, std::sync::atomic::Ordering::Relaxed);
         self.running.set(as_i64(load.running));
         self.waiting.set(as_i64(load.waiting));
+        self.paused.set(as_i64(load.paused));
         self.pages_used.set(as_i64(load.pages_used));
         self.pages_free
             .set(as_i64(load.pages_total.saturating_sub(load.pages_used)));
@@ -262,6 +271,7 @@ mod tests {
             &LoadSnapshot {
                 running: 2,
                 waiting: 1,
+                paused: 1,
                 pages_total: 10,
                 pages_used: 3,
                 pages_cached: 4,
@@ -274,6 +284,7 @@ mod tests {
             "handoff_time_to_first_token_seconds_count 1",
             "handoff_num_requests_running 2",
             "handoff_num_requests_waiting 1",
+            "handoff_num_requests_paused 1",
             "handoff_kv_pages_free 7",
             "handoff_kv_pages_used 3",
             "handoff_kv_pages_cached 4",

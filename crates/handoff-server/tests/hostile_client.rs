@@ -386,3 +386,54 @@ async fn a_stream_whose_client_stops_reading_is_cancelled_at_the_write_timeout()
     );
     assert!((generated as usize) < max_new);
 }
+
+/// Before any write timeout, a client that stops reading stops its own
+/// generation: its tokens back up to the engine, which pauses the request
+/// (`handoff_num_requests_paused`) instead of computing into a full socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_client_stops_reading_pauses_its_generation() {
+    let base = serve_limited(limits(30, 30, 30, 64));
+    let addr: std::net::SocketAddr = base.trim_start_matches("http://").parse().unwrap();
+    let body = json!({
+        "text": "Count slowly",
+        "sampling_params": {"max_new_tokens": 3000, "temperature": 0, "ignore_eos": true},
+        "stream": true,
+    });
+    let conn = common::stalled_stream(addr, &body).await;
+    let started = Instant::now();
+    let paused = |base: String| async move {
+        let text = reqwest::get(format!("{base}/metrics"))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("handoff_num_requests_paused "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .expect("handoff_num_requests_paused in /metrics")
+    };
+    while paused(base.clone()).await == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "a stalled stream kept generating for 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("stalled stream paused after {:?}", started.elapsed());
+    assert!(server().engine.load().running >= 1);
+    // Paused is still cancellable: closing the connection frees its pages.
+    drop(conn);
+    let t = Instant::now();
+    loop {
+        let load = server().engine.load();
+        if load.running == 0 && load.pages_used == 0 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "a paused request kept its pages after its client left"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -26,7 +26,6 @@ use handoff_proto::{
     AbortOrigin, AuxSlot, FailureKind, Misbehavior, PeerId, Role, RoomId, TransferError,
 };
 use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig};
-use tokio::sync::mpsc;
 
 use super::{
     fingerprint, handshake_config, lease_prompt_pages, runtime, Gauge, PageQueue, PdConfig,
@@ -35,6 +34,7 @@ use super::{
 use crate::config::EngineConfig;
 use crate::engine::{load, Shared};
 use crate::error::EngineError;
+use crate::events::EventSender;
 use crate::handle::{LoadSnapshot, ModelInfo, RequestStream};
 use crate::request::{GenerateRequest, StreamEvent};
 use crate::scheduler::{Command, Resumed, SeqPages};
@@ -176,10 +176,10 @@ impl DecodeHandle {
             self.reject(room, prefill, e.http_status(), &e.to_string());
             return Err(e);
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, stream) = crate::events::channel();
         ctx.pending.fetch_add(1, Ordering::AcqRel);
         rt.spawn(async move { decode_room(&ctx, req, room, prefill, tx).await });
-        Ok(RequestStream::new(rx))
+        Ok(stream)
     }
 
     /// Refuse the decode half of `room` with `http_status` and `reason` (found before
@@ -212,6 +212,7 @@ impl DecodeHandle {
         ctx.pages.load(
             batch.running,
             batch.waiting + ctx.pending.load(Ordering::Acquire),
+            batch.paused,
         )
     }
 
@@ -312,7 +313,7 @@ async fn decode_room(
     req: GenerateRequest,
     room: RoomId,
     prefill: SocketAddr,
-    tx: mpsc::UnboundedSender<StreamEvent>,
+    tx: EventSender,
 ) {
     let pending = Gauge(&ctx.pending); // counted up in `submit`
     let outcome = tokio::select! {
@@ -341,7 +342,7 @@ async fn decode_room(
         Some(Err(e)) => {
             tracing::debug!(room = room.get(), error = %e, "decode room failed");
             drop(pending);
-            let _ = tx.send(StreamEvent::Error(e));
+            tx.end(StreamEvent::Error(e));
             return;
         }
         Some(Ok(x)) => x,
@@ -355,7 +356,7 @@ async fn decode_room(
                 vocab: ctx.shared.info.vocab_size,
             },
         });
-        let _ = tx.send(StreamEvent::Error(e));
+        tx.end(StreamEvent::Error(e));
         return;
     }
     let seed = req.sampling.seed.unwrap_or_else(rand::random);
@@ -370,7 +371,8 @@ async fn decode_room(
     if let Err(std_mpsc::SendError(Command::Resume(r))) =
         ctx.shared.commands.send(Command::Resume(Box::new(resumed)))
     {
-        let _ = r.tx.send(StreamEvent::Error(EngineError::ShuttingDown));
+        r.into_sender()
+            .end(StreamEvent::Error(EngineError::ShuttingDown));
     }
 }
 

@@ -349,7 +349,7 @@ impl PageQueue {
 
     /// A load report whose page counts leave out the cached pages nothing
     /// reads (eviction frees them on demand).
-    fn load(&self, running: usize, waiting: usize) -> LoadSnapshot {
+    fn load(&self, running: usize, waiting: usize, paused: usize) -> LoadSnapshot {
         // Both counts under the cache's lock, which every lease takes: a
         // request finishing in between can only lower the figure, a lease
         // that took its pages cannot raise it past the truth.
@@ -360,6 +360,7 @@ impl PageQueue {
         LoadSnapshot {
             running,
             waiting,
+            paused,
             pages_total: pages.total,
             pages_used: pages.leased.saturating_sub(cache.evictable),
             pages_cached: cache.pages,

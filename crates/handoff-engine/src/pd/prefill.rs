@@ -274,6 +274,7 @@ impl PrefillHandle {
         ctx.pages.load(
             ctx.running.load(Ordering::Acquire),
             ctx.waiting.load(Ordering::Acquire),
+            0,
         )
     }
 
