@@ -7,6 +7,7 @@
 
 pub mod app;
 pub mod backend;
+pub mod cors;
 pub mod errors;
 pub mod extract;
 pub mod generate_api;

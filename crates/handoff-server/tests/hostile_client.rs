@@ -437,3 +437,74 @@ async fn a_stream_whose_client_stops_reading_pauses_its_generation() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// No cross-origin access unless origins are allowed, and then only theirs:
+/// a preflight from an allowed origin is granted (POST with
+/// `Content-Type: application/json`), one from any other origin is not, and
+/// a plain server grants none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cross_origin_pages_get_access_only_from_allowed_origins() {
+    let good = "http://chat.localhost:3000";
+    let engine: handoff_server::Backend = server().engine.clone().into();
+    let origins = vec![good.parse::<handoff_server::cors::Origin>().unwrap()];
+    let allowed = common::serve_on_thread(move |listener| async move {
+        let app = handoff_server::cors::allow_origins(handoff_server::app(engine), &origins);
+        handoff_server::serve(
+            listener,
+            app,
+            limits(30, 30, 30, 64),
+            std::future::pending(),
+        )
+        .await
+        .expect("serve");
+    });
+    let plain = serve_limited(limits(30, 30, 30, 64));
+    let client = reqwest::Client::new();
+    let preflight = |base: &str, origin: &str| {
+        client
+            .request(
+                reqwest::Method::OPTIONS,
+                format!("{base}/v1/chat/completions"),
+            )
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "content-type")
+            .send()
+    };
+    let grant = |r: &reqwest::Response, name: &str| {
+        r.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_ascii_lowercase())
+    };
+    let r = preflight(&allowed, good).await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        grant(&r, "access-control-allow-origin").as_deref(),
+        Some(good)
+    );
+    let methods = grant(&r, "access-control-allow-methods").unwrap_or_default();
+    assert!(methods.contains("post"), "{methods}");
+    let headers = grant(&r, "access-control-allow-headers").unwrap_or_default();
+    assert!(headers.contains("content-type"), "{headers}");
+    for (base, origin) in [(&allowed, "http://evil.localhost:3000"), (&plain, good)] {
+        let r = preflight(base, origin).await.unwrap();
+        assert_eq!(
+            grant(&r, "access-control-allow-origin"),
+            None,
+            "{base} {origin}"
+        );
+    }
+    // The request itself: answered to the allowed origin with the grant,
+    // to the plain server without it.
+    for (base, granted) in [(&allowed, Some(good)), (&plain, None)] {
+        let r = client
+            .post(format!("{base}/generate"))
+            .header("origin", good)
+            .json(&json!({"text": "Hi", "sampling_params": {"max_new_tokens": 1}}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(grant(&r, "access-control-allow-origin").as_deref(), granted);
+    }
+}

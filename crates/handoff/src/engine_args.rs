@@ -230,6 +230,11 @@ pub struct HttpLimitArgs {
     /// Open connections at most; past it a new connection gets a 503.
     #[arg(long, default_value_t = handoff_server::HttpLimits::default().max_connections as u64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections: u64,
+    /// An origin (`https://host[:port]`) whose web pages may call this
+    /// server (CORS); repeat for several. None by default: no cross-origin
+    /// page can read an answer.
+    #[arg(long = "allow-origin", value_name = "ORIGIN")]
+    pub allow_origin: Vec<handoff_server::cors::Origin>,
 }
 
 impl HttpLimitArgs {
@@ -256,6 +261,13 @@ impl HttpLimitArgs {
             "--max-connections".into(),
             self.max_connections.to_string(),
         ]
+        .into_iter()
+        .chain(
+            self.allow_origin
+                .iter()
+                .flat_map(|o| ["--allow-origin".to_string(), o.to_string()]),
+        )
+        .collect()
     }
 }
 

@@ -276,6 +276,7 @@ pub fn run(
         );
         config.health_interval = Duration::from_secs(1);
         config.http = http.limits.limits();
+        config.allow_origins = http.limits.allow_origin.clone();
         tracing::info!(
             prefill = %prefill.url,
             decode = %decode.url,

@@ -129,6 +129,7 @@ pub fn config(
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;
     c.http = args.limits.limits();
+    c.allow_origins = args.limits.allow_origin.clone();
     c.validate()
         .map_err(|e| usage_error(ErrorKind::ValueValidation, e.to_string()))?;
     Ok(c)

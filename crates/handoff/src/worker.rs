@@ -175,7 +175,10 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
         };
         handoff_server::serve(
             listener,
-            handoff_server::app(backend),
+            handoff_server::cors::allow_origins(
+                handoff_server::app(backend),
+                &args.http.limits.allow_origin,
+            ),
             args.http.limits.limits(),
             stop,
         )

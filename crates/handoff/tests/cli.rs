@@ -50,6 +50,22 @@ fn cli_errors_are_precise() {
         &["serve", "--transfer-io-threads", "65"],
         "invalid value '65' for '--transfer-io-threads <TRANSFER_IO_THREADS>': 65 is not in 1..=64",
     );
+    fails_with(
+        &["serve", "--allow-origin", "chat.example.com"],
+        "invalid value 'chat.example.com' for '--allow-origin <ORIGIN>': `chat.example.com` is not an origin: it does not start with http:// or https://",
+    );
+    fails_with(
+        &[
+            "router",
+            "--prefill",
+            "http://x",
+            "--decode",
+            "http://y",
+            "--allow-origin",
+            "https://a.example/app",
+        ],
+        "`https://a.example/app` is not an origin: an origin is a scheme, a host and a port only",
+    );
     fails_with(&["frobnicate"], "unrecognized subcommand 'frobnicate'");
 }
 
@@ -253,6 +269,22 @@ fn body_of(resp: &str) -> String {
         .to_string()
 }
 
+/// The origin `serve_answers_and_stops` allows.
+const UI_ORIGIN: &str = "http://ui.localhost:8080";
+
+/// A browser's CORS preflight for a JSON POST from `origin`; the raw answer.
+fn http_preflight(addr: &str, origin: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "OPTIONS /v1/completions HTTP/1.1\r\nHost: x\r\nOrigin: {origin}\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
 fn http_post(addr: &str, path: &str, body: &str) -> String {
     let mut s = TcpStream::connect(addr).expect("connect");
     write!(
@@ -292,6 +324,8 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
             "64",
             "--served-model-name",
             "tiny-cli",
+            "--allow-origin",
+            UI_ORIGIN,
         ])
         .args(mode)
         .arg("--model")
@@ -340,6 +374,18 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
         assert_eq!(bootstrap.as_deref(), Some(port));
         assert!(TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_ok());
     }
+    // `--allow-origin` reaches the public port (the router, in PD): a page
+    // of that origin may call it, a page of another may not.
+    let granted = http_preflight(&addr, UI_ORIGIN).to_ascii_lowercase();
+    assert!(
+        granted.contains(&format!("access-control-allow-origin: {UI_ORIGIN}")),
+        "{granted}"
+    );
+    let refused = http_preflight(&addr, "http://other.localhost").to_ascii_lowercase();
+    assert!(
+        !refused.contains("access-control-allow-origin"),
+        "{refused}"
+    );
     let models = http_get(&addr, "/v1/models");
     assert!(models.starts_with("HTTP/1.1 200"), "{models}");
     assert!(models.contains("\"id\":\"tiny-cli\""), "{models}");

@@ -51,6 +51,8 @@ pub struct RouterConfig {
     pub max_retries: u32,
     /// Connection hygiene on the router's own port.
     pub http: crate::listen::HttpLimits,
+    /// Origins whose web pages may call the router (CORS); none by default.
+    pub allow_origins: Vec<crate::cors::Origin>,
 }
 
 impl RouterConfig {
@@ -68,6 +70,7 @@ impl RouterConfig {
             unhealthy_after: 2,
             max_retries: 2,
             http: crate::listen::HttpLimits::default(),
+            allow_origins: Vec::new(),
         }
     }
 

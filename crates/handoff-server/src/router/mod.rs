@@ -212,7 +212,9 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let limits = config.http;
+    let origins = config.allow_origins.clone();
     let (app, handle) = router_app(config)?;
+    let app = crate::cors::allow_origins(app, &origins);
     handle.probe_now().await;
     if !handle.ready() {
         tracing::warn!(
