@@ -508,3 +508,60 @@ async fn cross_origin_pages_get_access_only_from_allowed_origins() {
         assert_eq!(grant(&r, "access-control-allow-origin").as_deref(), granted);
     }
 }
+
+/// Stop strings cost a neighbour nothing it can notice: a 32-token request
+/// running beside a long one takes as long whether the long one carries no
+/// stop strings or 16 of 64 bytes (the most a request may carry is 64 of
+/// 256). The model is the tiny test one, whose step takes well under a
+/// millisecond, so the matcher's cost is as visible as it can be. Min of
+/// five alternating trials each; the bound is 2x + 10 ms because the other
+/// tests of this binary share the 2 cores. A matcher costing 1 ms a token
+/// fails it (tried: 25 ms without, 70 ms with).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_do_not_slow_a_neighbour() {
+    let stops: Vec<String> = (0..16)
+        .map(|i| format!("{i:02}{}", "qzx".repeat(21))[..64].to_string())
+        .collect();
+    let neighbour = json!({
+        "text": "List the planets",
+        "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": true},
+    });
+    let trial = |with_stops: bool| {
+        let mut sampling = json!({"max_new_tokens": 160, "temperature": 0, "ignore_eos": true});
+        if with_stops {
+            sampling["stop"] = json!(stops);
+        }
+        let long = json!({"text": "Tell a long story", "sampling_params": sampling});
+        let neighbour = neighbour.clone();
+        async move {
+            let busy = tokio::spawn(async move { common::post("/generate", &long).await });
+            // The long request is generating before the neighbour starts.
+            let t = Instant::now();
+            while server().engine.load().running == 0 {
+                assert!(t.elapsed() < Duration::from_secs(30));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let t = Instant::now();
+            let (status, out) = common::post("/generate", &neighbour).await;
+            let took = t.elapsed();
+            assert_eq!(status, 200, "{out}");
+            let (status, out) = busy.await.unwrap();
+            assert_eq!(status, 200, "{out}");
+            assert_eq!(
+                out["meta_info"]["completion_tokens"], 160,
+                "a stop string matched"
+            );
+            took
+        }
+    };
+    let (mut plain, mut stopped) = (Duration::MAX, Duration::MAX);
+    for _ in 0..5 {
+        plain = plain.min(trial(false).await);
+        stopped = stopped.min(trial(true).await);
+    }
+    eprintln!("neighbour beside a long request: {plain:?} without stop strings, {stopped:?} with 16 x 64 B");
+    assert!(
+        stopped < plain * 2 + Duration::from_millis(10),
+        "16 stop strings slowed a neighbour from {plain:?} to {stopped:?}"
+    );
+}
