@@ -17,6 +17,18 @@ step "model"
 MODEL="$(scripts/fetch-model.sh)"
 export HANDOFF_MODEL="$MODEL"
 
+step "network namespace tools (ip, iptables) for the dropped-port tests"
+# As root (CI), the tests that drop a port in a network namespace must run:
+# install iptables if missing and make a failed namespace setup a failure.
+if [ "$(id -u)" = 0 ]; then
+    if ! command -v iptables >/dev/null; then
+        apt-get update -q >/dev/null && apt-get install -y -q iptables iproute2 >/dev/null
+    fi
+    export HANDOFF_REQUIRE_NETNS=1
+else
+    echo "not root: the network-namespace tests will skip"
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -52,6 +52,7 @@ per_transport!(
     a_prefill_without_delta_transfer_still_serves_correctly,
     decode_cache_eviction_under_pressure_never_touches_pages_in_use,
     a_prefill_that_never_answers_holds_up_no_other_request,
+    a_prefill_behind_a_dropped_port_holds_up_no_other_request,
     a_short_prompt_is_not_stuck_behind_a_long_prefill,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
@@ -505,35 +506,165 @@ fn decode_cache_eviction_under_pressure_never_touches_pages_in_use(kind: Transpo
 }
 
 fn a_prefill_that_never_answers_holds_up_no_other_request(kind: TransportKind) {
-    let s = setup(kind, Opts::default());
     // Accepts connections (the kernel completes them) and never speaks:
     // the handshake can only time out (2 s here).
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    a_stuck_prefill_holds_up_no_other_request(kind, silent.local_addr().unwrap());
+}
+
+/// The prefill's port drops every packet (an iptables DROP in a network
+/// namespace): the TCP connect itself never completes, and only the
+/// handshake deadline (2 s here) ends it, not the OS's SYN retries.
+fn a_prefill_behind_a_dropped_port_holds_up_no_other_request(kind: TransportKind) {
+    let Some(ns) = DroppedPort::new() else { return };
+    a_stuck_prefill_holds_up_no_other_request(kind, ns.addr);
+}
+
+/// A request naming a prefill at `stuck` (which never completes a
+/// handshake) fails after the handshake deadline, while a request to the
+/// good prefill, started meanwhile, is served at once.
+fn a_stuck_prefill_holds_up_no_other_request(kind: TransportKind, stuck: std::net::SocketAddr) {
+    let s = setup(kind, Opts::default());
     let r = req(prompt(20, 1), 4);
     let want = colocated(&s, &r);
-    let stuck = s
-        .decode
-        .submit(r.clone(), room(), silent.local_addr().unwrap())
-        .unwrap();
-    let stuck = std::thread::spawn(move || {
+    let pending = s.decode.submit(r.clone(), room(), stuck).unwrap();
+    let pending = std::thread::spawn(move || {
         let t = Instant::now();
-        (drain(stuck), t.elapsed())
+        (drain(pending), t.elapsed())
     });
-    // The silent connect is under way when the good request starts.
+    // The stuck connect is under way when the good request starts.
     std::thread::sleep(Duration::from_millis(100));
     let t = Instant::now();
     assert_eq!(pd(&s, &r), want);
     let good = t.elapsed();
     assert!(
-        !stuck.is_finished(),
-        "the good request ({good:?}) waited for the silent prefill's handshake"
+        !pending.is_finished(),
+        "the good request ({good:?}) waited for the stuck prefill's handshake"
     );
-    let (out, waited) = stuck.join().unwrap();
+    let (out, waited) = pending.join().unwrap();
     let e = out.unwrap_err();
-    eprintln!("good request {good:?}; silent prefill failed after {waited:?}: {e}");
+    eprintln!("good request {good:?}; stuck prefill {stuck} failed after {waited:?}: {e}");
     assert!(waited >= Duration::from_millis(1500), "{waited:?}: {e}");
-    drop(silent);
+    // The handshake deadline, not the kernel's SYN retries (over a minute).
+    assert!(waited < Duration::from_secs(20), "{waited:?}: {e}");
     assert_clean(&s);
+}
+
+/// A network namespace reached over a veth pair, with an address whose TCP
+/// port drops every packet (`iptables -j DROP`). Needs root, `ip` and
+/// `iptables`; without them the test is skipped, unless
+/// `HANDOFF_REQUIRE_NETNS` is set (scripts/test.sh sets it as root), which
+/// makes a missing tool a failure.
+struct DroppedPort {
+    ns: String,
+    host_if: String,
+    addr: std::net::SocketAddr,
+}
+
+impl DroppedPort {
+    fn new() -> Option<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        // A /30 of its own per namespace (pid and counter), in 10.231/16.
+        let block = ((pid as u64 % 4096) * 4 + n % 4) % 16384;
+        let (hi, lo) = (block / 64, (block % 64) * 4);
+        let ns = format!("hoff-{pid}-{n}");
+        let host_if = format!("hf{pid}x{n}");
+        let ns_if = format!("hg{pid}x{n}");
+        let (host_ip, ns_ip) = (
+            format!("10.231.{hi}.{}", lo + 1),
+            format!("10.231.{hi}.{}", lo + 2),
+        );
+        let port = 4000 + n as u16;
+        let me = DroppedPort {
+            ns: ns.clone(),
+            host_if: host_if.clone(),
+            addr: format!("{ns_ip}:{port}").parse().unwrap(),
+        };
+        let steps: [Vec<String>; 7] = [
+            vec!["ip".into(), "netns".into(), "add".into(), ns.clone()],
+            vec![
+                "ip", "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if, "netns", &ns,
+            ]
+            .into_iter()
+            .map(String::from)
+            .collect(),
+            vec![
+                "ip",
+                "addr",
+                "add",
+                &format!("{host_ip}/30"),
+                "dev",
+                &host_if,
+            ]
+            .into_iter()
+            .map(String::from)
+            .collect(),
+            vec!["ip", "link", "set", &host_if, "up"]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            in_ns(
+                &ns,
+                &["ip", "addr", "add", &format!("{ns_ip}/30"), "dev", &ns_if],
+            ),
+            in_ns(&ns, &["ip", "link", "set", &ns_if, "up"]),
+            in_ns(
+                &ns,
+                &[
+                    "iptables",
+                    "-A",
+                    "INPUT",
+                    "-p",
+                    "tcp",
+                    "--dport",
+                    &port.to_string(),
+                    "-j",
+                    "DROP",
+                ],
+            ),
+        ];
+        for step in steps {
+            let out = std::process::Command::new(&step[0])
+                .args(&step[1..])
+                .output();
+            let failed = match &out {
+                Ok(o) if o.status.success() => continue,
+                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
+                Err(e) => e.to_string(),
+            };
+            let why = format!("{}: {failed}", step.join(" "));
+            if std::env::var_os("HANDOFF_REQUIRE_NETNS").is_some() {
+                panic!("network namespace setup failed: {why}");
+            }
+            eprintln!(
+                "skipped: no network namespace ({why}); HANDOFF_REQUIRE_NETNS makes this fail"
+            );
+            return None;
+        }
+        Some(me)
+    }
+}
+
+fn in_ns(ns: &str, cmd: &[&str]) -> Vec<String> {
+    ["ip", "netns", "exec", ns]
+        .iter()
+        .chain(cmd)
+        .map(|s| s.to_string())
+        .collect()
+}
+
+impl Drop for DroppedPort {
+    fn drop(&mut self) {
+        // Deleting the namespace deletes its veth end, and with it ours.
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.ns])
+            .status();
+        let _ = std::process::Command::new("ip")
+            .args(["link", "del", &self.host_if])
+            .output();
+    }
 }
 
 fn a_short_prompt_is_not_stuck_behind_a_long_prefill(kind: TransportKind) {
