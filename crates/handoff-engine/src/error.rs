@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-pub use handoff_proto::TransferError;
+pub use handoff_proto::{RejectCode, TransferError};
 pub use handoff_transfer::TransportError;
 
 /// Why the engine refused or failed a request.
@@ -156,8 +156,29 @@ impl EngineError {
             EngineError::ContextExceeded { .. } | EngineError::ExceedsKvCapacity { .. } => {
                 Some("max_tokens")
             }
+            // A peer's refusal names the field its code names.
+            EngineError::Transfer(t) => t.reject_code().and_then(RejectCode::param),
             _ => None,
         }
+    }
+
+    /// The code a refusal of this request carries to the peer worker, so
+    /// both report the same error type and field.
+    pub fn reject_code(&self) -> Option<RejectCode> {
+        Some(match self {
+            EngineError::EmptyPrompt => RejectCode::EmptyPrompt,
+            EngineError::TokenOutOfRange { .. } => RejectCode::TokenOutOfRange,
+            EngineError::ContextExceeded {
+                prompt_tokens,
+                context_length,
+                ..
+            } if prompt_tokens >= context_length => RejectCode::PromptExceedsContext,
+            EngineError::ContextExceeded { .. } => RejectCode::OutputExceedsContext,
+            EngineError::ExceedsKvCapacity { .. } => RejectCode::ExceedsKvCapacity,
+            EngineError::InvalidParams(_) => RejectCode::InvalidRequest,
+            EngineError::Transfer(t) => return t.reject_code(),
+            _ => return None,
+        })
     }
 
     /// Stable label for metrics, error bodies and SSE error events.
@@ -198,11 +219,74 @@ mod tests {
     use super::*;
     use handoff_proto::{AbortOrigin, FailureKind, Role, TransferError};
 
+    /// Every refusal the engine makes travels with a code that names the
+    /// same type and field, and a peer that receives it reports exactly
+    /// what this side would have.
+    #[test]
+    fn a_refusal_crosses_to_the_peer_with_its_type_and_field() {
+        let refusals = [
+            EngineError::EmptyPrompt,
+            EngineError::TokenOutOfRange {
+                id: 70000,
+                vocab_size: 49152,
+            },
+            EngineError::ContextExceeded {
+                prompt_tokens: 40,
+                max_new_tokens: 4,
+                context_length: 32,
+            },
+            EngineError::ContextExceeded {
+                prompt_tokens: 20,
+                max_new_tokens: 40,
+                context_length: 32,
+            },
+            EngineError::ExceedsKvCapacity {
+                needed_pages: 9,
+                total_pages: 8,
+            },
+            EngineError::InvalidParams("top_p must be in (0, 1]".into()),
+        ];
+        let mut codes = std::collections::HashSet::new();
+        for e in refusals {
+            let code = e
+                .reject_code()
+                .unwrap_or_else(|| panic!("{e:?} has no code"));
+            codes.insert(code);
+            let relayed = EngineError::from(TransferError::from_wire(
+                FailureKind::Rejected,
+                e.to_string(),
+                e.http_status(),
+                Some(code),
+                Role::Prefill,
+            ));
+            assert_eq!(relayed.error_type(), e.error_type(), "{e:?}");
+            assert_eq!(relayed.param(), e.param(), "{e:?}");
+            assert_eq!(relayed.http_status(), e.http_status(), "{e:?}");
+            assert_eq!(relayed.reject_code(), Some(code), "relayed on unchanged");
+        }
+        assert_eq!(
+            codes.len(),
+            RejectCode::ALL.len(),
+            "every code is used once"
+        );
+        // A peer without the capability: plain `rejected`, no field.
+        let old = EngineError::from(TransferError::from_wire(
+            FailureKind::Rejected,
+            "x".into(),
+            400,
+            None,
+            Role::Prefill,
+        ));
+        assert_eq!((old.error_type(), old.param()), ("rejected", None));
+        assert_eq!(EngineError::ShuttingDown.reject_code(), None);
+    }
+
     #[test]
     fn transfer_failures_keep_status_kind_and_reason() {
         let rejected = TransferError::Rejected {
             http_status: 400,
             reason: "prompt too long".into(),
+            code: None,
         };
         let e = EngineError::from(rejected);
         assert_eq!(e.http_status(), 400);
@@ -240,6 +324,7 @@ mod tests {
             FailureKind::Internal,
             "prefill gave up".into(),
             500,
+            None,
             Role::Prefill,
         );
         let e = EngineError::from(handoff_transfer::TransportError::Room(wire));

@@ -795,12 +795,17 @@ fn prefill_rejection_reaches_decode_with_status_and_reason(kind: TransportKind) 
             t0.elapsed()
         );
         assert_eq!(e.http_status(), 400, "{e:?}");
-        assert_eq!(e.error_type(), "rejected");
+        // Decode reports the prefill's error exactly: type, field, message.
+        assert_eq!(e.error_type(), "context_length_exceeded");
+        assert_eq!(e.param(), Some("prompt"));
         assert_eq!(e.to_string(), rejected.to_string());
         assert!(matches!(
             &e,
-            EngineError::Transfer(TransferError::Rejected { http_status: 400, reason })
-                if reason.contains("exceeds the context length of 32 tokens")
+            EngineError::Transfer(TransferError::Rejected {
+                http_status: 400,
+                reason,
+                code: Some(handoff_engine::error::RejectCode::PromptExceedsContext),
+            }) if reason.contains("exceeds the context length of 32 tokens")
         ));
         let took = eventually("decode pages back", Duration::from_millis(100), || {
             s.decode.load().pages_used == 0

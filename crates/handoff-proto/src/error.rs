@@ -411,6 +411,8 @@ pub enum TransferError {
         http_status: u16,
         /// Why.
         reason: String,
+        /// The API's name for it, when the rejecting worker gave one.
+        code: Option<RejectCode>,
     },
     /// Out of some resource (pages, rooms, unknown-room slots).
     #[error("capacity: {what}")]
@@ -473,10 +475,22 @@ impl TransferError {
     /// Stable label: metrics, the OpenAI error object's `type`, SSE events.
     /// The wire kind's name, except for [`TransferError::ApiMisuse`], which
     /// has its own label here and travels as `internal`.
+    /// A rejection's API code names it (`context_length_exceeded` ...).
     pub fn error_type(&self) -> &'static str {
         match self {
             TransferError::ApiMisuse { .. } => "api_misuse",
+            TransferError::Rejected {
+                code: Some(code), ..
+            } => code.api_type(),
             other => other.kind().name(),
+        }
+    }
+
+    /// The API code a rejection carries (sent in `Status(Failed)`).
+    pub fn reject_code(&self) -> Option<RejectCode> {
+        match self {
+            TransferError::Rejected { code, .. } => *code,
+            _ => None,
         }
     }
 
@@ -524,7 +538,14 @@ impl TransferError {
     /// or `internal` is not ours — except the two that already say who
     /// decided: `rejected` (a verdict on the request, whoever made it) and
     /// `aborted` (its origin is the peer's role).
-    pub fn from_wire(kind: FailureKind, reason: String, http_status: u16, peer: Role) -> Self {
+    /// A rejection keeps its API code (`code`, ignored for other kinds).
+    pub fn from_wire(
+        kind: FailureKind,
+        reason: String,
+        http_status: u16,
+        code: Option<RejectCode>,
+        peer: Role,
+    ) -> Self {
         match kind {
             FailureKind::Aborted => TransferError::Aborted {
                 origin: AbortOrigin::of_role(peer),
@@ -534,6 +555,7 @@ impl TransferError {
             FailureKind::Rejected => TransferError::Rejected {
                 http_status,
                 reason,
+                code,
             },
             FailureKind::PeerMisbehaved
             | FailureKind::PeerIncompatible
@@ -638,6 +660,81 @@ impl FailureKind {
     }
 }
 
+/// Why a worker refused a request, as its API reports it: the error `type`
+/// and the request field at fault. A `Status(Failed)` of kind `rejected`
+/// carries it (capability [`crate::handshake::Capabilities::REJECT_CODE`]),
+/// so a client that gets a prefill's refusal through decode sees the same
+/// error as one that got it from the prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectCode {
+    /// The prompt alone fills the context.
+    PromptExceedsContext,
+    /// The prompt fits, the prompt plus the output asked for does not.
+    OutputExceedsContext,
+    /// More KV pages than the whole pool.
+    ExceedsKvCapacity,
+    /// No prompt tokens.
+    EmptyPrompt,
+    /// A prompt token id outside the vocabulary.
+    TokenOutOfRange,
+    /// Any other invalid parameter.
+    InvalidRequest,
+}
+
+impl RejectCode {
+    /// Every code, in wire-code order.
+    pub const ALL: [RejectCode; 6] = [
+        RejectCode::PromptExceedsContext,
+        RejectCode::OutputExceedsContext,
+        RejectCode::ExceedsKvCapacity,
+        RejectCode::EmptyPrompt,
+        RejectCode::TokenOutOfRange,
+        RejectCode::InvalidRequest,
+    ];
+
+    /// Wire code (0 means none and is never a code).
+    pub const fn code(self) -> u8 {
+        match self {
+            RejectCode::PromptExceedsContext => 1,
+            RejectCode::OutputExceedsContext => 2,
+            RejectCode::ExceedsKvCapacity => 3,
+            RejectCode::EmptyPrompt => 4,
+            RejectCode::TokenOutOfRange => 5,
+            RejectCode::InvalidRequest => 6,
+        }
+    }
+
+    /// From a wire code; `None` for 0 and for codes of newer peers (their
+    /// refusal still arrives, as plain `rejected`).
+    pub fn from_code(code: u8) -> Option<Self> {
+        RejectCode::ALL.into_iter().find(|c| c.code() == code)
+    }
+
+    /// The API error `type`.
+    pub const fn api_type(self) -> &'static str {
+        match self {
+            RejectCode::PromptExceedsContext | RejectCode::OutputExceedsContext => {
+                "context_length_exceeded"
+            }
+            RejectCode::ExceedsKvCapacity => "kv_capacity_exceeded",
+            RejectCode::EmptyPrompt => "empty_prompt",
+            RejectCode::TokenOutOfRange => "invalid_token_id",
+            RejectCode::InvalidRequest => "invalid_request_error",
+        }
+    }
+
+    /// The request field at fault (named as OpenAI's completions API does).
+    pub const fn param(self) -> Option<&'static str> {
+        match self {
+            RejectCode::PromptExceedsContext
+            | RejectCode::EmptyPrompt
+            | RejectCode::TokenOutOfRange => Some("prompt"),
+            RejectCode::OutputExceedsContext | RejectCode::ExceedsKvCapacity => Some("max_tokens"),
+            RejectCode::InvalidRequest => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -696,6 +793,7 @@ mod tests {
                 TransferError::Rejected {
                     http_status: 400,
                     reason: "too long".into(),
+                    code: None,
                 },
                 400,
                 "rejected",
@@ -734,8 +832,10 @@ mod tests {
         let e = TransferError::Rejected {
             http_status: 400,
             reason: "prompt too long".into(),
+            code: None,
         };
-        let back = TransferError::from_wire(e.kind(), "prompt too long".into(), 400, Role::Prefill);
+        let back =
+            TransferError::from_wire(e.kind(), "prompt too long".into(), 400, None, Role::Prefill);
         assert_eq!(back, e);
         assert_eq!(back.http_status(), 400);
     }
@@ -743,7 +843,7 @@ mod tests {
     #[test]
     fn every_kind_keeps_its_label_across_the_wire() {
         for k in FailureKind::ALL {
-            let e = TransferError::from_wire(k, "why".into(), 418, Role::Prefill);
+            let e = TransferError::from_wire(k, "why".into(), 418, None, Role::Prefill);
             assert_eq!(e.error_type(), k.name());
             assert_eq!(e.kind(), k);
         }
@@ -751,7 +851,8 @@ mod tests {
             phase: Phase::Bootstrapping,
             after: std::time::Duration::from_secs(30),
         };
-        let back = TransferError::from_wire(t.kind(), t.reason(), t.http_status(), Role::Prefill);
+        let back =
+            TransferError::from_wire(t.kind(), t.reason(), t.http_status(), None, Role::Prefill);
         assert_eq!(back.error_type(), "timeout");
         assert_eq!(back.http_status(), 504);
         assert_eq!(back.reason(), "timed out in bootstrapping after 30.0 s");
@@ -768,7 +869,7 @@ mod tests {
             (FailureKind::Capacity, 503),
             (FailureKind::PeerDead, 503),
         ] {
-            let e = TransferError::from_wire(kind, "gave up".into(), status, Role::Prefill);
+            let e = TransferError::from_wire(kind, "gave up".into(), status, None, Role::Prefill);
             assert_eq!(
                 e,
                 TransferError::Remote {
@@ -786,7 +887,8 @@ mod tests {
                 format!("{} reported by prefill: gave up", kind.name())
             );
         }
-        let e = TransferError::from_wire(FailureKind::Internal, "x".into(), 500, Role::Decode);
+        let e =
+            TransferError::from_wire(FailureKind::Internal, "x".into(), 500, None, Role::Decode);
         assert!(matches!(
             e,
             TransferError::Remote {
@@ -819,6 +921,7 @@ mod tests {
                 kind: e.kind(),
                 reason: e.reason(),
                 http_status: Some(e.http_status()),
+                code: None,
             },
         });
         for caps in [
@@ -834,6 +937,7 @@ mod tests {
                         kind,
                         reason,
                         http_status,
+                        ..
                     },
                 ..
             }) = back
@@ -841,7 +945,7 @@ mod tests {
                 panic!("not a failed status: {back:?}")
             };
             let status = http_status.unwrap_or_else(|| kind.default_http_status());
-            let seen = TransferError::from_wire(kind, reason, status, Role::Decode);
+            let seen = TransferError::from_wire(kind, reason, status, None, Role::Decode);
             assert_eq!(seen.error_type(), "internal");
             assert_eq!(seen.http_status(), 500);
             assert_eq!(seen.reason(), "a room needs distinct sources");

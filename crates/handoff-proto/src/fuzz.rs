@@ -222,6 +222,7 @@ pub fn frame_decoder_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 kind: FailureKind::Rejected,
                 reason: "prompt too long".into(),
                 http_status: Some(400),
+                code: None,
             },
         }),
         Message::Heartbeat(Heartbeat { seq: 42 }),

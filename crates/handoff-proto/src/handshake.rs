@@ -51,10 +51,12 @@ impl Capabilities {
     pub const DESTINATION_PREFIX: Capabilities = Capabilities(1 << 1);
     /// The end has a shared secret and runs challenge-response (protocol 1).
     pub const AUTH: Capabilities = Capabilities(1 << 2);
+    /// A `Status(Failed)` carries a rejection's API code ([`crate::RejectCode`]).
+    pub const REJECT_CODE: Capabilities = Capabilities(1 << 3);
     /// Everything protocol 1 knew.
     pub const V1: Capabilities = Capabilities::AUTH;
     /// Everything this build knows.
-    pub const ALL: Capabilities = Capabilities(0b111);
+    pub const ALL: Capabilities = Capabilities(0b1111);
 
     /// From raw bits; unknown bits are kept (and then lost in intersection).
     pub const fn from_bits(bits: u64) -> Self {
@@ -94,6 +96,7 @@ impl fmt::Debug for Capabilities {
             (Capabilities::FAILURE_DETAIL, "FAILURE_DETAIL"),
             (Capabilities::DESTINATION_PREFIX, "DESTINATION_PREFIX"),
             (Capabilities::AUTH, "AUTH"),
+            (Capabilities::REJECT_CODE, "REJECT_CODE"),
         ] {
             if self.contains(bit) {
                 names.push(name);
@@ -625,7 +628,9 @@ mod tests {
         assert_eq!(n.version, PROTOCOL_VERSION);
         assert_eq!(
             n.capabilities,
-            Capabilities::FAILURE_DETAIL.union(Capabilities::DESTINATION_PREFIX)
+            Capabilities::FAILURE_DETAIL
+                .union(Capabilities::DESTINATION_PREFIX)
+                .union(Capabilities::REJECT_CODE)
         );
         assert_eq!(n.peer_role, Role::Decode);
         assert_eq!(hd.negotiated().unwrap().peer_role, Role::Prefill);
@@ -779,6 +784,7 @@ mod tests {
                 kind: FailureKind::Rejected,
                 reason: "prompt too long".into(),
                 http_status: Some(400),
+                code: None,
             },
         });
         let mut buf = Vec::new();
@@ -799,6 +805,7 @@ mod tests {
                     kind,
                     reason,
                     http_status,
+                    ..
                 },
             ..
         }))) = dec.poll()

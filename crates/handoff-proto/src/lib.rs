@@ -98,6 +98,7 @@ pub mod sender_room;
 pub mod timer;
 
 pub use error::{
-    AbortOrigin, CodecError, FailureKind, HandshakeError, Misbehavior, Phase, TransferError,
+    AbortOrigin, CodecError, FailureKind, HandshakeError, Misbehavior, Phase, RejectCode,
+    TransferError,
 };
 pub use ids::{AuxSlot, PageIndex, PeerId, RankId, Role, RoomId};

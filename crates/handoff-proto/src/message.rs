@@ -6,7 +6,7 @@
 //! they decode as `None` and the room tables fill in the documented default.
 
 use crate::codec::{Reader, Writer};
-use crate::error::{AbortOrigin, CodecError, FailureKind};
+use crate::error::{AbortOrigin, CodecError, FailureKind, RejectCode};
 use crate::handshake::{Capabilities, Fingerprint, KvLayoutKind};
 use crate::ids::{AuxSlot, PageIndex, Role, RoomId};
 use crate::layout::KvDtype;
@@ -166,6 +166,9 @@ pub enum Outcome {
         reason: String,
         /// Status for the client. Capability [`Capabilities::FAILURE_DETAIL`].
         http_status: Option<u16>,
+        /// A rejection's API code. Capability [`Capabilities::REJECT_CODE`];
+        /// a code this build does not know reads as `None`.
+        code: Option<RejectCode>,
     },
 }
 
@@ -420,6 +423,7 @@ impl Message {
                         kind,
                         reason,
                         http_status,
+                        code,
                     } => {
                         w.u8(1);
                         w.u8(kind.code());
@@ -428,6 +432,9 @@ impl Message {
                             w.u16(wire_status(
                                 http_status.unwrap_or_else(|| kind.default_http_status()),
                             ));
+                        }
+                        if caps.contains(Capabilities::REJECT_CODE) {
+                            w.u8(code.map_or(0, RejectCode::code));
                         }
                     }
                 }
@@ -571,10 +578,16 @@ impl Message {
                         } else {
                             None
                         };
+                        let code = if caps.contains(Capabilities::REJECT_CODE) {
+                            RejectCode::from_code(r.u8("reject code")?)
+                        } else {
+                            None
+                        };
                         Outcome::Failed {
                             kind,
                             reason,
                             http_status,
+                            code,
                         }
                     }
                     v => {
@@ -615,9 +628,44 @@ mod tests {
                 kind: FailureKind::Rejected,
                 reason: "prompt too long".into(),
                 http_status: Some(400),
+                code: None,
             },
         });
         assert_eq!(round_trip(&m, Capabilities::ALL), m);
+    }
+
+    #[test]
+    fn a_rejection_code_travels_only_to_a_peer_that_knows_it() {
+        let with = |code| {
+            Message::Status(Status {
+                room: room(4),
+                outcome: Outcome::Failed {
+                    kind: FailureKind::Rejected,
+                    reason: "prompt too long".into(),
+                    http_status: Some(400),
+                    code,
+                },
+            })
+        };
+        for c in RejectCode::ALL {
+            assert_eq!(RejectCode::from_code(c.code()), Some(c));
+            let m = with(Some(c));
+            assert_eq!(round_trip(&m, Capabilities::ALL), m);
+            // Without the capability the byte is not sent at all.
+            let caps = Capabilities::FAILURE_DETAIL;
+            assert_eq!(round_trip(&m, caps), with(None));
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            m.encode_payload(Capabilities::ALL, &mut a);
+            m.encode_payload(caps, &mut b);
+            assert_eq!(a.len(), b.len() + 1);
+        }
+        // 0 is "none"; a code from a newer peer reads as none.
+        assert_eq!(RejectCode::from_code(0), None);
+        let mut buf = Vec::new();
+        with(None).encode_payload(Capabilities::ALL, &mut buf);
+        *buf.last_mut().unwrap() = 200;
+        let back = Message::decode(MessageKind::Status, &buf, Capabilities::ALL).unwrap();
+        assert_eq!(back, with(None));
     }
 
     #[test]

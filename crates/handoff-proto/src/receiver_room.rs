@@ -431,6 +431,7 @@ impl ReceiverRooms {
                     kind,
                     reason,
                     http_status,
+                    code,
                 },
             ) => {
                 if succeeded.contains(&from) {
@@ -439,7 +440,7 @@ impl ReceiverRooms {
                     self.stats.violations += 1;
                 }
                 let status = http_status.unwrap_or_else(|| kind.default_http_status());
-                let error = TransferError::from_wire(kind, reason, status, Role::Prefill);
+                let error = TransferError::from_wire(kind, reason, status, code, Role::Prefill);
                 self.fail_room(room, error, Some(from), now);
             }
             (Expect::AuxCheck, Outcome::Success) => self.stats.duplicates += 1,
@@ -449,11 +450,12 @@ impl ReceiverRooms {
                     kind,
                     reason,
                     http_status,
+                    code,
                 },
             ) => {
                 self.stats.violations += 1;
                 let status = http_status.unwrap_or_else(|| kind.default_http_status());
-                let error = TransferError::from_wire(kind, reason, status, Role::Prefill);
+                let error = TransferError::from_wire(kind, reason, status, code, Role::Prefill);
                 self.fail_room(room, error, Some(from), now);
             }
             (Expect::Pages, _) => {
@@ -827,6 +829,7 @@ mod tests {
             kind: FailureKind::Rejected,
             reason: "prompt too long".into(),
             http_status: Some(400),
+            code: None,
         };
         t.handle_message(PeerId(0), status(r, failed), t0);
         let (tx, acts) = drain(&mut t);
@@ -836,7 +839,8 @@ mod tests {
                 room: r,
                 error: TransferError::Rejected {
                     http_status: 400,
-                    reason: "prompt too long".into()
+                    reason: "prompt too long".into(),
+                    code: None,
                 }
             }]
         );
@@ -1101,6 +1105,7 @@ mod tests {
             kind,
             reason: "x".into(),
             http_status: None,
+            code: None,
         }
     }
 

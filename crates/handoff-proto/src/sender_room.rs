@@ -510,6 +510,7 @@ impl SenderRooms {
                     kind: error.kind(),
                     reason: error.reason(),
                     http_status: Some(error.http_status()),
+                    code: error.reject_code(),
                 },
             }),
         });
@@ -766,7 +767,8 @@ mod tests {
                     Outcome::Failed {
                         kind: FailureKind::Aborted,
                         reason: "client disconnected".into(),
-                        http_status: Some(499)
+                        http_status: Some(499),
+                        code: None
                     }
                 ),
             ]
@@ -813,6 +815,7 @@ mod tests {
             TransferError::Rejected {
                 http_status: 400,
                 reason: "prompt too long".into(),
+                code: None,
             },
             t0,
         );
@@ -824,7 +827,8 @@ mod tests {
                 room: r,
                 result: Err(TransferError::Rejected {
                     http_status: 400,
-                    reason: "prompt too long".into()
+                    reason: "prompt too long".into(),
+                    code: None,
                 })
             }]
         );
@@ -838,7 +842,8 @@ mod tests {
                 Outcome::Failed {
                     kind: FailureKind::Rejected,
                     reason: "prompt too long".into(),
-                    http_status: Some(400)
+                    http_status: Some(400),
+                    code: None
                 }
             )]
         );

@@ -3,7 +3,7 @@
 //! the decoder, truncated or extended payloads are rejected, and a corrupted
 //! frame never takes the next one down with it.
 
-use handoff_proto::error::{AbortOrigin, CodecError, FailureKind};
+use handoff_proto::error::{AbortOrigin, CodecError, FailureKind, RejectCode};
 use handoff_proto::frame::{
     encode_frame, FrameDecoder, DEFAULT_MAX_FRAME_LEN, HEADER_LEN, PROTOCOL_VERSION,
 };
@@ -58,6 +58,11 @@ fn arb_message(full: bool) -> impl Strategy<Value = Message> {
     let status = 100u16..=599;
     let opt_status = if full {
         status.clone().prop_map(Some).boxed()
+    } else {
+        Just(None).boxed()
+    };
+    let reject_code = if full {
+        prop::option::of(0usize..RejectCode::ALL.len()).boxed()
     } else {
         Just(None).boxed()
     };
@@ -129,15 +134,17 @@ fn arb_message(full: bool) -> impl Strategy<Value = Message> {
             arb_room(),
             0usize..FailureKind::ALL.len(),
             arb_reason(),
-            opt_status
+            opt_status,
+            reject_code
         )
-            .prop_map(|(room, k, reason, http_status)| {
+            .prop_map(|(room, k, reason, http_status, code)| {
                 Message::Status(Status {
                     room,
                     outcome: Outcome::Failed {
                         kind: FailureKind::ALL[k],
                         reason,
                         http_status,
+                        code: code.map(|c| RejectCode::ALL[c]),
                     },
                 })
             }),

@@ -216,6 +216,7 @@ impl RxHarness {
                         kind: FailureKind::Rejected,
                         reason: "bad".into(),
                         http_status: Some(400),
+                        code: None,
                     },
                 }),
             ),
@@ -425,6 +426,7 @@ impl TxHarness {
                 TransferError::Rejected {
                     http_status: 400,
                     reason: "too long".into(),
+                    code: None,
                 },
                 now,
             ),

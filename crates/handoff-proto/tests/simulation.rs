@@ -632,6 +632,7 @@ impl Sim {
                     let e = TransferError::Rejected {
                         http_status: 400,
                         reason: "prompt too long".into(),
+                        code: None,
                     };
                     n.ep.fail(r, e, now);
                 }

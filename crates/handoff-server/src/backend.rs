@@ -235,10 +235,10 @@ impl Backend {
         };
         match self {
             Backend::Colocated(_) => {}
-            Backend::Prefill(p) => p.reject(room, error.status, &error.message),
+            Backend::Prefill(p) => p.reject(room, error.status, &error.message, reject_code(error)),
             Backend::Decode(d) => {
                 if let Ok(addr) = b.prefill_addr().await {
-                    d.reject(room, addr, error.status, &error.message);
+                    d.reject(room, addr, error.status, &error.message, reject_code(error));
                 }
             }
         }
@@ -261,4 +261,23 @@ impl From<DecodeHandle> for Backend {
     fn from(d: DecodeHandle) -> Self {
         Backend::Decode(d)
     }
+}
+
+/// The wire code of a refusal this server made itself (before the engine saw
+/// the request), so the peer worker reports the same error type and field.
+fn reject_code(e: &ApiError) -> Option<handoff_engine::error::RejectCode> {
+    use handoff_engine::error::RejectCode;
+    let output_field = matches!(
+        e.param.as_deref(),
+        Some("max_tokens" | "max_completion_tokens" | "sampling_params.max_new_tokens")
+    );
+    Some(match e.code {
+        "context_length_exceeded" if output_field => RejectCode::OutputExceedsContext,
+        "context_length_exceeded" => RejectCode::PromptExceedsContext,
+        "kv_capacity_exceeded" => RejectCode::ExceedsKvCapacity,
+        "empty_prompt" => RejectCode::EmptyPrompt,
+        "invalid_token_id" => RejectCode::TokenOutOfRange,
+        "invalid_request_error" => RejectCode::InvalidRequest,
+        _ => return None,
+    })
 }

@@ -192,6 +192,7 @@ mod tests {
             FailureKind::Internal,
             "prefill gave up".into(),
             500,
+            None,
             Role::Prefill,
         ))
         .into();
@@ -203,6 +204,7 @@ mod tests {
         let e: ApiError = EngineError::from(TransferError::Rejected {
             http_status: 400,
             reason: "prompt too long".into(),
+            code: None,
         })
         .into();
         assert_eq!(
@@ -214,6 +216,7 @@ mod tests {
             FailureKind::PeerDead,
             "data link closed".into(),
             503,
+            None,
             Role::Prefill,
         ))
         .into();

@@ -456,14 +456,14 @@ async fn router_prefill_refusal_after_decode_reserved(
     );
     assert_eq!(s, 400, "{label}: {b}");
     let e = json_of(&b);
-    // Prefill's own answer carries its code; decode's relay of it (when it
-    // reaches the router first) carries the wire kind: the transfer
-    // protocol moves a failure's kind, status and reason, not the API code.
-    let code = e["error"]["code"].as_str().unwrap();
-    assert!(
-        code == "context_length_exceeded" || code == "rejected",
+    // Whichever answer reaches the router first, prefill's own or decode's
+    // relay of it, it names the same error and field: the refusal's API
+    // code crosses the transfer protocol (`Status` with REJECT_CODE).
+    assert_eq!(
+        e["error"]["code"], "context_length_exceeded",
         "{label}: {b}"
     );
+    assert_eq!(e["error"]["param"], "messages", "{label}: {b}");
     assert!(
         e["error"]["message"]
             .as_str()

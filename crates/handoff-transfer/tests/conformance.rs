@@ -352,6 +352,7 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let rejected = TransferError::Rejected {
         http_status: 400,
         reason: "prompt too long".into(),
+        code: None,
     };
     p.tx.refuse(r, rejected.clone());
     let e = tokio::time::timeout(within, dr.landed())
@@ -607,6 +608,7 @@ async fn prefill_rejection_reaches_decode_with_reason_and_status(kind: Transport
         let reject = TransferError::Rejected {
             http_status: 400,
             reason: "prompt of 9000 tokens exceeds the context of 8192".into(),
+            code: None,
         };
         if early {
             p.tx.fail(r, reject.clone());
@@ -2225,6 +2227,7 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
         TransferError::Rejected {
             http_status: 400,
             reason: "prompt too long".into(),
+            code: None,
         },
     );
     let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r2, Duration::from_secs(3)).await else {
@@ -2324,6 +2327,7 @@ async fn raw_prefill_gives_up(control: &mut RawDecode, rx: &KvReceiver, room: Ro
                 kind: FailureKind::Internal,
                 reason: "gave up".into(),
                 http_status: Some(500),
+                code: None,
             },
         }))
         .await;

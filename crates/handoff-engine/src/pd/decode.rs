@@ -23,7 +23,7 @@ use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_proto::receiver_room::Source;
 use handoff_proto::{
-    AbortOrigin, AuxSlot, FailureKind, Misbehavior, PeerId, Role, RoomId, TransferError,
+    AbortOrigin, AuxSlot, FailureKind, Misbehavior, PeerId, RejectCode, Role, RoomId, TransferError,
 };
 use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig};
 
@@ -173,7 +173,13 @@ impl DecodeHandle {
         };
         let ctx = self.inner.ctx.clone();
         if let Err(e) = ctx.shared.validate(&req) {
-            self.reject(room, prefill, e.http_status(), &e.to_string());
+            self.reject(
+                room,
+                prefill,
+                e.http_status(),
+                &e.to_string(),
+                e.reject_code(),
+            );
             return Err(e);
         }
         let (tx, stream) = crate::events::channel();
@@ -186,7 +192,16 @@ impl DecodeHandle {
     /// [`Self::submit`] could be called: a malformed field, say): the
     /// prefill at `prefill` is told through the protocol, with the same
     /// status and reason, so it never computes for this room (seed 004).
-    pub fn reject(&self, room: RoomId, prefill: SocketAddr, http_status: u16, reason: &str) {
+    /// `code` is the API's name for the refusal, sent on so the prefill
+    /// reports the same error type.
+    pub fn reject(
+        &self,
+        room: RoomId,
+        prefill: SocketAddr,
+        http_status: u16,
+        reason: &str,
+        code: Option<RejectCode>,
+    ) {
         let Some(rt) = self.inner.runtime.as_ref() else {
             return;
         };
@@ -194,6 +209,7 @@ impl DecodeHandle {
         let error = TransferError::Rejected {
             http_status,
             reason: reason.to_owned(),
+            code,
         };
         tracing::debug!(room = room.get(), error = %error, "decode rejected the request");
         rt.spawn(async move {
@@ -483,6 +499,7 @@ mod tests {
             FailureKind::PeerDead,
             "data link closed".into(),
             503,
+            None,
             Role::Prefill,
         ));
         assert!(connection_lost(&remote), "{remote:?}");
@@ -505,17 +522,20 @@ mod tests {
                 FailureKind::Timeout,
                 "timed out in transferring".into(),
                 504,
+                None,
                 Role::Prefill,
             )),
             EngineError::from(TransferError::from_wire(
                 FailureKind::Internal,
                 "peer_dead".into(),
                 500,
+                None,
                 Role::Prefill,
             )),
             EngineError::from(TransferError::Rejected {
                 http_status: 400,
                 reason: "prompt too long".into(),
+                code: None,
             }),
             EngineError::from(TransportError::Shutdown),
             EngineError::ShuttingDown,

@@ -34,7 +34,7 @@ use handoff_model::chat_template::ChatTemplate;
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
-use handoff_proto::{Role, RoomId, TransferError};
+use handoff_proto::{RejectCode, Role, RoomId, TransferError};
 use handoff_transfer::{AuxData, KvSender, SenderConfig, TransportError};
 use tokio::sync::oneshot;
 
@@ -237,7 +237,7 @@ impl PrefillHandle {
         };
         let ctx = self.inner.ctx.clone();
         if let Err(e) = self.validate(&req) {
-            self.reject(room, e.http_status(), &e.to_string());
+            self.reject(room, e.http_status(), &e.to_string(), e.reject_code());
             return Err(e);
         }
         let (tx, rx) = oneshot::channel();
@@ -256,10 +256,13 @@ impl PrefillHandle {
     /// [`Self::submit`] could be called: a malformed field, say): the room
     /// is failed through the protocol with the same status and reason, so
     /// decode releases its pages and reports the original error (seed 004).
-    pub fn reject(&self, room: RoomId, http_status: u16, reason: &str) {
+    /// `code` is the API's name for the refusal, sent on so decode reports
+    /// the same error type.
+    pub fn reject(&self, room: RoomId, http_status: u16, reason: &str, code: Option<RejectCode>) {
         let error = TransferError::Rejected {
             http_status,
             reason: reason.to_owned(),
+            code,
         };
         tracing::debug!(room = room.get(), error = %error, "prefill rejected the request");
         let ctx = &self.inner.ctx;
