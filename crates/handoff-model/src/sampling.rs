@@ -173,5 +173,86 @@ mod tests {
         let logits = [1.0f32, 2.0, 3.0];
         let total: f32 = (0..3).map(|i| logprob(&logits, i).exp()).sum();
         assert!((total - 1.0).abs() < 1e-5);
+        // log_softmax exactly: 3 - ln(e + e^2 + e^3).
+        let want = 3.0 - (1f64.exp() + 2f64.exp() + 3f64.exp()).ln();
+        assert!((logprob(&logits, 2) as f64 - want).abs() < 1e-6);
+        // Shifting every logit changes nothing, even far from zero.
+        let far = [1001.0f32, 1002.0, 1003.0];
+        assert!((logprob(&far, 2) as f64 - want).abs() < 1e-4);
+    }
+
+    #[test]
+    fn argmax_finds_the_largest_wherever_it_is() {
+        assert_eq!(argmax(&[5.0, 1.0, 2.0]), 0);
+        assert_eq!(argmax(&[0.0, 1.0, 3.0]), 2);
+        assert_eq!(argmax(&[-3.0, -1.0, -2.0]), 1);
+        assert_eq!(argmax(&[7.0, 7.0]), 0);
+    }
+
+    /// The distribution a sampler should draw from, computed independently:
+    /// softmax(logits / t) in f64, keep the `k` most likely (0 = all),
+    /// renormalise, keep the shortest head whose mass reaches `p`,
+    /// renormalise (the order vLLM and SGLang apply them).
+    fn reference(logits: &[f32], t: f32, k: usize, p: f32) -> Vec<f64> {
+        let scaled: Vec<f64> = logits.iter().map(|&v| v as f64 / t as f64).collect();
+        let max = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| scaled[b].total_cmp(&scaled[a]).then(a.cmp(&b)));
+        if k > 0 {
+            order.truncate(k);
+        }
+        let weight = |i: usize| (scaled[i] - max).exp();
+        let total: f64 = order.iter().map(|&i| weight(i)).sum();
+        let mut kept = Vec::new();
+        let mut acc = 0.0;
+        for &i in &order {
+            kept.push(i);
+            acc += weight(i) / total;
+            if acc >= p as f64 {
+                break;
+            }
+        }
+        let total: f64 = kept.iter().map(|&i| weight(i)).sum();
+        let mut probs = vec![0.0; logits.len()];
+        for i in kept {
+            probs[i] = weight(i) / total;
+        }
+        probs
+    }
+
+    /// Draw 40 000 tokens and compare each token's frequency with the
+    /// reference probability (6 standard deviations: 0.015).
+    #[test]
+    fn draws_follow_temperature_top_k_and_top_p() {
+        let small = [2.0f32, 1.0, 0.5, -1.0, 0.0];
+        // Logits this large overflow `exp` unless the maximum is subtracted.
+        let large = [400.0f32, 399.5, 399.0, 398.0];
+        let cases: [(&[f32], f32, usize, f32); 6] = [
+            (&small, 0.7, 0, 1.0),
+            (&small, 1.5, 0, 1.0),
+            (&small, 1.0, 3, 1.0),
+            (&small, 1.3, 0, 0.75),
+            (&small, 1.0, 4, 0.9),
+            (&large, 1.0, 0, 1.0),
+        ];
+        const N: usize = 40_000;
+        for (n, &(logits, t, k, p)) in cases.iter().enumerate() {
+            let want = reference(logits, t, k, p);
+            let mut s = Sampler::new(cfg(t, k, p, 1000 + n as u64));
+            let mut count = vec![0usize; logits.len()];
+            for _ in 0..N {
+                count[s.sample(logits).0 as usize] += 1;
+            }
+            for (i, (&c, &w)) in count.iter().zip(&want).enumerate() {
+                let got = c as f64 / N as f64;
+                assert!(
+                    (got - w).abs() < 0.015,
+                    "t={t} k={k} p={p}: token {i} drawn {got:.4}, expected {w:.4} ({count:?} vs {want:?})"
+                );
+                if w == 0.0 {
+                    assert_eq!(c, 0, "t={t} k={k} p={p}: token {i} is filtered out");
+                }
+            }
+        }
     }
 }

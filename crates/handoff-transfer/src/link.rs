@@ -1472,27 +1472,31 @@ mod tests {
         );
     }
 
-    /// A segments job of one page for `room`.
-    /// Large payloads (read straight into the pool, each one's tail
-    /// together with the next record's header) land byte-exact however the
-    /// sender's bytes are split: mid-header, at a payload's last byte, a
-    /// header with part of its payload, a payload's tail with half of the
-    /// next header, everything left at once. Then the room's ack comes back.
-    #[tokio::test]
-    async fn large_payloads_split_anywhere_land_byte_exact() {
+    /// A tcp link reader over a pool whose pages are large enough to be read
+    /// straight into the pool (`DIRECT_MIN`), and the prefill's end.
+    struct DirectReader {
+        pool: handoff_kv::KvPool,
+        layout: KvLayout,
+        span: usize,
+        prefill: TcpStream,
+        reader: LinkReader,
+        /// The pool's region handle, kept for as long as the test runs.
+        _handle: handoff_kv::ShmRegionHandle,
+    }
+
+    async fn direct_reader(layers: usize, pages: usize) -> DirectReader {
         let g = handoff_kv::KvGeometry {
-            layers: 2,
+            layers,
             kv_heads: 1,
             head_dim: 160,
             page_size: 64,
             dtype: handoff_kv::KvDtype::F32,
         };
-        let (pool, _handle) = handoff_kv::KvPool::new_shared(g, 6).unwrap();
+        let (pool, handle) = handoff_kv::KvPool::new_shared(g, pages).unwrap();
         let layout = *pool.layout();
         let span = page_span(&layout);
         assert!(span >= DIRECT_MIN, "{span}");
-        let lease = pool.allocator().lease(6).unwrap();
-        let (mut prefill, decode) = tcp_pair().await;
+        let (prefill, decode) = tcp_pair().await;
         let plan = LinkPlan {
             pair: handoff_proto::rank::PairPlan::Whole,
             decode_heads: 1,
@@ -1505,6 +1509,33 @@ mod tests {
             plan,
             Default::default(),
         );
+        DirectReader {
+            pool,
+            layout,
+            span,
+            prefill,
+            reader,
+            _handle: handle,
+        }
+    }
+
+    /// A segments job of one page for `room`.
+    /// Large payloads (read straight into the pool, each one's tail
+    /// together with the next record's header) land byte-exact however the
+    /// sender's bytes are split: mid-header, at a payload's last byte, a
+    /// header with part of its payload, a payload's tail with half of the
+    /// next header, everything left at once. Then the room's ack comes back.
+    #[tokio::test]
+    async fn large_payloads_split_anywhere_land_byte_exact() {
+        let DirectReader {
+            pool,
+            layout,
+            span,
+            mut prefill,
+            reader,
+            _handle,
+        } = direct_reader(2, 6).await;
+        let lease = pool.allocator().lease(6).unwrap();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let r = room(9);
         cmd_tx
@@ -1582,30 +1613,14 @@ mod tests {
     /// the stream (the next room's segment and end are read and acked).
     #[tokio::test]
     async fn forgetting_a_room_mid_direct_read_lands_nothing_more() {
-        let g = handoff_kv::KvGeometry {
-            layers: 1,
-            kv_heads: 1,
-            head_dim: 160,
-            page_size: 64,
-            dtype: handoff_kv::KvDtype::F32,
-        };
-        let (pool, _handle) = handoff_kv::KvPool::new_shared(g, 4).unwrap();
-        let layout = *pool.layout();
-        let span = page_span(&layout);
-        assert!(span >= DIRECT_MIN, "{span}");
-        let (mut prefill, decode) = tcp_pair().await;
-        let plan = LinkPlan {
-            pair: handoff_proto::rank::PairPlan::Whole,
-            decode_heads: 1,
-        };
-        let reader = LinkReader::new(
-            decode,
-            TransportKind::Tcp,
-            pool.shared_region().unwrap().clone(),
+        let DirectReader {
+            pool,
             layout,
-            plan,
-            Default::default(),
-        );
+            span,
+            mut prefill,
+            reader,
+            _handle,
+        } = direct_reader(1, 4).await;
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (gone, kept) = (room(21), room(22));
         let lease = pool.allocator().lease(2).unwrap();

@@ -1378,28 +1378,15 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
 /// rejects each before a byte lands, and its ack says so.
 async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: TransportKind) {
     use handoff_proto::datalink::{Record, SegmentHeader};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (d_pool, _) = testing::pool();
-    let rx = KvReceiver::start(
-        testing::receiver_config(kind),
-        d_pool.shared_region().unwrap().clone(),
-        *d_pool.layout(),
-    );
-    let rx2 = rx.clone();
-    let connecting = tokio::spawn(async move { rx2.connect(addr).await });
     let r = room(800);
-    let (mut control, mut data, _others) =
-        raw_prefill(&listener, testing::sender_config().handshake, r).await;
-    let rank = connecting.await.unwrap().unwrap();
-    rx.open(r, sources(rank)).await.unwrap();
-    let lease = d_pool.allocator().lease(2).unwrap();
-    let mine = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
-    let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
-        panic!("no destination")
-    };
-    assert_eq!(dest.pages.len(), 2);
+    let RawRoom {
+        d_pool,
+        rx,
+        mut control,
+        mut data,
+        mine,
+        _others,
+    } = raw_decode_room(kind, r).await;
     let span = handoff_transfer::link::page_span(d_pool.layout());
     let not_mine = (0..testing::TEST_PAGES as u32)
         .find(|p| !mine.contains(&PageIndex(*p)))
@@ -1416,10 +1403,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
         data.write_all(&vec![0xAB; span]).await.unwrap();
     }
     end_room_expecting_a_refusal(&mut data, r).await;
-    let region = d_pool.shared_region().unwrap();
-    let mut all = vec![0u8; region.len()];
-    region.read_at(0, &mut all).unwrap();
-    assert!(all.iter().all(|b| *b == 0), "nothing written");
+    assert_pool_untouched(&d_pool, "nothing written");
     assert!(rx.stats().await.unwrap().rejected_segments >= 3);
     // The lying prefill reports failure; decode fails the room and frees it.
     raw_prefill_gives_up(&mut control, &rx, r).await;
@@ -1450,13 +1434,8 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     let st = rx.stats().await.unwrap();
     assert_eq!(st.live_rooms, 0);
     assert!(st.room_stats.unknown_room_events >= 2, "{st:?}");
-    drop(control);
-    drop(data);
-    rx.shutdown();
-    eventually("no task left", Duration::from_secs(3), || async {
-        rx.live_tasks() == 0
-    })
-    .await;
+    drop((control, data));
+    shut_down(&rx).await;
 }
 
 /// A prefill that sends garbage: malformed control frames are counted and
@@ -1465,27 +1444,15 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
 /// closes that link, fails the room as the prefill's fault, writes nothing
 /// and frees the pages; the endpoint keeps serving.
 async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: TransportKind) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (d_pool, _) = testing::pool();
-    let rx = KvReceiver::start(
-        testing::receiver_config(kind),
-        d_pool.shared_region().unwrap().clone(),
-        *d_pool.layout(),
-    );
-    let rx2 = rx.clone();
-    let connecting = tokio::spawn(async move { rx2.connect(addr).await });
     let r = room(820);
-    let (mut control, mut data, _others) =
-        raw_prefill(&listener, testing::sender_config().handshake, r).await;
-    let rank = connecting.await.unwrap().unwrap();
-    rx.open(r, sources(rank)).await.unwrap();
-    rx.reserve(r, d_pool.allocator().lease(2).unwrap(), AuxSlot(0), 0)
-        .await
-        .unwrap();
-    let Some(Message::Destination(_)) = control.recv(Duration::from_secs(1)).await else {
-        panic!("no destination")
-    };
+    let RawRoom {
+        d_pool,
+        rx,
+        mut control,
+        mut data,
+        _others,
+        ..
+    } = raw_decode_room(kind, r).await;
     // Control: a foreign protocol, an unknown message kind, a truncated
     // payload, a header declaring 64 MiB.
     let mut unknown_kind = b"HOFF".to_vec();
@@ -1525,10 +1492,7 @@ async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: Tra
         ),
         "{e}"
     );
-    let region = d_pool.shared_region().unwrap();
-    let mut all = vec![0u8; region.len()];
-    region.read_at(0, &mut all).unwrap();
-    assert!(all.iter().all(|b| *b == 0), "garbage landed in the pool");
+    assert_pool_untouched(&d_pool, "garbage landed in the pool");
     eventually("pages back", Duration::from_secs(3), || async {
         d_pool.allocator().stats().leased == 0
     })
@@ -1536,8 +1500,66 @@ async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: Tra
     // The endpoint still answers and holds nothing of that room.
     let st = rx.stats().await.unwrap();
     assert_eq!(st.live_rooms, 0, "{st:?}");
-    drop(control);
-    drop(data);
+    drop((control, data));
+    shut_down(&rx).await;
+}
+
+/// A decode endpoint with room `r` open and two pages reserved for it,
+/// connected to a raw prefill (this test's sockets) that has read the
+/// room's destination.
+struct RawRoom {
+    d_pool: KvPool,
+    rx: KvReceiver,
+    control: RawDecode,
+    data: TcpStream,
+    /// The pages reserved for the room.
+    mine: Vec<PageIndex>,
+    /// The raw prefill's other data streams, kept open.
+    _others: Vec<TcpStream>,
+}
+
+async fn raw_decode_room(kind: TransportKind, r: RoomId) -> RawRoom {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (d_pool, _) = testing::pool();
+    let rx = KvReceiver::start(
+        testing::receiver_config(kind),
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rx2 = rx.clone();
+    let connecting = tokio::spawn(async move { rx2.connect(addr).await });
+    let (mut control, data, _others) =
+        raw_prefill(&listener, testing::sender_config().handshake, r).await;
+    let rank = connecting.await.unwrap().unwrap();
+    rx.open(r, sources(rank)).await.unwrap();
+    let lease = d_pool.allocator().lease(2).unwrap();
+    let mine = lease.pages().to_vec();
+    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
+    let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
+        panic!("no destination")
+    };
+    assert_eq!(dest.pages, mine);
+    RawRoom {
+        d_pool,
+        rx,
+        control,
+        data,
+        mine,
+        _others,
+    }
+}
+
+/// Every byte of `pool`'s region is still zero.
+fn assert_pool_untouched(pool: &KvPool, what: &str) {
+    let region = pool.shared_region().unwrap();
+    let mut all = vec![0u8; region.len()];
+    region.read_at(0, &mut all).unwrap();
+    assert!(all.iter().all(|b| *b == 0), "{what}");
+}
+
+/// Shut `rx` down and wait for its tasks to end.
+async fn shut_down(rx: &KvReceiver) {
     rx.shutdown();
     eventually("no task left", Duration::from_secs(3), || async {
         rx.live_tasks() == 0
