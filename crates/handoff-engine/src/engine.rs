@@ -75,6 +75,9 @@ impl Shared {
     }
 }
 
+/// Most `logit_bias` entries one request may give.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
 /// Every limit a request must pass before it enters any queue (colocated,
 /// prefill and decode engines alike): prompt, sampling parameters, context,
 /// KV capacity of a pool of `total_pages` pages.
@@ -118,6 +121,51 @@ pub(crate) fn validate(
         return Err(EngineError::InvalidParams(
             "stop strings must not be empty".into(),
         ));
+    }
+    if !(0.0..=1.0).contains(&p.min_p) {
+        return Err(EngineError::InvalidParams(format!(
+            "min_p must be in [0, 1], got {}",
+            p.min_p
+        )));
+    }
+    let pen = &p.penalties;
+    for (name, v) in [
+        ("presence_penalty", pen.presence),
+        ("frequency_penalty", pen.frequency),
+    ] {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(EngineError::InvalidParams(format!(
+                "{name} must be in [-2, 2], got {v}"
+            )));
+        }
+    }
+    if !(pen.repetition > 0.0 && pen.repetition <= 2.0) {
+        return Err(EngineError::InvalidParams(format!(
+            "repetition_penalty must be in (0, 2], got {}",
+            pen.repetition
+        )));
+    }
+    if pen.logit_bias.len() > MAX_LOGIT_BIAS {
+        return Err(EngineError::InvalidParams(format!(
+            "logit_bias holds {} tokens: at most {MAX_LOGIT_BIAS} are accepted",
+            pen.logit_bias.len()
+        )));
+    }
+    if let Some(&(id, b)) = pen
+        .logit_bias
+        .iter()
+        .find(|&&(id, b)| id as usize >= info.vocab_size || !(-100.0..=100.0).contains(&b))
+    {
+        return Err(EngineError::InvalidParams(format!(
+            "logit_bias: token {id} with bias {b}: tokens must be below the vocabulary size {} and biases in [-100, 100]",
+            info.vocab_size
+        )));
+    }
+    if p.min_new_tokens > p.max_new_tokens {
+        return Err(EngineError::InvalidParams(format!(
+            "min_new_tokens ({}) must not exceed max_new_tokens ({})",
+            p.min_new_tokens, p.max_new_tokens
+        )));
     }
     let total = req.prompt_ids.len().saturating_add(p.max_new_tokens);
     if total > info.context_length {

@@ -3,6 +3,9 @@
 
 use std::time::Instant;
 
+pub use handoff_model::sampling::Penalties;
+use handoff_model::sampling::SamplerConfig;
+
 use crate::error::EngineError;
 
 /// How the next token is chosen and when generation stops.
@@ -26,6 +29,20 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep generating past the model's end-of-sequence token.
     pub ignore_eos: bool,
+    /// Keep only tokens at least this share of the most likely one's
+    /// probability; 0 disables it.
+    pub min_p: f32,
+    /// Bias, repetition, frequency and presence penalties
+    /// ([`handoff_model::sampling`] has the formulas).
+    pub penalties: Penalties,
+    /// No end of generation (end-of-sequence, stop ids, stop strings)
+    /// before this many tokens: end-of-generation tokens are masked.
+    pub min_new_tokens: usize,
+    /// Special tokens add no text to the output (default true).
+    pub skip_special_tokens: bool,
+    /// With special tokens in the text, a space separates each from its
+    /// neighbours (default true; vLLM's and HF's slow detokenizer rule).
+    pub spaces_between_special_tokens: bool,
 }
 
 impl Default for SamplingParams {
@@ -39,7 +56,39 @@ impl Default for SamplingParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            min_p: 0.0,
+            penalties: Penalties::default(),
+            min_new_tokens: 0,
+            skip_special_tokens: true,
+            spaces_between_special_tokens: true,
         }
+    }
+}
+
+impl SamplingParams {
+    /// The sampler of a request with these parameters and `seed`.
+    pub fn sampler(&self, seed: u64) -> SamplerConfig {
+        SamplerConfig {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            seed,
+            min_p: self.min_p,
+            penalties: self.penalties.clone(),
+        }
+    }
+
+    /// Tokens the sampler may not pick after `generated` output tokens:
+    /// every end of generation while fewer than `min_new_tokens` came.
+    pub fn masked(&self, generated: usize, eog: &[u32]) -> Vec<u32> {
+        if generated >= self.min_new_tokens {
+            return Vec::new();
+        }
+        let mut m = self.stop_token_ids.clone();
+        if !self.ignore_eos {
+            m.extend_from_slice(eog);
+        }
+        m
     }
 }
 

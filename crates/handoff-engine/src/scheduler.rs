@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc as std_mpsc, Arc};
 
 use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache, PrefixLock};
-use handoff_model::sampling::{Sampler, SamplerConfig};
+use handoff_model::sampling::Sampler;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
 
@@ -112,6 +112,8 @@ pub(crate) struct Active {
     max_new: usize,
     stop_ids: Vec<u32>,
     ignore_eos: bool,
+    /// Its parameters (the end-of-generation mask before `min_new_tokens`).
+    sampling: crate::request::SamplingParams,
 }
 
 impl Active {
@@ -284,16 +286,12 @@ impl Scheduler {
                 prompt_len: w.req.prompt_ids.len(),
                 cached: seq.prefix_tokens,
                 seq,
-                sampler: Sampler::new(SamplerConfig {
-                    temperature: s.temperature,
-                    top_k: s.top_k,
-                    top_p: s.top_p,
-                    seed,
-                }),
-                text: TextTracker::new(s.stop.clone()),
+                sampler: Sampler::for_prompt(s.sampler(seed), &w.req.prompt_ids),
+                text: TextTracker::for_params(s),
                 max_new: s.max_new_tokens,
                 stop_ids: s.stop_token_ids.clone(),
                 ignore_eos: s.ignore_eos,
+                sampling: w.req.sampling.clone(),
                 tokens: w.req.prompt_ids,
                 tx: w.tx,
             });
@@ -305,26 +303,20 @@ impl Scheduler {
     /// reserved: it waits only for a batch slot.
     fn resume(&mut self, r: Resumed) {
         let s = &r.req.sampling;
-        let mut sampler = Sampler::new(SamplerConfig {
-            temperature: s.temperature,
-            top_k: s.top_k,
-            top_p: s.top_p,
-            seed: r.seed,
-        });
+        let mut sampler = Sampler::for_prompt(s.sampler(r.seed), &r.req.prompt_ids);
         // The prefill drew the first token from the same seed: advance the
         // RNG past that draw (one draw per non-greedy sample).
-        if s.temperature > 0.0 && s.top_k != 1 {
-            sampler.sample(&[0.0, 0.0]);
-        }
+        sampler.skip_draw();
         self.active.push(Active {
             prompt_len: r.req.prompt_ids.len(),
             cached: r.req.prompt_ids.len(),
             seq: r.pages,
             sampler,
-            text: TextTracker::new(s.stop.clone()),
+            text: TextTracker::for_params(s),
             max_new: s.max_new_tokens,
             stop_ids: s.stop_token_ids.clone(),
             ignore_eos: s.ignore_eos,
+            sampling: r.req.sampling.clone(),
             tokens: r.req.prompt_ids,
             tx: r.tx,
         });
@@ -425,7 +417,9 @@ impl Scheduler {
     /// the request is finished, with the final event to send once its pages
     /// are released (`None` inside when the client is gone).
     fn emit(&mut self, i: usize, logits: &[f32]) -> Option<Option<StreamEvent>> {
-        let (id, logprob) = self.active[i].sampler.sample(logits);
+        let a = &mut self.active[i];
+        let masked = a.sampling.masked(a.generated(), self.tokenizer.eog_ids());
+        let (id, logprob) = a.sampler.sample_masked(logits, &masked);
         self.emit_token(i, id, logprob)
     }
 
@@ -434,11 +428,16 @@ impl Scheduler {
         let eos = self.tokenizer.eog_ids().to_vec();
         let a = &mut self.active[i];
         a.tokens.push(id);
-        let is_eos = (!a.ignore_eos && eos.contains(&id)) || a.stop_ids.contains(&id);
+        a.sampler.accept(id);
+        // Nothing ends generation before `min_new_tokens` (the sampler
+        // masks end-of-generation tokens; a token sampled elsewhere, a
+        // prefill's first, was masked there).
+        let may_end = a.generated() >= a.sampling.min_new_tokens;
+        let is_eos = may_end && ((!a.ignore_eos && eos.contains(&id)) || a.stop_ids.contains(&id));
         let pushed = if is_eos {
             None
         } else {
-            Some(a.text.push(&self.tokenizer, id))
+            Some(a.text.push(&self.tokenizer, id, may_end))
         };
         let mut reason = None;
         let mut text = String::new();

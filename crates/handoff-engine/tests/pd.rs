@@ -56,6 +56,7 @@ per_transport!(
     a_short_prompt_is_not_stuck_behind_a_long_prefill,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
+    sampling_controls_are_colocated_controls,
     prefill_rejection_reaches_decode_with_status_and_reason,
     dropped_stream_mid_prefill_releases_both_sides,
     dropped_stream_mid_decode_releases_both_sides,
@@ -749,6 +750,84 @@ fn seeded_sampling_is_colocated_sampling(kind: TransportKind) {
     assert_eq!(pd(&s, &r), colocated(&s, &r));
     r.sampling.seed = Some(43);
     assert_eq!(pd(&s, &r), colocated(&s, &r));
+    assert_clean(&s);
+}
+
+/// Every sampling control gives PD the colocated output token for token,
+/// the prefill's first token included, and has the effect it promises.
+fn sampling_controls_are_colocated_controls(kind: TransportKind) {
+    use handoff_engine::request::Penalties;
+    let s = setup(kind, Opts::default());
+    let base = req(prompt(30, 4), 10);
+    let plain = colocated(&s, &base);
+    let with = |f: &dyn Fn(&mut SamplingParams)| {
+        let mut r = base.clone();
+        f(&mut r.sampling);
+        let want = colocated(&s, &r);
+        assert_eq!(pd(&s, &r), want, "{:?}", r.sampling);
+        want
+    };
+    // A bias of +100 makes one token every token; -100 keeps the greedy
+    // first token out.
+    let forced = with(&|p| {
+        p.penalties.logit_bias = vec![(3 + b'q' as u32, 100.0)];
+    });
+    assert_eq!(forced.1, "q".repeat(10));
+    let first = plain.0[0];
+    let banned = with(&|p| p.penalties.logit_bias = vec![(first, -100.0)]);
+    assert!(!banned.0.contains(&first), "{banned:?}");
+    // The plain output's first token as a stop id ends generation at once;
+    // with min_new_tokens 4 the first four tokens are anything else.
+    let stopped = with(&|p| p.stop_token_ids = vec![first]);
+    assert_eq!(stopped.0, vec![first]);
+    assert_eq!(stopped.2, FinishReason::Eos { token: first });
+    let held = with(&|p| {
+        p.stop_token_ids = vec![first];
+        p.min_new_tokens = 4;
+    });
+    assert!(
+        held.0.len() >= 4 && !held.0[..4].contains(&first),
+        "{held:?}"
+    );
+    // Penalties change the greedy output of a prompt that repeats.
+    let repeats = |p: &SamplingParams| {
+        let mut r = req(prompt(8, 1).repeat(4), 24);
+        r.sampling = SamplingParams {
+            max_new_tokens: 24,
+            ignore_eos: true,
+            ..p.clone()
+        };
+        let want = colocated(&s, &r);
+        assert_eq!(pd(&s, &r), want, "{:?}", r.sampling);
+        want
+    };
+    let unpenalised = repeats(&SamplingParams::default());
+    for penalties in [
+        Penalties {
+            repetition: 1.8,
+            ..Penalties::default()
+        },
+        Penalties {
+            frequency: 1.5,
+            ..Penalties::default()
+        },
+        Penalties {
+            presence: 2.0,
+            ..Penalties::default()
+        },
+    ] {
+        let out = repeats(&SamplingParams {
+            penalties: penalties.clone(),
+            ..SamplingParams::default()
+        });
+        assert_ne!(out.0, unpenalised.0, "{penalties:?} changed nothing");
+    }
+    // Min-p with a seed: same draws on both paths.
+    with(&|p| {
+        p.temperature = 1.5;
+        p.min_p = 0.2;
+        p.seed = Some(9);
+    });
     assert_clean(&s);
 }
 

@@ -1,11 +1,32 @@
-//! Choosing the next token from logits (DESIGN.md §6): greedy, temperature,
-//! top-k, top-p, with a per-request seeded RNG so the same seed gives the
-//! same output.
+//! Choosing the next token from logits (DESIGN.md §6): logit bias, the
+//! repetition, frequency and presence penalties, masked tokens, then greedy
+//! or temperature, top-k, top-p and min-p, with a per-request seeded RNG so
+//! the same seed gives the same output.
+//!
+//! The controls follow vLLM and SGLang exactly, in their order:
+//!
+//! - `logit_bias`: `logit[t] += bias[t]` (OpenAI);
+//! - repetition penalty `r` over every token seen in the prompt or the
+//!   output: `logit = logit > 0 ? logit / r : logit * r` (vLLM
+//!   `apply_penalties`, SGLang `BatchedRepetitionPenalizer`; CTRL, Keskar et
+//!   al. 2019);
+//! - frequency and presence penalties over the output's tokens only:
+//!   `logit[t] -= frequency * count[t] + presence * (count[t] > 0)`
+//!   (OpenAI's formula, vLLM `apply_penalties`);
+//! - masked tokens (end of generation before `min_new_tokens`) get `-inf`;
+//! - then temperature, top-k, top-p over the renormalised top-k, and min-p:
+//!   a token is kept only if its probability is at least `min_p` times the
+//!   most likely token's (SGLang `top_k_top_p_min_p_sampling_from_probs`).
+//!
+//! The log-probability reported is the model's own (`log_softmax` of the raw
+//! logits), as vLLM reports by default.
+
+use std::collections::{HashMap, HashSet};
 
 use rand::{Rng, SeedableRng};
 
 /// Parameters of one request's sampler.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplerConfig {
     /// 0 = greedy.
     pub temperature: f32,
@@ -15,16 +36,80 @@ pub struct SamplerConfig {
     pub top_p: f32,
     /// RNG seed.
     pub seed: u64,
+    /// 0 = no min-p filter.
+    pub min_p: f32,
+    /// Logit adjustments before sampling.
+    pub penalties: Penalties,
+}
+
+impl SamplerConfig {
+    /// Temperature, top-k, top-p and seed; no min-p, no penalties.
+    pub fn basic(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> Self {
+        SamplerConfig {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            min_p: 0.0,
+            penalties: Penalties::default(),
+        }
+    }
+
+    /// Whether a draw takes a random number (so a resumed sampler skips one
+    /// per token sampled elsewhere).
+    pub fn draws(&self) -> bool {
+        self.temperature >= MIN_TEMPERATURE && self.top_k != 1
+    }
+}
+
+/// Logit adjustments of one request (the module's formulas).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Penalties {
+    /// Subtracted once from every token the output holds (0 = off).
+    pub presence: f32,
+    /// Subtracted per occurrence in the output (0 = off).
+    pub frequency: f32,
+    /// Divides positive and multiplies negative logits of every token seen
+    /// in the prompt or the output (1 = off).
+    pub repetition: f32,
+    /// Added to the token's logit.
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Penalties {
+            presence: 0.0,
+            frequency: 0.0,
+            repetition: 1.0,
+            logit_bias: Vec::new(),
+        }
+    }
+}
+
+impl Penalties {
+    /// Whether any adjustment is on.
+    pub fn any(&self) -> bool {
+        self.presence != 0.0
+            || self.frequency != 0.0
+            || self.repetition != 1.0
+            || !self.logit_bias.is_empty()
+    }
 }
 
 /// Below this temperature sampling is greedy (dividing logits by a smaller
 /// number overflows f32).
 pub const MIN_TEMPERATURE: f32 = 1e-5;
 
-/// A request's sampler; owns its RNG.
+/// A request's sampler; owns its RNG and what the penalties need of the
+/// sequence so far.
 pub struct Sampler {
     cfg: SamplerConfig,
     rng: rand::rngs::StdRng,
+    /// Tokens of the prompt and output (repetition penalty only).
+    seen: HashSet<u32>,
+    /// Occurrences of each output token (frequency and presence only).
+    counts: HashMap<u32, u32>,
 }
 
 /// Index of the largest value (the first one on ties, as llama.cpp's greedy sampler).
@@ -49,21 +134,98 @@ impl Sampler {
     /// A sampler with its own RNG seeded from `cfg.seed`.
     pub fn new(cfg: SamplerConfig) -> Self {
         Self {
-            cfg,
             rng: rand::rngs::StdRng::seed_from_u64(cfg.seed),
+            cfg,
+            seen: HashSet::new(),
+            counts: HashMap::new(),
+        }
+    }
+
+    /// A sampler for a sequence whose prompt is `prompt` (the repetition
+    /// penalty counts its tokens as seen).
+    pub fn for_prompt(cfg: SamplerConfig, prompt: &[u32]) -> Self {
+        let mut s = Self::new(cfg);
+        if s.cfg.penalties.repetition != 1.0 {
+            s.seen.extend(prompt.iter().copied());
+        }
+        s
+    }
+
+    /// Record a token appended to the output (sampled here or elsewhere).
+    pub fn accept(&mut self, id: u32) {
+        let p = &self.cfg.penalties;
+        if p.repetition != 1.0 {
+            self.seen.insert(id);
+        }
+        if p.presence != 0.0 || p.frequency != 0.0 {
+            *self.counts.entry(id).or_insert(0) += 1;
+        }
+    }
+
+    /// Skip the random draw a token sampled elsewhere took (a prefill worker
+    /// drew the first token from the same seed).
+    pub fn skip_draw(&mut self) {
+        if self.cfg.draws() {
+            let _: f64 = self.rng.random();
         }
     }
 
     /// Pick the next token; returns it with its log-probability under the
-    /// model (before temperature and filters).
+    /// model (before every adjustment and filter).
     pub fn sample(&mut self, logits: &[f32]) -> (u32, f32) {
-        // Temperatures this small would overflow `logit / t`: they mean greedy.
-        let id = if self.cfg.temperature < MIN_TEMPERATURE || self.cfg.top_k == 1 {
-            argmax(logits)
+        self.sample_masked(logits, &[])
+    }
+
+    /// [`Self::sample`] with `masked` tokens never picked (end-of-generation
+    /// tokens before `min_new_tokens`).
+    pub fn sample_masked(&mut self, logits: &[f32], masked: &[u32]) -> (u32, f32) {
+        let adjusted;
+        let used = if self.cfg.penalties.any() || !masked.is_empty() {
+            adjusted = self.adjust(logits, masked);
+            &adjusted[..]
         } else {
-            self.sample_filtered(logits)
+            logits
+        };
+        // Temperatures this small would overflow `logit / t`: they mean greedy.
+        let id = if self.cfg.draws() {
+            self.sample_filtered(used)
+        } else {
+            argmax(used)
         };
         (id as u32, logprob(logits, id))
+    }
+
+    /// The logits after bias, penalties and masks (the module's formulas).
+    fn adjust(&self, logits: &[f32], masked: &[u32]) -> Vec<f32> {
+        let mut l = logits.to_vec();
+        let p = &self.cfg.penalties;
+        for &(id, bias) in &p.logit_bias {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v += bias;
+            }
+        }
+        if p.repetition != 1.0 {
+            for &id in &self.seen {
+                if let Some(v) = l.get_mut(id as usize) {
+                    *v = if *v > 0.0 {
+                        *v / p.repetition
+                    } else {
+                        *v * p.repetition
+                    };
+                }
+            }
+        }
+        for (&id, &n) in &self.counts {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v -= p.frequency * n as f32 + p.presence;
+            }
+        }
+        for &id in masked {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v = f32::NEG_INFINITY;
+            }
+        }
+        l
     }
 
     fn sample_filtered(&mut self, logits: &[f32]) -> usize {
@@ -71,8 +233,13 @@ impl Sampler {
         let mut cand: Vec<(usize, f32)> = logits
             .iter()
             .enumerate()
+            .filter(|(_, v)| **v > f32::NEG_INFINITY)
             .map(|(i, &v)| (i, v / t))
             .collect();
+        if cand.is_empty() {
+            // Every token masked: nothing better to do than the model's pick.
+            return argmax(logits);
+        }
         // Highest first; ties by index so the order is deterministic.
         cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.cfg.top_k > 0 && self.cfg.top_k < cand.len() {
@@ -98,10 +265,17 @@ impl Sampler {
                 }
             }
             probs.truncate(keep);
-            let total: f64 = probs.iter().sum();
-            for p in probs.iter_mut() {
-                *p /= total;
-            }
+        }
+        if self.cfg.min_p > 0.0 {
+            // Relative to the most likely token (first, sorted), which
+            // every filter keeps.
+            let floor = probs[0] * self.cfg.min_p as f64;
+            let keep = probs.iter().take_while(|&&p| p >= floor).count();
+            probs.truncate(keep.max(1));
+        }
+        let total: f64 = probs.iter().sum();
+        for p in probs.iter_mut() {
+            *p /= total;
         }
         let r: f64 = self.rng.random();
         let mut acc = 0.0;
@@ -120,12 +294,7 @@ mod tests {
     use super::*;
 
     fn cfg(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> SamplerConfig {
-        SamplerConfig {
-            temperature,
-            top_k,
-            top_p,
-            seed,
-        }
+        SamplerConfig::basic(temperature, top_k, top_p, seed)
     }
 
     #[test]
@@ -253,6 +422,107 @@ mod tests {
                     assert_eq!(c, 0, "t={t} k={k} p={p}: token {i} is filtered out");
                 }
             }
+        }
+    }
+
+    fn with(p: Penalties) -> SamplerConfig {
+        SamplerConfig {
+            penalties: p,
+            ..cfg(0.0, 0, 1.0, 1)
+        }
+    }
+
+    /// Each formula of the module doc, value by value.
+    #[test]
+    fn penalties_follow_the_formulas() {
+        let logits = [2.0f32, -1.0, 0.5, 3.0, 1.0];
+        // Repetition 2 over the prompt [0, 1] and the output [2]:
+        // positive logits halve, negative ones double; 3 and 4 unseen.
+        let mut s = Sampler::for_prompt(
+            with(Penalties {
+                repetition: 2.0,
+                ..Penalties::default()
+            }),
+            &[0, 1],
+        );
+        s.accept(2);
+        assert_eq!(s.adjust(&logits, &[]), vec![1.0, -2.0, 0.25, 3.0, 1.0]);
+        // Frequency 0.5 and presence 0.25 over the output only: token 3
+        // twice, token 4 once; the prompt does not count.
+        let mut s = Sampler::for_prompt(
+            with(Penalties {
+                frequency: 0.5,
+                presence: 0.25,
+                ..Penalties::default()
+            }),
+            &[0, 1, 2],
+        );
+        for id in [3, 4, 3] {
+            s.accept(id);
+        }
+        assert_eq!(
+            s.adjust(&logits, &[]),
+            vec![2.0, -1.0, 0.5, 3.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25]
+        );
+        // Bias, then a mask.
+        let s = Sampler::new(with(Penalties {
+            logit_bias: vec![(1, 10.0), (4, -0.5)],
+            ..Penalties::default()
+        }));
+        let got = s.adjust(&logits, &[0]);
+        assert_eq!(got[1..], [9.0, 0.5, 3.0, 0.5]);
+        assert_eq!(got[0], f32::NEG_INFINITY);
+        // Greedy picks through them: the bias makes token 1 the best, the
+        // mask keeps token 1 out.
+        let mut s = Sampler::new(with(Penalties {
+            logit_bias: vec![(1, 10.0)],
+            ..Penalties::default()
+        }));
+        assert_eq!(s.sample(&logits).0, 1);
+        assert_eq!(s.sample_masked(&logits, &[1]).0, 3);
+        // The reported log-probability is the model's own.
+        assert_eq!(s.sample(&logits).1, logprob(&logits, 1));
+        // Off, nothing is copied or changed.
+        assert!(!Penalties::default().any());
+    }
+
+    #[test]
+    fn min_p_keeps_tokens_at_least_that_share_of_the_best() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.25 keeps those >= 0.125.
+        let logits: Vec<f32> = [0.5f32, 0.3, 0.15, 0.05].iter().map(|p| p.ln()).collect();
+        let mut s = Sampler::new(SamplerConfig {
+            min_p: 0.25,
+            ..cfg(1.0, 0, 1.0, 77)
+        });
+        let mut count = [0usize; 4];
+        const N: usize = 30_000;
+        for _ in 0..N {
+            count[s.sample(&logits).0 as usize] += 1;
+        }
+        assert_eq!(count[3], 0, "{count:?}");
+        for (i, want) in [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95].iter().enumerate() {
+            let got = count[i] as f64 / N as f64;
+            assert!((got - want).abs() < 0.015, "token {i}: {got} vs {want}");
+        }
+    }
+
+    #[test]
+    fn a_resumed_sampler_skips_exactly_the_draws_taken_elsewhere() {
+        let logits: Vec<f32> = (0..20).map(|i| (i as f32 * 0.7).cos()).collect();
+        for c in [
+            cfg(0.8, 0, 1.0, 5),
+            cfg(0.0, 0, 1.0, 5),
+            cfg(1e-7, 0, 1.0, 5),
+            cfg(1.0, 1, 1.0, 5),
+        ] {
+            let mut whole = Sampler::new(c.clone());
+            let first = whole.sample(&logits).0;
+            let rest: Vec<u32> = (0..10).map(|_| whole.sample(&logits).0).collect();
+            let mut resumed = Sampler::new(c.clone());
+            resumed.accept(first);
+            resumed.skip_draw();
+            let again: Vec<u32> = (0..10).map(|_| resumed.sample(&logits).0).collect();
+            assert_eq!(rest, again, "{c:?}");
         }
     }
 }

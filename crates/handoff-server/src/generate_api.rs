@@ -18,6 +18,7 @@ use crate::app::AppState;
 use crate::backend::Bootstrap;
 use crate::errors::ApiError;
 use crate::extract::JsonBody;
+use crate::fields::Endpoint;
 use crate::generation::{sglang_finish_reason, Generation, Step};
 use crate::params::{RawSampling, StopInput};
 use crate::prompt;
@@ -81,6 +82,33 @@ pub struct GenerateSampling {
     /// Choices; only 1.
     #[serde(default)]
     pub n: Option<i64>,
+    /// Min-p filter.
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    /// Presence penalty.
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty.
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// Repetition penalty.
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Token id → bias in [-100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Minimum output before any end of generation.
+    #[serde(default)]
+    pub min_new_tokens: Option<i64>,
+    /// Special tokens add no text (default true).
+    #[serde(default)]
+    pub skip_special_tokens: Option<bool>,
+    /// Spaces around special tokens in the text (default true).
+    #[serde(default)]
+    pub spaces_between_special_tokens: Option<bool>,
+    /// Every other field: refused or accepted by [`crate::fields::check`].
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 /// `POST /generate` body.
@@ -113,6 +141,9 @@ pub struct GenerateBody {
     /// PD room id (unused when colocated).
     #[serde(default)]
     pub bootstrap_room: Option<Value>,
+    /// Every other field: refused or accepted by [`crate::fields::check`].
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<Vec<u32>, ApiError> {
@@ -168,7 +199,9 @@ pub async fn generate(
     let prompt_tokens = req.prompt_ids.len();
     let gen = Generation::submit(&state, req, ENDPOINT, &pd).await?;
     if stream_it {
-        return Ok(sse_response(move |tx| stream(gen, tx, rid, prompt_tokens)));
+        return Ok(sse_response(move |tx| {
+            stream(gen, tx, rid, prompt_tokens, body_wants_logprobs)
+        }));
     }
     let c = gen.collect().await?;
     let ids: Vec<u32> = c.tokens.iter().map(|t| t.id).collect();
@@ -200,7 +233,9 @@ fn prepare(
     body: &GenerateBody,
     arrived: Instant,
 ) -> Result<(GenerateRequest, String), ApiError> {
+    crate::fields::check(Endpoint::Generate, &body.extra)?;
     let sp = body.sampling_params.clone().unwrap_or_default();
+    crate::fields::check(Endpoint::SamplingParams, &sp.extra)?;
     if let Some(n) = sp.n.filter(|&n| n != 1) {
         return Err(ApiError::invalid_param(
             "sampling_params.n",
@@ -217,8 +252,18 @@ fn prepare(
         stop: sp.stop,
         stop_token_ids: sp.stop_token_ids,
         ignore_eos: sp.ignore_eos,
+        min_tokens_field: "sampling_params.min_new_tokens",
+        min_tokens: sp.min_new_tokens,
+        min_p: sp.min_p,
+        presence_penalty: sp.presence_penalty,
+        frequency_penalty: sp.frequency_penalty,
+        repetition_penalty: sp.repetition_penalty,
+        logit_bias: sp.logit_bias,
+        skip_special_tokens: sp.skip_special_tokens,
+        spaces_between_special_tokens: sp.spaces_between_special_tokens,
     };
     let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
+    crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let prompt_ids = prompt_ids(state, body)?;
     let rid = body
         .rid
@@ -234,20 +279,24 @@ fn prepare(
     ))
 }
 
+/// Streams cumulative objects, as SGLang does; with `return_logprob`, each
+/// carries `output_token_logprobs` so far.
 async fn stream(
     mut gen: Generation,
     tx: SseSender,
     rid: String,
     prompt_tokens: usize,
+    logprobs: bool,
 ) -> Result<(), Disconnected> {
     let mut text = String::new();
     let mut ids: Vec<u32> = Vec::new();
+    let mut lps: Vec<Value> = Vec::new();
     while let Some(step) = tx.race(gen.next()).await? {
         match step {
             Step::Token(t) => {
                 text.push_str(&t.text);
                 ids.push(t.id);
-                tx.json(&json!({
+                let mut chunk = json!({
                     "text": text,
                     "output_ids": ids,
                     "meta_info": {
@@ -257,11 +306,15 @@ async fn stream(
                         "completion_tokens": ids.len(),
                         "cached_tokens": 0,
                     },
-                }))
-                .await?;
+                });
+                if logprobs {
+                    lps.push(json!([t.logprob, t.id, null]));
+                    chunk["meta_info"]["output_token_logprobs"] = Value::Array(lps.clone());
+                }
+                tx.json(&chunk).await?;
             }
             Step::Finished(f) => {
-                tx.json(&json!({
+                let mut chunk = json!({
                     "text": text,
                     "output_ids": ids,
                     "meta_info": {
@@ -272,8 +325,11 @@ async fn stream(
                         "cached_tokens": f.cached_tokens,
                         "e2e_latency": gen.arrived().elapsed().as_secs_f64(),
                     },
-                }))
-                .await?;
+                });
+                if logprobs {
+                    chunk["meta_info"]["output_token_logprobs"] = Value::Array(lps);
+                }
+                tx.json(&chunk).await?;
                 return tx.done().await;
             }
             Step::Error(e) => return tx.error(&e).await,

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cors;
 pub mod errors;
 pub mod extract;
+pub mod fields;
 pub mod generate_api;
 pub mod generation;
 pub mod info_api;

@@ -257,6 +257,7 @@ fn prepare_chat(
     req: ChatCompletionRequest,
     arrived: Instant,
 ) -> Result<Prepared, ApiError> {
+    crate::fields::check(crate::fields::Endpoint::Chat, &req.extra)?;
     check_n(req.n, "n")?;
     match req.top_logprobs {
         None | Some(0) => {}
@@ -274,6 +275,7 @@ fn prepare_chat(
         .min(info.context_length.saturating_sub(prompt_ids.len()))
         .min(pool_tokens.saturating_sub(prompt_ids.len()));
     let sampling = req.sampling().into_params(default_max)?;
+    crate::params::check_token_ids(&sampling, info.vocab_size)?;
     let answer = Answer {
         kind: Kind::Chat,
         id: state.next_request_id("chatcmpl"),
@@ -315,6 +317,7 @@ fn prepare_completion(
     req: CompletionRequest,
     arrived: Instant,
 ) -> Result<Prepared, ApiError> {
+    crate::fields::check(crate::fields::Endpoint::Completions, &req.extra)?;
     check_n(req.n, "n")?;
     check_n(req.best_of, "best_of")?;
     if req.echo == Some(true) {
@@ -337,6 +340,7 @@ fn prepare_completion(
         }
     };
     let sampling = req.sampling().into_params(16)?;
+    crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = req
         .stream_options

@@ -1,7 +1,9 @@
 //! Request shapes of the OpenAI API (`/v1/chat/completions`,
-//! `/v1/completions`). Unknown fields are ignored, as OpenAI clients send
-//! many; fields we read are type-checked by serde and range-checked in
-//! [`crate::params`].
+//! `/v1/completions`). Fields we read are type-checked by serde and
+//! range-checked in [`crate::params`]; every other field is collected in
+//! `extra` and refused by [`crate::fields::check`] when a spec defines it and
+//! handoff does not implement it (fields no spec defines are ignored, as
+//! OpenAI clients send many).
 
 use serde::Deserialize;
 
@@ -98,6 +100,33 @@ pub struct ChatCompletionRequest {
     /// Alternatives per position (only 0 is supported).
     #[serde(default)]
     pub top_logprobs: Option<i64>,
+    /// Min-p filter (SGLang, vLLM).
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    /// Presence penalty.
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty.
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// Repetition penalty (SGLang, vLLM).
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Token id → bias in [-100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Minimum output before any end of generation (SGLang, vLLM).
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
+    /// Special tokens add no text (default true; SGLang, vLLM).
+    #[serde(default)]
+    pub skip_special_tokens: Option<bool>,
+    /// Spaces around special tokens in the text (default true; vLLM).
+    #[serde(default)]
+    pub spaces_between_special_tokens: Option<bool>,
+    /// Every other field: refused or accepted by [`crate::fields::check`].
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
     /// PD: the prefill's host (set by the router).
     #[serde(default)]
     pub bootstrap_host: Option<String>,
@@ -135,6 +164,15 @@ impl ChatCompletionRequest {
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,
+            min_tokens_field: "min_tokens",
+            min_tokens: self.min_tokens,
+            min_p: self.min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            logit_bias: self.logit_bias.clone(),
+            skip_special_tokens: self.skip_special_tokens,
+            spaces_between_special_tokens: self.spaces_between_special_tokens,
         }
     }
 }
@@ -210,6 +248,33 @@ pub struct CompletionRequest {
     /// Suffix (not supported).
     #[serde(default)]
     pub suffix: Option<String>,
+    /// Min-p filter (SGLang, vLLM).
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    /// Presence penalty.
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty.
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// Repetition penalty (SGLang, vLLM).
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Token id → bias in [-100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Minimum output before any end of generation (SGLang, vLLM).
+    #[serde(default)]
+    pub min_tokens: Option<i64>,
+    /// Special tokens add no text (default true; SGLang, vLLM).
+    #[serde(default)]
+    pub skip_special_tokens: Option<bool>,
+    /// Spaces around special tokens in the text (default true; vLLM).
+    #[serde(default)]
+    pub spaces_between_special_tokens: Option<bool>,
+    /// Every other field: refused or accepted by [`crate::fields::check`].
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
     /// PD: the prefill's host (set by the router).
     #[serde(default)]
     pub bootstrap_host: Option<String>,
@@ -243,6 +308,15 @@ impl CompletionRequest {
             stop: self.stop.clone(),
             stop_token_ids: self.stop_token_ids.clone(),
             ignore_eos: self.ignore_eos,
+            min_tokens_field: "min_tokens",
+            min_tokens: self.min_tokens,
+            min_p: self.min_p,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            logit_bias: self.logit_bias.clone(),
+            skip_special_tokens: self.skip_special_tokens,
+            spaces_between_special_tokens: self.spaces_between_special_tokens,
         }
     }
 }

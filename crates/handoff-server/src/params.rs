@@ -2,7 +2,7 @@
 //! and turned into the engine's [`SamplingParams`] with messages that name
 //! the field and the accepted range.
 
-use handoff_engine::request::SamplingParams;
+use handoff_engine::request::{Penalties, SamplingParams};
 use serde::Deserialize;
 
 use crate::errors::ApiError;
@@ -47,6 +47,43 @@ pub struct RawSampling {
     pub stop_token_ids: Option<Vec<u32>>,
     /// Keep going past EOS.
     pub ignore_eos: Option<bool>,
+    /// Name under which the client sent the minimum output (`min_tokens`,
+    /// `min_new_tokens`).
+    pub min_tokens_field: &'static str,
+    /// Minimum output before any end of generation.
+    pub min_tokens: Option<i64>,
+    /// Min-p filter.
+    pub min_p: Option<f64>,
+    /// Presence penalty.
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty.
+    pub frequency_penalty: Option<f64>,
+    /// Repetition penalty.
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string, OpenAI's shape) → bias.
+    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
+    /// Special tokens add no text (default true).
+    pub skip_special_tokens: Option<bool>,
+    /// Spaces around special tokens in the text (default true).
+    pub spaces_between_special_tokens: Option<bool>,
+}
+
+/// `value` of `field` if it lies in `range`, else a 400 naming the field.
+fn in_range(
+    field: &'static str,
+    value: Option<f64>,
+    default: f32,
+    range: std::ops::RangeInclusive<f64>,
+    what: &str,
+) -> Result<f32, ApiError> {
+    match value {
+        None => Ok(default),
+        Some(v) if v.is_finite() && range.contains(&v) => Ok(v as f32),
+        Some(v) => Err(ApiError::invalid_param(
+            field,
+            format!("{field} must be {what}, got {v}"),
+        )),
+    }
 }
 
 /// Largest accepted temperature.
@@ -161,6 +198,54 @@ impl RawSampling {
                 ),
             ));
         }
+        let min_p = in_range("min_p", self.min_p, 0.0, 0.0..=1.0, "in [0, 1]")?;
+        let presence = in_range(
+            "presence_penalty",
+            self.presence_penalty,
+            0.0,
+            -2.0..=2.0,
+            "in [-2, 2]",
+        )?;
+        let frequency = in_range(
+            "frequency_penalty",
+            self.frequency_penalty,
+            0.0,
+            -2.0..=2.0,
+            "in [-2, 2]",
+        )?;
+        let repetition = match self.repetition_penalty {
+            Some(r) if r <= 0.0 => {
+                return Err(ApiError::invalid_param(
+                    "repetition_penalty",
+                    format!("repetition_penalty must be in (0, 2] (1 is off), got {r}"),
+                ))
+            }
+            r => in_range(
+                "repetition_penalty",
+                r,
+                1.0,
+                0.0..=2.0,
+                "in (0, 2] (1 is off)",
+            )?,
+        };
+        let logit_bias = parse_logit_bias(self.logit_bias)?;
+        let min_field = if self.min_tokens_field.is_empty() {
+            "min_tokens"
+        } else {
+            self.min_tokens_field
+        };
+        let min_new_tokens = match self.min_tokens {
+            None => 0,
+            Some(n) if n >= 0 && (n as u64) <= max_new_tokens as u64 => n as usize,
+            Some(n) => {
+                return Err(ApiError::invalid_param(
+                    min_field,
+                    format!(
+                        "{min_field} must be between 0 and {field} ({max_new_tokens}), got {n}"
+                    ),
+                ))
+            }
+        };
         Ok(SamplingParams {
             temperature,
             top_k,
@@ -170,8 +255,86 @@ impl RawSampling {
             stop,
             stop_token_ids,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            min_p,
+            penalties: Penalties {
+                presence,
+                frequency,
+                repetition,
+                logit_bias,
+            },
+            min_new_tokens,
+            skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
+            spaces_between_special_tokens: self.spaces_between_special_tokens.unwrap_or(true),
         })
     }
+}
+
+/// Every token id a request names (`logit_bias`, `stop_token_ids`) is in
+/// the vocabulary; a 400 naming the field otherwise.
+pub fn check_token_ids(p: &SamplingParams, vocab_size: usize) -> Result<(), ApiError> {
+    if let Some(&(id, _)) = p
+        .penalties
+        .logit_bias
+        .iter()
+        .find(|(id, _)| *id as usize >= vocab_size)
+    {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!("logit_bias names token {id}, outside the vocabulary of {vocab_size} tokens"),
+        ));
+    }
+    if let Some(&id) = p
+        .stop_token_ids
+        .iter()
+        .find(|&&id| id as usize >= vocab_size)
+    {
+        return Err(ApiError::invalid_param(
+            "stop_token_ids",
+            format!(
+                "stop_token_ids names token {id}, outside the vocabulary of {vocab_size} tokens"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Most `logit_bias` entries one request may give (the engine's bound).
+pub const MAX_LOGIT_BIAS: usize = handoff_engine::engine::MAX_LOGIT_BIAS;
+
+/// `logit_bias` as OpenAI sends it: token ids as strings, biases in
+/// [-100, 100]; sorted by id. The engine checks the ids against the
+/// vocabulary.
+fn parse_logit_bias(
+    bias: Option<std::collections::HashMap<String, f64>>,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let bias = bias.unwrap_or_default();
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid_param(
+            "logit_bias",
+            format!(
+                "logit_bias holds {} tokens: at most {MAX_LOGIT_BIAS} are accepted",
+                bias.len()
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(bias.len());
+    for (k, v) in bias {
+        let id: u32 = k.trim().parse().map_err(|_| {
+            ApiError::invalid_param(
+                "logit_bias",
+                format!("logit_bias keys are token ids, got {k:?}"),
+            )
+        })?;
+        if !(v.is_finite() && (-100.0..=100.0).contains(&v)) {
+            return Err(ApiError::invalid_param(
+                "logit_bias",
+                format!("logit_bias[{k}] must be in [-100, 100], got {v}"),
+            ));
+        }
+        out.push((id, v as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -143,6 +143,7 @@ impl PrefillEngine {
             pages: PageQueue::new(pool.allocator().clone(), cache),
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
+            eog: tokenizer.eog_ids().to_vec(),
         });
         let compute = Compute {
             model,
@@ -313,6 +314,8 @@ struct Ctx {
     pages: PageQueue,
     running: AtomicUsize,
     waiting: AtomicUsize,
+    /// The model's end-of-generation tokens (masked before `min_new_tokens`).
+    eog: Vec<u32>,
 }
 
 /// One request, from open to the room's outcome. The request task owns the
@@ -363,12 +366,8 @@ async fn prefill_room(
             start: cached_tokens,
             pages: src.clone(),
             lease,
-            sampler: SamplerConfig {
-                temperature: s.temperature,
-                top_k: s.top_k,
-                top_p: s.top_p,
-                seed: s.seed.unwrap_or_else(rand::random),
-            },
+            sampler: s.sampler(s.seed.unwrap_or_else(rand::random)),
+            masked: s.masked(0, &ctx.eog),
             cancel: cancel.clone(),
             progress: progress_tx,
             reply,
@@ -554,6 +553,9 @@ struct Job {
     pages: Arc<[PageIndex]>,
     lease: PageLease,
     sampler: SamplerConfig,
+    /// Tokens the first token may not be (end of generation before
+    /// `min_new_tokens`).
+    masked: Vec<u32>,
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
     /// (chunk end, layer): that layer's K/V of every token before the
@@ -662,7 +664,8 @@ impl Compute {
         let logits = logits
             .first()
             .ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
-        Ok(Some(Sampler::new(r.job.sampler).sample(logits)))
+        let mut sampler = Sampler::for_prompt(r.job.sampler.clone(), &r.job.tokens);
+        Ok(Some(sampler.sample_masked(logits, &r.job.masked)))
     }
 }
 
