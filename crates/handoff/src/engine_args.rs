@@ -18,7 +18,8 @@ pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
 pub struct EngineArgs {
     /// GGUF model file [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
     /// fetched with scripts/fetch-model.sh if missing]
-    #[arg(long, value_name = "PATH")]
+    /// (SGLang's `--model-path`, vLLM's `--model`.)
+    #[arg(long, visible_alias = "model-path", value_name = "PATH")]
     pub(crate) model: Option<PathBuf>,
     /// Compute threads of the engine.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=1024))]
@@ -27,26 +28,34 @@ pub struct EngineArgs {
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) page_size: u32,
     /// Number of KV pages in the pool [default: 2048].
-    #[arg(long, conflicts_with = "kv_memory_mb", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, conflicts_with_all = ["kv_memory_mb", "mem_fraction_static"], value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) kv_pages: Option<u64>,
     /// Size the KV pool by memory instead of pages (MiB).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, conflicts_with = "mem_fraction_static", value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) kv_memory_mb: Option<u64>,
+    /// Size the KV pool as this share of the machine's RAM (MemTotal in
+    /// /proc/meminfo), in (0, 1). SGLang's flag of the same name is a share
+    /// of GPU memory for weights and KV; here it is the KV pool alone.
+    #[arg(long, value_name = "FRACTION", value_parser = parse_fraction)]
+    pub(crate) mem_fraction_static: Option<f64>,
     /// Element type of stored K and V: f16 (half the memory and half the
     /// bytes on the wire) or f32. Prefill and decode must agree.
     #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
     pub(crate) kv_dtype: KvDtype,
-    /// Most requests in the running batch.
-    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Most requests in the running batch (SGLang's
+    /// `--max-running-requests`, vLLM's `--max-num-seqs`).
+    #[arg(long, visible_aliases = ["max-running-requests", "max-num-seqs"], default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) max_batch: u32,
     /// Most requests waiting for admission; more are refused with 503.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) max_waiting: u32,
-    /// Most prompt tokens computed per request per step (chunked prefill).
-    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Most prompt tokens computed per request per step (chunked prefill;
+    /// SGLang's `--chunked-prefill-size`).
+    #[arg(long, visible_alias = "chunked-prefill-size", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) prefill_chunk: u32,
-    /// Context length limit [default: the model's].
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    /// Context length limit [default: the model's] (vLLM's
+    /// `--max-model-len`).
+    #[arg(long, visible_alias = "max-model-len", value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) context_length: Option<u32>,
     /// Model name served in /v1/models and responses [default: the file name].
     #[arg(long)]
@@ -63,6 +72,42 @@ pub struct EngineArgs {
     /// comparison), f32 or as-loaded.
     #[arg(long, default_value = "q8_0")]
     pub(crate) decode_format: WeightFormat,
+    /// Tensor parallel size: only 1 today (SGLang's `--tp-size`, vLLM's
+    /// `--tensor-parallel-size`); scale out with more workers behind the
+    /// router instead.
+    #[arg(long, visible_aliases = ["tp", "tensor-parallel-size"], default_value_t = 1, value_parser = parse_tp_size)]
+    pub(crate) tp_size: u32,
+}
+
+/// `--tp-size`: 1, or an error that says what handoff does instead.
+pub(crate) fn parse_tp_size(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(1) => Ok(1),
+        Ok(n) if n > 1 => Err(format!(
+            "tensor parallelism ({n} ranks) is not implemented in the engine: every worker runs TP 1; \
+             run more prefill and decode workers behind `handoff router` to use more cores or hosts"
+        )),
+        _ => Err(format!("{s:?} is not a tensor parallel size (a positive integer)")),
+    }
+}
+
+/// A share in (0, 1).
+pub(crate) fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f > 0.0 && f < 1.0 => Ok(f),
+        _ => Err(format!("{s:?} is not a fraction in (0, 1)")),
+    }
+}
+
+/// This machine's RAM (MemTotal of /proc/meminfo), in bytes.
+fn mem_total_bytes() -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("/proc/meminfo has no MemTotal line")?;
+    Ok(kib.saturating_mul(1024))
 }
 
 /// The KV dtypes the pool stores, by name.
@@ -172,7 +217,16 @@ impl EngineArgs {
         let model = resolve_model(self.model.clone())?;
         let defaults = EngineConfig::new(&model);
         let page_size = self.page_size as usize;
-        let kv_pages = match (self.kv_pages, self.kv_memory_mb) {
+        let memory_mb = match (self.kv_memory_mb, self.mem_fraction_static) {
+            (Some(mb), _) => Some(mb),
+            (None, Some(f)) => {
+                let mb = ((mem_total_bytes()? as f64 * f) as u64 >> 20).max(1);
+                tracing::info!("--mem-fraction-static {f}: {mb} MiB of KV pool");
+                Some(mb)
+            }
+            (None, None) => None,
+        };
+        let kv_pages = match (self.kv_pages, memory_mb) {
             (Some(p), _) => usize::try_from(p).context("--kv-pages is too large")?,
             (None, Some(mb)) => pages_for_memory(&model, mb, page_size, self.kv_dtype)?,
             (None, None) => defaults.kv_pages,
@@ -288,6 +342,9 @@ impl EngineArgs {
         if let Some(mb) = self.kv_memory_mb {
             flag("kv-memory-mb", mb.to_string());
         }
+        if let Some(f) = self.mem_fraction_static {
+            flag("mem-fraction-static", f.to_string());
+        }
         flag("kv-dtype", self.kv_dtype.name().to_string());
         flag("max-batch", self.max_batch.to_string());
         flag("max-waiting", self.max_waiting.to_string());
@@ -309,5 +366,81 @@ impl EngineArgs {
     /// The model file to serve (the default one fetched if missing).
     pub fn model_path(&self) -> anyhow::Result<PathBuf> {
         resolve_model(self.model.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Flags {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    /// SGLang's and vLLM's spellings set the same fields as handoff's own.
+    #[test]
+    fn sglang_and_vllm_spellings_set_the_same_config() {
+        let dir = std::env::temp_dir().join(format!("handoff-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let model = dir.join("tiny.gguf");
+        handoff_model::tiny::write_tiny_gguf(&model, 3).unwrap();
+        let m = model.to_str().unwrap();
+        let theirs = Flags::try_parse_from([
+            "x",
+            "--model-path",
+            m,
+            "--chunked-prefill-size",
+            "64",
+            "--max-running-requests",
+            "4",
+            "--max-model-len",
+            "128",
+            "--tp-size",
+            "1",
+            "--mem-fraction-static",
+            "0.001",
+        ])
+        .unwrap()
+        .engine
+        .config()
+        .unwrap();
+        assert_eq!(theirs.model_path, model);
+        assert_eq!(
+            (theirs.prefill_chunk, theirs.max_batch, theirs.max_context),
+            (64, 4, Some(128))
+        );
+        let mb = (mem_total_bytes().unwrap() as f64 * 0.001) as u64 >> 20;
+        let want = pages_for_memory(&model, mb, 16, KvDtype::F16).unwrap();
+        assert_eq!(theirs.kv_pages, want);
+        let vllm = Flags::try_parse_from(["x", "--model", m, "--max-num-seqs", "3"])
+            .unwrap()
+            .engine;
+        assert_eq!(vllm.max_batch, 3);
+        for (args, needle) in [
+            (
+                &["--tp-size", "2"][..],
+                "tensor parallelism (2 ranks) is not implemented in the engine",
+            ),
+            (
+                &["--tensor-parallel-size", "4"][..],
+                "run more prefill and decode workers behind `handoff router`",
+            ),
+            (
+                &["--mem-fraction-static", "1.5"][..],
+                "\"1.5\" is not a fraction in (0, 1)",
+            ),
+            (
+                &["--mem-fraction-static", "0.5", "--kv-pages", "8"][..],
+                "cannot be used with",
+            ),
+        ] {
+            let e = Flags::try_parse_from(std::iter::once("x").chain(args.iter().copied()))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{args:?}: {e}");
+        }
     }
 }

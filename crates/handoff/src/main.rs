@@ -23,6 +23,27 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Log level: error, warning (or warn), info, debug or trace (SGLang's
+    /// spelling; `critical` is error). Overrides RUST_LOG, and reaches the
+    /// worker processes `handoff serve` starts [default: RUST_LOG, else info].
+    #[arg(long, global = true, value_parser = parse_log_level)]
+    log_level: Option<&'static str>,
+}
+
+/// A `--log-level` as a tracing filter directive.
+fn parse_log_level(s: &str) -> Result<&'static str, String> {
+    Ok(match s.to_ascii_lowercase().as_str() {
+        "critical" | "error" => "error",
+        "warning" | "warn" => "warn",
+        "info" => "info",
+        "debug" => "debug",
+        "trace" => "trace",
+        _ => {
+            return Err(format!(
+                "unknown log level {s:?}: use error, warning, info, debug or trace"
+            ))
+        }
+    })
 }
 
 #[derive(Debug, Subcommand)]
@@ -64,6 +85,11 @@ fn set_compute_threads(threads: u16) {
 fn main() -> anyhow::Result<()> {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let Some(level) = cli.log_level {
+        // Still one thread: set before any is started, and inherited by the
+        // worker processes of `handoff serve`.
+        std::env::set_var("RUST_LOG", level);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

@@ -55,6 +55,10 @@ pub struct RouterArgs {
     /// (connection errors, 502, 503), each with a fresh room.
     #[arg(long, default_value_t = 2)]
     max_retries: u32,
+    /// Accepted for SGLang's `sglang_router.launch_router` commands: this
+    /// router always pairs a prefill and a decode worker per request.
+    #[arg(long)]
+    pd_disaggregation: bool,
     /// Connection hygiene of the router's port.
     #[command(flatten)]
     limits: crate::engine_args::HttpLimitArgs,

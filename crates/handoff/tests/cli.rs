@@ -67,6 +67,14 @@ fn cli_errors_are_precise() {
         "`https://a.example/app` is not an origin: an origin is a scheme, a host and a port only",
     );
     fails_with(&["frobnicate"], "unrecognized subcommand 'frobnicate'");
+    fails_with(
+        &["serve", "--log-level", "loud"],
+        "unknown log level \"loud\": use error, warning, info, debug or trace",
+    );
+    fails_with(
+        &["serve", "--tp-size", "2"],
+        "tensor parallelism (2 ranks) is not implemented in the engine",
+    );
 }
 
 #[test]
@@ -144,13 +152,16 @@ fn router_answers_and_stops_on_sigterm() {
             "router",
             "--port",
             "0",
+            "--pd-disaggregation",
             "--prefill",
             &p,
             "9000",
             "--decode",
             &d,
+            "--log-level",
+            "info",
         ])
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", "error")
         .env("NO_COLOR", "1")
         .stderr(Stdio::piped())
         .spawn()
