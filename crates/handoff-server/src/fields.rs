@@ -271,14 +271,12 @@ const CHAT: &[(&str, Support)] = &[
         "documents",
         Support::Refused(NoOp::Empty, "the chat template takes no documents"),
     ),
-    (
-        "separate_reasoning",
-        Support::Refused(NoOp::Null, "the served models have no separate reasoning"),
-    ),
-    (
-        "stream_reasoning",
-        Support::Refused(NoOp::Null, "the served models have no separate reasoning"),
-    ),
+    // SGLang splits reasoning out of `content` only when its server runs a
+    // `--reasoning-parser`; without one both values give the same answer.
+    // handoff runs no reasoning parser, so it answers as SGLang does then.
+    // SGLang's router sends both fields, `true`, on every chat request.
+    ("separate_reasoning", Support::NoEffect),
+    ("stream_reasoning", Support::NoEffect),
     (
         "echo",
         Support::Refused(
@@ -430,6 +428,16 @@ mod tests {
             check(Endpoint::Chat, &extra(asks_nothing.clone()))
                 .unwrap_or_else(|e| panic!("{asks_nothing}: {}", e.message));
         }
+        // The defaults SGLang's router (sgl-model-gateway) serializes into
+        // every chat request it forwards ask for nothing.
+        let gateway_defaults = json!({
+            "logprobs": false, "stream": false, "no_stop_trim": false,
+            "ignore_eos": false, "continue_final_message": false,
+            "skip_special_tokens": true, "separate_reasoning": true,
+            "stream_reasoning": true, "return_hidden_states": false,
+        });
+        check(Endpoint::Chat, &extra(gateway_defaults))
+            .unwrap_or_else(|e| panic!("the gateway's defaults: {}", e.message));
         // `/generate`-only fields are not `/v1/completions` fields.
         assert!(support(Endpoint::Generate, "image_data").is_some());
         assert!(support(Endpoint::Completions, "image_data").is_none());
