@@ -1,7 +1,7 @@
 //! The router: every route of the worker API, the shared state, request
 //! counting and the JSON 404/405 answers.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
@@ -10,12 +10,13 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 
+use crate::aborts::Aborts;
 use crate::backend::Backend;
 
 use crate::errors::ApiError;
 use crate::extract::MAX_BODY_BYTES;
 use crate::metrics::Metrics;
-use crate::{generate_api, info_api, openai_api};
+use crate::{aborts, generate_api, info_api, openai_api, token_api};
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -26,7 +27,10 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Server start, seconds since the Unix epoch.
     pub started_unix: u64,
-    next_id: Arc<AtomicU64>,
+    /// The requests in flight by id, for `/abort_request`.
+    pub aborts: Arc<Aborts>,
+    /// OpenAI's `system_fingerprint`: this build serving this model.
+    pub system_fingerprint: String,
 }
 
 impl std::fmt::Debug for AppState {
@@ -41,28 +45,52 @@ impl AppState {
     /// State around a running engine.
     pub fn new(engine: impl Into<Backend>) -> Self {
         let engine = engine.into();
+        let model = engine.model();
+        let metrics = Arc::new(Metrics::new(&model.served_name, model.page_size));
         let started_unix = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let system_fingerprint = fingerprint(engine.model());
         AppState {
             engine,
-            metrics: Arc::new(Metrics::new()),
+            metrics,
             started_unix,
-            next_id: Arc::new(AtomicU64::new(1)),
+            aborts: Arc::new(Aborts::default()),
+            system_fingerprint,
         }
     }
 
-    /// A fresh id like `chatcmpl-65f1c0de-3`.
+    /// A fresh id like `chatcmpl-8c1f0e5a9b3d47e2a6f01c9d`: 96 random bits,
+    /// so ids from different workers (and restarts) do not collide.
     pub fn next_request_id(&self, prefix: &str) -> String {
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("{prefix}-{:x}-{n}", self.started_unix)
+        new_request_id(prefix)
     }
 
     /// The model name reported in responses.
     pub fn served_name(&self) -> String {
         self.engine.model().served_name.clone()
     }
+}
+
+/// A fresh request id: `prefix`, a dash and 96 random bits in hex.
+pub fn new_request_id(prefix: &str) -> String {
+    let bits: u128 = rand::random::<u128>() >> 32;
+    format!("{prefix}-{bits:024x}")
+}
+
+/// `fp_` and 40 bits of a hash of handoff's version and the served model
+/// (name, file, architecture, context, page size): equal across the
+/// workers of one deployment, different when either changes.
+fn fingerprint(model: &handoff_engine::handle::ModelInfo) -> String {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    env!("CARGO_PKG_VERSION").hash(&mut h);
+    model.served_name.hash(&mut h);
+    model.model_path.hash(&mut h);
+    model.architecture.hash(&mut h);
+    model.context_length.hash(&mut h);
+    model.page_size.hash(&mut h);
+    format!("fp_{:010x}", h.finish() >> 24)
 }
 
 /// The HTTP API around `engine` (an `EngineHandle`, `PrefillHandle`,
@@ -90,6 +118,9 @@ pub fn app_with_state(state: AppState) -> Router {
         )
         .route("/get_load", get(info_api::get_load))
         .route("/metrics", get(info_api::metrics))
+        .route("/tokenize", post(token_api::tokenize))
+        .route("/detokenize", post(token_api::detokenize))
+        .route("/abort_request", post(aborts::abort_request))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             count_requests,

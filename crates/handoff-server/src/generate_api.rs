@@ -197,7 +197,7 @@ pub async fn generate(
         }
     };
     let prompt_tokens = req.prompt_ids.len();
-    let gen = Generation::submit(&state, req, ENDPOINT, &pd).await?;
+    let gen = Generation::submit(&state, req, ENDPOINT, &pd, &rid).await?;
     if stream_it {
         return Ok(sse_response(move |tx| {
             stream(gen, tx, rid, prompt_tokens, body_wants_logprobs)
@@ -265,10 +265,13 @@ fn prepare(
     let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let prompt_ids = prompt_ids(state, body)?;
-    let rid = body
-        .rid
-        .clone()
-        .unwrap_or_else(|| state.next_request_id("gen"));
+    let rid = match &body.rid {
+        Some(rid) => {
+            crate::aborts::check_rid(rid, "rid")?;
+            rid.clone()
+        }
+        None => state.next_request_id("gen"),
+    };
     Ok((
         GenerateRequest {
             prompt_ids,

@@ -2,6 +2,8 @@
 //! read events while recording TTFT / inter-token / end-to-end latency, and
 //! either collect the whole answer or hand events to an SSE stream. Dropping a
 //! [`Generation`] drops the engine's `RequestStream`, which cancels the request.
+//! Each generation is registered under its request id for `/abort_request`
+//! ([`crate::aborts`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,6 +13,7 @@ use handoff_engine::pd::PrefillTicket;
 use handoff_engine::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
 use handoff_model::tokenizer::Tokenizer;
 
+use crate::aborts::{aborted_error, AbortWatch};
 use crate::app::AppState;
 use crate::backend::{Bootstrap, Submitted};
 use crate::errors::ApiError;
@@ -80,6 +83,7 @@ pub struct Generation {
     arrived: Instant,
     last_token: Option<Instant>,
     ended: bool,
+    abort: AbortWatch,
 }
 
 /// What a whole (non-streamed) generation produced.
@@ -105,14 +109,18 @@ pub enum Step {
 }
 
 impl Generation {
-    /// Validate and submit `req` (with its PD fields `pd`); errors are the
-    /// engine's, as HTTP errors.
+    /// Validate and submit `req` (with its PD fields `pd`) under the request
+    /// id `rid`; errors are the engine's, as HTTP errors.
     pub async fn submit(
         state: &AppState,
         req: GenerateRequest,
         endpoint: &'static str,
         pd: &Bootstrap,
+        rid: &str,
     ) -> Result<Generation, ApiError> {
+        // Registered before submission: an abort that arrives while the
+        // request is being admitted still reaches it.
+        let abort = state.aborts.register(rid);
         let arrived = req.arrived;
         let stream = match state.engine.submit(req, pd).await {
             Ok(Submitted::Stream(s)) => Source::Stream(s),
@@ -134,6 +142,7 @@ impl Generation {
             arrived,
             last_token: None,
             ended: false,
+            abort,
         })
     }
 
@@ -147,7 +156,17 @@ impl Generation {
         if self.ended {
             return None;
         }
-        let step = match self.stream.next().await {
+        let event = tokio::select! {
+            biased;
+            () = self.abort.aborted() => {
+                self.ended = true;
+                let e = aborted_error(self.abort.rid());
+                self.metrics.count_error(self.endpoint, e.code);
+                return Some(Step::Error(e));
+            }
+            event = self.stream.next() => event,
+        };
+        let step = match event {
             Some(StreamEvent::Token(t)) => {
                 let now = Instant::now();
                 match self.last_token {
@@ -163,8 +182,11 @@ impl Generation {
                 Step::Token(t)
             }
             Some(StreamEvent::Finished(f)) => {
-                self.metrics
-                    .observe_finished(self.arrived.elapsed().as_secs_f64(), f.prompt_tokens);
+                self.metrics.observe_finished(
+                    self.arrived.elapsed().as_secs_f64(),
+                    f.prompt_tokens,
+                    f.cached_tokens,
+                );
                 self.ended = true;
                 Step::Finished(f)
             }

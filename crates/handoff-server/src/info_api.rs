@@ -56,7 +56,9 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<&'static s
         },
         arrived: Instant::now(),
     };
-    let gen = Generation::submit(&state, req, "/health_generate", &Default::default()).await?;
+    let rid = state.next_request_id("health");
+    let gen =
+        Generation::submit(&state, req, "/health_generate", &Default::default(), &rid).await?;
     match tokio::time::timeout(HEALTH_GENERATE_TIMEOUT, gen.collect()).await {
         Ok(Ok(_)) => Ok(""),
         Ok(Err(e)) => Err(ApiError::new(
@@ -128,15 +130,24 @@ pub async fn flush_cache(State(state): State<AppState>) -> Result<String, ApiErr
     Ok(format!("Cache flushed: {pages} KV pages freed.\n"))
 }
 
-/// `GET /get_load`: one object per data-parallel rank (one rank here).
+/// `GET /get_load`: one object per data-parallel rank (one rank here), in
+/// SGLang's shape, plus the totals a router sums into its `sglang:` metrics
+/// (`model_name`, `max_total_num_tokens`, `gen_throughput`,
+/// `generation_tokens`, `prompt_tokens`).
 pub async fn get_load(State(state): State<AppState>) -> Json<Value> {
     let load = state.engine.load();
     let page = state.engine.model().page_size;
+    let field = state.metrics.field();
     Json(json!([{
         "dp_rank": 0,
         "num_reqs": load.running + load.waiting,
         "num_waiting_reqs": load.waiting,
         "num_tokens": load.pages_used * page,
+        "max_total_num_tokens": load.pages_total * page,
+        "model_name": state.engine.model().served_name,
+        "gen_throughput": field.throughput(),
+        "generation_tokens": field.generated(),
+        "prompt_tokens": field.prompt_tokens(),
     }]))
 }
 

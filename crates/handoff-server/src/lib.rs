@@ -5,11 +5,13 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod aborts;
 pub mod app;
 pub mod backend;
 pub mod cors;
 pub mod errors;
 pub mod extract;
+pub mod field_metrics;
 pub mod fields;
 pub mod generate_api;
 pub mod generation;
@@ -22,6 +24,7 @@ pub mod params;
 pub mod prompt;
 pub mod router;
 pub mod sse;
+pub mod token_api;
 
 pub use app::{app, app_with_state, AppState};
 pub use backend::{Backend, Bootstrap};

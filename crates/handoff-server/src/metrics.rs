@@ -1,7 +1,8 @@
 //! Prometheus metrics of the HTTP front end (DESIGN.md §8): request counts by
 //! endpoint and status, errors by type, TTFT / inter-token / end-to-end
 //! latency histograms, token counters, queue depth and KV pages (read from the
-//! engine at scrape time).
+//! engine at scrape time). The same exposition carries SGLang's `sglang:`
+//! names beside these ([`crate::field_metrics`]).
 
 use handoff_engine::handle::LoadSnapshot;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -10,6 +11,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+use crate::field_metrics::{FieldLoad, FieldMetrics};
 
 /// Labels of the request counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -48,6 +51,8 @@ pub struct Metrics {
     pages_cached: Gauge,
     kv_bytes_sent: Counter,
     prefill_stages: Family<StageLabels, Histogram>,
+    field: FieldMetrics,
+    page_size: usize,
 }
 
 /// Labels of the prefill stage histogram.
@@ -57,15 +62,11 @@ pub struct StageLabels {
     pub stage: &'static str,
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 impl Metrics {
-    /// A fresh registry with every metric at zero.
-    pub fn new() -> Self {
+    /// A fresh registry with every metric at zero, for a worker serving
+    /// `model_name` over pages of `page_size` tokens (SGLang's gauges count
+    /// tokens).
+    pub fn new(model_name: &str, page_size: usize) -> Self {
         let mut registry = Registry::with_prefix("handoff");
         let requests = Family::<RequestLabels, Counter>::default();
         let errors = Family::<ErrorLabels, Counter>::default();
@@ -156,6 +157,8 @@ impl Metrics {
             prefill_stages.clone(),
         );
         Metrics {
+            field: FieldMetrics::new(model_name),
+            page_size: page_size.max(1),
             pages_cached,
             kv_bytes_sent,
             prefill_stages,
@@ -198,22 +201,43 @@ impl Metrics {
     /// Record a first token `secs` after arrival.
     pub fn observe_ttft(&self, secs: f64) {
         self.ttft.observe(secs);
+        self.field.observe_ttft(secs);
     }
 
     /// Record a gap of `secs` between two tokens.
     pub fn observe_itl(&self, secs: f64) {
         self.itl.observe(secs);
+        self.field.observe_itl(secs);
     }
 
     /// Record a generated token.
     pub fn count_generated(&self) {
         self.generation_tokens.inc();
+        self.field.count_generated();
     }
 
-    /// Record a finished request.
-    pub fn observe_finished(&self, e2e_secs: f64, prompt_tokens: usize) {
+    /// Record a finished request: its latency, prompt tokens and how many
+    /// of them came from the prefix cache.
+    pub fn observe_finished(&self, e2e_secs: f64, prompt_tokens: usize, cached_tokens: usize) {
         self.e2e.observe(e2e_secs);
         self.prompt_tokens.inc_by(prompt_tokens as u64);
+        self.field
+            .observe_finished(e2e_secs, prompt_tokens, cached_tokens);
+    }
+
+    /// SGLang's view of the engine's load now (tokens, not pages).
+    pub fn field_load(&self, load: &LoadSnapshot) -> FieldLoad {
+        FieldLoad {
+            running: load.running,
+            waiting: load.waiting,
+            used_tokens: load.pages_used * self.page_size,
+            total_tokens: load.pages_total * self.page_size,
+        }
+    }
+
+    /// The SGLang-named metrics (for `/get_load`'s totals).
+    pub fn field(&self) -> &FieldMetrics {
+        &self.field
     }
 
     /// Record a completed prefill's stages.
@@ -244,8 +268,24 @@ impl Metrics {
         self.pages_used.set(as_i64(load.pages_used));
         self.pages_free
             .set(as_i64(load.pages_total.saturating_sub(load.pages_used)));
-        encode(&self.registry)
+        let mut out = encode_part(&self.registry);
+        out.push_str(&self.field.render(self.field_load(load)));
+        out.push_str(EOF);
+        out
     }
+}
+
+/// The last line of an OpenMetrics exposition.
+const EOF: &str = "# EOF\n";
+
+/// The exposition of `registry` without its `# EOF` line, so that several
+/// registries (handoff's prefixed one, SGLang's names) make one answer.
+pub fn encode_part(registry: &Registry) -> String {
+    let mut out = encode(registry);
+    if out.ends_with(EOF) {
+        out.truncate(out.len() - EOF.len());
+    }
+    out
 }
 
 /// The Prometheus text exposition of `registry` (empty if encoding fails).
@@ -263,7 +303,7 @@ mod tests {
 
     #[test]
     fn exposition_names_every_metric() {
-        let m = Metrics::new();
+        let m = Metrics::new("smol", 16);
         m.count_request("/generate", 200);
         m.count_error("/generate", "context_length_exceeded");
         m.observe_ttft(0.01);
@@ -289,8 +329,17 @@ mod tests {
             "handoff_kv_pages_used 3",
             "handoff_kv_pages_cached 4",
             "handoff_kv_transfer_bytes_total 4096",
+            // SGLang's names, in tokens, labelled with the model.
+            "sglang:num_running_reqs{model_name=\"smol\"} 2",
+            "sglang:num_queue_reqs{model_name=\"smol\"} 1",
+            "sglang:num_used_tokens{model_name=\"smol\"} 48",
+            "sglang:max_total_num_tokens{model_name=\"smol\"} 160",
+            "sglang:time_to_first_token_seconds_count{model_name=\"smol\"} 1",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }
+        // One exposition: a single EOF line, at the end.
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

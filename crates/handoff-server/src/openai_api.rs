@@ -62,6 +62,7 @@ struct Answer {
     model: String,
     logprobs: bool,
     include_usage: bool,
+    system_fingerprint: String,
 }
 
 impl Answer {
@@ -79,6 +80,7 @@ impl Answer {
             "object": self.object(chunk),
             "created": self.created,
             "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
             "choices": choices,
         })
     }
@@ -199,6 +201,18 @@ impl Answer {
     }
 }
 
+/// The request's id: the `rid` its sender chose (a router gives both PD
+/// workers the same one, so `/abort_request` reaches both), else a fresh one.
+fn request_id(state: &AppState, rid: Option<String>, prefix: &str) -> Result<String, ApiError> {
+    match rid {
+        Some(rid) => {
+            crate::aborts::check_rid(&rid, "rid")?;
+            Ok(rid)
+        }
+        None => Ok(state.next_request_id(prefix)),
+    }
+}
+
 fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -231,7 +245,7 @@ async fn run(
             return Err(e);
         }
     };
-    let gen = Generation::submit(&state, req, endpoint, &pd).await?;
+    let gen = Generation::submit(&state, req, endpoint, &pd, &answer.id).await?;
     if stream {
         return Ok(sse_response(move |tx| answer.stream(state, gen, tx)));
     }
@@ -278,9 +292,10 @@ fn prepare_chat(
     crate::params::check_token_ids(&sampling, info.vocab_size)?;
     let answer = Answer {
         kind: Kind::Chat,
-        id: state.next_request_id("chatcmpl"),
+        id: request_id(state, req.rid, "chatcmpl")?,
         created: now_secs(),
         model: state.served_name(),
+        system_fingerprint: state.system_fingerprint.clone(),
         logprobs: req.logprobs.unwrap_or(false),
         include_usage: req
             .stream_options
@@ -350,9 +365,10 @@ fn prepare_completion(
     let prompt_ids = prompt::completion_prompt(&state.engine, req.prompt)?;
     let answer = Answer {
         kind: Kind::Completion,
-        id: state.next_request_id("cmpl"),
+        id: request_id(state, req.rid, "cmpl")?,
         created: now_secs(),
         model: state.served_name(),
+        system_fingerprint: state.system_fingerprint.clone(),
         logprobs,
         include_usage,
     };

@@ -56,6 +56,10 @@ pub struct ChatCompletionRequest {
     /// Model name (any value is accepted; the server serves one model).
     #[serde(default)]
     pub model: Option<String>,
+    /// The request id (SGLang's field): the response's `id`, and the name
+    /// `/abort_request` takes.
+    #[serde(default)]
+    pub rid: Option<String>,
     /// The conversation.
     pub messages: Vec<MessageInput>,
     /// Output limit (deprecated name).
@@ -201,6 +205,10 @@ pub struct CompletionRequest {
     /// Model name (any value is accepted).
     #[serde(default)]
     pub model: Option<String>,
+    /// The request id (SGLang's field): the response's `id`, and the name
+    /// `/abort_request` takes.
+    #[serde(default)]
+    pub rid: Option<String>,
     /// The prompt.
     pub prompt: PromptInput,
     /// Output limit (default 16, as OpenAI).

@@ -148,6 +148,12 @@ pub fn text_prompt(engine: &Backend, text: &str) -> Result<Vec<u32>, ApiError> {
     marked_prompt(engine, text, &[])
 }
 
+/// Tokenize a text as [`text_prompt`] does, without the model's BOS.
+pub fn text_prompt_without_bos(engine: &Backend, text: &str) -> Result<Vec<u32>, ApiError> {
+    check_fits(engine, text.len())?;
+    Ok(engine.tokenizer().encode_marked(text, true, &[])?)
+}
+
 /// [`text_prompt`] with the `plain` byte ranges read as plain text.
 fn marked_prompt(
     engine: &Backend,

@@ -848,9 +848,14 @@ async fn both_workers_get_the_body_with_the_bootstrap_fields() {
     let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 3},
         "bootstrap_room": "client's", "bootstrap_port": -1, "bootstrap_host": "evil"});
     let mut rooms = std::collections::HashSet::new();
+    let mut rids = std::collections::HashSet::new();
     for _ in 0..3 {
         let (s, got) = post(&r.base, "/generate", &body).await;
         assert_eq!(s, 200, "{got}");
+        // A request id for both workers, fresh per request.
+        let rid = got["rid"].as_str().expect("a rid").to_string();
+        assert!(rid.starts_with("gen-") && rid.len() == 28, "{rid}");
+        rids.insert(rid);
         assert_eq!(got["text"], "hi");
         assert_eq!(got["sampling_params"], json!({"max_new_tokens": 3}));
         assert_eq!(got["bootstrap_host"], "127.0.0.1", "the prefill's host");
@@ -860,4 +865,124 @@ async fn both_workers_get_the_body_with_the_bootstrap_fields() {
         rooms.insert(room);
     }
     assert_eq!(rooms.len(), 3, "a fresh room per request");
+    assert_eq!(rids.len(), 3, "a fresh id per request");
+    let mut mine = body.clone();
+    mine["rid"] = json!("client-rid");
+    let (_, got) = post(&r.base, "/generate", &mine).await;
+    assert_eq!(got["rid"], "client-rid", "the client's id is kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_api_is_served_on_the_public_port() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    // Answered by a worker, the same as asking it directly.
+    for path in ["/get_model_info", "/model_info", "/v1/models"] {
+        let (s, routed) = get(&r.base, path).await;
+        let (_, direct) = get(&w.decode, path).await;
+        assert_eq!((s, &routed), (200, &direct), "{path}");
+    }
+    let (s, info) = get(&r.base, "/server_info").await;
+    assert_eq!(s, 200, "{info}");
+    let info: Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["served_model_name"], "tiny-test", "{info}");
+    assert_eq!(info["router"]["decode_workers"], 1, "{info}");
+    assert_eq!(info["router"]["healthy_prefill_workers"], 1, "{info}");
+    let (s, _) = get(&r.base, "/get_server_info").await;
+    assert_eq!(s, 200);
+    let tok = json!({"prompt": "Hello there"});
+    let (s, routed) = post(&r.base, "/tokenize", &tok).await;
+    let (_, direct) = post(&w.decode, "/tokenize", &tok).await;
+    assert_eq!((s, &routed), (200, &direct));
+    let (s, text) = post(&r.base, "/detokenize", &json!({"tokens": routed["tokens"]})).await;
+    assert_eq!(s, 200, "{text}");
+    assert!(
+        text["text"].as_str().unwrap().ends_with("Hello there"),
+        "{text}"
+    );
+    let (s, e) = post(&r.base, "/detokenize", &json!({"tokens": "x"})).await;
+    assert_eq!(s, 400, "a worker's refusal keeps its status: {e}");
+    let (s, e) = post_raw(&r.base, "/tokenize", "not json").await;
+    assert_eq!(s, 400, "{e}");
+
+    // /health_generate really generates: 200 through the pair, and a 503
+    // naming the failure when the pair cannot.
+    let (s, t) = get(&r.base, "/health_generate").await;
+    assert_eq!((s, t.as_str()), (200, ""));
+    let dead = closed_port_url();
+    let mut c = config(&[&dead], &[&dead]);
+    c.health_interval = Duration::ZERO;
+    c.max_retries = 0;
+    let broken = start_router(c).await;
+    let (s, t) = get(&broken.base, "/health_generate").await;
+    assert_eq!(s, 503, "{t}");
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(v["error"]["code"], "unhealthy", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("health generation through a prefill and a decode worker failed"),
+        "{v}"
+    );
+
+    // /abort_request by the client's rid reaches both workers: the stream
+    // ends with the abort, both engines let the request go.
+    let body = json!({"text": "count", "rid": "router-abort", "stream": true,
+        "sampling_params": {"max_new_tokens": 8000, "ignore_eos": true}});
+    let mut resp = reqwest::Client::new()
+        .post(format!("{}/generate", r.base))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.expect("chunk").expect("first event");
+    assert!(first.starts_with(b"data:"), "{first:?}");
+    let (s, v) = post(&r.base, "/abort_request", &json!({"rid": "router-abort"})).await;
+    assert_eq!(s, 200, "{v}");
+    // Both colocated workers ran it (a colocated prefill answers in full).
+    assert_eq!(v["aborted"], 2, "{v}");
+    assert_eq!(v["workers"].as_array().map(Vec::len), Some(2), "{v}");
+    let mut rest = Vec::new();
+    while let Ok(Some(c)) = resp.chunk().await {
+        rest.extend_from_slice(&c);
+    }
+    let rest = String::from_utf8_lossy(&rest).into_owned();
+    assert!(
+        rest.contains("\"aborted\""),
+        "the stream ends with the abort: {rest}"
+    );
+    both_sides_idle_within_1s(&r).await;
+    let (s, v) = post(&r.base, "/abort_request", &json!({})).await;
+    assert_eq!((s, &v["error"]["param"]), (400, &json!("rid")), "{v}");
+
+    // SGLang's names at the router, per role, summed from the workers.
+    r.handle.probe_now().await;
+    let (s, text) = get(&r.base, "/metrics").await;
+    assert_eq!(s, 200);
+    for needle in [
+        "sglang:num_running_reqs{model_name=\"tiny-test\",role=\"decode\"}",
+        "sglang:num_queue_reqs{model_name=\"tiny-test\",role=\"prefill\"}",
+        "sglang:token_usage{model_name=\"tiny-test\",role=\"decode\"}",
+        "sglang:gen_throughput{model_name=\"tiny-test\",role=\"decode\"}",
+        "sglang:generation_tokens_total{model_name=\"tiny-test\",role=\"decode\"}",
+    ] {
+        assert!(text.contains(needle), "missing {needle} in\n{text}");
+    }
+    let generated = text
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(
+                "sglang:generation_tokens_total{model_name=\"tiny-test\",role=\"decode\"} ",
+            )
+        })
+        .and_then(|v| v.parse::<f64>().ok())
+        .expect("a count");
+    assert!(
+        generated >= 1.0,
+        "the aborted stream's tokens count: {generated}"
+    );
 }

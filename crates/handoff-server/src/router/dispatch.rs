@@ -80,6 +80,16 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         Ok(b) => b,
         Err(e) => return refuse(&mut tl, e, "bad_request"),
     };
+    if !body.contains_key("rid") {
+        // One id for both workers: the answer's id, and what
+        // `/abort_request` takes to end the request on both sides.
+        let prefix = match route {
+            "/generate" => "gen",
+            "/v1/completions" => "cmpl",
+            _ => "chatcmpl",
+        };
+        body.insert("rid".into(), json!(crate::app::new_request_id(prefix)));
+    }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     tl.set_stream(stream);
     let timeout = state.config.request_timeout;

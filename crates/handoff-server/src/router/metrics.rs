@@ -1,7 +1,9 @@
 //! Prometheus metrics of the router (DESIGN.md §8), prefix `handoff_router`:
 //! requests by route and status, TTFT / ITL / end-to-end latency as the
 //! client sees them, the per-request timeline by stage, failures by side and
-//! kind, retries, and each worker's requests in flight and health.
+//! kind, retries, and each worker's requests in flight and health; and
+//! SGLang's `sglang:` names for each role's load summed over its workers
+//! ([`crate::field_metrics::RouterFieldMetrics`]).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -9,6 +11,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
+
+use crate::field_metrics::{RoleLoad, RouterFieldMetrics};
 
 /// Labels of the request counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -68,6 +72,8 @@ pub struct RouterMetrics {
     ttft: Histogram,
     itl: Histogram,
     e2e: Histogram,
+    field: RouterFieldMetrics,
+    field_registry: Registry,
 }
 
 impl Default for RouterMetrics {
@@ -136,7 +142,12 @@ impl RouterMetrics {
             "Arrival to the end of the response",
             e2e.clone(),
         );
+        let field = RouterFieldMetrics::default();
+        let mut field_registry = Registry::default();
+        field.register(&mut field_registry);
         RouterMetrics {
+            field,
+            field_registry,
             registry,
             requests,
             failures,
@@ -223,9 +234,18 @@ impl RouterMetrics {
         self.e2e.observe(secs);
     }
 
+    /// Set SGLang's aggregates of `role` (`prefill` or `decode`) from its
+    /// workers' summed load.
+    pub fn set_role_load(&self, role: &str, load: &RoleLoad) {
+        self.field.set(role, load);
+    }
+
     /// The text exposition.
     pub fn render(&self) -> String {
-        crate::metrics::encode(&self.registry)
+        let mut out = crate::metrics::encode_part(&self.registry);
+        out.push_str(&crate::metrics::encode_part(&self.field_registry));
+        out.push_str("# EOF\n");
+        out
     }
 }
 
@@ -243,6 +263,13 @@ mod tests {
         m.set_healthy("http://d", "decode", true);
         m.observe_stage("first_token", 0.01);
         m.observe_ttft(0.01);
+        let mut decode = RoleLoad::default();
+        decode.add(&serde_json::json!([{"num_reqs": 3, "num_waiting_reqs": 1,
+            "num_tokens": 64, "max_total_num_tokens": 256, "model_name": "smol",
+            "gen_throughput": 10.5, "generation_tokens": 7, "prompt_tokens": 20}]));
+        decode.add(&serde_json::json!([{"num_reqs": 1, "num_tokens": 64,
+            "max_total_num_tokens": 256, "gen_throughput": 2.0}]));
+        m.set_role_load("decode", &decode);
         let text = m.render();
         for needle in [
             "handoff_router_requests_total{route=\"/generate\",status=\"200\"} 1",
@@ -252,8 +279,15 @@ mod tests {
             "handoff_router_worker_healthy{worker=\"http://d\",role=\"decode\"} 1",
             "handoff_router_stage_seconds_count{stage=\"first_token\"} 1",
             "handoff_router_time_to_first_token_seconds_count 1",
+            "sglang:num_running_reqs{model_name=\"smol\",role=\"decode\"} 3",
+            "sglang:num_queue_reqs{model_name=\"smol\",role=\"decode\"} 1",
+            "sglang:num_used_tokens{model_name=\"smol\",role=\"decode\"} 128",
+            "sglang:token_usage{model_name=\"smol\",role=\"decode\"} 0.25",
+            "sglang:gen_throughput{model_name=\"smol\",role=\"decode\"} 12.5",
+            "sglang:generation_tokens_total{model_name=\"smol\",role=\"decode\"} 7",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
     }
 }

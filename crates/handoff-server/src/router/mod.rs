@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod dispatch;
+pub mod forward;
 pub mod info;
 pub mod metrics;
 pub mod policy;
@@ -182,11 +183,19 @@ pub fn router_app(config: RouterConfig) -> Result<(Router, RouterHandle), Router
         .route("/v1/chat/completions", post(dispatch::chat_completions))
         .route("/health", get(info::health))
         .route("/readiness", get(info::readiness))
-        .route("/v1/models", get(info::models))
+        .route("/v1/models", get(forward::models))
+        .route("/get_model_info", get(forward::model_info))
+        .route("/model_info", get(forward::model_info))
+        .route("/server_info", get(forward::server_info))
+        .route("/get_server_info", get(forward::server_info))
+        .route("/tokenize", post(forward::tokenize))
+        .route("/detokenize", post(forward::detokenize))
+        .route("/health_generate", get(forward::health_generate))
+        .route("/abort_request", post(forward::abort_request))
         .route("/get_load", get(info::get_load))
         .route(
             "/flush_cache",
-            get(info::flush_cache).post(info::flush_cache),
+            get(forward::flush_cache).post(forward::flush_cache),
         )
         .route("/workers", get(info::workers))
         .route("/metrics", get(info::metrics))

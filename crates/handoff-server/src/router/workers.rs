@@ -265,6 +265,26 @@ impl Workers {
             metrics.set_healthy(&w.url, w.role.name(), now == Health::Healthy);
         });
         futures_util::future::join_all(probes).await;
+        for role in [Role::Prefill, Role::Decode] {
+            let mut sum = crate::field_metrics::RoleLoad::default();
+            for w in self
+                .of(role)
+                .iter()
+                .filter(|w| w.health() == Health::Healthy)
+            {
+                sum.add(&w.last_load());
+            }
+            if sum.model_name.is_empty() {
+                // No healthy worker: the gauges drop to zero under the name
+                // the role's workers last reported.
+                let mut any = crate::field_metrics::RoleLoad::default();
+                self.of(role).iter().for_each(|w| any.add(&w.last_load()));
+                sum.model_name = any.model_name;
+            }
+            if !sum.model_name.is_empty() {
+                metrics.set_role_load(role.name(), &sum);
+            }
+        }
     }
 }
 
