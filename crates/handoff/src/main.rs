@@ -10,6 +10,7 @@ mod bench_model;
 mod bench_transfer;
 mod engine_args;
 mod local_pd;
+mod model_fetch;
 mod router_cmd;
 mod serve;
 mod signal;
@@ -69,6 +70,10 @@ enum Command {
     /// KV transfer bandwidth and latency (shm, tcp) next to memcpy and raw
     /// loopback TCP, measured in one run.
     BenchTransfer(bench_transfer::BenchTransferArgs),
+    /// Fetch the default model into the per-user cache ($HANDOFF_HOME,
+    /// default ~/.cache/handoff) if it is not there, check its SHA-256, and
+    /// print its path.
+    FetchModel,
     /// The decode-side process of bench-transfer (started by it).
     #[command(hide = true)]
     BenchPeer(bench_transfer::BenchPeerArgs),
@@ -114,6 +119,10 @@ fn main() -> anyhow::Result<()> {
         Command::Router(args) => router_cmd::run(args, matches.subcommand_matches("router")),
         Command::BenchTransfer(args) => bench_transfer::run(args),
         Command::BenchPeer(args) => bench_transfer::peer(args),
+        Command::FetchModel => {
+            println!("{}", model_fetch::default_model()?.display());
+            Ok(())
+        }
         Command::BenchModel(args) => {
             set_compute_threads(args.threads);
             bench_model::run(args)

@@ -463,3 +463,90 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
     }
     std::thread::sleep(Duration::from_millis(10));
 }
+
+/// A working directory a hostile user prepared: a `scripts/fetch-model.sh`
+/// (what `handoff serve` used to run) and Python modules named like those
+/// pip and the unpacking import, each leaving a mark if it runs.
+fn hostile_dir(label: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("handoff-hostile-{label}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("scripts")).expect("mkdir");
+    let mark = |name: &str| {
+        format!(
+            "open({:?}, 'w').write('ran')\n",
+            dir.join(name).display().to_string()
+        )
+    };
+    for module in ["pip.py", "zipfile.py", "shutil.py", "runpy.py"] {
+        std::fs::write(dir.join(module), mark(&format!("RAN_{module}"))).expect("write");
+    }
+    std::fs::write(
+        dir.join("scripts/fetch-model.sh"),
+        format!(
+            "#!/bin/sh\ntouch {}\n",
+            dir.join("RAN_fetch-model.sh").display()
+        ),
+    )
+    .expect("write");
+    dir
+}
+
+fn marks(dir: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .expect("read dir")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("RAN_"))
+        .collect()
+}
+
+#[test]
+fn the_default_model_is_fetched_into_the_cache_running_nothing_from_the_working_directory() {
+    let cwd = hostile_dir("fetch");
+    let home = cwd.join("home");
+    let out = handoff()
+        .arg("fetch-model")
+        .current_dir(&cwd)
+        .env("HANDOFF_HOME", &home)
+        .output()
+        .expect("run handoff");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "fetch-model failed:\n{stderr}");
+    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let want = home.join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert_eq!(path, want.display().to_string());
+    assert_eq!(
+        std::fs::metadata(&want).expect("the model").len(),
+        98_362_432
+    );
+    assert_eq!(
+        marks(&cwd),
+        Vec::<String>::new(),
+        "code from the working directory ran"
+    );
+    // Nothing but the model is left in the cache.
+    let left: Vec<_> = std::fs::read_dir(home.join("models"))
+        .expect("models dir")
+        .filter_map(Result::ok)
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left.len(), 1, "{left:?}");
+
+    // A cached file that is not the model is refused, not served.
+    std::fs::write(&want, b"something else").expect("overwrite");
+    let out = handoff()
+        .arg("fetch-model")
+        .current_dir(&cwd)
+        .env("HANDOFF_HOME", &home)
+        .output()
+        .expect("run handoff");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("is not the expected file: delete it to fetch it again")
+            && stderr.contains("expected b179c952"),
+        "{stderr}"
+    );
+    assert_eq!(marks(&cwd), Vec::<String>::new());
+    let _ = std::fs::remove_dir_all(&cwd);
+}
