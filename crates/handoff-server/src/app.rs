@@ -31,7 +31,16 @@ pub struct AppState {
     pub aborts: Arc<Aborts>,
     /// OpenAI's `system_fingerprint`: this build serving this model.
     pub system_fingerprint: String,
+    /// A generation that waits this long for its next token is ended
+    /// (`stalled`) and cancelled; `None`: never.
+    pub stall_timeout: Option<std::time::Duration>,
 }
+
+/// How long a generation may wait for its next token by default
+/// (`--stream-stall-timeout-secs`): longer than any prompt's prefill or
+/// queueing on a healthy worker, far shorter than the 300 s that users of
+/// other systems find their streams hanging for.
+pub const DEFAULT_STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl std::fmt::Debug for AppState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -58,7 +67,14 @@ impl AppState {
             started_unix,
             aborts: Arc::new(Aborts::default()),
             system_fingerprint,
+            stall_timeout: Some(DEFAULT_STALL_TIMEOUT),
         }
+    }
+
+    /// The same state with another stall timeout (`None`: no watchdog).
+    pub fn with_stall_timeout(mut self, t: Option<std::time::Duration>) -> Self {
+        self.stall_timeout = t;
+        self
     }
 
     /// A fresh id like `chatcmpl-8c1f0e5a9b3d47e2a6f01c9d`: 96 random bits,

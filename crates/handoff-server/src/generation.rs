@@ -84,6 +84,7 @@ pub struct Generation {
     last_token: Option<Instant>,
     ended: bool,
     abort: AbortWatch,
+    stall_timeout: Option<std::time::Duration>,
 }
 
 /// What a whole (non-streamed) generation produced.
@@ -143,6 +144,7 @@ impl Generation {
             last_token: None,
             ended: false,
             abort,
+            stall_timeout: state.stall_timeout,
         })
     }
 
@@ -164,7 +166,17 @@ impl Generation {
                 self.metrics.count_error(self.endpoint, e.code);
                 return Some(Step::Error(e));
             }
-            event = self.stream.next() => event,
+            event = next_within(&mut self.stream, self.stall_timeout) => match event {
+                Some(e) => e,
+                None => {
+                    self.ended = true;
+                    self.metrics.count_stalled();
+                    let e = stalled_error(self.stall_timeout.unwrap_or_default());
+                    self.metrics.count_error(self.endpoint, e.code);
+                    tracing::warn!(rid = self.abort.rid(), "{}", e.message);
+                    return Some(Step::Error(e));
+                }
+            },
         };
         let step = match event {
             Some(StreamEvent::Token(t)) => {
@@ -235,6 +247,32 @@ impl Generation {
             "the engine ended the request without a result",
         ))
     }
+}
+
+/// The source's next event, or `None` if none came within `stall`.
+async fn next_within(
+    source: &mut Source,
+    stall: Option<std::time::Duration>,
+) -> Option<Option<StreamEvent>> {
+    match stall {
+        Some(t) => tokio::time::timeout(t, source.next()).await.ok(),
+        None => Some(source.next().await),
+    }
+}
+
+/// The error a generation ends with when the stall watchdog fires: the
+/// error event's `type` is `stalled`, so monitoring sees it.
+pub fn stalled_error(after: std::time::Duration) -> ApiError {
+    let mut e = ApiError::new(
+        504,
+        "stalled",
+        format!(
+            "no token came for {:.1} s: the request was ended and its KV pages freed",
+            after.as_secs_f64()
+        ),
+    );
+    e.kind = "stalled";
+    e
 }
 
 /// SGLang's `finish_reason` object: `{"type":"stop","matched":...}` or

@@ -50,6 +50,7 @@ pub struct Metrics {
     pages_used: Gauge,
     pages_cached: Gauge,
     kv_bytes_sent: Counter,
+    stalled: Counter,
     prefill_stages: Family<StageLabels, Histogram>,
     field: FieldMetrics,
     page_size: usize,
@@ -82,6 +83,7 @@ impl Metrics {
         let pages_used = Gauge::default();
         let pages_cached = Gauge::default();
         let kv_bytes_sent = Counter::default();
+        let stalled = Counter::default();
         registry.register(
             "http_requests",
             "HTTP requests by endpoint and status",
@@ -148,6 +150,11 @@ impl Metrics {
             "Prefill worker: KV bytes sent to decode workers (delta transfer sends only the pages a decode lacks)",
             kv_bytes_sent.clone(),
         );
+        registry.register(
+            "requests_stalled",
+            "Requests ended by the stall watchdog: no token for --stream-stall-timeout-secs",
+            stalled.clone(),
+        );
         let prefill_stages = Family::<StageLabels, Histogram>::new_with_constructor(|| {
             Histogram::new(exponential_buckets(0.0001, 2.0, 20))
         });
@@ -161,6 +168,7 @@ impl Metrics {
             page_size: page_size.max(1),
             pages_cached,
             kv_bytes_sent,
+            stalled,
             prefill_stages,
             registry,
             requests,
@@ -196,6 +204,11 @@ impl Metrics {
                 error_type: error_type.to_string(),
             })
             .inc();
+    }
+
+    /// Count a request the stall watchdog ended.
+    pub fn count_stalled(&self) {
+        self.stalled.inc();
     }
 
     /// Record a first token `secs` after arrival.

@@ -2,7 +2,8 @@
 //! `/detokenize` agree with generation's own tokenization, `/abort_request`
 //! ends a request by id (streamed and whole) and frees its pages, ids are
 //! the client's `rid` or random, `system_fingerprint` is stable, and
-//! `/metrics` carries SGLang's `sglang:` names with their values.
+//! `/metrics` carries SGLang's `sglang:` names with their values, and a
+//! request that gets no token for the stall timeout ends as `stalled`.
 
 mod common;
 
@@ -270,4 +271,86 @@ async fn metrics_carry_sglang_names_with_the_model_label() {
         load[0]["generation_tokens"].as_u64().unwrap() >= 3,
         "{load}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_tokens_past_the_stall_timeout_ends_stalled_and_leaves_the_queue() {
+    // A pool that holds one long request: the second waits for pages and
+    // gets no token while the first runs.
+    let engine = common::start_engine_with(|c| c.kv_pages = 1100);
+    let stall = Duration::from_millis(700);
+    let state = handoff_server::AppState::new(engine.clone()).with_stall_timeout(Some(stall));
+    let base = common::serve_state(state);
+    let long = |rid: &str| {
+        json!({"text": "count", "rid": rid, "stream": true,
+               "sampling_params": {"max_new_tokens": 16000, "ignore_eos": true}})
+    };
+    let client = reqwest::Client::new();
+    let send = |body: Value| {
+        client
+            .post(format!("{base}/generate"))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+    };
+    let mut holder = send(long("holder")).await.expect("holder");
+    holder
+        .chunk()
+        .await
+        .expect("chunk")
+        .expect("the holder runs");
+    let t = Instant::now();
+    let waiter = send(long("waiter")).await.expect("waiter");
+    assert_eq!(waiter.status(), 200, "the stream opened");
+    let text = tokio::time::timeout(Duration::from_secs(30), read_rest(waiter))
+        .await
+        .expect("the waiter's stream ends");
+    let waited = t.elapsed();
+    let events = common::sse_data(&text);
+    assert_eq!(events.len(), 1, "no token, one error event: {text}");
+    let e: Value = serde_json::from_str(&events[0]).expect("JSON");
+    assert_eq!(
+        (&e["error"]["type"], &e["error"]["code"]),
+        (&json!("stalled"), &json!("stalled")),
+        "{e}"
+    );
+    assert!(waited >= stall, "ended at {waited:?}, before the timeout");
+    // The waiter left the queue (the engine drops a cancelled request at
+    // its next step); the holder still holds its pages.
+    for _ in 0..100 {
+        if engine.load().waiting == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(engine.load().waiting, 0, "{:?}", engine.load());
+    assert!(engine.load().running >= 1);
+    let (_, metrics) = {
+        let r = reqwest::get(format!("{base}/metrics"))
+            .await
+            .expect("metrics");
+        (r.status(), r.text().await.expect("body"))
+    };
+    assert!(
+        metrics.contains("handoff_requests_stalled_total 1"),
+        "{metrics}"
+    );
+    let aborted = client
+        .post(format!("{base}/abort_request"))
+        .header("content-type", "application/json")
+        .body(json!({"rid": "holder"}).to_string())
+        .send()
+        .await
+        .expect("abort");
+    assert_eq!(aborted.status(), 200);
+    drop(holder);
+    for _ in 0..200 {
+        let l = engine.load();
+        if l.running == 0 && l.pages_used == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let l = engine.load();
+    assert_eq!((l.running, l.waiting, l.pages_used), (0, 0, 0), "{l:?}");
 }

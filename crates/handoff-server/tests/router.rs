@@ -676,6 +676,8 @@ enum Fake {
     /// `/generate` answers 200 at once, its first byte after 3 s; sets the
     /// flag when the body is dropped.
     SlowFirstByte,
+    /// `/generate` streams one SSE event, then nothing for a minute.
+    StallsAfterFirstEvent,
     /// `/generate` streams one event, then the connection breaks.
     BreaksMidStream,
     /// `/generate` answers 200 with the JSON body it received.
@@ -705,6 +707,24 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
                         "type": "invalid_request_error", "code": "rate_limited"}})),
                     )
                         .into_response()
+                }
+                Fake::StallsAfterFirstEvent => {
+                    use futures_util::StreamExt;
+                    let guard = SetOnDrop(dropped);
+                    let first = futures_util::stream::once(async {
+                        Ok::<_, std::io::Error>(Bytes::from_static(b"data: {\"text\":\"a\"}\n\n"))
+                    });
+                    let silent = futures_util::stream::once(async move {
+                        tokio::time::sleep(Duration::from_secs(60)).await;
+                        drop(guard);
+                        Ok(Bytes::from_static(b"data: [DONE]\n\n"))
+                    });
+                    let mut r = Response::new(Body::from_stream(first.chain(silent)));
+                    r.headers_mut().insert(
+                        "content-type",
+                        axum::http::HeaderValue::from_static("text/event-stream"),
+                    );
+                    r
                 }
                 Fake::SlowFirstByte => {
                     let guard = SetOnDrop(dropped);
@@ -984,5 +1004,53 @@ async fn the_worker_api_is_served_on_the_public_port() {
     assert!(
         generated >= 1.0,
         "the aborted stream's tokens count: {generated}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_goes_silent_ends_stalled_and_drops_the_workers_request() {
+    let decode_dropped = Arc::new(AtomicBool::new(false));
+    let d = fake_worker(Fake::StallsAfterFirstEvent, Arc::clone(&decode_dropped)).await;
+    let p = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
+    let mut c = config(&[&p], &[&d]);
+    c.stall_timeout = Some(Duration::from_millis(600));
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    let t0 = Instant::now();
+    let (s, text) = post_raw(
+        &r.base,
+        "/generate",
+        &json!({"text": "hi", "stream": true}).to_string(),
+    )
+    .await;
+    let took = t0.elapsed();
+    assert_eq!(s, 200, "{text}");
+    let events = sse_data(&text);
+    assert_eq!(events.len(), 2, "the event, then the stall: {text}");
+    let e: Value = serde_json::from_str(&events[1]).expect("JSON");
+    assert_eq!(
+        (&e["error"]["type"], &e["error"]["code"]),
+        (&json!("stalled"), &json!("stalled")),
+        "{e}"
+    );
+    assert!(e["error"]["message"].as_str().unwrap().contains(&d), "{e}");
+    // After the timeout, well before the worker's minute of silence ends.
+    assert!(
+        took >= Duration::from_millis(600) && took < Duration::from_secs(30),
+        "{took:?}"
+    );
+    let t0 = Instant::now();
+    while !decode_dropped.load(Ordering::SeqCst) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "decode request not dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let metrics = get(&r.base, "/metrics").await.1;
+    assert!(
+        metrics
+            .contains("handoff_router_worker_failures_total{side=\"decode\",kind=\"stalled\"} 1"),
+        "{metrics}"
     );
 }

@@ -242,6 +242,12 @@ pub struct HttpLimitArgs {
     /// Open connections at most; past it a new connection gets a 503.
     #[arg(long, default_value_t = handoff_server::HttpLimits::default().max_connections as u64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections: u64,
+    /// Seconds a request may wait for its next token (a worker) or its next
+    /// byte from decode (the router) before it ends with a `stalled` error
+    /// (an SSE error event once streaming) and is cancelled on both PD
+    /// sides, its KV pages freed. 0: never.
+    #[arg(long, default_value_t = handoff_server::app::DEFAULT_STALL_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub stream_stall_timeout_secs: u64,
     /// An origin (`https://host[:port]`) whose web pages may call this
     /// server (CORS); repeat for several. None by default: no cross-origin
     /// page can read an answer.
@@ -260,10 +266,18 @@ impl HttpLimitArgs {
         }
     }
 
+    /// The stall watchdog's timeout (`None`: off).
+    pub fn stall_timeout(&self) -> Option<std::time::Duration> {
+        (self.stream_stall_timeout_secs > 0)
+            .then(|| std::time::Duration::from_secs(self.stream_stall_timeout_secs))
+    }
+
     /// These flags as command-line arguments (for the worker processes
     /// `handoff serve` starts).
     pub fn to_args(&self) -> Vec<String> {
         vec![
+            "--stream-stall-timeout-secs".into(),
+            self.stream_stall_timeout_secs.to_string(),
             "--http-header-timeout-secs".into(),
             self.http_header_timeout_secs.to_string(),
             "--http-body-timeout-secs".into(),

@@ -277,6 +277,7 @@ pub fn run(
         config.health_interval = Duration::from_secs(1);
         config.http = http.limits.limits();
         config.allow_origins = http.limits.allow_origin.clone();
+        config.stall_timeout = http.limits.stall_timeout();
         tracing::info!(
             prefill = %prefill.url,
             decode = %decode.url,

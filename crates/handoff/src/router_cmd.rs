@@ -134,6 +134,7 @@ pub fn config(
     c.max_retries = args.max_retries;
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();
+    c.stall_timeout = args.limits.stall_timeout();
     c.validate()
         .map_err(|e| usage_error(ErrorKind::ValueValidation, e.to_string()))?;
     Ok(c)

@@ -176,7 +176,10 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
         handoff_server::serve(
             listener,
             handoff_server::cors::allow_origins(
-                handoff_server::app(backend),
+                handoff_server::app_with_state(
+                    handoff_server::AppState::new(backend)
+                        .with_stall_timeout(args.http.limits.stall_timeout()),
+                ),
                 &args.http.limits.allow_origin,
             ),
             args.http.limits.limits(),

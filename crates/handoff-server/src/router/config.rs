@@ -53,6 +53,10 @@ pub struct RouterConfig {
     pub http: crate::listen::HttpLimits,
     /// Origins whose web pages may call the router (CORS); none by default.
     pub allow_origins: Vec<crate::cors::Origin>,
+    /// A relayed stream that brings no byte for this long after its first
+    /// ends with a `stalled` SSE error event, and both workers' requests are
+    /// cancelled (default 120 s; `None`: only the request timeout bounds it).
+    pub stall_timeout: Option<Duration>,
 }
 
 impl RouterConfig {
@@ -71,6 +75,7 @@ impl RouterConfig {
             max_retries: 2,
             http: crate::listen::HttpLimits::default(),
             allow_origins: Vec::new(),
+            stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),
         }
     }
 

@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 use crate::errors::ApiError;
 use crate::router::prefix_index::prompt_blocks;
 use crate::router::relay::{
-    self, relay_headers, AttemptGuards, AttemptSpec, Failure, Pair, RelayBody,
+    self, relay_headers, AttemptGuards, AttemptSpec, Failure, Pair, RelayBody, RelayLimits,
 };
 use crate::router::timeline::Timeline;
 use crate::router::workers::Worker;
@@ -150,8 +150,11 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                     tl,
                     Arc::clone(&state.metrics),
                     guards,
-                    deadline,
-                    timeout.as_secs_f64(),
+                    RelayLimits {
+                        deadline,
+                        timeout_secs: timeout.as_secs_f64(),
+                        stall: state.config.stall_timeout,
+                    },
                 );
                 relay.timeline().set_status(status);
                 let code = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);

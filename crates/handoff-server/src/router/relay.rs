@@ -452,10 +452,20 @@ pub struct RelayBody {
     timeline: Timeline,
     metrics: Arc<RouterMetrics>,
     _guards: AttemptGuards,
-    deadline: Instant,
-    timeout_secs: f64,
+    limits: RelayLimits,
     ends_clean: bool,
     finished: bool,
+}
+
+/// What bounds a relayed stream in time.
+#[derive(Debug, Clone, Copy)]
+pub struct RelayLimits {
+    /// The request's deadline (arrival plus the request timeout).
+    pub deadline: Instant,
+    /// The request timeout, seconds (for messages).
+    pub timeout_secs: f64,
+    /// The stall watchdog: longest wait for decode's next bytes.
+    pub stall: Option<std::time::Duration>,
 }
 
 impl RelayBody {
@@ -466,10 +476,10 @@ impl RelayBody {
         timeline: Timeline,
         metrics: Arc<RouterMetrics>,
         guards: AttemptGuards,
-        deadline: Instant,
-        timeout_secs: f64,
+        limits: RelayLimits,
     ) -> Self {
         RelayBody {
+            limits,
             pending: Some(started.first),
             rest: started.rest,
             prefill: started.prefill,
@@ -477,8 +487,6 @@ impl RelayBody {
             timeline,
             metrics,
             _guards: guards,
-            deadline,
-            timeout_secs,
             ends_clean: true,
             finished: false,
         }
@@ -508,9 +516,13 @@ impl RelayBody {
     }
 
     fn error_event(&mut self, status: u16, code: &'static str, message: String) -> Bytes {
+        self.error_event_of(ApiError::new(status, code, message))
+    }
+
+    fn error_event_of(&mut self, e: ApiError) -> Bytes {
         self.finished = true;
-        self.timeline.finish(code);
-        let json = ApiError::new(status, code, message).to_json();
+        self.timeline.finish(e.code);
+        let json = e.to_json();
         let sep = if self.ends_clean { "" } else { "\n\n" };
         Bytes::from(format!("{sep}data: {json}\n\n"))
     }
@@ -523,8 +535,15 @@ impl RelayBody {
         if self.finished {
             return None;
         }
-        let sleep = tokio::time::sleep_until(self.deadline.into());
+        let sleep = tokio::time::sleep_until(self.limits.deadline.into());
         tokio::pin!(sleep);
+        // The stall watchdog: this long for the next byte from decode.
+        let stall = self.limits.stall;
+        let stall_at = stall
+            .map(|s| tokio::time::Instant::now() + s)
+            .unwrap_or_else(|| self.limits.deadline.into());
+        let stalled = tokio::time::sleep_until(stall_at);
+        tokio::pin!(stalled);
         loop {
             tokio::select! {
                 c = self.rest.next() => match c {
@@ -559,11 +578,23 @@ impl RelayBody {
                         tracing::debug!("prefill failed after decode bytes were relayed: {f:?}");
                     }
                 },
+                _ = &mut stalled, if stall.is_some() => {
+                    self.metrics.count_failure("decode", "stalled");
+                    let msg = format!(
+                        "decode worker {} sent nothing for {:.1} s: the request was ended on both workers",
+                        self.pair.decode.url,
+                        stall.unwrap_or_default().as_secs_f64()
+                    );
+                    tracing::warn!("{msg}");
+                    let mut e = ApiError::new(504, "stalled", msg);
+                    e.kind = "stalled";
+                    return Some(self.error_event_of(e));
+                }
                 _ = &mut sleep => {
                     self.metrics.count_failure("decode", "timeout");
                     let msg = format!(
                         "the request timed out after {} s while streaming from decode worker {}",
-                        self.timeout_secs, self.pair.decode.url
+                        self.limits.timeout_secs, self.pair.decode.url
                     );
                     return Some(self.error_event(504, "request_timeout", msg));
                 }

@@ -42,7 +42,12 @@ fn model_path() -> PathBuf {
 
 /// A fresh engine on the tiny test model.
 pub fn start_engine() -> EngineHandle {
-    let config = EngineConfig {
+    start_engine_with(|_| {})
+}
+
+/// A fresh engine on the tiny test model, its configuration changed by `f`.
+pub fn start_engine_with(f: impl FnOnce(&mut EngineConfig)) -> EngineHandle {
+    let mut config = EngineConfig {
         threads: 2,
         page_size: PAGE_SIZE,
         kv_pages: KV_PAGES,
@@ -51,6 +56,7 @@ pub fn start_engine() -> EngineHandle {
         served_name: Some("tiny-test".to_string()),
         ..EngineConfig::new(model_path())
     };
+    f(&mut config);
     Engine::start(config).expect("engine starts")
 }
 
@@ -84,9 +90,13 @@ where
 
 /// Serve the worker API around `engine` (see [`serve_on_thread`]).
 pub fn serve_worker(engine: impl Into<handoff_server::Backend>) -> String {
-    let engine: handoff_server::Backend = engine.into();
+    serve_state(handoff_server::AppState::new(engine))
+}
+
+/// Serve the worker API around prepared state (see [`serve_on_thread`]).
+pub fn serve_state(state: handoff_server::AppState) -> String {
     serve_on_thread(|listener| async move {
-        axum::serve(listener, handoff_server::app(engine))
+        axum::serve(listener, handoff_server::app_with_state(state))
             .await
             .expect("serve");
     })
