@@ -7,6 +7,7 @@
 
 pub mod aborts;
 pub mod app;
+pub mod auth;
 pub mod backend;
 pub mod cors;
 pub mod errors;

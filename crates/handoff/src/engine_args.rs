@@ -248,6 +248,20 @@ pub struct HttpLimitArgs {
     /// sides, its KV pages freed. 0: never.
     #[arg(long, default_value_t = handoff_server::app::DEFAULT_STALL_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub stream_stall_timeout_secs: u64,
+    /// API key every request must carry (`Authorization: Bearer KEY`; 401
+    /// otherwise), but those to --open-path. Also read from $HANDOFF_API_KEY;
+    /// prefer that or --api-key-file, since a flag shows in the process
+    /// list. The router sends it to its workers; `handoff serve` gives it
+    /// to its own.
+    #[arg(long, conflicts_with = "api_key_file")]
+    pub api_key: Option<String>,
+    /// Read the API key from this file (surrounding white space dropped).
+    #[arg(long, value_name = "PATH")]
+    pub api_key_file: Option<std::path::PathBuf>,
+    /// A path open without the API key; repeat for several [default:
+    /// /health, /readiness, /metrics].
+    #[arg(long = "open-path", value_name = "PATH", default_values_t = handoff_server::auth::DEFAULT_OPEN_PATHS.iter().map(|p| p.to_string()))]
+    pub open_paths: Vec<String>,
     /// An origin (`https://host[:port]`) whose web pages may call this
     /// server (CORS); repeat for several. None by default: no cross-origin
     /// page can read an answer.
@@ -264,6 +278,23 @@ impl HttpLimitArgs {
             write_timeout: std::time::Duration::from_secs(self.stream_write_timeout_secs),
             max_connections: self.max_connections as usize,
         }
+    }
+
+    /// The API key these flags give (`None`: no key).
+    pub fn api_key(&self) -> anyhow::Result<Option<handoff_server::auth::ApiKey>> {
+        let key = match (&self.api_key, &self.api_key_file) {
+            (Some(k), _) => k.clone(),
+            (None, Some(path)) => std::fs::read_to_string(path)
+                .with_context(|| format!("reading the API key file {}", path.display()))?,
+            (None, None) => match std::env::var("HANDOFF_API_KEY") {
+                Ok(k) => k,
+                Err(std::env::VarError::NotPresent) => return Ok(None),
+                Err(e) => bail!("HANDOFF_API_KEY: {e}"),
+            },
+        };
+        let key = handoff_server::auth::ApiKey::new(&key, &self.open_paths)
+            .context("--api-key / --api-key-file / HANDOFF_API_KEY")?;
+        Ok(Some(key))
     }
 
     /// The stall watchdog's timeout (`None`: off).
@@ -292,6 +323,11 @@ impl HttpLimitArgs {
             self.allow_origin
                 .iter()
                 .flat_map(|o| ["--allow-origin".to_string(), o.to_string()]),
+        )
+        .chain(
+            self.open_paths
+                .iter()
+                .flat_map(|p| ["--open-path".to_string(), p.clone()]),
         )
         .collect()
     }

@@ -44,6 +44,9 @@ struct Spec {
     port: u16,
     extra: Vec<String>,
     nice: u8,
+    /// The API key the worker requires (given through its environment, not
+    /// its command line).
+    api_key: Option<String>,
 }
 
 impl Spec {
@@ -55,6 +58,7 @@ impl Spec {
             self.port,
             &self.extra,
             self.nice,
+            self.api_key.as_deref(),
         )
     }
 }
@@ -123,6 +127,7 @@ fn spawn_worker(
     port: u16,
     extra: &[String],
     nice: u8,
+    api_key: Option<&str>,
 ) -> anyhow::Result<Worker> {
     let exe = std::env::current_exe().context("locating the handoff binary")?;
     // `nice` execs the worker: the pid stays the worker's.
@@ -133,6 +138,10 @@ fn spawn_worker(
     } else {
         Command::new(exe)
     };
+    cmd.env_remove("HANDOFF_API_KEY");
+    if let Some(k) = api_key {
+        cmd.env("HANDOFF_API_KEY", k);
+    }
     let mut child = cmd
         .arg(role)
         .args(engine.to_args(model))
@@ -160,8 +169,16 @@ fn spawn_worker(
 }
 
 /// Wait until `w` answers `/health`, or fail if it exits first.
-async fn wait_healthy(w: &mut Worker) -> anyhow::Result<()> {
+async fn wait_healthy(
+    w: &mut Worker,
+    key: Option<&handoff_server::auth::ApiKey>,
+) -> anyhow::Result<()> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(k) = key {
+        headers.insert(reqwest::header::AUTHORIZATION, k.bearer());
+    }
     let client = reqwest::Client::builder()
+        .default_headers(headers)
         .timeout(Duration::from_secs(2))
         .build()?;
     let deadline = Instant::now() + WORKER_START_TIMEOUT;
@@ -199,6 +216,8 @@ pub fn run(
     pd: &PdArgs,
     prefill_nice: u8,
 ) -> anyhow::Result<()> {
+    let api_key = http.limits.api_key()?;
+    let api_key_text = api_key.as_ref().map(|k| k.secret().to_string());
     // Fetch the default model once, before the workers start.
     let model = engine.model_path()?;
     // The prefill worker's transfer endpoint: the port asked for, or a free
@@ -235,6 +254,7 @@ pub fn run(
         ]
         .concat(),
         nice: prefill_nice,
+        api_key: api_key_text.clone(),
     };
     let decode_spec = Spec {
         role: "decode",
@@ -252,6 +272,7 @@ pub fn run(
         ]
         .concat(),
         nice: 0,
+        api_key: api_key_text,
     };
     let mut prefill = prefill_spec.spawn()?;
     let mut decode = decode_spec.spawn()?;
@@ -261,8 +282,8 @@ pub fn run(
         .build()
         .context("building the tokio runtime")?;
     rt.block_on(async {
-        wait_healthy(&mut prefill).await?;
-        wait_healthy(&mut decode).await?;
+        wait_healthy(&mut prefill, api_key.as_ref()).await?;
+        wait_healthy(&mut decode, api_key.as_ref()).await?;
         let listener = tokio::net::TcpListener::bind((http.host.as_str(), http.port))
             .await
             .with_context(|| format!("binding {}:{}", http.host, http.port))?;
@@ -278,6 +299,7 @@ pub fn run(
         config.http = http.limits.limits();
         config.allow_origins = http.limits.allow_origin.clone();
         config.stall_timeout = http.limits.stall_timeout();
+        config.api_key = api_key.clone();
         tracing::info!(
             prefill = %prefill.url,
             decode = %decode.url,

@@ -135,6 +135,10 @@ pub fn config(
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();
     c.stall_timeout = args.limits.stall_timeout();
+    c.api_key = args
+        .limits
+        .api_key()
+        .map_err(|e| usage_error(ErrorKind::ValueValidation, format!("{e:#}")))?;
     c.validate()
         .map_err(|e| usage_error(ErrorKind::ValueValidation, e.to_string()))?;
     Ok(c)

@@ -150,6 +150,7 @@ pub fn start_backend(mode: Mode, args: &WorkerArgs) -> anyhow::Result<Backend> {
 /// Run a worker of `mode` until SIGTERM / ctrl-c (or, with
 /// `--exit-with-parent`, until standard input closes).
 pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
+    let api_key = args.http.limits.api_key()?;
     let backend = start_backend(mode, &args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -173,15 +174,14 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
                 crate::signal::shutdown_signal().await
             }
         };
+        let app = handoff_server::app_with_state(
+            handoff_server::AppState::new(backend)
+                .with_stall_timeout(args.http.limits.stall_timeout()),
+        );
+        let app = handoff_server::auth::require_api_key(app, api_key);
         handoff_server::serve(
             listener,
-            handoff_server::cors::allow_origins(
-                handoff_server::app_with_state(
-                    handoff_server::AppState::new(backend)
-                        .with_stall_timeout(args.http.limits.stall_timeout()),
-                ),
-                &args.http.limits.allow_origin,
-            ),
+            handoff_server::cors::allow_origins(app, &args.http.limits.allow_origin),
             args.http.limits.limits(),
             stop,
         )

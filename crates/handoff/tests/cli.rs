@@ -42,6 +42,23 @@ fn cli_errors_are_precise() {
         &["serve", "--model", "/nonexistent/model.gguf"],
         "model file /nonexistent/model.gguf does not exist",
     );
+    fails_with(&["serve", "--api-key", " "], "the API key is empty");
+    fails_with(
+        &[
+            "router",
+            "--prefill",
+            "http://127.0.0.1:1",
+            "--decode",
+            "http://127.0.0.1:2",
+            "--api-key-file",
+            "/nonexistent/key",
+        ],
+        "reading the API key file /nonexistent/key",
+    );
+    fails_with(
+        &["serve", "--api-key", "k", "--open-path", "health"],
+        "open path \"health\" does not start with /",
+    );
     fails_with(
         &["decode", "--transfer-tcp-streams", "0"],
         "invalid value '0' for '--transfer-tcp-streams <TRANSFER_TCP_STREAMS>': 0 is not in 1..=16",
@@ -201,10 +218,21 @@ fn router_answers_and_stops_on_sigterm() {
 }
 
 fn http_get(addr: &str, path: &str) -> String {
+    http_get_with(addr, path, None)
+}
+
+/// `Authorization: Bearer KEY` when `key` is given.
+fn auth_header(key: Option<&str>) -> String {
+    key.map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default()
+}
+
+fn http_get_with(addr: &str, path: &str, key: Option<&str>) -> String {
     let mut s = TcpStream::connect(addr).expect("connect");
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: x\r\n{}Connection: close\r\n\r\n",
+        auth_header(key)
     )
     .unwrap();
     let mut out = String::new();
@@ -297,10 +325,15 @@ fn http_preflight(addr: &str, origin: &str) -> String {
 }
 
 fn http_post(addr: &str, path: &str, body: &str) -> String {
+    http_post_with(addr, path, body, None)
+}
+
+fn http_post_with(addr: &str, path: &str, body: &str, key: Option<&str>) -> String {
     let mut s = TcpStream::connect(addr).expect("connect");
     write!(
         s,
-        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        auth_header(key),
         body.len()
     )
     .unwrap();
@@ -326,7 +359,14 @@ impl Drop for KillOnPanic {
 #[cfg(unix)]
 fn serve_answers_and_stops(mode: &[&str], label: &str) {
     let model = tiny_model(label);
-    let mut child = handoff()
+    // The PD serve runs with an API key, given through the environment: the
+    // router requires it and hands it to its workers.
+    let key = (label == "pd").then_some("cli-test-key");
+    let mut cmd = handoff();
+    if let Some(k) = key {
+        cmd.env("HANDOFF_API_KEY", k);
+    }
+    let mut child = cmd
         .args([
             "serve",
             "--port",
@@ -351,11 +391,18 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
     let mut addr = None;
     let mut bootstrap = None;
     let mut prefill_pid = None;
+    let mut decode_port = None;
     for line in lines.by_ref() {
         let line = line.unwrap();
         // Worker processes' lines are prefixed with their role.
         if line.starts_with('[') {
             continue;
+        }
+        if line.contains("worker process started") && line.contains("role=\"decode\"") {
+            decode_port = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("port="))
+                .map(str::to_string);
         }
         if line.contains("worker process started") && line.contains("role=\"prefill\"") {
             prefill_pid = line
@@ -397,14 +444,36 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
         !refused.contains("access-control-allow-origin"),
         "{refused}"
     );
-    let models = http_get(&addr, "/v1/models");
+    let models = http_get_with(&addr, "/v1/models", key);
     assert!(models.starts_with("HTTP/1.1 200"), "{models}");
     assert!(models.contains("\"id\":\"tiny-cli\""), "{models}");
-    let done = http_post(
-        &addr,
-        "/v1/completions",
-        r#"{"prompt":"hello","max_tokens":5,"temperature":0,"ignore_eos":true}"#,
-    );
+    let request = r#"{"prompt":"hello","max_tokens":5,"temperature":0,"ignore_eos":true}"#;
+    if key.is_some() {
+        let refused = http_post(&addr, "/v1/completions", request);
+        assert!(refused.starts_with("HTTP/1.1 401"), "{refused}");
+        assert!(
+            refused.contains("\"code\":\"invalid_api_key\""),
+            "{refused}"
+        );
+        let wrong = http_post_with(&addr, "/v1/completions", request, Some("guess"));
+        assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+        let health = http_get(&addr, "/health");
+        assert!(health.starts_with("HTTP/1.1 200"), "open path: {health}");
+        let metrics = http_get(&addr, "/metrics");
+        assert!(metrics.starts_with("HTTP/1.1 200"), "open path: {metrics}");
+        let workers = http_get(&addr, "/workers");
+        assert!(workers.starts_with("HTTP/1.1 401"), "{workers}");
+        // The workers behind the router require the key too.
+        let worker = format!(
+            "127.0.0.1:{}",
+            decode_port.clone().expect("decode port logged")
+        );
+        let direct = http_get(&worker, "/v1/models");
+        assert!(direct.starts_with("HTTP/1.1 401"), "{direct}");
+        let direct = http_get_with(&worker, "/v1/models", key);
+        assert!(direct.starts_with("HTTP/1.1 200"), "{direct}");
+    }
+    let done = http_post_with(&addr, "/v1/completions", request, key);
     assert!(done.starts_with("HTTP/1.1 200"), "{done}");
     assert!(done.contains("\"completion_tokens\":5"), "{done}");
     if label == "pd" {
@@ -419,11 +488,7 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         loop {
             std::thread::sleep(Duration::from_millis(200));
-            let again = http_post(
-                &addr,
-                "/v1/completions",
-                r#"{"prompt":"hello","max_tokens":5,"temperature":0,"ignore_eos":true}"#,
-            );
+            let again = http_post_with(&addr, "/v1/completions", request, key);
             if again.starts_with("HTTP/1.1 200") {
                 assert_eq!(body_of(&again), body_of(&done));
                 break;

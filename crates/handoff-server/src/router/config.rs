@@ -57,6 +57,9 @@ pub struct RouterConfig {
     /// ends with a `stalled` SSE error event, and both workers' requests are
     /// cancelled (default 120 s; `None`: only the request timeout bounds it).
     pub stall_timeout: Option<Duration>,
+    /// The API key clients must send (and the router sends its workers);
+    /// `None`: no key.
+    pub api_key: Option<crate::auth::ApiKey>,
 }
 
 impl RouterConfig {
@@ -76,6 +79,7 @@ impl RouterConfig {
             http: crate::listen::HttpLimits::default(),
             allow_origins: Vec::new(),
             stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),
+            api_key: None,
         }
     }
 

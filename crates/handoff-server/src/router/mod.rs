@@ -83,7 +83,12 @@ impl RouterState {
     pub fn new(config: RouterConfig) -> Result<Self, RouterError> {
         let metrics = Arc::new(RouterMetrics::new());
         let workers = Workers::new(&config, &metrics)?;
+        let mut headers = reqwest::header::HeaderMap::new();
+        if let Some(k) = &config.api_key {
+            headers.insert(reqwest::header::AUTHORIZATION, k.bearer());
+        }
         let client = reqwest::Client::builder()
+            .default_headers(headers)
             .connect_timeout(config.connect_timeout)
             // Let go of an idle connection before a worker closes it (its
             // header timeout, 30 s by default), so no request is sent on a
@@ -222,7 +227,9 @@ where
 {
     let limits = config.http;
     let origins = config.allow_origins.clone();
+    let key = config.api_key.clone();
     let (app, handle) = router_app(config)?;
+    let app = crate::auth::require_api_key(app, key);
     let app = crate::cors::allow_origins(app, &origins);
     handle.probe_now().await;
     if !handle.ready() {
