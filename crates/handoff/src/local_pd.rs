@@ -7,7 +7,6 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener as StdListener;
-use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -47,20 +46,8 @@ struct Spec {
     /// The API key the worker requires (given through its environment, not
     /// its command line).
     api_key: Option<String>,
-}
-
-impl Spec {
-    fn spawn(&self) -> anyhow::Result<Worker> {
-        spawn_worker(
-            self.role,
-            &self.model,
-            &self.engine,
-            self.port,
-            &self.extra,
-            self.nice,
-            self.api_key.as_deref(),
-        )
-    }
+    /// The transfer secret of this run, if serve made one (environment too).
+    transfer_secret: Option<String>,
 }
 
 /// Restart workers that exit; fails once one keeps dying.
@@ -89,7 +76,7 @@ async fn supervise(
             }
             restarts[i].push(now);
             tracing::error!(role = spec.role, %status, "worker exited: starting it again");
-            match spec.spawn() {
+            match spawn_worker(spec) {
                 Ok(fresh) => *w = fresh,
                 Err(e) => return e.context(format!("restarting the {} worker", spec.role)),
             }
@@ -120,15 +107,19 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-fn spawn_worker(
-    role: &'static str,
-    model: &Path,
-    engine: &EngineArgs,
-    port: u16,
-    extra: &[String],
-    nice: u8,
-    api_key: Option<&str>,
-) -> anyhow::Result<Worker> {
+/// Start the worker process `spec` describes.
+fn spawn_worker(spec: &Spec) -> anyhow::Result<Worker> {
+    let Spec {
+        role,
+        model,
+        engine,
+        port,
+        extra,
+        nice,
+        api_key,
+        transfer_secret,
+    } = spec;
+    let (role, port, nice) = (*role, *port, *nice);
     let exe = std::env::current_exe().context("locating the handoff binary")?;
     // `nice` execs the worker: the pid stays the worker's.
     let mut cmd = if nice > 0 {
@@ -141,6 +132,10 @@ fn spawn_worker(
     cmd.env_remove("HANDOFF_API_KEY");
     if let Some(k) = api_key {
         cmd.env("HANDOFF_API_KEY", k);
+    }
+    cmd.env_remove(crate::worker::TRANSFER_SECRET_ENV);
+    if let Some(s) = transfer_secret {
+        cmd.env(crate::worker::TRANSFER_SECRET_ENV, s);
     }
     let mut child = cmd
         .arg(role)
@@ -236,10 +231,24 @@ pub fn run(
     if pd.disable_delta_transfer {
         common.push("--disable-delta-transfer".into());
     }
-    if let Some(path) = &pd.transfer_secret_file {
-        common.push("--transfer-secret-file".into());
-        common.push(path.display().to_string());
-    }
+    // The pair authenticates its transfer handshakes: with the secret file
+    // given, else with a fresh secret of this run, handed to the workers
+    // through their environment.
+    let run_secret = match &pd.transfer_secret_file {
+        Some(path) => {
+            common.push("--transfer-secret-file".into());
+            common.push(path.display().to_string());
+            None
+        }
+        None => {
+            tracing::info!("transfer handshakes authenticated with a fresh secret of this run");
+            Some(format!(
+                "{:032x}{:032x}",
+                rand::random::<u128>(),
+                rand::random::<u128>()
+            ))
+        }
+    };
     let prefill_spec = Spec {
         role: "prefill",
         model: model.clone(),
@@ -255,6 +264,7 @@ pub fn run(
         .concat(),
         nice: prefill_nice,
         api_key: api_key_text.clone(),
+        transfer_secret: run_secret.clone(),
     };
     let decode_spec = Spec {
         role: "decode",
@@ -273,9 +283,10 @@ pub fn run(
         .concat(),
         nice: 0,
         api_key: api_key_text,
+        transfer_secret: run_secret,
     };
-    let mut prefill = prefill_spec.spawn()?;
-    let mut decode = decode_spec.spawn()?;
+    let mut prefill = spawn_worker(&prefill_spec)?;
+    let mut decode = spawn_worker(&decode_spec)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -34,7 +34,10 @@ pub struct PdArgs {
     pub disaggregation_transfer_backend: TransportChoice,
     /// A file holding a shared secret; prefill and decode then authenticate
     /// each other at the transfer handshake (the secret never crosses the
-    /// wire). Both sides must use the same file content.
+    /// wire). Both sides must use the same file content. Also read from
+    /// $HANDOFF_TRANSFER_SECRET. A prefill whose transfer endpoint binds an
+    /// address other hosts can reach refuses to start without one;
+    /// `handoff serve` makes a fresh one for its own pair at every start.
     #[arg(long, value_name = "PATH")]
     pub transfer_secret_file: Option<PathBuf>,
     /// Decode: TCP streams per data link to each prefill (tcp transport
@@ -80,6 +83,24 @@ pub enum Mode {
     Decode,
 }
 
+/// The environment variable that may hold the transfer secret (how
+/// `handoff serve` hands its per-run secret to its workers).
+pub const TRANSFER_SECRET_ENV: &str = "HANDOFF_TRANSFER_SECRET";
+
+/// Refuse a prefill transfer endpoint that other hosts can reach without a
+/// secret: anyone who reaches it could pose as a decode worker.
+fn check_transfer_exposure(pd: &PdConfig) -> anyhow::Result<()> {
+    if pd.secret.is_none() && !pd.listen.ip().is_loopback() {
+        bail!(
+            "the transfer endpoint would listen on {}, which other hosts can reach, without a secret: \
+             give prefill and decode the same --transfer-secret-file (or ${TRANSFER_SECRET_ENV}), \
+             or bind a loopback --host",
+            pd.listen
+        );
+    }
+    Ok(())
+}
+
 impl PdArgs {
     fn config(&self, host: &str) -> anyhow::Result<PdConfig> {
         let mut pd = PdConfig::new(handoff_engine::pd::TransportKind::Tcp);
@@ -105,6 +126,11 @@ impl PdArgs {
                 bail!("--transfer-secret-file {} is empty", path.display());
             }
             pd.secret = Some(secret);
+        } else if let Some(secret) = std::env::var_os(TRANSFER_SECRET_ENV) {
+            if secret.is_empty() {
+                bail!("${TRANSFER_SECRET_ENV} is set but empty");
+            }
+            pd.secret = Some(secret.into_encoded_bytes());
         }
         Ok(pd)
     }
@@ -121,6 +147,7 @@ pub fn start_backend(mode: Mode, args: &WorkerArgs) -> anyhow::Result<Backend> {
         ),
         Mode::Prefill => {
             let pd = args.pd.config(&args.http.host)?;
+            check_transfer_exposure(&pd)?;
             let listen = pd.listen;
             let p = PrefillEngine::start(config, pd).with_context(|| {
                 format!("starting the prefill engine on {model} (transfer endpoint {listen})")

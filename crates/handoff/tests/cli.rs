@@ -392,8 +392,10 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
     let mut bootstrap = None;
     let mut prefill_pid = None;
     let mut decode_port = None;
+    let mut serve_log = Vec::new();
     for line in lines.by_ref() {
         let line = line.unwrap();
+        serve_log.push(line.clone());
         // Worker processes' lines are prefixed with their role.
         if line.starts_with('[') {
             continue;
@@ -518,6 +520,12 @@ fn serve_answers_and_stops(mode: &[&str], label: &str) {
                 .any(|l| l.contains("worker exited: starting it again")),
             "{rest:?}"
         );
+        assert!(
+            serve_log
+                .iter()
+                .any(|l| l.contains("transfer handshakes authenticated with a fresh secret")),
+            "{serve_log:?}"
+        );
         for role in ["[prefill]", "[decode]"] {
             assert!(
                 rest.iter()
@@ -614,4 +622,54 @@ fn the_default_model_is_fetched_into_the_cache_running_nothing_from_the_working_
     );
     assert_eq!(marks(&cwd), Vec::<String>::new());
     let _ = std::fs::remove_dir_all(&cwd);
+}
+
+#[test]
+fn a_prefill_reachable_from_other_hosts_needs_a_transfer_secret() {
+    let model = tiny_model("exposure");
+    let model = model.to_str().expect("utf-8 path");
+    let args = [
+        "prefill",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--disaggregation-bootstrap-port",
+        "0",
+        "--kv-pages",
+        "16",
+        "--model",
+        model,
+    ];
+    let out = handoff()
+        .args(args)
+        .env_remove("HANDOFF_TRANSFER_SECRET")
+        .output()
+        .expect("run handoff");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("which other hosts can reach, without a secret"),
+        "{stderr}"
+    );
+    // With the secret in the environment it starts.
+    let mut child = handoff()
+        .args(args)
+        .env("HANDOFF_TRANSFER_SECRET", "a shared secret")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let _reap = KillOnPanic(child.id());
+    let lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut started = false;
+    for line in lines.map_while(Result::ok) {
+        if line.contains("prefill transfer endpoint listening") {
+            started = true;
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(started, "the prefill did not start with a secret");
 }
