@@ -29,7 +29,9 @@ cleanup() {
 }
 trap cleanup EXIT
 "$BIN" prefill --port "$P_PORT" --disaggregation-bootstrap-port "$BOOT" "$@" >"$LOGS/prefill.log" 2>&1 & PIDS+=($!)
-"$BIN" decode --port "$D_PORT" "$@" >"$LOGS/decode.log" 2>&1 & PIDS+=($!)
+# SGLang's router cannot sign bootstrap fields: the decode worker is told
+# which prefill transfer endpoints it may dial.
+"$BIN" decode --port "$D_PORT" --prefill-allow "127.0.0.1:$BOOT" --prefill-allow "127.0.0.1:$BOOT2" "$@" >"$LOGS/decode.log" 2>&1 & PIDS+=($!)
 "$BIN" serve --colocated --port "$C_PORT" "$@" >"$LOGS/colocated.log" 2>&1 & PIDS+=($!)
 "$BIN" prefill --port "$SP_PORT" --disaggregation-bootstrap-port "$BOOT2" --context-length 256 "$@" >"$LOGS/small-prefill.log" 2>&1 & PIDS+=($!)
 "$PY" "$ROOT/tests/sglang_router/delay_proxy.py" "$SX_PORT" "$SP_PORT" 0.5 >"$LOGS/proxy.log" 2>&1 & PIDS+=($!)

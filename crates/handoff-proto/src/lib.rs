@@ -76,6 +76,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod bootstrap_auth;
 pub mod codec;
 pub mod connection;
 pub mod datalink;

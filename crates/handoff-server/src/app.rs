@@ -11,7 +11,8 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use crate::aborts::Aborts;
-use crate::backend::Backend;
+use crate::backend::{Backend, Bootstrap};
+use crate::trust::BootstrapTrust;
 
 use crate::errors::ApiError;
 use crate::extract::MAX_BODY_BYTES;
@@ -34,6 +35,9 @@ pub struct AppState {
     /// A generation that waits this long for its next token is ended
     /// (`stalled`) and cancelled; `None`: never.
     pub stall_timeout: Option<std::time::Duration>,
+    /// The prefill endpoints a decode worker dials ([`crate::trust`]):
+    /// none until the embedder says which.
+    pub bootstrap_trust: BootstrapTrust,
 }
 
 /// How long a generation may wait for its next token by default
@@ -68,7 +72,26 @@ impl AppState {
             aborts: Arc::new(Aborts::default()),
             system_fingerprint,
             stall_timeout: Some(DEFAULT_STALL_TIMEOUT),
+            bootstrap_trust: BootstrapTrust::default(),
         }
+    }
+
+    /// The same state trusting `trust`'s prefill endpoints.
+    pub fn with_bootstrap_trust(mut self, trust: BootstrapTrust) -> Self {
+        self.bootstrap_trust = trust;
+        self
+    }
+
+    /// Check a request's PD fields before any other work: the ones this
+    /// worker's role needs are there, and (decode) the prefill endpoint
+    /// they name is one this worker may dial. Marks `b` trusted.
+    pub fn check_bootstrap(&self, b: &mut Bootstrap) -> Result<(), ApiError> {
+        self.engine.check_bootstrap(b)?;
+        if self.engine.mode() == "decode" {
+            self.bootstrap_trust.check(b, crate::trust::unix_now())?;
+        }
+        b.trusted = true;
+        Ok(())
     }
 
     /// The same state with another stall timeout (`None`: no watchdog).

@@ -37,6 +37,14 @@ pub struct Bootstrap {
     pub port: Option<u16>,
     /// The room pairing the two halves.
     pub room: Option<u64>,
+    /// The router's signature of host, port and room
+    /// ([`handoff_proto::bootstrap_auth`]).
+    pub sig: Option<String>,
+    /// When the router signed, seconds since the Unix epoch.
+    pub ts: Option<u64>,
+    /// Set once [`crate::AppState::check_bootstrap`] found the endpoint
+    /// trusted: a decode backend dials nothing else.
+    pub(crate) trusted: bool,
 }
 
 /// A non-negative integer of at most `max`, or a 400 naming the field.
@@ -57,7 +65,13 @@ impl Bootstrap {
         host: Option<&String>,
         port: Option<&Value>,
         room: Option<&Value>,
+        sig: Option<&String>,
+        ts: Option<&Value>,
     ) -> Result<Self, ApiError> {
+        let ts = match ts.filter(|v| !v.is_null()) {
+            Some(v) => Some(bounded_integer("bootstrap_ts", v, i64::MAX as u64)?),
+            None => None,
+        };
         let room = match room.filter(|v| !v.is_null()) {
             Some(v) => Some(bounded_integer("bootstrap_room", v, i64::MAX as u64)?),
             None => None,
@@ -70,6 +84,9 @@ impl Bootstrap {
             host: host.filter(|h| !h.is_empty()).cloned(),
             port,
             room,
+            sig: sig.cloned(),
+            ts,
+            trusted: false,
         })
     }
 
@@ -85,11 +102,22 @@ impl Bootstrap {
         })
     }
 
-    /// The prefill's transfer endpoint: `host:port` resolved.
+    /// The prefill's transfer endpoint: `host:port` resolved, once the
+    /// endpoint was found trusted (never before: not even the name is
+    /// looked up).
     async fn prefill_addr(&self) -> Result<SocketAddr, ApiError> {
         let (Some(host), Some(port)) = (self.host.as_deref(), self.port) else {
             return Err(missing("decode", DECODE_NEEDS));
         };
+        if !self.trusted {
+            return Err(ApiError::new(
+                403,
+                "untrusted_bootstrap",
+                format!(
+                    "this decode worker does not dial {host}:{port}: the endpoint was not checked"
+                ),
+            ));
+        }
         let bad = |why: String| {
             ApiError::invalid_param(
                 "bootstrap_host",

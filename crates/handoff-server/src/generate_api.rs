@@ -141,6 +141,12 @@ pub struct GenerateBody {
     /// PD room id (unused when colocated).
     #[serde(default)]
     pub bootstrap_room: Option<Value>,
+    /// PD: the router's signature of the bootstrap fields.
+    #[serde(default)]
+    pub bootstrap_sig: Option<String>,
+    /// PD: when the router signed them (Unix seconds).
+    #[serde(default)]
+    pub bootstrap_ts: Option<Value>,
     /// Every other field: refused or accepted by [`crate::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
@@ -176,12 +182,14 @@ pub async fn generate(
     JsonBody(body): JsonBody<GenerateBody>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let pd = Bootstrap::parse(
+    let mut pd = Bootstrap::parse(
         body.bootstrap_host.as_ref(),
         body.bootstrap_port.as_ref(),
         body.bootstrap_room.as_ref(),
+        body.bootstrap_sig.as_ref(),
+        body.bootstrap_ts.as_ref(),
     )?;
-    state.engine.check_bootstrap(&pd)?;
+    state.check_bootstrap(&mut pd)?;
     let (stream_it, body_wants_logprobs) = (
         body.stream.unwrap_or(false),
         body.return_logprob.unwrap_or(false),

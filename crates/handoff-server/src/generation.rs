@@ -205,7 +205,9 @@ impl Generation {
             Some(StreamEvent::Error(e)) => {
                 self.metrics.count_error(self.endpoint, e.error_type());
                 self.ended = true;
-                Step::Error(e.into())
+                // A refusal relayed from the PD peer names the field as the
+                // engine does (`prompt`): name it as this endpoint does.
+                Step::Error(ApiError::from(e).for_endpoint(self.endpoint))
             }
             None => {
                 self.ended = true;

@@ -26,6 +26,7 @@ pub mod prompt;
 pub mod router;
 pub mod sse;
 pub mod token_api;
+pub mod trust;
 
 pub use app::{app, app_with_state, AppState};
 pub use backend::{Backend, Bootstrap};

@@ -259,8 +259,8 @@ pub async fn chat_completions(
     JsonBody(req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let pd = req.bootstrap()?;
-    state.engine.check_bootstrap(&pd)?;
+    let mut pd = req.bootstrap()?;
+    state.check_bootstrap(&mut pd)?;
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare_chat(&st, req, arrived)).await;
     run(state, pd, prepared, CHAT_ENDPOINT).await
@@ -320,8 +320,8 @@ pub async fn completions(
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let pd = req.bootstrap()?;
-    state.engine.check_bootstrap(&pd)?;
+    let mut pd = req.bootstrap()?;
+    state.check_bootstrap(&mut pd)?;
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare_completion(&st, req, arrived)).await;
     run(state, pd, prepared, COMPLETIONS_ENDPOINT).await

@@ -140,6 +140,12 @@ pub struct ChatCompletionRequest {
     /// PD: the room pairing prefill and decode (set by the router).
     #[serde(default)]
     pub bootstrap_room: Option<serde_json::Value>,
+    /// PD: the router's signature of the bootstrap fields.
+    #[serde(default)]
+    pub bootstrap_sig: Option<String>,
+    /// PD: when the router signed them (Unix seconds).
+    #[serde(default)]
+    pub bootstrap_ts: Option<serde_json::Value>,
 }
 
 impl ChatCompletionRequest {
@@ -149,6 +155,8 @@ impl ChatCompletionRequest {
             self.bootstrap_host.as_ref(),
             self.bootstrap_port.as_ref(),
             self.bootstrap_room.as_ref(),
+            self.bootstrap_sig.as_ref(),
+            self.bootstrap_ts.as_ref(),
         )
     }
 
@@ -292,6 +300,12 @@ pub struct CompletionRequest {
     /// PD: the room pairing prefill and decode (set by the router).
     #[serde(default)]
     pub bootstrap_room: Option<serde_json::Value>,
+    /// PD: the router's signature of the bootstrap fields.
+    #[serde(default)]
+    pub bootstrap_sig: Option<String>,
+    /// PD: when the router signed them (Unix seconds).
+    #[serde(default)]
+    pub bootstrap_ts: Option<serde_json::Value>,
 }
 
 impl CompletionRequest {
@@ -301,6 +315,8 @@ impl CompletionRequest {
             self.bootstrap_host.as_ref(),
             self.bootstrap_port.as_ref(),
             self.bootstrap_room.as_ref(),
+            self.bootstrap_sig.as_ref(),
+            self.bootstrap_ts.as_ref(),
         )
     }
 

@@ -56,6 +56,36 @@ fn config(model: &std::path::Path) -> EngineConfig {
     }
 }
 
+/// The transfer secret the routers sign bootstrap fields with and the decode
+/// workers check them against.
+const SECRET: &[u8] = b"pd-http test secret";
+
+/// Serve a decode worker that dials what [`SECRET`] signs.
+fn serve_decode(d: &DecodeHandle) -> String {
+    common::serve_state(
+        handoff_server::AppState::new(d.clone()).with_bootstrap_trust(
+            handoff_server::trust::BootstrapTrust::new(Some(SECRET.to_vec()), vec![]),
+        ),
+    )
+}
+
+/// Sign `b`'s bootstrap fields with [`SECRET`], as a router does.
+fn sign(b: &mut Value) {
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
+        room: b["bootstrap_room"].as_u64().unwrap_or(0),
+        host: b["bootstrap_host"].as_str().unwrap_or(""),
+        port: b["bootstrap_port"].as_u64().unwrap_or(0) as u16,
+        ts,
+    };
+    let sig = handoff_proto::bootstrap_auth::sign(SECRET, &claim);
+    b["bootstrap_ts"] = json!(ts);
+    b["bootstrap_sig"] = json!(sig);
+}
+
 /// handoff's router on an ephemeral port in front of one pair.
 fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
     let mut config = RouterConfig::new(
@@ -66,6 +96,7 @@ fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
         vec![decode.to_string()],
     );
     config.health_interval = Duration::from_secs(1);
+    config.transfer_secret = handoff_server::trust::TransferSecret::new(SECRET.to_vec());
     common::serve_on_thread(move |listener| async move {
         handoff_server::run_router(listener, config, std::future::pending())
             .await
@@ -153,8 +184,8 @@ fn workers() -> &'static Workers {
         let decode_tcp = DecodeEngine::start(config(&model), PdConfig::new(TransportKind::Tcp))
             .expect("decode engine (tcp)");
         let prefill_url = common::serve_worker(prefill.clone());
-        let decode_shm_url = common::serve_worker(decode_shm.clone());
-        let decode_tcp_url = common::serve_worker(decode_tcp.clone());
+        let decode_shm_url = serve_decode(&decode_shm);
+        let decode_tcp_url = serve_decode(&decode_tcp);
         let boot = prefill.bootstrap_addr().port();
         let small_url = common::serve_worker(small_prefill.clone());
         let small_boot = small_prefill.bootstrap_addr().port();
@@ -188,6 +219,7 @@ fn paired(body: &Value, prefill: &PrefillHandle) -> Value {
     b["bootstrap_host"] = json!(addr.ip().to_string());
     b["bootstrap_port"] = json!(addr.port());
     b["bootstrap_room"] = json!(next_room());
+    sign(&mut b);
     b
 }
 
@@ -691,12 +723,116 @@ async fn missing_or_bad_bootstrap_fields_are_named(w: &Workers) {
     assert!(b.contains("bootstrap_room must be non-zero"), "{b}");
     let mut bad = paired(&body, &w.prefill.1);
     bad["bootstrap_host"] = json!("no-such-host.invalid");
+    sign(&mut bad);
     let (s, b) = post_text(&w.decode_tcp.0, "/generate", &bad).await;
     assert_eq!(s, 400, "{b}");
     assert!(b.contains("bootstrap_host `no-such-host.invalid`"), "{b}");
+    untrusted_endpoints_are_refused_and_never_dialled(w, &body).await;
     // A colocated worker accepts and ignores the fields.
     let (s, b) = post_text(&w.colocated.0, "/generate", &paired(&body, &w.prefill.1)).await;
     assert_eq!(s, 200, "{b}");
+}
+
+/// A decode worker dials no endpoint a client chose: unsigned, wrongly
+/// signed, altered or stale bootstrap fields get a 403 naming
+/// `bootstrap_host`, and no connection reaches the endpoint they name (a
+/// listener counts accepts).
+async fn untrusted_endpoints_are_refused_and_never_dialled(w: &Workers, body: &Value) {
+    let trap = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    trap.set_nonblocking(true).expect("nonblocking");
+    let port = trap.local_addr().unwrap().port();
+    let aimed = |b: &mut Value| {
+        b["bootstrap_host"] = json!("127.0.0.1");
+        b["bootstrap_port"] = json!(port);
+    };
+    let mut unsigned = paired(body, &w.prefill.1);
+    aimed(&mut unsigned);
+    unsigned.as_object_mut().unwrap().remove("bootstrap_sig");
+    let mut altered = paired(body, &w.prefill.1);
+    aimed(&mut altered); // signed for the real prefill, then pointed elsewhere
+    let mut stale = paired(body, &w.prefill.1);
+    aimed(&mut stale);
+    sign(&mut stale);
+    let old = stale["bootstrap_ts"].as_u64().unwrap() - 3600;
+    stale["bootstrap_ts"] = json!(old);
+    let mut forged = paired(body, &w.prefill.1);
+    aimed(&mut forged);
+    forged["bootstrap_sig"] = json!("0".repeat(64));
+    for (label, b, why) in [
+        ("unsigned", &unsigned, "carries no bootstrap_sig"),
+        ("altered", &altered, "does not match"),
+        ("stale", &stale, "does not match"),
+        ("forged", &forged, "does not match"),
+    ] {
+        for path in ["/generate", "/v1/completions", "/v1/chat/completions"] {
+            let mut b = b.clone();
+            if path != "/generate" {
+                b["prompt"] = json!("hi");
+                b["messages"] = json!([{"role": "user", "content": "hi"}]);
+                if path == "/v1/completions" {
+                    b.as_object_mut().unwrap().remove("messages");
+                } else {
+                    b.as_object_mut().unwrap().remove("prompt");
+                }
+                b.as_object_mut().unwrap().remove("text");
+                b.as_object_mut().unwrap().remove("sampling_params");
+            }
+            let (s, text) = post_text(&w.decode_tcp.0, path, &b).await;
+            assert_eq!(s, 403, "{label} {path}: {text}");
+            let e = json_of(&text);
+            assert_eq!(e["error"]["code"], "untrusted_bootstrap", "{text}");
+            assert_eq!(e["error"]["param"], "bootstrap_host", "{text}");
+            let msg = e["error"]["message"].as_str().unwrap();
+            assert!(
+                msg.contains(why) && msg.contains(&format!("127.0.0.1:{port}")),
+                "{label}: {msg}"
+            );
+        }
+    }
+    // Stale but correctly signed: the clock check names the skew.
+    let mut old_sig = paired(body, &w.prefill.1);
+    aimed(&mut old_sig);
+    let ts = old_sig["bootstrap_ts"].as_u64().unwrap() - 3600;
+    let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
+        room: old_sig["bootstrap_room"].as_u64().unwrap(),
+        host: "127.0.0.1",
+        port,
+        ts,
+    };
+    old_sig["bootstrap_ts"] = json!(ts);
+    old_sig["bootstrap_sig"] = json!(handoff_proto::bootstrap_auth::sign(SECRET, &claim));
+    let (s, text) = post_text(&w.decode_tcp.0, "/generate", &old_sig).await;
+    assert_eq!(s, 403, "{text}");
+    assert!(text.contains("3600 s away"), "{text}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        matches!(trap.accept(), Err(ref e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "a decode worker connected to an endpoint a client chose"
+    );
+    // The same endpoint, signed: decode dials it (the listener sees the
+    // connection; it speaks no handoff, so the request then fails).
+    let mut signed = paired(body, &w.prefill.1);
+    aimed(&mut signed);
+    sign(&mut signed);
+    let _ = tokio::time::timeout(
+        Duration::from_secs(2),
+        post_text(&w.decode_tcp.0, "/generate", &signed),
+    )
+    .await;
+    let t0 = std::time::Instant::now();
+    loop {
+        match trap.accept() {
+            Ok(_) => break,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(5),
+                    "a signed endpoint was never dialled"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
 }
 
 /// Seed 000 over HTTP: the client of the decode worker goes away mid-stream;

@@ -234,6 +234,10 @@ pub fn run(
     // The pair authenticates its transfer handshakes: with the secret file
     // given, else with a fresh secret of this run, handed to the workers
     // through their environment.
+    let router_secret = match &pd.transfer_secret_file {
+        Some(path) => crate::worker::transfer_secret(Some(path))?,
+        None => None,
+    };
     let run_secret = match &pd.transfer_secret_file {
         Some(path) => {
             common.push("--transfer-secret-file".into());
@@ -249,6 +253,10 @@ pub fn run(
             ))
         }
     };
+    // The router signs with the same secret.
+    let router_secret = router_secret
+        .or_else(|| run_secret.as_ref().map(|s| s.as_bytes().to_vec()))
+        .and_then(handoff_server::trust::TransferSecret::new);
     let prefill_spec = Spec {
         role: "prefill",
         model: model.clone(),
@@ -311,6 +319,7 @@ pub fn run(
         config.allow_origins = http.limits.allow_origin.clone();
         config.stall_timeout = http.limits.stall_timeout();
         config.api_key = api_key.clone();
+        config.transfer_secret = router_secret.clone();
         tracing::info!(
             prefill = %prefill.url,
             decode = %decode.url,

@@ -51,6 +51,12 @@ pub struct RouterArgs {
     /// unhealthy after 2 failed probes in a row, healthy again after one good one.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     health_check_interval_secs: u64,
+    /// The transfer secret the workers share (also $HANDOFF_TRANSFER_SECRET):
+    /// the router signs each request's bootstrap fields with it, so decode
+    /// workers dial the prefill it picked. Without it, decode workers need
+    /// `--prefill-allow` for every prefill.
+    #[arg(long, value_name = "PATH")]
+    transfer_secret_file: Option<std::path::PathBuf>,
     /// Retries of a request that failed before any byte reached the client
     /// (connection errors, 502, 503), each with a fresh room.
     #[arg(long, default_value_t = 2)]
@@ -135,6 +141,9 @@ pub fn config(
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();
     c.stall_timeout = args.limits.stall_timeout();
+    c.transfer_secret = crate::worker::transfer_secret(args.transfer_secret_file.as_deref())
+        .map_err(|e| usage_error(ErrorKind::ValueValidation, format!("{e:#}")))?
+        .and_then(handoff_server::trust::TransferSecret::new);
     c.api_key = args
         .limits
         .api_key()

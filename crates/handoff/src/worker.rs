@@ -40,6 +40,13 @@ pub struct PdArgs {
     /// `handoff serve` makes a fresh one for its own pair at every start.
     #[arg(long, value_name = "PATH")]
     pub transfer_secret_file: Option<PathBuf>,
+    /// Decode: a prefill transfer endpoint (HOST:PORT, as requests name
+    /// it) this worker dials without a router's signature; repeat for
+    /// several. For routers that cannot sign (SGLang's). Every other
+    /// endpoint a request names needs `bootstrap_sig` from a router holding
+    /// the same transfer secret, else the request gets a 403.
+    #[arg(long = "prefill-allow", value_name = "HOST:PORT")]
+    pub prefill_allow: Vec<handoff_server::trust::AllowedPrefill>,
     /// Decode: TCP streams per data link to each prefill (tcp transport
     /// only). Concurrent requests' KV is spread over the streams; one
     /// request's KV travels on one stream. Pays with as many I/O threads
@@ -87,6 +94,24 @@ pub enum Mode {
 /// `handoff serve` hands its per-run secret to its workers).
 pub const TRANSFER_SECRET_ENV: &str = "HANDOFF_TRANSFER_SECRET";
 
+/// The transfer secret: the file's content, else `$HANDOFF_TRANSFER_SECRET`,
+/// else none.
+pub fn transfer_secret(file: Option<&std::path::Path>) -> anyhow::Result<Option<Vec<u8>>> {
+    if let Some(path) = file {
+        let secret = std::fs::read(path)
+            .with_context(|| format!("reading --transfer-secret-file {}", path.display()))?;
+        if secret.is_empty() {
+            bail!("--transfer-secret-file {} is empty", path.display());
+        }
+        return Ok(Some(secret));
+    }
+    match std::env::var_os(TRANSFER_SECRET_ENV) {
+        Some(s) if s.is_empty() => bail!("${TRANSFER_SECRET_ENV} is set but empty"),
+        Some(s) => Ok(Some(s.into_encoded_bytes())),
+        None => Ok(None),
+    }
+}
+
 /// Refuse a prefill transfer endpoint that other hosts can reach without a
 /// secret: anyone who reaches it could pose as a decode worker.
 fn check_transfer_exposure(pd: &PdConfig) -> anyhow::Result<()> {
@@ -119,19 +144,7 @@ impl PdArgs {
             self.disaggregation_bootstrap_port
                 .unwrap_or(DEFAULT_BOOTSTRAP_PORT),
         );
-        if let Some(path) = &self.transfer_secret_file {
-            let secret = std::fs::read(path)
-                .with_context(|| format!("reading --transfer-secret-file {}", path.display()))?;
-            if secret.is_empty() {
-                bail!("--transfer-secret-file {} is empty", path.display());
-            }
-            pd.secret = Some(secret);
-        } else if let Some(secret) = std::env::var_os(TRANSFER_SECRET_ENV) {
-            if secret.is_empty() {
-                bail!("${TRANSFER_SECRET_ENV} is set but empty");
-            }
-            pd.secret = Some(secret.into_encoded_bytes());
-        }
+        pd.secret = transfer_secret(self.transfer_secret_file.as_deref())?;
         Ok(pd)
     }
 }
@@ -178,6 +191,15 @@ pub fn start_backend(mode: Mode, args: &WorkerArgs) -> anyhow::Result<Backend> {
 /// `--exit-with-parent`, until standard input closes).
 pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
     let api_key = args.http.limits.api_key()?;
+    // A decode worker dials what a router holding the transfer secret
+    // signed, and the endpoints --prefill-allow names.
+    let secret = transfer_secret(args.pd.transfer_secret_file.as_deref())?;
+    if mode == Mode::Decode && args.pd.prefill_allow.is_empty() && secret.is_none() {
+        tracing::warn!(
+            "decode worker without a transfer secret or --prefill-allow: it refuses every request (403); give it and the router the same --transfer-secret-file, or name prefills with --prefill-allow"
+        );
+    }
+    let trust = handoff_server::trust::BootstrapTrust::new(secret, args.pd.prefill_allow.clone());
     let backend = start_backend(mode, &args)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -203,7 +225,8 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
         };
         let app = handoff_server::app_with_state(
             handoff_server::AppState::new(backend)
-                .with_stall_timeout(args.http.limits.stall_timeout()),
+                .with_stall_timeout(args.http.limits.stall_timeout())
+                .with_bootstrap_trust(trust),
         );
         let app = handoff_server::auth::require_api_key(app, api_key);
         handoff_server::serve(

@@ -52,6 +52,9 @@ fn start(role: &str, model: &Path, extra: &[&str]) -> Proc {
         .arg(model)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
+        // Prefill and decode share a transfer secret; the test signs each
+        // request's bootstrap fields with it, as a router does.
+        .env("HANDOFF_TRANSFER_SECRET", SECRET)
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn handoff");
@@ -85,9 +88,27 @@ fn start(role: &str, model: &Path, extra: &[&str]) -> Proc {
     }
 }
 
+/// The transfer secret of the test's workers.
+const SECRET: &str = "pd-processes test secret";
+
 fn paired(body: &Value, prefill: &Proc, room: u64) -> Value {
     let (host, port) = prefill.bootstrap.clone().expect("a prefill");
     let mut b = body.clone();
+    let ts = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
+        room,
+        host: &host,
+        port,
+        ts,
+    };
+    b["bootstrap_sig"] = json!(handoff_proto::bootstrap_auth::sign(
+        SECRET.as_bytes(),
+        &claim
+    ));
+    b["bootstrap_ts"] = json!(ts);
     b["bootstrap_host"] = json!(host);
     b["bootstrap_port"] = json!(port);
     b["bootstrap_room"] = json!(room);

@@ -60,6 +60,11 @@ pub struct RouterConfig {
     /// The API key clients must send (and the router sends its workers);
     /// `None`: no key.
     pub api_key: Option<crate::auth::ApiKey>,
+    /// The transfer secret the decode workers share: the router signs each
+    /// request's bootstrap fields with it, so a decode worker dials the
+    /// prefill it names (`None`: unsigned; decode workers then need
+    /// `--prefill-allow`).
+    pub transfer_secret: Option<crate::trust::TransferSecret>,
 }
 
 impl RouterConfig {
@@ -80,6 +85,7 @@ impl RouterConfig {
             allow_origins: Vec::new(),
             stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),
             api_key: None,
+            transfer_secret: None,
         }
     }
 

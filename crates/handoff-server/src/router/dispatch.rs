@@ -124,6 +124,22 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         body.insert("bootstrap_host".into(), json!(pair.prefill.host));
         body.insert("bootstrap_port".into(), json!(pair.prefill.bootstrap_port));
         body.insert("bootstrap_room".into(), json!(room.get()));
+        if let Some(secret) = &state.config.transfer_secret {
+            // Vouch for the prefill endpoint (DESIGN.md §3 step 1).
+            let ts = crate::trust::unix_now();
+            let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
+                room: room.get(),
+                host: &pair.prefill.host,
+                port: pair.prefill.bootstrap_port,
+                ts,
+            };
+            let sig = handoff_proto::bootstrap_auth::sign(secret.as_bytes(), &claim);
+            body.insert("bootstrap_ts".into(), json!(ts));
+            body.insert("bootstrap_sig".into(), json!(sig));
+        } else {
+            body.remove("bootstrap_ts");
+            body.remove("bootstrap_sig");
+        }
         let payload = match serde_json::to_vec(&body) {
             Ok(p) => Bytes::from(p),
             Err(e) => {
