@@ -25,7 +25,7 @@ BIN_DIR="$CARGO_TARGET_DIR/$TRIPLE/release"
 if [ "$#" -gt 0 ]; then
     TARGETS=("$@")
 else
-    TARGETS=(frame_decoder handshake)
+    TARGETS=(frame_decoder handshake data_link)
 fi
 
 log() { printf '[fuzz-smoke] %s\n' "$*"; }

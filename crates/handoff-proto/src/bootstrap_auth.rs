@@ -29,8 +29,8 @@ pub struct BootstrapClaim<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClaimError {
-    /// The signature is not hex of the right length.
-    #[error("the signature is not 64 hex digits")]
+    /// The signature is not 64 lowercase hex digits.
+    #[error("the signature is not 64 lowercase hex digits")]
     Malformed,
     /// The signature does not match the claim under our secret.
     #[error("the signature does not match (another secret, or altered fields)")]
@@ -74,7 +74,9 @@ pub fn verify(
     sig: &str,
     now: u64,
 ) -> Result<(), ClaimError> {
-    if sig.len() != 64 {
+    // One spelling per signature: 64 lowercase hex digits (found by the
+    // `data_link` fuzz target: uppercase was accepted too).
+    if sig.len() != 64 || !sig.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
         return Err(ClaimError::Malformed);
     }
     let mut bytes = [0u8; 32];
@@ -141,6 +143,10 @@ mod tests {
         );
         assert_eq!(
             verify(b"secret", &claim, "zz", 1_000_000),
+            Err(ClaimError::Malformed)
+        );
+        assert_eq!(
+            verify(b"secret", &claim, &sig.to_uppercase(), 1_000_000),
             Err(ClaimError::Malformed)
         );
         let not_hex = "g".repeat(64);

@@ -317,3 +317,136 @@ pub fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ),
     ]
 }
+
+/// Bytes off a data link and a router's bootstrap signature, the other
+/// decoders of untrusted input: `data` cut into records, acks, stream setups
+/// and a preface, each decoded; whatever decodes re-encodes to bytes that
+/// decode to the same bytes. Then a bootstrap claim built from `data` with
+/// the signature taken from it: it verifies only if it is the signature the
+/// key makes. Returns how many pieces decoded or verified.
+pub fn data_link(data: &[u8]) -> usize {
+    use crate::bootstrap_auth::{sign, verify, BootstrapClaim};
+    use crate::datalink::{
+        decode_preface, encode_preface, Ack, Record, TcpStreamSetup, ACK_LEN, PREFACE_LEN,
+        RECORD_LEN,
+    };
+    let mut ok = 0;
+    for c in data.chunks_exact(RECORD_LEN) {
+        let b: &[u8; RECORD_LEN] = c.try_into().unwrap_or(&[0; RECORD_LEN]);
+        if let Ok(r) = Record::decode(b) {
+            let e = r.encode();
+            assert_eq!(Record::decode(&e).map(|r| r.encode()), Ok(e));
+            ok += 1;
+        }
+    }
+    for c in data.chunks_exact(ACK_LEN) {
+        let b: &[u8; ACK_LEN] = c.try_into().unwrap_or(&[0; ACK_LEN]);
+        if let Ok(a) = Ack::decode(b) {
+            assert_eq!(Ack::decode(&a.encode()), Ok(a));
+            ok += 1;
+        }
+    }
+    for c in data.chunks_exact(TcpStreamSetup::LEN) {
+        let b: &[u8; TcpStreamSetup::LEN] = c.try_into().unwrap_or(&[0; TcpStreamSetup::LEN]);
+        if let Ok(s) = TcpStreamSetup::decode(b) {
+            assert_eq!(TcpStreamSetup::decode(&s.encode()), Ok(s));
+            ok += 1;
+        }
+    }
+    if let Some(p) = data.get(..PREFACE_LEN) {
+        let b: &[u8; PREFACE_LEN] = p.try_into().unwrap_or(&[0; PREFACE_LEN]);
+        let (kind, endpoint, connect) = decode_preface(b);
+        assert_eq!(&encode_preface(kind, endpoint, connect), b);
+    }
+    // A claim: room, port and time from the first 18 bytes, the host and
+    // signature from the rest, split at the first `|`.
+    if data.len() >= 18 {
+        let n = |r: std::ops::Range<usize>| {
+            data[r]
+                .iter()
+                .fold(0u64, |acc, &b| (acc << 8) | u64::from(b))
+        };
+        let rest = String::from_utf8_lossy(&data[18..]);
+        let (host, sig) = rest.split_once('|').unwrap_or((&rest, ""));
+        let claim = BootstrapClaim {
+            room: n(0..8),
+            port: n(8..10) as u16,
+            ts: n(10..18),
+            host,
+        };
+        if verify(b"fuzz key", &claim, sig, claim.ts).is_ok() {
+            assert_eq!(sig, sign(b"fuzz key", &claim));
+            ok += 1;
+        }
+    }
+    ok
+}
+
+/// Seeds of the `data_link` target: one valid piece of each kind, a claim
+/// with its right signature, and garbage.
+pub fn data_link_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use crate::bootstrap_auth::{sign, BootstrapClaim};
+    use crate::datalink::{
+        encode_preface, Ack, AuxData, HeadSlice, Record, SegmentHeader, TcpStreamSetup,
+        PREFACE_DATA,
+    };
+    use crate::layout::KvPart;
+    let room = RoomId::new(77).unwrap_or_else(|| unreachable!());
+    let segment = Record::Segment(SegmentHeader {
+        room,
+        layer: 1,
+        dst_page: 7,
+        n_pages: 2,
+        heads: Some(HeadSlice {
+            part: KvPart::V,
+            first: 2,
+            count: 3,
+        }),
+    })
+    .encode();
+    let aux = Record::Aux {
+        room,
+        aux_slot: 4,
+        written_room: 77,
+        aux: AuxData {
+            first_token: 42,
+            logprob: -0.5,
+        },
+    }
+    .encode();
+    let end = Record::End {
+        room,
+        cancelled: false,
+    }
+    .encode();
+    let ack = Ack { room, ok: true }.encode();
+    let setup = TcpStreamSetup {
+        nonce: 9,
+        index: 1,
+        count: 2,
+    }
+    .encode();
+    let claim = BootstrapClaim {
+        room: 77,
+        host: "10.0.0.7",
+        port: 8998,
+        ts: 1_700_000_000,
+    };
+    let mut signed = Vec::new();
+    signed.extend(77u64.to_be_bytes());
+    signed.extend(8998u16.to_be_bytes());
+    signed.extend(1_700_000_000u64.to_be_bytes());
+    signed.extend(b"10.0.0.7|");
+    signed.extend(sign(b"fuzz key", &claim).as_bytes());
+    vec![
+        ("segment_record", segment.to_vec()),
+        ("aux_record", aux.to_vec()),
+        ("end_record", end.to_vec()),
+        ("records_in_a_row", [segment, aux, end].concat()),
+        ("ack", ack.to_vec()),
+        ("stream_setup", setup.to_vec()),
+        ("data_preface", encode_preface(PREFACE_DATA, 5, 6).to_vec()),
+        ("signed_claim", signed),
+        ("garbage", vec![0xA5; 64]),
+    ]
+}

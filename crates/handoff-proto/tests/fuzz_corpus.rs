@@ -8,7 +8,9 @@
 use std::fs;
 use std::path::PathBuf;
 
-use handoff_proto::fuzz::{decode_frames, frame_decoder_seeds, handshake, handshake_seeds};
+use handoff_proto::fuzz::{
+    data_link, data_link_seeds, decode_frames, frame_decoder_seeds, handshake, handshake_seeds,
+};
 use proptest::prelude::*;
 
 fn corpus_dir(target: &str) -> PathBuf {
@@ -57,6 +59,33 @@ fn check_seeds(target: &str, seeds: Vec<(&'static str, Vec<u8>)>) {
 fn committed_corpus_matches_the_seeds() {
     check_seeds("frame_decoder", frame_decoder_seeds());
     check_seeds("handshake", handshake_seeds());
+    check_seeds("data_link", data_link_seeds());
+}
+
+#[test]
+fn data_link_corpus() {
+    let files = read_corpus("data_link");
+    assert!(files.len() >= 9, "{} files", files.len());
+    for (name, bytes) in files {
+        let n = data_link(&bytes);
+        // Each valid piece decodes (a record's bytes may also read as an
+        // ack or a preface); three records in a row decode as three.
+        match name.as_str() {
+            "garbage.bin" => assert_eq!(n, 0, "{name}"),
+            "records_in_a_row.bin" => assert!(n >= 3, "{name}: {n}"),
+            _ => assert!(n >= 1, "{name} decoded nothing"),
+        }
+    }
+    // The signed claim verifies (counted), and one flipped byte of it does not.
+    let mut seeds = data_link_seeds();
+    let (_, claim) = seeds
+        .iter_mut()
+        .find(|(n, _)| *n == "signed_claim")
+        .unwrap();
+    let verified = data_link(claim);
+    let last = claim.len() - 1;
+    claim[last] ^= 1;
+    assert_eq!(data_link(claim), verified - 1);
 }
 
 #[test]
@@ -112,12 +141,14 @@ proptest! {
     fn random_bytes(data in prop::collection::vec(any::<u8>(), 0..256)) {
         decode_frames(&data);
         handshake(&data);
+        data_link(&data);
     }
 
     #[test]
     fn mutated_corpus(pick in any::<prop::sample::Index>(), flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4), cut in any::<prop::sample::Index>()) {
         let mut seeds = frame_decoder_seeds();
         seeds.extend(handshake_seeds());
+        seeds.extend(data_link_seeds());
         let (_, mut bytes) = seeds.swap_remove(pick.index(seeds.len()));
         for (at, b) in flips {
             let i = at.index(bytes.len());
@@ -127,5 +158,6 @@ proptest! {
         bytes.truncate(keep.max(bytes.len() / 2));
         decode_frames(&bytes);
         handshake(&bytes);
+        data_link(&bytes);
     }
 }
