@@ -486,6 +486,50 @@ mod tests {
         assert!(!Penalties::default().any());
     }
 
+    /// Each penalty on its own counts as on, is recorded by `accept`, and
+    /// moves the pick (mutation testing found every check made only with
+    /// penalties combined).
+    #[test]
+    fn each_penalty_alone_is_on_and_moves_the_pick() {
+        let logits = [3.0f32, 2.9, 0.0];
+        for p in [
+            Penalties {
+                presence: 1.0,
+                ..Penalties::default()
+            },
+            Penalties {
+                frequency: 1.0,
+                ..Penalties::default()
+            },
+            Penalties {
+                repetition: 2.0,
+                ..Penalties::default()
+            },
+            Penalties {
+                logit_bias: vec![(0, -1.0)],
+                ..Penalties::default()
+            },
+        ] {
+            assert!(p.any(), "{p:?}");
+            let mut s = Sampler::new(with(p.clone()));
+            assert_eq!(
+                s.sample(&logits).0,
+                if p.logit_bias.is_empty() { 0 } else { 1 }
+            );
+            s.accept(0);
+            assert_eq!(s.sample(&logits).0, 1, "{p:?}: token 0 is penalised");
+        }
+        // A mask alone (no penalty) is applied too.
+        let mut plain = Sampler::new(with(Penalties::default()));
+        assert_eq!(plain.sample_masked(&logits, &[0]).0, 1);
+        // Drawing with every token masked falls back to the first of them,
+        // never to an arithmetic accident over infinities.
+        let mut drawn = Sampler::new(cfg(1.0, 0, 1.0, 5));
+        for _ in 0..20 {
+            assert_eq!(drawn.sample_masked(&logits, &[0, 1, 2]).0, 0);
+        }
+    }
+
     #[test]
     fn min_p_keeps_tokens_at_least_that_share_of_the_best() {
         // Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.25 keeps those >= 0.125.
