@@ -89,32 +89,11 @@ async fn tokenize_and_detokenize_round_trip_as_prompts_do() {
     );
 }
 
-/// A long streamed generation with `rid`, read until its first token.
 async fn start_long_stream(rid: &str) -> reqwest::Response {
-    let body = json!({
-        "text": "count", "rid": rid, "stream": true,
-        "sampling_params": {"max_new_tokens": 8000, "ignore_eos": true},
-    });
-    let mut resp = reqwest::Client::new()
-        .post(format!("{}/generate", server().base))
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(resp.status(), 200);
-    let first = resp.chunk().await.expect("chunk").expect("a first event");
-    assert!(first.starts_with(b"data:"), "{first:?}");
-    resp
+    common::long_stream(&server().base, rid).await
 }
 
-async fn read_rest(mut resp: reqwest::Response) -> String {
-    let mut out = Vec::new();
-    while let Ok(Some(c)) = resp.chunk().await {
-        out.extend_from_slice(&c);
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
+use common::read_rest;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_request_ends_a_request_by_id_and_frees_its_pages() {

@@ -949,28 +949,13 @@ async fn the_worker_api_is_served_on_the_public_port() {
 
     // /abort_request by the client's rid reaches both workers: the stream
     // ends with the abort, both engines let the request go.
-    let body = json!({"text": "count", "rid": "router-abort", "stream": true,
-        "sampling_params": {"max_new_tokens": 8000, "ignore_eos": true}});
-    let mut resp = reqwest::Client::new()
-        .post(format!("{}/generate", r.base))
-        .header("content-type", "application/json")
-        .body(body.to_string())
-        .send()
-        .await
-        .expect("request");
-    assert_eq!(resp.status(), 200);
-    let first = resp.chunk().await.expect("chunk").expect("first event");
-    assert!(first.starts_with(b"data:"), "{first:?}");
+    let resp = common::long_stream(&r.base, "router-abort").await;
     let (s, v) = post(&r.base, "/abort_request", &json!({"rid": "router-abort"})).await;
     assert_eq!(s, 200, "{v}");
     // Both colocated workers ran it (a colocated prefill answers in full).
     assert_eq!(v["aborted"], 2, "{v}");
     assert_eq!(v["workers"].as_array().map(Vec::len), Some(2), "{v}");
-    let mut rest = Vec::new();
-    while let Ok(Some(c)) = resp.chunk().await {
-        rest.extend_from_slice(&c);
-    }
-    let rest = String::from_utf8_lossy(&rest).into_owned();
+    let rest = common::read_rest(resp).await;
     assert!(
         rest.contains("\"aborted\""),
         "the stream ends with the abort: {rest}"

@@ -240,3 +240,32 @@ pub async fn wait_idle() -> handoff_engine::handle::LoadSnapshot {
     }
     engine.load()
 }
+
+/// Start a long streamed `/generate` (8000 tokens, EOS ignored) named `rid`
+/// at `base`, and read it until its first event.
+pub async fn long_stream(base: &str, rid: &str) -> reqwest::Response {
+    let body = serde_json::json!({
+        "text": "count", "rid": rid, "stream": true,
+        "sampling_params": {"max_new_tokens": 8000, "ignore_eos": true},
+    });
+    let mut resp = reqwest::Client::new()
+        .post(format!("{base}/generate"))
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.expect("chunk").expect("a first event");
+    assert!(first.starts_with(b"data:"), "{first:?}");
+    resp
+}
+
+/// The rest of a streamed answer, as text.
+pub async fn read_rest(mut resp: reqwest::Response) -> String {
+    let mut out = Vec::new();
+    while let Ok(Some(c)) = resp.chunk().await {
+        out.extend_from_slice(&c);
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
