@@ -53,6 +53,10 @@ pub struct BenchArgs {
     /// Name of --url in the report.
     #[arg(long, default_value = "target")]
     label: String,
+    /// API key sent as `Authorization: Bearer KEY` to both endpoints (also
+    /// read from $HANDOFF_API_KEY).
+    #[arg(long)]
+    api_key: Option<String>,
     /// Name of --baseline-url in the report.
     #[arg(long, default_value = "baseline")]
     baseline_label: String,
@@ -349,7 +353,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         }
         None => all.split_off(args.warmup as usize).into(),
     };
+    let mut headers = reqwest::header::HeaderMap::new();
+    let key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("HANDOFF_API_KEY").ok());
+    if let Some(k) = key {
+        let v = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", k.trim()))
+            .context("--api-key: not a valid header value")?;
+        headers.insert(reqwest::header::AUTHORIZATION, v);
+    }
     let client = reqwest::Client::builder()
+        .default_headers(headers)
         .tcp_nodelay(true)
         .build()
         .context("building the HTTP client")?;
