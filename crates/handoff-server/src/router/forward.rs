@@ -152,14 +152,7 @@ pub async fn server_info(State(state): State<RouterState>) -> Response {
         }
     };
     let count = |role| state.workers.of(role).len();
-    let healthy = |role| {
-        state
-            .workers
-            .of(role)
-            .iter()
-            .filter(|w| w.health() == Health::Healthy)
-            .count()
-    };
+    let healthy = |role| state.workers.healthy(role);
     info["router"] = json!({
         "version": env!("CARGO_PKG_VERSION"),
         "prefill_workers": count(Role::Prefill),

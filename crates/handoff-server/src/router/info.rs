@@ -9,7 +9,6 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::errors::ApiError;
-use crate::router::workers::Health;
 use crate::router::RouterState;
 use handoff_proto::Role;
 
@@ -21,15 +20,10 @@ pub async fn health() -> &'static str {
 /// `GET /readiness`: 200 when at least one prefill and one decode worker
 /// are healthy, else 503 naming what is missing.
 pub async fn readiness(State(state): State<RouterState>) -> Response {
-    let count = |role| {
-        state
-            .workers
-            .of(role)
-            .iter()
-            .filter(|w| w.health() == Health::Healthy)
-            .count()
-    };
-    let (p, d) = (count(Role::Prefill), count(Role::Decode));
+    let (p, d) = (
+        state.workers.healthy(Role::Prefill),
+        state.workers.healthy(Role::Decode),
+    );
     if p > 0 && d > 0 {
         return Json(json!({"status": "ready", "healthy_prefill": p, "healthy_decode": d}))
             .into_response();

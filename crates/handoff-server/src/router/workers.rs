@@ -232,6 +232,14 @@ impl Workers {
         self.prefill.iter().chain(self.decode.iter())
     }
 
+    /// How many workers of `role` passed their last probe.
+    pub fn healthy(&self, role: Role) -> usize {
+        self.of(role)
+            .iter()
+            .filter(|w| w.health() == Health::Healthy)
+            .count()
+    }
+
     /// At least one healthy worker of each role.
     pub fn ready(&self) -> bool {
         let healthy = |ws: &[Arc<Worker>]| ws.iter().any(|w| w.health() == Health::Healthy);
