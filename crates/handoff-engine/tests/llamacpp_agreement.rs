@@ -131,9 +131,14 @@ fn greedy_output_tracks_llamacpp() {
         "{full}/{} continuations fully identical; {same_total}/{total} tokens on the common prefix",
         cases.len()
     );
-    // Measured 256/560 (3 of 14 continuations whole) on this project's AMD
-    // EPYC host; past a near-tie either engine may go its own way, so the
-    // floor sits 30% below that, not at it.
+    // Measured 256/560 (3 of 14 continuations whole) on an AMD EPYC host
+    // and 129/560 (1 of 14), the same on every run, on an Intel Xeon with
+    // AVX-512 (candle's f32 GEMM picks other kernels there, so logits round
+    // differently and near-ties fall the other way sooner); past a
+    // near-tie either engine may go its own way. The per-case check above,
+    // identity up to the first near-tie, is the strict one; this floor sits
+    // about 20% below the lower figure, and a model that drifted keeps few
+    // tokens anywhere (a broken one, none).
     assert!(
         same_total >= AGREEMENT_FLOOR,
         "only {same_total}/{total} generated tokens match llama.cpp's greedy continuations (floor {AGREEMENT_FLOOR})"
@@ -142,4 +147,4 @@ fn greedy_output_tracks_llamacpp() {
 
 /// Tokens on the common prefix with llama.cpp, summed over the cases, below
 /// which greedy decoding has drifted (see the measurement at the assert).
-const AGREEMENT_FLOOR: usize = 180;
+const AGREEMENT_FLOOR: usize = 100;
