@@ -1038,4 +1038,39 @@ async fn a_stream_that_goes_silent_ends_stalled_and_drops_the_workers_request() 
             .contains("handoff_router_worker_failures_total{side=\"decode\",kind=\"stalled\"} 1"),
         "{metrics}"
     );
+
+    // Silent before its first event: a 504 `stalled`, not retried, and the
+    // worker's request dropped.
+    let silent_dropped = Arc::new(AtomicBool::new(false));
+    let d = fake_worker(Fake::SlowFirstByte, Arc::clone(&silent_dropped)).await;
+    let mut c = config(&[&p], &[&d]);
+    c.stall_timeout = Some(Duration::from_millis(300));
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    let t0 = Instant::now();
+    let (s, v) = post(&r.base, "/generate", &json!({"text": "hi", "stream": true})).await;
+    let took = t0.elapsed();
+    assert_eq!(s, 504, "{v}");
+    assert_eq!(
+        (&v["error"]["type"], &v["error"]["code"]),
+        (&json!("stalled"), &json!("stalled")),
+        "{v}"
+    );
+    // At the watchdog (0.3 s), well before the fake's first event (3 s).
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(2900),
+        "{took:?}"
+    );
+    let t0 = Instant::now();
+    while !silent_dropped.load(Ordering::SeqCst) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "decode request not dropped"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A whole (non-streamed) answer comes at the end: only the request
+    // timeout bounds it.
+    let (s, v) = post_raw(&r.base, "/generate", &json!({"text": "hi"}).to_string()).await;
+    assert_eq!(s, 200, "{v}");
 }

@@ -53,9 +53,10 @@ pub struct RouterConfig {
     pub http: crate::listen::HttpLimits,
     /// Origins whose web pages may call the router (CORS); none by default.
     pub allow_origins: Vec<crate::cors::Origin>,
-    /// A relayed stream that brings no byte for this long after its first
-    /// ends with a `stalled` SSE error event, and both workers' requests are
-    /// cancelled (default 120 s; `None`: only the request timeout bounds it).
+    /// A stream whose decode brings no byte for this long ends as
+    /// `stalled`: before its first byte with a 504, after it with an SSE
+    /// error event; both workers' requests are cancelled (default 120 s;
+    /// `None`: only the request timeout bounds it).
     pub stall_timeout: Option<Duration>,
     /// The API key clients must send (and the router sends its workers);
     /// `None`: no key.

@@ -157,6 +157,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             stream,
             deadline,
             timeout_secs: timeout.as_secs_f64(),
+            stall: state.config.stall_timeout,
         };
         match relay::start(spec, &mut tl).await {
             Ok((status, content_type, opened)) => {
@@ -229,6 +230,7 @@ fn fail(tl: &mut Timeline, f: Failure) -> Response {
         Failure::Unreachable { .. } => "worker_unreachable",
         Failure::BrokeOff { .. } => "stream_broken",
         Failure::Status { .. } => "worker_error",
+        Failure::Stalled { .. } => "stalled",
     };
     let resp = f.into_response();
     tl.set_status(resp.status().as_u16());

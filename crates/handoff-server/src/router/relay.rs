@@ -92,6 +92,15 @@ pub enum Failure {
         /// The transport error.
         detail: String,
     },
+    /// A stream's decode sent its status and then nothing for the stall
+    /// timeout: a frozen or stuck worker. Not retried (a generation may be
+    /// under way); the relay drops it, which cancels it on both workers.
+    Stalled {
+        /// The decode worker's URL.
+        url: String,
+        /// The stall timeout, seconds.
+        secs: f64,
+    },
     /// The request timeout passed.
     Timeout {
         /// The side still awaited.
@@ -111,6 +120,7 @@ impl Failure {
             | Failure::BrokeOff { side, .. }
             | Failure::Status { side, .. }
             | Failure::Timeout { side, .. } => *side,
+            Failure::Stalled { .. } => Role::Decode,
         }
     }
 
@@ -121,6 +131,7 @@ impl Failure {
             Failure::BrokeOff { .. } => "stream_broken".to_string(),
             Failure::Status { status, .. } => format!("status_{status}"),
             Failure::Timeout { .. } => "timeout".to_string(),
+            Failure::Stalled { .. } => "stalled".to_string(),
         }
     }
 
@@ -131,7 +142,7 @@ impl Failure {
         match self {
             Failure::Unreachable { .. } => true,
             Failure::Status { status, .. } => matches!(status, 502 | 503),
-            Failure::BrokeOff { .. } | Failure::Timeout { .. } => false,
+            Failure::BrokeOff { .. } | Failure::Timeout { .. } | Failure::Stalled { .. } => false,
         }
     }
 
@@ -167,6 +178,17 @@ impl Failure {
                 ),
             )
             .into_response(),
+            Failure::Stalled { url, secs } => {
+                let mut e = ApiError::new(
+                    504,
+                    "stalled",
+                    format!(
+                        "decode worker {url} sent no token for {secs:.1} s: the request was ended on both workers"
+                    ),
+                );
+                e.kind = "stalled";
+                e.into_response()
+            }
             Failure::Status {
                 status,
                 content_type,
@@ -329,6 +351,9 @@ pub struct AttemptSpec<'a> {
     pub deadline: Instant,
     /// The request timeout, for messages.
     pub timeout_secs: f64,
+    /// The stall watchdog: longest wait for a stream's first bytes once
+    /// decode answered its status.
+    pub stall: Option<std::time::Duration>,
 }
 
 /// Send the attempt to both workers at once and wait until decode's first
@@ -345,6 +370,7 @@ pub async fn start(
         stream,
         deadline,
         timeout_secs,
+        stall,
     } = spec;
     let send = |w: &Worker| -> RespFut {
         Box::pin(
@@ -392,8 +418,13 @@ pub async fn start(
     }
 
     // Decode's first byte (streams) or whole body, still watching prefill.
+    // A stream waits at most the stall timeout for it (a whole answer comes
+    // at the end of the generation, so only the request timeout bounds it).
     let mut rest: ByteStream = Box::pin(resp.bytes_stream());
     let mut whole: Vec<u8> = Vec::new();
+    let stall = stall.filter(|_| stream);
+    let stalled = tokio::time::sleep(stall.unwrap_or_default());
+    tokio::pin!(stalled);
     loop {
         tokio::select! {
             c = rest.next() => match c {
@@ -417,6 +448,10 @@ pub async fn start(
                 }
             },
             ev = prefill.step(&pair.prefill), if prefill.active() => on_prefill(ev, tl)?,
+            _ = &mut stalled, if stall.is_some() => return Err(Failure::Stalled {
+                url: pair.decode.url.clone(),
+                secs: stall.unwrap_or_default().as_secs_f64(),
+            }),
             _ = &mut sleep => return Err(timeout(&pair.decode)),
         }
     }
