@@ -60,10 +60,7 @@ impl AppState {
         let engine = engine.into();
         let model = engine.model();
         let metrics = Arc::new(Metrics::new(&model.served_name, model.page_size));
-        let started_unix = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0);
+        let started_unix = unix_now();
         let system_fingerprint = fingerprint(engine.model());
         AppState {
             engine,
@@ -88,7 +85,7 @@ impl AppState {
     pub fn check_bootstrap(&self, b: &mut Bootstrap) -> Result<(), ApiError> {
         self.engine.check_bootstrap(b)?;
         if self.engine.mode() == "decode" {
-            self.bootstrap_trust.check(b, crate::trust::unix_now())?;
+            self.bootstrap_trust.check(b, unix_now())?;
         }
         b.trusted = true;
         Ok(())
@@ -100,22 +97,39 @@ impl AppState {
         self
     }
 
-    /// A fresh id like `chatcmpl-8c1f0e5a9b3d47e2a6f01c9d`: 96 random bits,
-    /// so ids from different workers (and restarts) do not collide.
-    pub fn next_request_id(&self, prefix: &str) -> String {
-        new_request_id(prefix)
-    }
-
     /// The model name reported in responses.
     pub fn served_name(&self) -> String {
         self.engine.model().served_name.clone()
     }
 }
 
-/// A fresh request id: `prefix`, a dash and 96 random bits in hex.
+/// A fresh request id like `chatcmpl-8c1f0e5a9b3d47e2a6f01c9d`: `prefix`,
+/// a dash and 96 random bits in hex, so ids from different workers (and
+/// restarts) do not collide.
 pub fn new_request_id(prefix: &str) -> String {
     let bits: u128 = rand::random::<u128>() >> 32;
     format!("{prefix}-{bits:024x}")
+}
+
+/// A request's id: the `rid` its sender chose, checked (a router gives both
+/// PD workers the same one, so `/abort_request` reaches both), else a fresh
+/// one.
+pub fn request_id(rid: Option<&String>, prefix: &str) -> Result<String, ApiError> {
+    match rid {
+        Some(rid) => {
+            crate::aborts::check_rid(rid, "rid")?;
+            Ok(rid.clone())
+        }
+        None => Ok(new_request_id(prefix)),
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 /// `fp_` and 40 bits of a hash of handoff's version and the served model

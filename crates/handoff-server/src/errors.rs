@@ -73,6 +73,14 @@ impl ApiError {
         e
     }
 
+    /// 504 for a request the stall watchdog ended: its error `type` is
+    /// `stalled` too, so monitoring that reads types sees it.
+    pub fn stalled(message: impl Into<String>) -> Self {
+        let mut e = ApiError::new(504, "stalled", message);
+        e.kind = "stalled";
+        e
+    }
+
     /// 400 for a malformed request.
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
         ApiError::new(400, code, message)

@@ -273,13 +273,7 @@ fn prepare(
     let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let prompt_ids = prompt_ids(state, body)?;
-    let rid = match &body.rid {
-        Some(rid) => {
-            crate::aborts::check_rid(rid, "rid")?;
-            rid.clone()
-        }
-        None => state.next_request_id("gen"),
-    };
+    let rid = crate::app::request_id(body.rid.as_ref(), "gen")?;
     Ok((
         GenerateRequest {
             prompt_ids,

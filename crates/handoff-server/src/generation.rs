@@ -264,17 +264,11 @@ async fn next_within(
 
 /// The error a generation ends with when the stall watchdog fires: the
 /// error event's `type` is `stalled`, so monitoring sees it.
-pub fn stalled_error(after: std::time::Duration) -> ApiError {
-    let mut e = ApiError::new(
-        504,
-        "stalled",
-        format!(
-            "no token came for {:.1} s: the request was ended and its KV pages freed",
-            after.as_secs_f64()
-        ),
-    );
-    e.kind = "stalled";
-    e
+fn stalled_error(after: std::time::Duration) -> ApiError {
+    ApiError::stalled(format!(
+        "no token came for {:.1} s: the request was ended and its KV pages freed",
+        after.as_secs_f64()
+    ))
 }
 
 /// SGLang's `finish_reason` object: `{"type":"stop","matched":...}` or

@@ -56,7 +56,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<&'static s
         },
         arrived: Instant::now(),
     };
-    let rid = state.next_request_id("health");
+    let rid = crate::app::new_request_id("health");
     let gen =
         Generation::submit(&state, req, "/health_generate", &Default::default(), &rid).await?;
     match tokio::time::timeout(HEALTH_GENERATE_TIMEOUT, gen.collect()).await {

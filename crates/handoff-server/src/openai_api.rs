@@ -201,25 +201,6 @@ impl Answer {
     }
 }
 
-/// The request's id: the `rid` its sender chose (a router gives both PD
-/// workers the same one, so `/abort_request` reaches both), else a fresh one.
-fn request_id(state: &AppState, rid: Option<String>, prefix: &str) -> Result<String, ApiError> {
-    match rid {
-        Some(rid) => {
-            crate::aborts::check_rid(&rid, "rid")?;
-            Ok(rid)
-        }
-        None => Ok(state.next_request_id(prefix)),
-    }
-}
-
-fn now_secs() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 /// What a handler prepared before submitting.
 struct Prepared {
     answer: Answer,
@@ -292,8 +273,8 @@ fn prepare_chat(
     crate::params::check_token_ids(&sampling, info.vocab_size)?;
     let answer = Answer {
         kind: Kind::Chat,
-        id: request_id(state, req.rid, "chatcmpl")?,
-        created: now_secs(),
+        id: crate::app::request_id(req.rid.as_ref(), "chatcmpl")?,
+        created: crate::app::unix_now(),
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs: req.logprobs.unwrap_or(false),
@@ -365,8 +346,8 @@ fn prepare_completion(
     let prompt_ids = prompt::completion_prompt(&state.engine, req.prompt)?;
     let answer = Answer {
         kind: Kind::Completion,
-        id: request_id(state, req.rid, "cmpl")?,
-        created: now_secs(),
+        id: crate::app::request_id(req.rid.as_ref(), "cmpl")?,
+        created: crate::app::unix_now(),
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs,

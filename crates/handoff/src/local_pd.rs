@@ -231,32 +231,26 @@ pub fn run(
     if pd.disable_delta_transfer {
         common.push("--disable-delta-transfer".into());
     }
-    // The pair authenticates its transfer handshakes: with the secret file
-    // given, else with a fresh secret of this run, handed to the workers
-    // through their environment.
-    let router_secret = match &pd.transfer_secret_file {
-        Some(path) => crate::worker::transfer_secret(Some(path))?,
-        None => None,
-    };
-    let run_secret = match &pd.transfer_secret_file {
+    // The pair authenticates its transfer handshakes, and the router signs
+    // bootstrap fields, with one secret: the file's, else a fresh one of
+    // this run, handed to the workers through their environment.
+    let (secret, run_secret) = match &pd.transfer_secret_file {
         Some(path) => {
             common.push("--transfer-secret-file".into());
             common.push(path.display().to_string());
-            None
+            (crate::worker::transfer_secret(Some(path))?, None)
         }
         None => {
             tracing::info!("transfer handshakes authenticated with a fresh secret of this run");
-            Some(format!(
+            let s = format!(
                 "{:032x}{:032x}",
                 rand::random::<u128>(),
                 rand::random::<u128>()
-            ))
+            );
+            (Some(s.clone().into_bytes()), Some(s))
         }
     };
-    // The router signs with the same secret.
-    let router_secret = router_secret
-        .or_else(|| run_secret.as_ref().map(|s| s.as_bytes().to_vec()))
-        .and_then(handoff_server::trust::TransferSecret::new);
+    let router_secret = secret.and_then(handoff_server::trust::TransferSecret::new);
     let prefill_spec = Spec {
         role: "prefill",
         model: model.clone(),

@@ -127,7 +127,7 @@ fn check_transfer_exposure(pd: &PdConfig) -> anyhow::Result<()> {
 }
 
 impl PdArgs {
-    fn config(&self, host: &str) -> anyhow::Result<PdConfig> {
+    fn config(&self, host: &str, secret: Option<Vec<u8>>) -> anyhow::Result<PdConfig> {
         let mut pd = PdConfig::new(handoff_engine::pd::TransportKind::Tcp);
         pd.transport_choice = self.disaggregation_transfer_backend;
         pd.tcp_streams = self.transfer_tcp_streams;
@@ -144,13 +144,18 @@ impl PdArgs {
             self.disaggregation_bootstrap_port
                 .unwrap_or(DEFAULT_BOOTSTRAP_PORT),
         );
-        pd.secret = transfer_secret(self.transfer_secret_file.as_deref())?;
+        pd.secret = secret;
         Ok(pd)
     }
 }
 
-/// Start the engine for `mode` (loads the model).
-pub fn start_backend(mode: Mode, args: &WorkerArgs) -> anyhow::Result<Backend> {
+/// Start the engine for `mode` (loads the model); a PD engine
+/// authenticates its transfer handshakes with `secret`.
+pub fn start_backend(
+    mode: Mode,
+    args: &WorkerArgs,
+    secret: Option<Vec<u8>>,
+) -> anyhow::Result<Backend> {
     let config = args.engine.config()?;
     let model = config.model_path.display().to_string();
     tracing::info!(model = %model, mode = ?mode, threads = config.threads, page_size = config.page_size, "loading model");
@@ -159,7 +164,7 @@ pub fn start_backend(mode: Mode, args: &WorkerArgs) -> anyhow::Result<Backend> {
             Engine::start(config).with_context(|| format!("starting the engine on {model}"))?,
         ),
         Mode::Prefill => {
-            let pd = args.pd.config(&args.http.host)?;
+            let pd = args.pd.config(&args.http.host, secret)?;
             check_transfer_exposure(&pd)?;
             let listen = pd.listen;
             let p = PrefillEngine::start(config, pd).with_context(|| {
@@ -169,7 +174,7 @@ pub fn start_backend(mode: Mode, args: &WorkerArgs) -> anyhow::Result<Backend> {
             Backend::from(p)
         }
         Mode::Decode => {
-            let pd = args.pd.config(&args.http.host)?;
+            let pd = args.pd.config(&args.http.host, secret)?;
             Backend::from(
                 DecodeEngine::start(config, pd)
                     .with_context(|| format!("starting the decode engine on {model}"))?,
@@ -199,8 +204,9 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
             "decode worker without a transfer secret or --prefill-allow: it refuses every request (403); give it and the router the same --transfer-secret-file, or name prefills with --prefill-allow"
         );
     }
-    let trust = handoff_server::trust::BootstrapTrust::new(secret, args.pd.prefill_allow.clone());
-    let backend = start_backend(mode, &args)?;
+    let trust =
+        handoff_server::trust::BootstrapTrust::new(secret.clone(), args.pd.prefill_allow.clone());
+    let backend = start_backend(mode, &args, secret)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -577,12 +577,16 @@ fn marks(dir: &std::path::Path) -> Vec<String> {
 fn the_default_model_is_fetched_into_the_cache_running_nothing_from_the_working_directory() {
     let cwd = hostile_dir("fetch");
     let home = cwd.join("home");
-    let out = handoff()
-        .arg("fetch-model")
-        .current_dir(&cwd)
-        .env("HANDOFF_HOME", &home)
-        .output()
-        .expect("run handoff");
+    // `handoff fetch-model` started in the hostile directory.
+    let fetch = || {
+        handoff()
+            .arg("fetch-model")
+            .current_dir(&cwd)
+            .env("HANDOFF_HOME", &home)
+            .output()
+            .expect("run handoff")
+    };
+    let out = fetch();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "fetch-model failed:\n{stderr}");
     let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
@@ -607,12 +611,7 @@ fn the_default_model_is_fetched_into_the_cache_running_nothing_from_the_working_
 
     // A cached file that is not the model is refused, not served.
     std::fs::write(&want, b"something else").expect("overwrite");
-    let out = handoff()
-        .arg("fetch-model")
-        .current_dir(&cwd)
-        .env("HANDOFF_HOME", &home)
-        .output()
-        .expect("run handoff");
+    let out = fetch();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(

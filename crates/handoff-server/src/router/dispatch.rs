@@ -126,7 +126,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         body.insert("bootstrap_room".into(), json!(room.get()));
         if let Some(secret) = &state.config.transfer_secret {
             // Vouch for the prefill endpoint (DESIGN.md §3 step 1).
-            let ts = crate::trust::unix_now();
+            let ts = crate::app::unix_now();
             let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
                 room: room.get(),
                 host: &pair.prefill.host,

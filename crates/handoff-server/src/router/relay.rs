@@ -178,17 +178,10 @@ impl Failure {
                 ),
             )
             .into_response(),
-            Failure::Stalled { url, secs } => {
-                let mut e = ApiError::new(
-                    504,
-                    "stalled",
-                    format!(
-                        "decode worker {url} sent no token for {secs:.1} s: the request was ended on both workers"
-                    ),
-                );
-                e.kind = "stalled";
-                e.into_response()
-            }
+            Failure::Stalled { url, secs } => ApiError::stalled(format!(
+                "decode worker {url} sent no token for {secs:.1} s: the request was ended on both workers"
+            ))
+            .into_response(),
             Failure::Status {
                 status,
                 content_type,
@@ -621,9 +614,7 @@ impl RelayBody {
                         stall.unwrap_or_default().as_secs_f64()
                     );
                     tracing::warn!("{msg}");
-                    let mut e = ApiError::new(504, "stalled", msg);
-                    e.kind = "stalled";
-                    return Some(self.error_event_of(e));
+                    return Some(self.error_event_of(ApiError::stalled(msg)));
                 }
                 _ = &mut sleep => {
                     self.metrics.count_failure("decode", "timeout");
