@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::KvError;
 use crate::layout::PageIndex;
+use crate::shm::PageGenerations;
 
 /// Free pages as a stack (leases pop from the end), with each page's
 /// position in it so an exact lease takes its pages in O(pages wanted),
@@ -71,6 +72,8 @@ struct AllocInner {
     total: usize,
     leased: AtomicUsize,
     leases: AtomicUsize,
+    /// A shared pool's page generations, stamped as pages are handed out.
+    generations: Option<PageGenerations>,
 }
 
 impl AllocInner {
@@ -122,6 +125,22 @@ impl PageStats {
 impl PageAllocator {
     /// An allocator for pages `0..num_pages`, all free.
     pub fn new(num_pages: usize) -> Self {
+        Self::build(num_pages, None)
+    }
+
+    /// An allocator for a shared pool: every page it hands out is first
+    /// stamped in `generations` (which must cover `num_pages`), so a peer
+    /// copying pages out can tell a page that changed hands under its copy.
+    pub fn with_generations(num_pages: usize, generations: PageGenerations) -> Self {
+        Self::build(num_pages, Some(generations))
+    }
+
+    /// The page generations this allocator stamps, if any.
+    pub fn generations(&self) -> Option<&PageGenerations> {
+        self.inner.generations.as_ref()
+    }
+
+    fn build(num_pages: usize, generations: Option<PageGenerations>) -> Self {
         // Pop from the end: hand out low page numbers first.
         let stack: Vec<PageIndex> = (0..num_pages as u32).rev().map(PageIndex).collect();
         let pos = (0..num_pages as u32)
@@ -135,6 +154,7 @@ impl PageAllocator {
                 total: num_pages,
                 leased: AtomicUsize::new(0),
                 leases: AtomicUsize::new(0),
+                generations,
             }),
         }
     }
@@ -183,6 +203,9 @@ impl PageAllocator {
             for p in pages {
                 free.remove(*p);
             }
+            if let Some(g) = &self.inner.generations {
+                g.stamp(pages.iter().map(|p| p.0));
+            }
             self.inner.leased.fetch_add(pages.len(), Ordering::AcqRel);
         }
         self.inner.leases.fetch_add(1, Ordering::AcqRel);
@@ -206,6 +229,9 @@ impl PageAllocator {
         }
         let mut pages = free.pop_n(n);
         pages.reverse();
+        if let (Some(g), false) = (&self.inner.generations, pages.is_empty()) {
+            g.stamp(pages.iter().map(|p| p.0));
+        }
         self.inner.leased.fetch_add(n, Ordering::AcqRel);
         Ok(pages)
     }

@@ -13,7 +13,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::error::KvError;
 use crate::layout::{KvDtype, KvGeometry, KvLayout, KvPart, PageIndex};
 use crate::lease::PageAllocator;
-use crate::shm::{ShmRegion, ShmRegionHandle};
+use crate::shm::{PageGenerations, ShmRegion, ShmRegionHandle};
 
 /// Where a pool's bytes live. The heap backing is a vector of 4-byte words
 /// so every dtype's view of it is aligned.
@@ -85,6 +85,15 @@ enum Elem {
     F16,
 }
 
+impl Elem {
+    fn bytes(self) -> usize {
+        match self {
+            Elem::F32 => 4,
+            Elem::F16 => 2,
+        }
+    }
+}
+
 /// The layout of a pool this module can hold, and its element type.
 fn pool_layout(geometry: KvGeometry, num_pages: usize) -> Result<(KvLayout, Elem), KvError> {
     let elem = match geometry.dtype {
@@ -122,27 +131,42 @@ impl KvPool {
     }
 
     /// A zeroed pool of `num_pages` pages in shared memory (memfd), and the
-    /// handle another process on this host maps it with.
+    /// handle another process on this host maps it with. The region holds
+    /// the KV bytes and, after them ([`Self::generations_offset`]), the
+    /// pages' [`PageGenerations`], which the allocator stamps as it hands
+    /// pages out.
     pub fn new_shared(
         geometry: KvGeometry,
         num_pages: usize,
     ) -> Result<(Self, ShmRegionHandle), KvError> {
         let (layout, elem) = pool_layout(geometry, num_pages)?;
-        let region = ShmRegion::create(crate::shm::POOL_MEMFD_NAME, layout.pool_bytes())?;
+        let gens_at = Self::generations_offset(&layout);
+        let region = Arc::new(ShmRegion::create(
+            crate::shm::POOL_MEMFD_NAME,
+            gens_at + PageGenerations::table_bytes(num_pages),
+        )?);
         let handle = region.handle();
+        let gens = PageGenerations::new(region.clone(), gens_at, num_pages)?;
         Ok((
             Self {
                 layout,
                 elem,
-                memory: Backing::Shared(Arc::new(region)),
-                allocator: PageAllocator::new(num_pages),
+                memory: Backing::Shared(region),
+                allocator: PageAllocator::with_generations(num_pages, gens),
             },
             handle,
         ))
     }
 
+    /// Where a shared pool of `layout` keeps its page generations: after
+    /// its KV bytes, 8-aligned.
+    pub fn generations_offset(layout: &KvLayout) -> usize {
+        layout.pool_bytes().next_multiple_of(8)
+    }
+
     /// The shared region behind this pool, if it is shared. Transports
-    /// write into (and read from) leased pages through it.
+    /// copy into leased pages (decode) and read computed pages (prefill)
+    /// through it.
     pub fn shared_region(&self) -> Option<&Arc<ShmRegion>> {
         match &self.memory {
             Backing::Heap(_) => None,
@@ -150,20 +174,23 @@ impl KvPool {
         }
     }
 
-    /// The region as 4-byte words (f32 pools' elements; two f16 each).
-    fn words(&self) -> &[f32] {
-        match &self.memory {
-            Backing::Heap(v) => v,
-            Backing::Shared(r) => r.as_f32(),
-        }
+    /// The page generations of a shared pool.
+    pub fn generations(&self) -> Option<&PageGenerations> {
+        self.allocator.generations()
     }
 
-    fn words_mut(&mut self) -> &mut [f32] {
-        match &mut self.memory {
-            Backing::Heap(v) => v,
-            // A transport may hold the region too: the view is tied to
-            // `&mut self`, the pool owner's exclusive borrow.
-            Backing::Shared(r) => r.as_f32_owner_mut(),
+    /// Bytes `range` of the KV region as a view (for one block).
+    fn bytes(&self, range: std::ops::Range<usize>) -> &[u8] {
+        match &self.memory {
+            Backing::Heap(v) => &bytemuck::cast_slice::<f32, u8>(v)[range],
+            // SAFETY: `block` asks only for a block of a page, and a page's
+            // bytes are written only by the holder of its lease or writer
+            // guard: a transfer writes pages leased to a room, which the
+            // model does not read until the room commits; the model writes
+            // through `write_token` (raw copies under `&mut self`, so never
+            // while a view of this pool is alive). Peers map pools read-only.
+            #[allow(unsafe_code)]
+            Backing::Shared(r) => unsafe { r.view(range) }.expect("block inside its pool"),
         }
     }
 
@@ -185,21 +212,30 @@ impl KvPool {
     /// One (layer, page, kind) block: `[kv_head][slot][head_dim]`.
     pub fn block(&self, layer: usize, page: PageIndex, kind: KvPart) -> KvBlock<'_> {
         let off = self.layout.block_offset(layer, page, kind);
-        let range = off..off + self.layout.geometry.block_elems();
+        let n = self.layout.geometry.block_elems();
         match self.elem {
-            Elem::F32 => KvBlock::F32(&self.words()[range]),
-            Elem::F16 => KvBlock::F16(&bytemuck::cast_slice::<f32, f16>(self.words())[range]),
+            Elem::F32 => KvBlock::F32(bytemuck::cast_slice(self.bytes(4 * off..4 * (off + n)))),
+            Elem::F16 => KvBlock::F16(bytemuck::cast_slice(self.bytes(2 * off..2 * (off + n)))),
         }
     }
 
-    /// The whole region as bytes (what a transport reads).
-    pub fn as_bytes(&self) -> &[u8] {
-        bytemuck::cast_slice(self.words())
-    }
-
-    /// The whole region as mutable bytes (what a transport writes into).
-    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
-        bytemuck::cast_slice_mut(self.words_mut())
+    /// Bytes `range` of the KV region, copied out (what a transport
+    /// would move; tests and tools).
+    pub fn read_bytes(&self, range: std::ops::Range<usize>) -> Result<Vec<u8>, KvError> {
+        let mut out = vec![0u8; range.len()];
+        match &self.memory {
+            Backing::Heap(v) => out.copy_from_slice(
+                bytemuck::cast_slice::<f32, u8>(v)
+                    .get(range.clone())
+                    .ok_or(KvError::OutOfBounds {
+                        start: range.start,
+                        end: range.end,
+                        len: 4 * v.len(),
+                    })?,
+            ),
+            Backing::Shared(r) => r.read_at(range.start, &mut out)?,
+        }
+        Ok(out)
     }
 
     /// Write K and V of one token at sequence position `pos` of a sequence
@@ -221,16 +257,29 @@ impl KvPool {
         let slot = pos % g.page_size;
         let layout = self.layout;
         let elem = self.elem;
-        let words = self.words_mut();
+        let mut half_row: Vec<f16> = Vec::new();
         for (kind, src) in [(KvPart::K, k), (KvPart::V, v)] {
             let base = layout.block_offset(layer, page, kind);
             for h in 0..g.kv_heads {
                 let off = base + layout.slot_offset(h, slot);
                 let src = &src[h * g.head_dim..(h + 1) * g.head_dim];
-                match elem {
-                    Elem::F32 => words[off..off + g.head_dim].copy_from_slice(src),
-                    Elem::F16 => bytemuck::cast_slice_mut::<f32, f16>(words)[off..off + g.head_dim]
-                        .convert_from_f32_slice(src),
+                let row: &[u8] = match elem {
+                    Elem::F32 => bytemuck::cast_slice(src),
+                    Elem::F16 => {
+                        half_row.clear();
+                        half_row.resize(src.len(), f16::ZERO);
+                        half_row.convert_from_f32_slice(src);
+                        bytemuck::cast_slice(&half_row)
+                    }
+                };
+                let at = off * elem.bytes();
+                match &mut self.memory {
+                    Backing::Heap(words) => bytemuck::cast_slice_mut::<f32, u8>(words)
+                        [at..at + row.len()]
+                        .copy_from_slice(row),
+                    // The page is the caller's (its sequence's lease): a
+                    // raw copy, no reference into shared memory.
+                    Backing::Shared(r) => r.write_at(at, row)?,
                 }
             }
         }
@@ -308,7 +357,10 @@ mod tests {
             dtype: KvDtype::F32,
         };
         let (mut pool, handle) = KvPool::new_shared(g, 4).unwrap();
-        assert_eq!(handle.len as usize, pool.layout().pool_bytes());
+        assert_eq!(
+            handle.len as usize,
+            pool.layout().pool_bytes() + PageGenerations::table_bytes(4)
+        );
         let peer = crate::shm::ShmRegion::open(&handle).unwrap();
         let pages = [PageIndex(3)];
         pool.write_token(1, &pages, 1, &[1.5, 2.5], &[3.5, 4.5])
@@ -352,7 +404,10 @@ mod tests {
             2 * pool.layout().pool_bytes(),
             f32_pool.layout().pool_bytes()
         );
-        assert_eq!(handle.len as usize, pool.layout().pool_bytes());
+        assert_eq!(
+            handle.len as usize,
+            KvPool::generations_offset(pool.layout()) + PageGenerations::table_bytes(3)
+        );
         let pages = [PageIndex(2), PageIndex(0)];
         // Exactly representable in f16, and one value that is not.
         let k: Vec<f32> = (0..8).map(|i| i as f32 * 0.5 - 1.0).collect();
@@ -374,12 +429,44 @@ mod tests {
             .head_slice_bytes(1, PageIndex(0), KvPart::K, 1..2)
             .unwrap();
         assert_eq!(range.len(), 2 * 4 * 2, "2 slots x 4 dims x 2 bytes");
-        let raw = &pool.as_bytes()[range];
+        let raw = &pool.read_bytes(range).unwrap();
         let slot1: Vec<f32> = raw[8..]
             .chunks_exact(2)
             .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect();
         assert_eq!(slot1, &k[4..]);
+    }
+
+    #[test]
+    fn a_shared_pools_allocator_stamps_every_page_it_hands_out() {
+        let g = KvGeometry {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 2,
+            page_size: 2,
+            dtype: KvDtype::F16,
+        };
+        let (pool, _) = KvPool::new_shared(g, 4).unwrap();
+        let gens = pool.generations().unwrap();
+        let a = pool.allocator().lease(2).unwrap();
+        let e = gens.epoch();
+        let pages = |l: &crate::PageLease| l.pages()[0].0..l.pages()[0].0 + 1;
+        assert_eq!(gens.unchanged_since(pages(&a), e), Some(true));
+        let first = pages(&a);
+        drop(a);
+        // The same page handed out again (exactly, or by a plain lease).
+        let b = pool
+            .allocator()
+            .lease_exact(&[PageIndex(first.start)])
+            .unwrap();
+        assert_eq!(gens.unchanged_since(first.clone(), e), Some(false));
+        let e2 = gens.epoch();
+        let mut c = pool.allocator().lease(0).unwrap();
+        c.grow(pool.allocator(), 1).unwrap();
+        assert_eq!(gens.unchanged_since(pages(&c), e2), Some(false));
+        assert_eq!(gens.unchanged_since(first, e2), Some(true));
+        drop((b, c));
+        assert!(KvPool::new(g, 4).unwrap().generations().is_none());
     }
 
     #[test]

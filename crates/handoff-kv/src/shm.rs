@@ -2,17 +2,21 @@
 //!
 //! A [`ShmRegion`] is an anonymous memory file (`memfd_create`) mapped shared
 //! into this process. Another process on the host maps the same pages by
-//! opening `/proc/<pid>/fd/<fd>` ([`ShmRegionHandle`], [`ShmRegion::open`]) or
-//! from a file descriptor it received ([`ShmRegion::from_fd`]), and then
-//! writes KV straight into our pages, like a one-sided RDMA write.
+//! opening `/proc/<pid>/fd/<fd>` ([`ShmRegionHandle`]): a transfer peer maps
+//! a pool *read-only* ([`ShmRegion::open_read_only`]) and copies KV out of it
+//! (decode pulls from prefill, DESIGN.md "No write after release"), so no
+//! process ever writes into memory another process owns.
 //!
-//! The bytes of a shared region can change under us at any time (another
-//! process writes them), so this module never hands out a reference to the
-//! whole region except to the pool's owner, and moves bytes with copies
-//! through raw pointers ([`ShmRegion::write_at`], [`ShmRegion::read_at`],
-//! [`ShmRegion::with_mut`], [`ShmRegion::with_slices`]). Which pages a writer
-//! may touch is decided by page leases (`crate::lease`): a page is written by
-//! at most one party at a time, and every range is bounds-checked here.
+//! Soundness: no safe function here hands out `&mut` into a region. Bytes
+//! are written and read by copies through raw pointers
+//! ([`ShmRegion::write_at`], [`ShmRegion::read_at`], [`ShmRegion::copy_from`],
+//! and [`ShmRegion::readv_into`], where the kernel writes), each
+//! bounds-checked. Shared views exist only as [`ShmRegion::with_slices`]
+//! (source pages being sent, which their lease keeps unwritten) and the
+//! pool's per-block views through the `unsafe fn` [`ShmRegion::view`],
+//! whose contract is written on it. Which pages a writer may touch is
+//! decided by page leases (`crate::lease`). [`PageGenerations`] lets a
+//! reader in another process detect a page handed out again under its copy.
 //!
 //! This is the only module of the crate with `unsafe`; each block says why it
 //! holds.
@@ -22,6 +26,8 @@ use std::fs::{File, OpenOptions};
 use std::io::IoSlice;
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
 
 use memmap2::MmapRaw;
 
@@ -79,6 +85,9 @@ pub struct ShmRegion {
     map: MmapRaw,
     file: File,
     len: usize,
+    /// False for a peer's pool mapped read-only: writes are refused here,
+    /// and the kernel would fault them anyway.
+    writable: bool,
 }
 
 impl std::fmt::Debug for ShmRegion {
@@ -86,6 +95,7 @@ impl std::fmt::Debug for ShmRegion {
         f.debug_struct("ShmRegion")
             .field("fd", &self.file.as_raw_fd())
             .field("len", &self.len)
+            .field("writable", &self.writable)
             .finish()
     }
 }
@@ -110,29 +120,40 @@ impl ShmRegion {
         let fd: OwnedFd = rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)
             .map_err(|e| io_err("memfd_create", e))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(|e| io_err("ftruncate", e))?;
-        Self::map(File::from(fd), len, true)
+        Self::map(File::from(fd), len, true, true)
     }
 
     /// Map the region another process described in `handle`, through
-    /// `/proc/<pid>/fd/<fd>` (same user, same host).
+    /// `/proc/<pid>/fd/<fd>` (same user, same host), read-write.
     pub fn open(handle: &ShmRegionHandle) -> Result<Self, KvError> {
+        Self::open_with(handle, true)
+    }
+
+    /// Map a peer's region read-only: nothing this process does can change
+    /// the peer's memory (decode maps a prefill's pool this way and pulls
+    /// KV out of it).
+    pub fn open_read_only(handle: &ShmRegionHandle) -> Result<Self, KvError> {
+        Self::open_with(handle, false)
+    }
+
+    fn open_with(handle: &ShmRegionHandle, writable: bool) -> Result<Self, KvError> {
         let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
         let file = OpenOptions::new()
             .read(true)
-            .write(true)
+            .write(writable)
             .open(&path)
             .map_err(|e| io_err(&format!("open {path}"), e))?;
         let len = usize::try_from(handle.len)
             .map_err(|_| KvError::Shm(format!("region of {} bytes", handle.len)))?;
-        Self::map(file, len, false)
+        Self::map(file, len, false, writable)
     }
 
     /// Map a region from a descriptor received from another process.
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<Self, KvError> {
-        Self::map(File::from(fd), len, false)
+        Self::map(File::from(fd), len, false, true)
     }
 
-    fn map(file: File, len: usize, populate: bool) -> Result<Self, KvError> {
+    fn map(file: File, len: usize, populate: bool, writable: bool) -> Result<Self, KvError> {
         let actual = file.metadata().map_err(|e| io_err("fstat", e))?.len();
         if len == 0 || actual < len as u64 {
             return Err(KvError::Shm(format!(
@@ -144,8 +165,31 @@ impl ShmRegion {
         if populate {
             options.populate();
         }
-        let map = options.map_raw(&file).map_err(|e| io_err("mmap", e))?;
-        Ok(Self { map, file, len })
+        let map = if writable {
+            options.map_raw(&file)
+        } else {
+            options.map_raw_read_only(&file)
+        }
+        .map_err(|e| io_err("mmap", e))?;
+        Ok(Self {
+            map,
+            file,
+            len,
+            writable,
+        })
+    }
+
+    /// Whether this mapping may be written.
+    pub fn is_writable(&self) -> bool {
+        self.writable
+    }
+
+    fn check_writable(&self) -> Result<(), KvError> {
+        if self.writable {
+            Ok(())
+        } else {
+            Err(KvError::Shm("the region is mapped read-only".into()))
+        }
     }
 
     /// What another process needs to map this region.
@@ -189,6 +233,7 @@ impl ShmRegion {
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), KvError> {
         let end = offset.saturating_add(src.len());
         self.check(&(offset..end))?;
+        self.check_writable()?;
         // SAFETY: `offset..end` is inside the mapping (checked above), the
         // mapping lives as long as `self`, and `src` is a Rust slice that
         // cannot overlap the mapping through a reference we handed out for
@@ -234,6 +279,7 @@ impl ShmRegion {
         let src_end = src_offset.saturating_add(len);
         self.check(&(dst_offset..dst_end))?;
         src.check(&(src_offset..src_end))?;
+        self.check_writable()?;
         // SAFETY: both ranges are inside their mappings (checked) which live
         // for the borrows of `self` and `src`. If both are the same region
         // the ranges may overlap, so `copy` (memmove) is used in that case.
@@ -249,24 +295,40 @@ impl ShmRegion {
         Ok(())
     }
 
-    /// Run `f` on a mutable view of `range` (e.g. to `read()` a socket
-    /// straight into destination pages). The caller must hold the right to
-    /// write those bytes (a page lease or writer guard): the view is exclusive
-    /// only by that discipline.
-    pub fn with_mut<R>(
+    /// Read from `fd` (a socket, `read`-style, once) straight into `range`
+    /// of the region, then on into `tail` when `range` is full: one
+    /// `readv(2)` whose first buffer is region memory reached by raw pointer
+    /// only, so no Rust reference to shared bytes is ever made. Returns the
+    /// bytes read (`range` first). The caller must hold the right to write
+    /// those bytes (a writer guard over their pages).
+    pub fn readv_into(
         &self,
         range: Range<usize>,
-        f: impl FnOnce(&mut [u8]) -> R,
-    ) -> Result<R, KvError> {
+        tail: &mut [u8],
+        fd: BorrowedFd<'_>,
+    ) -> Result<std::io::Result<usize>, KvError> {
         self.check(&range)?;
-        // SAFETY: in bounds (checked); the mapping outlives the closure call.
-        // Exclusivity of these bytes within this process is the lease
-        // discipline documented above; other processes cannot be constrained
-        // by Rust references at all, and the view does not escape `f`.
-        let view = unsafe {
-            std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(range.start), range.len())
-        };
-        Ok(f(view))
+        self.check_writable()?;
+        let iov = [
+            libc::iovec {
+                // SAFETY: in bounds (checked), the mapping outlives the call;
+                // the pointer is handed to the kernel, not dereferenced here.
+                iov_base: unsafe { self.map.as_mut_ptr().add(range.start) }.cast(),
+                iov_len: range.len(),
+            },
+            libc::iovec {
+                iov_base: tail.as_mut_ptr().cast(),
+                iov_len: tail.len(),
+            },
+        ];
+        // SAFETY: both iovecs describe writable memory that lives for the
+        // call: mapped region bytes checked above and an exclusive slice.
+        let n = unsafe { libc::readv(fd.as_raw_fd(), iov.as_ptr(), 2) };
+        Ok(if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        })
     }
 
     /// Run `f` on read-only views of `ranges`, as [`IoSlice`]s ready for a
@@ -294,25 +356,123 @@ impl ShmRegion {
         Ok(f(&slices))
     }
 
-    /// The whole region as `f32`s, for the pool's owner.
-    pub(crate) fn as_f32(&self) -> &[f32] {
-        // SAFETY: the mapping is page-aligned (so aligned for f32), `len` is a
-        // multiple of 4 for pools (the pool creates it so), the mapping lives
-        // as long as `&self`. Pages other parties write are leased to them and
-        // not read through this view until the lease comes back.
-        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<f32>(), self.len / 4) }
+    /// A shared view of `range` (bounds-checked).
+    ///
+    /// # Safety
+    ///
+    /// No one may write these bytes while the view lives: not this
+    /// process (the pool writes through [`Self::write_at`], transports
+    /// through [`Self::copy_from`] and [`Self::readv_into`], only into
+    /// pages their lease or writer guard holds), and not another process
+    /// (peers map pools read-only: [`Self::open_read_only`]). The pool
+    /// takes a view only of a block of a page its caller owns.
+    pub(crate) unsafe fn view(&self, range: Range<usize>) -> Result<&[u8], KvError> {
+        self.check(&range)?;
+        // SAFETY: in bounds (checked), the mapping lives as long as `&self`;
+        // no writer for the bytes is the caller's contract.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(range.start), range.len()) })
     }
 
-    /// The whole region as mutable `f32`s, for the pool's owner: the pool
-    /// calls it only under `&mut KvPool`, which makes the view exclusive
-    /// among the pool's users in this process.
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) fn as_f32_owner_mut(&self) -> &mut [f32] {
-        // SAFETY: as `as_f32`; the only caller holds `&mut KvPool`, the
-        // region's owner, so no other view of the pool's pages exists in
-        // this process; transports copy into leased pages through raw
-        // pointers, never through references.
-        unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().cast::<f32>(), self.len / 4) }
+    /// The atomic 64-bit word at `offset` (8-aligned, in bounds).
+    fn word(&self, offset: usize) -> Result<&AtomicU64, KvError> {
+        self.check(&(offset..offset.saturating_add(8)))?;
+        if !offset.is_multiple_of(8) {
+            return Err(KvError::Shm(format!("word at {offset} is not 8-aligned")));
+        }
+        // SAFETY: in bounds and aligned (checked; the mapping is
+        // page-aligned), alive as long as `&self`. Every access to these
+        // words, in any process, is atomic; an atomic load of read-only
+        // memory (a peer's read-only mapping) is allowed for lock-free
+        // native sizes such as `AtomicU64` on the platforms we build for.
+        Ok(unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU64>() })
+    }
+}
+
+/// Per-page generations kept in a pool's shared region, after its KV bytes:
+/// word 0 is the epoch (how many times pages were handed out), word `1 + p`
+/// the epoch at which page `p` was last handed out. The pool's allocator
+/// stamps pages before their new owner can write them; a peer that copies
+/// pages out (decode pulling KV over shm) checks afterwards that none was
+/// stamped past the epoch its sender named, seqlock style: if one was, the
+/// page may have been rewritten under the copy and the copy is discarded.
+#[derive(Debug, Clone)]
+pub struct PageGenerations {
+    region: Arc<ShmRegion>,
+    offset: usize,
+    pages: usize,
+}
+
+impl PageGenerations {
+    /// Bytes the table of a pool of `pages` pages takes.
+    pub fn table_bytes(pages: usize) -> usize {
+        (pages + 1) * 8
+    }
+
+    /// The table at `offset` of `region`, for `pages` pages; refused unless
+    /// it is 8-aligned and lies inside the region.
+    pub fn new(region: Arc<ShmRegion>, offset: usize, pages: usize) -> Result<Self, KvError> {
+        let end = Self::table_bytes(pages)
+            .checked_add(offset)
+            .ok_or_else(|| KvError::Shm(format!("generation table of {pages} pages")))?;
+        region.check(&(offset..end))?;
+        if !offset.is_multiple_of(8) {
+            return Err(KvError::Shm(format!(
+                "generation table at {offset} is not 8-aligned"
+            )));
+        }
+        Ok(Self {
+            region,
+            offset,
+            pages,
+        })
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        // Checked at construction: every index below `pages + 1` is inside.
+        self.region
+            .word(self.offset + 8 * i)
+            .expect("generation word inside its checked table")
+    }
+
+    /// Pages in the table.
+    pub fn pages(&self) -> usize {
+        self.pages
+    }
+
+    /// The current epoch: every page handed out so far was stamped at most
+    /// this.
+    pub fn epoch(&self) -> u64 {
+        self.word(0).load(Ordering::SeqCst)
+    }
+
+    /// Stamp `pages` with a new epoch, before anyone writes them (the
+    /// allocator calls it as it hands them out). Pages out of range are
+    /// skipped (the allocator never has any).
+    pub fn stamp(&self, pages: impl IntoIterator<Item = u32>) {
+        let epoch = self.word(0).fetch_add(1, Ordering::SeqCst) + 1;
+        for p in pages {
+            if (p as usize) < self.pages {
+                self.word(1 + p as usize).store(epoch, Ordering::SeqCst);
+            }
+        }
+        // The stamps are visible before any write the new owner makes.
+        fence(Ordering::SeqCst);
+    }
+
+    /// After copying `pages` out: whether none was handed out again after
+    /// `epoch` (the copy then read what the sender meant). `None` when a
+    /// page is out of range.
+    pub fn unchanged_since(&self, pages: Range<u32>, epoch: u64) -> Option<bool> {
+        if pages.end as usize > self.pages || pages.start > pages.end {
+            return None;
+        }
+        // The copy's loads are ordered before the stamps' loads.
+        fence(Ordering::Acquire);
+        Some(
+            pages
+                .into_iter()
+                .all(|p| self.word(1 + p as usize).load(Ordering::SeqCst) <= epoch),
+        )
     }
 }
 
@@ -345,9 +505,6 @@ mod tests {
             })
             .unwrap();
         assert_eq!(n, 4);
-        a.with_mut(0..3, |v| v.copy_from_slice(b"abc")).unwrap();
-        b.read_at(0, &mut out[..3]).unwrap();
-        assert_eq!(&out[..3], b"abc");
         let h = a.handle();
         assert_eq!(ShmRegionHandle::from_bytes(&h.to_bytes()), h);
     }
@@ -379,6 +536,78 @@ mod tests {
         assert_eq!(rss_of(a.map.as_ptr() as usize), len);
         let b = ShmRegion::open(&a.handle()).unwrap();
         assert_eq!(rss_of(b.map.as_ptr() as usize), 0);
+    }
+
+    #[test]
+    fn a_socket_read_lands_in_the_range_then_the_tail() {
+        use std::io::Write;
+        use std::os::fd::AsFd;
+        let a = ShmRegion::create("readv", 4096).unwrap();
+        let (mut w, r) = std::os::unix::net::UnixStream::pair().unwrap();
+        w.write_all(b"0123456789").unwrap();
+        let mut tail = [0u8; 8];
+        let n = a
+            .readv_into(100..104, &mut tail, r.as_fd())
+            .unwrap()
+            .unwrap();
+        assert_eq!(n, 10);
+        let mut out = [0u8; 6];
+        a.read_at(99, &mut out).unwrap();
+        assert_eq!(&out, b"\x000123\x00");
+        assert_eq!(&tail[..6], b"456789");
+        assert!(matches!(
+            a.readv_into(4090..4100, &mut tail, r.as_fd()),
+            Err(KvError::OutOfBounds { .. })
+        ));
+    }
+
+    #[test]
+    fn a_read_only_mapping_refuses_every_write_and_still_reads() {
+        let a = ShmRegion::create("ro", 4096).unwrap();
+        a.write_at(0, b"kv").unwrap();
+        let b = ShmRegion::open_read_only(&a.handle()).unwrap();
+        assert!(!b.is_writable() && a.is_writable());
+        let mut out = [0u8; 2];
+        b.read_at(0, &mut out).unwrap();
+        assert_eq!(&out, b"kv");
+        let (_w, r) = std::os::unix::net::UnixStream::pair().unwrap();
+        use std::os::fd::AsFd;
+        for e in [
+            b.write_at(0, b"x").unwrap_err(),
+            b.copy_from(0, &a, 0, 1).unwrap_err(),
+            b.readv_into(0..1, &mut [], r.as_fd()).unwrap_err(),
+        ] {
+            assert_eq!(
+                e.to_string(),
+                KvError::Shm("the region is mapped read-only".into()).to_string()
+            );
+        }
+        // Copying out of it into a writable region works.
+        let c = ShmRegion::create("dst", 4096).unwrap();
+        c.copy_from(10, &b, 0, 2).unwrap();
+        c.read_at(10, &mut out).unwrap();
+        assert_eq!(&out, b"kv");
+    }
+
+    #[test]
+    fn generations_show_a_page_handed_out_after_an_epoch_even_to_a_read_only_peer() {
+        let region = Arc::new(ShmRegion::create("gens", 4096).unwrap());
+        let g = PageGenerations::new(region.clone(), 64, 4).unwrap();
+        assert_eq!(g.epoch(), 0);
+        g.stamp([0, 1]);
+        let e = g.epoch();
+        assert_eq!(e, 1);
+        let peer = Arc::new(ShmRegion::open_read_only(&region.handle()).unwrap());
+        let seen = PageGenerations::new(peer, 64, 4).unwrap();
+        assert_eq!(seen.unchanged_since(0..2, e), Some(true));
+        g.stamp([1]);
+        assert_eq!(seen.epoch(), 2);
+        assert_eq!(seen.unchanged_since(0..1, e), Some(true));
+        assert_eq!(seen.unchanged_since(0..2, e), Some(false));
+        assert_eq!(seen.unchanged_since(3..5, e), None);
+        // The table must be aligned and inside the region.
+        assert!(PageGenerations::new(region.clone(), 60, 4).is_err());
+        assert!(PageGenerations::new(region, 4096 - 16, 4).is_err());
     }
 
     #[test]

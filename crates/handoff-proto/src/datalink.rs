@@ -49,8 +49,16 @@ pub fn decode_preface(b: &[u8; PREFACE_LEN]) -> (u8, u64, u64) {
     )
 }
 
-/// Link setup: decode offers its pool in shared memory.
-pub const SETUP_SHM: u8 = b'S';
+/// Link setup: decode asks for a shared-memory link it pulls over. Followed
+/// by decode's pool page count (u64). Prefill answers with its own pool's
+/// region (pid, fd, length), page count and the offset of its page
+/// generations; decode maps that region read-only and copies KV out of it,
+/// as each segment record names it ([`PullRef`]). No process writes into
+/// another's memory (DESIGN.md "No write after release").
+pub const SETUP_SHM: u8 = b'P';
+/// The shm setup of protocol 2 before pulls: decode offered its own pool
+/// for prefill to write into. Refused by name.
+pub const SETUP_SHM_PUSH: u8 = b'S';
 /// Link setup: decode receives payloads over this TCP stream. Followed by
 /// the pool's page count (u64) and a [`TcpStreamSetup`].
 pub const SETUP_TCP: u8 = b'T';
@@ -163,6 +171,62 @@ impl SegmentHeader {
     }
 }
 
+/// On an shm link, what follows a segment header in place of its KV bytes:
+/// where the bytes are in the prefill's pool, which source pages they come
+/// from, and the prefill pool's page epoch when the segment was built.
+/// Decode copies `src_offset..+len` (len from the header) out of its
+/// read-only mapping of that pool into the destination it checked, then
+/// keeps the copy only if no page of `src_page..src_page + src_pages` was
+/// handed out again after `epoch` (`handoff_kv::PageGenerations`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullRef {
+    /// Byte offset of the payload in the prefill's pool.
+    pub src_offset: u64,
+    /// First source page.
+    pub src_page: u32,
+    /// Source pages (at least 1).
+    pub src_pages: u32,
+    /// The source pool's page epoch when the segment was built.
+    pub epoch: u64,
+}
+
+impl PullRef {
+    /// Encoded bytes.
+    pub const LEN: usize = 24;
+
+    /// Encode.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.src_offset.to_le_bytes());
+        b[8..12].copy_from_slice(&self.src_page.to_le_bytes());
+        b[12..16].copy_from_slice(&self.src_pages.to_le_bytes());
+        b[16..].copy_from_slice(&self.epoch.to_le_bytes());
+        b
+    }
+
+    /// Decode and validate.
+    pub fn decode(b: &[u8; Self::LEN]) -> Result<Self, RecordError> {
+        let r = Self {
+            src_offset: u64::from_le_bytes(arr(&b[..8])),
+            src_page: u32::from_le_bytes(arr(&b[8..12])),
+            src_pages: u32::from_le_bytes(arr(&b[12..16])),
+            epoch: u64::from_le_bytes(arr(&b[16..])),
+        };
+        if r.src_pages == 0 || r.src_page.checked_add(r.src_pages).is_none() {
+            return Err(RecordError::PullPages {
+                first: r.src_page,
+                count: r.src_pages,
+            });
+        }
+        Ok(r)
+    }
+
+    /// The source pages, as a range.
+    pub fn pages(&self) -> std::ops::Range<u32> {
+        self.src_page..self.src_page + self.src_pages
+    }
+}
+
 /// Slice byte of a segment header: whole spans, or the block sliced.
 const SLICE_NONE: u8 = 0;
 const SLICE_K: u8 = 1;
@@ -238,6 +302,14 @@ pub enum RecordError {
         pages: u32,
         /// Heads it named.
         heads: u32,
+    },
+    /// A pull reference naming no source page, or pages past `u32`.
+    #[error("bad data-link record: pull of {count} source pages from page {first}")]
+    PullPages {
+        /// First page.
+        first: u32,
+        /// Pages.
+        count: u32,
     },
     /// An end marker's cancelled flag is neither 0 nor 1.
     #[error("bad data-link record: end flag {0}")]
@@ -396,6 +468,29 @@ impl Ack {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pull_refs_round_trip_and_empty_or_overflowing_page_runs_are_refused() {
+        let r = PullRef {
+            src_offset: 0x1234_5678_9abc,
+            src_page: 7,
+            src_pages: 3,
+            epoch: 42,
+        };
+        assert_eq!(PullRef::decode(&r.encode()), Ok(r));
+        assert_eq!(r.pages(), 7..10);
+        for (first, count) in [(7, 0), (u32::MAX, 1), (2, u32::MAX)] {
+            let bad = PullRef {
+                src_page: first,
+                src_pages: count,
+                ..r
+            };
+            assert_eq!(
+                PullRef::decode(&bad.encode()),
+                Err(RecordError::PullPages { first, count })
+            );
+        }
+    }
 
     #[test]
     fn records_round_trip_and_garbage_is_rejected() {

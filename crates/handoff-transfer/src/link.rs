@@ -8,11 +8,15 @@
 //! * Prefill side: a writer task owns the [`Transport`] and runs the jobs
 //!   the driver queues; an ack task reads decode's acknowledgements.
 //! * Decode side: one reader task owns the socket and the table of rooms it
-//!   may write, each holding the lease's writer guard. Every segment is
-//!   bounds-checked against that room's own pages (and a head slice against
-//!   the heads the plan lets this prefill peer write) before a byte lands; when
-//!   the driver forgets a room, the guard is dropped only after any
-//!   in-progress write stopped, so a page never returns under a writer.
+//!   may write, each holding the lease's writer guard, and it is the only
+//!   writer of decode's pages on every transport: over tcp it reads payloads
+//!   into them, over shm it copies them out of its read-only mapping of the
+//!   prefill's pool ([`PullRef`]). Every segment is bounds-checked against
+//!   that room's own pages (and a head slice against the heads the plan lets
+//!   this prefill peer write) before a byte lands; when the driver forgets a
+//!   room, the reader stops writing it at once (the reader itself is the
+//!   writer), so a page never returns under a writer, however long the
+//!   prefill stalls.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,7 +24,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use handoff_kv::lease::WriterGuard;
-use handoff_kv::{KvLayout, KvPart, PageIndex, PageLayout, ShmRegion, ShmRegionHandle};
+use handoff_kv::{
+    KvLayout, KvPart, KvPool, PageGenerations, PageIndex, PageLayout, ShmRegion, ShmRegionHandle,
+};
 use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
 use handoff_proto::{PeerId, RoomId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -33,8 +39,8 @@ use crate::error::TransportError;
 use crate::plan::{LinkPlan, PlanError};
 use crate::transport::{Segment, ShmTransport, TcpTransport, Transport, TransportKind};
 use handoff_proto::datalink::{
-    encode_preface, Ack, AuxData, HeadSlice, Record, RecordError, TcpStreamSetup, ACK_LEN,
-    PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_TCP,
+    encode_preface, Ack, AuxData, HeadSlice, PullRef, Record, RecordError, TcpStreamSetup, ACK_LEN,
+    PREFACE_DATA, RECORD_LEN, SETUP_SHM, SETUP_SHM_PUSH, SETUP_TCP,
 };
 
 /// Bytes of one (layer, page): its K and V blocks, adjacent in the layout.
@@ -78,28 +84,16 @@ pub enum SetupRefusal {
     /// No link plan fits the two ends' TP settings and our pool.
     #[error(transparent)]
     Plan(#[from] PlanError),
-    /// The shared region is not a whole number of the decode pool's pages.
-    #[error("region of {len} bytes is not a whole number of {page_bytes}-byte pages")]
-    RegionNotPages {
-        /// Region length the peer sent.
-        len: u64,
-        /// Bytes of one decode page.
-        page_bytes: usize,
-    },
-    /// The file descriptor the peer named is not a handoff KV pool.
-    #[error("{path} is {name:?}, not a handoff KV pool")]
-    NotAPool {
-        /// The `/proc` path of the descriptor.
-        path: String,
-        /// What it links to.
-        name: String,
-    },
     /// The shared region could not be mapped.
     #[error("shared memory: {0}")]
     Shm(#[from] handoff_kv::KvError),
     /// The TCP stream setup record is malformed.
     #[error("tcp stream setup: {0}")]
     Stream(#[from] RecordError),
+    /// Decode offered its own pool for prefill to write into (the shm setup
+    /// before decode pulled), which prefill no longer does.
+    #[error("decode offered an shm link that prefill writes into (before protocol 2 pulls); upgrade the decode worker or use --disaggregation-transfer-backend tcp")]
+    ShmPush,
     /// The decode pool's page count is zero or past `u32`.
     #[error("pool of {0} pages")]
     Pages(u64),
@@ -178,8 +172,8 @@ async fn read_setup(
     }
 }
 
-/// Decode side: open a data link of one stream to `addr` for `kind`,
-/// offering `pool` (`num_pages` pages of `layout`), as decode endpoint
+/// Decode side: open a data link of one stream to `addr` for `kind`, for
+/// our pool of `num_pages` pages, as decode endpoint
 /// `endpoint`, for its connect number `connect` ([`handoff_proto::datalink::CONNECT_SEQ_LEN`]).
 /// Returns the socket and the prefill's fingerprint (its TP rank and size).
 #[allow(clippy::too_many_arguments)]
@@ -190,7 +184,6 @@ pub async fn connect_link(
     config: HandshakeConfig,
     timeout: Duration,
     kind: TransportKind,
-    pool: &ShmRegion,
     num_pages: usize,
 ) -> Result<(TcpStream, Fingerprint), TransportError> {
     let one = TcpStreamSetup {
@@ -199,7 +192,7 @@ pub async fn connect_link(
         count: 1,
     };
     connect_link_stream(
-        addr, endpoint, connect, config, timeout, kind, pool, num_pages, one,
+        addr, endpoint, connect, config, timeout, kind, num_pages, one,
     )
     .await
     .map(|l| (l.stream, l.fingerprint))
@@ -211,8 +204,61 @@ pub struct LinkStream {
     pub stream: TcpStream,
     /// The prefill's fingerprint (its TP rank and size).
     pub fingerprint: Fingerprint,
-    /// Over shm, the prefill process that maps decode's pool.
-    pub writer_pid: Option<u32>,
+    /// Over shm, the prefill's pool, mapped read-only, that this link
+    /// pulls from.
+    pub source: Option<Arc<SourcePool>>,
+}
+
+/// A prefill's pool as decode maps it (read-only) to pull KV out of it.
+#[derive(Debug)]
+pub struct SourcePool {
+    region: Arc<ShmRegion>,
+    /// End of its KV bytes (pulls never read past it).
+    kv_end: usize,
+    gens: PageGenerations,
+}
+
+impl SourcePool {
+    /// Map the pool prefill described in its shm setup reply: read-only,
+    /// and only if it is a handoff KV pool with its generations table
+    /// inside the region.
+    fn open(reply: &[u8; SHM_REPLY_LEN]) -> Result<Self, TransportError> {
+        let handle = ShmRegionHandle::from_bytes(&arr(&reply[..ShmRegionHandle::ENCODED_LEN]));
+        let pages = u64::from_le_bytes(arr(&reply[16..24]));
+        let gens_at = u64::from_le_bytes(arr(&reply[24..32]));
+        let bad = |why: String| TransportError::PeerMisbehaved(format!("shm link setup: {why}"));
+        let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
+        let name = std::fs::read_link(&path)
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !name.starts_with(&format!("/memfd:{}", handoff_kv::shm::POOL_MEMFD_NAME)) {
+            return Err(bad(format!("{path} is {name:?}, not a handoff KV pool")));
+        }
+        let (Ok(pages), Ok(gens_at)) = (usize::try_from(pages), usize::try_from(gens_at)) else {
+            return Err(bad(format!("{pages} pages, generations at {gens_at}")));
+        };
+        let region = Arc::new(
+            ShmRegion::open_read_only(&handle)
+                .map_err(|e| bad(format!("mapping the prefill pool: {e}")))?,
+        );
+        let gens = PageGenerations::new(region.clone(), gens_at, pages)
+            .map_err(|e| bad(format!("page generations: {e}")))?;
+        Ok(Self {
+            region,
+            kv_end: gens_at,
+            gens,
+        })
+    }
+}
+
+/// Prefill's shm setup reply after the status byte: its pool's handle,
+/// page count and generations offset.
+const SHM_REPLY_LEN: usize = ShmRegionHandle::ENCODED_LEN + 16;
+
+fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
 }
 
 /// [`connect_link`] for stream `stream.index` of a TCP link of
@@ -225,7 +271,6 @@ pub async fn connect_link_stream(
     config: HandshakeConfig,
     timeout: Duration,
     kind: TransportKind,
-    pool: &ShmRegion,
     num_pages: usize,
     stream: TcpStreamSetup,
 ) -> Result<LinkStream, TransportError> {
@@ -241,7 +286,7 @@ pub async fn connect_link_stream(
     match kind {
         TransportKind::Shm => {
             setup.push(SETUP_SHM);
-            setup.extend_from_slice(&pool.handle().to_bytes());
+            setup.extend_from_slice(&(num_pages as u64).to_le_bytes());
         }
         TransportKind::Tcp => {
             setup.push(SETUP_TCP);
@@ -265,18 +310,18 @@ pub async fn connect_link_stream(
             String::from_utf8_lossy(&msg)
         )));
     }
-    let writer_pid = match kind {
+    let source = match kind {
         TransportKind::Shm => {
-            let mut pid = [0u8; 4];
-            read_setup(&mut s, &mut pid, timeout, "data link setup reply").await?;
-            Some(u32::from_le_bytes(pid))
+            let mut reply = [0u8; SHM_REPLY_LEN];
+            read_setup(&mut s, &mut reply, timeout, "data link setup reply").await?;
+            Some(Arc::new(SourcePool::open(&reply)?))
         }
         TransportKind::Tcp => None,
     };
     Ok(LinkStream {
         stream: s,
         fingerprint: n.peer_fingerprint,
-        writer_pid,
+        source,
     })
 }
 
@@ -307,25 +352,30 @@ enum LinkWriter {
 /// `connect` returned can never reach the driver before its link.
 struct PendingWriter {
     src: Arc<ShmRegion>,
-    region: Option<ShmRegion>,
+    /// Over shm, our pool's page generations (their table's place goes to
+    /// decode with the pool's handle).
+    shm: Option<PageGenerations>,
+    gens_at: usize,
     w: tokio::net::tcp::OwnedWriteHalf,
 }
 
 impl PendingWriter {
     /// Send decode the setup success and build the transport.
     async fn confirm(mut self) -> Result<LinkWriter, TransportError> {
-        // Over shm, decode learns which process maps its pool: pages a
-        // failed room's writer may still reach stay fenced while it does.
+        // Over shm, decode learns which pool to map (read-only) and where
+        // its page generations are.
         let mut ok = vec![0u8];
-        if self.region.is_some() {
-            ok.extend_from_slice(&std::process::id().to_le_bytes());
+        if let Some(g) = &self.shm {
+            ok.extend_from_slice(&self.src.handle().to_bytes());
+            ok.extend_from_slice(&(g.pages() as u64).to_le_bytes());
+            ok.extend_from_slice(&(self.gens_at as u64).to_le_bytes());
         }
         self.w
             .write_all(&ok)
             .await
             .map_err(TransportError::io("data link setup reply"))?;
-        Ok(match self.region {
-            Some(dst) => LinkWriter::Shm(ShmTransport::new(self.src, dst, self.w)),
+        Ok(match self.shm {
+            Some(gens) => LinkWriter::Shm(ShmTransport::new(gens, self.w)),
             None => LinkWriter::Tcp(TcpTransport::new(self.src, self.w)),
         })
     }
@@ -355,37 +405,24 @@ pub async fn accept_link(
         index: 0,
         count: 1,
     };
-    let setup: Result<(TransportKind, usize, Option<ShmRegion>), SetupRefusal> =
+    let gens_at = KvPool::generations_offset(layout);
+    let setup: Result<(TransportKind, usize, Option<PageGenerations>), SetupRefusal> =
         match (&plan, kind[0]) {
             (Err(e), _) => Err(e.clone().into()),
-            (Ok(plan), SETUP_SHM) => {
-                // The decode peer's blocks hold its own share of the heads.
-                let per_page = plan.decode_page_bytes(layout);
-                let mut h = [0u8; ShmRegionHandle::ENCODED_LEN];
-                read_setup(&mut s, &mut h, timeout, "shm link setup").await?;
-                let handle = ShmRegionHandle::from_bytes(&h);
-                if handle.len == 0 || handle.len % per_page as u64 != 0 {
-                    Err(SetupRefusal::RegionNotPages {
-                        len: handle.len,
-                        page_bytes: per_page,
-                    })
+            (Ok(_), SETUP_SHM) => {
+                let mut b = [0u8; 8];
+                read_setup(&mut s, &mut b, timeout, "shm link setup").await?;
+                let pages = u64::from_le_bytes(b);
+                if pages == 0 || pages > u64::from(u32::MAX) {
+                    Err(SetupRefusal::Pages(pages))
                 } else {
-                    // Only a handoff KV pool may be the target of our writes: a
-                    // peer must not point us at another file of this user's.
-                    let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
-                    let name = std::fs::read_link(&path)
-                        .map(|p| p.to_string_lossy().into_owned())
-                        .unwrap_or_default();
-                    let pool_link = format!("/memfd:{}", handoff_kv::shm::POOL_MEMFD_NAME);
-                    if !name.starts_with(&pool_link) {
-                        Err(SetupRefusal::NotAPool { path, name })
-                    } else {
-                        ShmRegion::open(&handle)
-                            .map(|r| (TransportKind::Shm, r.len() / per_page, Some(r)))
-                            .map_err(SetupRefusal::from)
-                    }
+                    // Decode maps our pool read-only and pulls from it.
+                    PageGenerations::new(src.clone(), gens_at, layout.num_pages)
+                        .map(|g| (TransportKind::Shm, pages as usize, Some(g)))
+                        .map_err(SetupRefusal::from)
                 }
             }
+            (Ok(_), SETUP_SHM_PUSH) => Err(SetupRefusal::ShmPush),
             (Ok(_), SETUP_TCP) => {
                 let mut b = [0u8; 8];
                 read_setup(&mut s, &mut b, timeout, "tcp link setup").await?;
@@ -409,7 +446,7 @@ pub async fn accept_link(
     if let Err(why) = &setup {
         refuse_setup(&mut s, &why.to_string()).await;
     }
-    let (kind, dest_pages, region) = setup?;
+    let (kind, dest_pages, shm) = setup?;
     let plan = plan.map_err(SetupRefusal::from)?;
     let (r, w) = s.into_split();
     Ok(AcceptedLink {
@@ -418,7 +455,12 @@ pub async fn accept_link(
         kind,
         stream,
         plan,
-        writer: PendingWriter { src, region, w },
+        writer: PendingWriter {
+            src,
+            shm,
+            gens_at,
+            w,
+        },
         acks: r,
     })
 }
@@ -684,9 +726,19 @@ fn read_once_vectored(
     bufs: &mut [std::io::IoSliceMut<'_>],
 ) -> std::io::Result<usize> {
     let want: usize = bufs.iter().map(|b| b.len()).sum();
+    read_once_with(stream, want, || read_past_readiness(stream, bufs))
+}
+
+/// [`read_once`]'s readiness rule around any one read of up to `want`
+/// bytes from `stream`.
+fn read_once_with(
+    stream: &TcpStream,
+    want: usize,
+    mut read: impl FnMut() -> std::io::Result<usize>,
+) -> std::io::Result<usize> {
     let mut short = None;
     let r = stream.try_io(tokio::io::Interest::READABLE, || {
-        let n = read_past_readiness(stream, bufs)?;
+        let n = read()?;
         if n > 0 && n < want {
             short = Some(n);
             return Err(std::io::ErrorKind::WouldBlock.into());
@@ -722,13 +774,11 @@ pub enum ReaderCmd {
         /// Keeps the pages from the free list while this link may write.
         guard: WriterGuard,
     },
-    /// Stop accepting writes for `room` and drop its guard (over shm, keep
-    /// it while `may_write`: see [`LinkReader`]'s fenced rooms).
+    /// Stop writing `room` and drop its guard: the reader is the only
+    /// writer of its pages, so nothing lands for it after this command.
     Forget {
         /// The room.
         room: RoomId,
-        /// The writer never confirmed it stopped.
-        may_write: bool,
     },
 }
 
@@ -755,8 +805,9 @@ struct Slot {
     pages: Vec<u32>,
     aux_slot: u32,
     rejected: bool,
-    /// Keeps the room's pages from the free list.
-    guard: WriterGuard,
+    /// Keeps the room's pages from the free list while this reader may
+    /// write them (held for its drop).
+    _guard: WriterGuard,
 }
 
 enum ReadState {
@@ -766,6 +817,13 @@ enum ReadState {
         dst: std::ops::Range<usize>,
         filled: usize,
         keep: bool,
+    },
+    /// Over shm: a segment header was read, its [`PullRef`] comes next.
+    Pull {
+        room: RoomId,
+        /// Where the bytes go, `None` when the segment was refused (or its
+        /// room forgotten since).
+        dst: Option<std::ops::Range<usize>>,
     },
 }
 
@@ -790,14 +848,9 @@ pub struct LinkReader {
     acks: Vec<u8>,
     /// Events for the driver, sent before the acks gathered with them.
     events: Vec<ReaderEvent>,
-    /// Over shm, the prefill process that maps our pool.
-    writer_pid: Option<u32>,
-    /// Over shm, the guards of forgotten rooms whose `End` has not come:
-    /// the prefill writes into our memory itself, and a writer frozen in the
-    /// middle of a copy could finish it at any time, so their pages stay out
-    /// of the free list until the `End` (the writer stopped) or until the
-    /// prefill process no longer maps the pool.
-    fenced: HashMap<RoomId, WriterGuard>,
+    /// Over shm, the prefill's pool (mapped read-only) this link pulls
+    /// from.
+    source: Option<Arc<SourcePool>>,
 }
 
 /// Most bytes a reader moves before it looks at its commands again.
@@ -832,15 +885,14 @@ impl LinkReader {
             last_payload: 0,
             acks: Vec::new(),
             events: Vec::new(),
-            writer_pid: None,
-            fenced: HashMap::new(),
+            source: None,
         }
     }
 
-    /// Over shm: the prefill process writing into the pool (from the link
-    /// setup), whose mapping keeps a failed room's pages fenced.
-    pub fn with_writer_pid(mut self, pid: Option<u32>) -> Self {
-        self.writer_pid = pid;
+    /// Over shm: the prefill's pool this link pulls from (from the link
+    /// setup). Without it an shm link refuses every segment.
+    pub fn with_source(mut self, source: Option<Arc<SourcePool>>) -> Self {
+        self.source = source;
         self
     }
 
@@ -871,48 +923,6 @@ impl LinkReader {
         if let Some(reason) = reason {
             send(ReaderEvent::Closed { reason });
         }
-        self.quarantine();
-    }
-
-    /// Whether the writer copies into our pool from another process (shm
-    /// from a prefill process other than this one). An in-process writer
-    /// (tests) is stopped by the fence as before.
-    fn remote_writer(&self) -> bool {
-        self.kind == TransportKind::Shm
-            && self.writer_pid.is_some_and(|pid| pid != std::process::id())
-    }
-
-    /// The link is gone. Over shm, the rooms that may still be written
-    /// (registered or fenced, no `End`) keep their pages until the prefill
-    /// process no longer maps the pool: it may be frozen in a copy.
-    fn quarantine(&mut self) {
-        if !self.remote_writer() {
-            return;
-        }
-        let mut guards: Vec<WriterGuard> = self.fenced.drain().map(|(_, g)| g).collect();
-        guards.extend(self.rooms.drain().map(|(_, s)| s.guard));
-        let (Some(pid), false) = (self.writer_pid, guards.is_empty()) else {
-            return;
-        };
-        let Some(inode) = region_inode(&self.pool) else {
-            return;
-        };
-        tracing::warn!(
-            pid,
-            rooms = guards.len(),
-            "shm link closed with rooms a writer may still reach: their pages stay fenced until prefill process {pid} unmaps the pool"
-        );
-        tokio::spawn(async move {
-            while maps_region(pid, inode) {
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            tracing::info!(
-                pid,
-                rooms = guards.len(),
-                "prefill process unmapped the pool: fenced pages released"
-            );
-            drop(guards);
-        });
     }
 
     fn command(&mut self, c: ReaderCmd) {
@@ -929,26 +939,19 @@ impl LinkReader {
                         pages,
                         aux_slot,
                         rejected: false,
-                        guard,
+                        _guard: guard,
                     },
                 );
             }
-            ReaderCmd::Forget { room, may_write } => {
-                // A payload in progress for this room is discarded from here
-                // on: no byte lands after the guard is gone.
-                if let ReadState::Payload { room: r, keep, .. } = &mut self.state {
-                    if *r == room {
-                        *keep = false;
-                    }
+            ReaderCmd::Forget { room } => {
+                // A payload or pull in progress for this room is discarded
+                // from here on: no byte lands after the guard is gone.
+                match &mut self.state {
+                    ReadState::Payload { room: r, keep, .. } if *r == room => *keep = false,
+                    ReadState::Pull { room: r, dst } if *r == room => *dst = None,
+                    _ => {}
                 }
-                if let Some(slot) = self.rooms.remove(&room) {
-                    if may_write && self.remote_writer() {
-                        // The prefill copies into our pages itself: only its
-                        // `End` (or its process letting go of the pool)
-                        // says it stopped.
-                        self.fenced.insert(room, slot.guard);
-                    }
-                }
+                self.rooms.remove(&room);
             }
         }
     }
@@ -962,8 +965,7 @@ impl LinkReader {
         h: &handoff_proto::datalink::SegmentHeader,
     ) -> Option<std::ops::Range<usize>> {
         let num_pages = self.layout.num_pages;
-        let ok = self.kind == TransportKind::Tcp
-            && (h.layer as usize) < self.layout.geometry.layers
+        let ok = (h.layer as usize) < self.layout.geometry.layers
             && (h.dst_page as usize)
                 .checked_add(h.n_pages as usize)
                 .is_some_and(|end| end <= num_pages)
@@ -1043,12 +1045,13 @@ impl LinkReader {
                 self.len = 0;
                 let stream = &self.stream;
                 let head = &mut self.buf[..RECORD_LEN];
-                self.pool.with_mut(want, |b| {
-                    read_once_vectored(
-                        stream,
-                        &mut [std::io::IoSliceMut::new(b), std::io::IoSliceMut::new(head)],
-                    )
-                })?
+                let pool = &self.pool;
+                // The payload's bytes go from the socket into our pages in
+                // the kernel: no reference to shared memory is made.
+                read_once_with(stream, want.len() + RECORD_LEN, || {
+                    pool.readv_into(want.clone(), head, std::os::fd::AsFd::as_fd(stream))
+                        .map_err(std::io::Error::other)?
+                })
             } else {
                 if self.pos == self.len {
                     self.pos = 0;
@@ -1143,6 +1146,20 @@ impl LinkReader {
                     let rec = Record::decode(&h)?;
                     self.record(rec)?;
                 }
+                ReadState::Pull { room, dst } => {
+                    if self.len - self.pos < PullRef::LEN {
+                        return Ok(());
+                    }
+                    let (room, dst) = (*room, dst.clone());
+                    let mut b = [0u8; PullRef::LEN];
+                    b.copy_from_slice(&self.buf[self.pos..self.pos + PullRef::LEN]);
+                    self.pos += PullRef::LEN;
+                    self.state = ReadState::Header;
+                    let pull = PullRef::decode(&b)?;
+                    if let Some(dst) = dst {
+                        self.pull(room, dst, pull)?;
+                    }
+                }
                 ReadState::Payload {
                     dst, filled, keep, ..
                 } => {
@@ -1170,8 +1187,18 @@ impl LinkReader {
                         n_pages: h.n_pages,
                         heads: h.heads,
                     })?;
+                let place = self.place(&h);
+                if self.kind == TransportKind::Shm {
+                    // The bytes stay in prefill's pool until we pull them.
+                    self.last_payload = PullRef::LEN;
+                    self.state = ReadState::Pull {
+                        room: h.room,
+                        dst: place,
+                    };
+                    return Ok(());
+                }
                 self.last_payload = len;
-                let (dst, keep) = match self.place(&h) {
+                let (dst, keep) = match place {
                     Some(r) => (r, true),
                     None => (0..len, false),
                 };
@@ -1210,8 +1237,6 @@ impl LinkReader {
                 // reports the room's success, no link holds its pages (the
                 // decode engine may hand them to its prefix cache).
                 let ok = self.rooms.remove(&room).is_some_and(|s| !s.rejected);
-                // A forgotten room's writer has stopped now too.
-                self.fenced.remove(&room);
                 self.acks.extend_from_slice(&Ack { room, ok }.encode());
             }
         }
@@ -1219,24 +1244,43 @@ impl LinkReader {
     }
 }
 
-/// The inode of `region`'s memfd (how another process's mapping of it is
-/// recognised in `/proc/<pid>/maps`).
-fn region_inode(region: &ShmRegion) -> Option<u64> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::MetadataExt;
-    let path = format!("/proc/self/fd/{}", region.fd().as_raw_fd());
-    std::fs::metadata(path).ok().map(|m| m.ino())
-}
-
-/// Whether process `pid` maps the file with inode `inode` (false once the
-/// process is gone).
-fn maps_region(pid: u32, inode: u64) -> bool {
-    let Ok(maps) = std::fs::read_to_string(format!("/proc/{pid}/maps")) else {
-        return false;
-    };
-    let want = inode.to_string();
-    maps.lines()
-        .any(|l| l.split_whitespace().nth(4) == Some(want.as_str()) && l.contains("memfd:"))
+impl LinkReader {
+    /// Over shm: copy a checked segment out of the prefill's pool into
+    /// `dst` (our room's pages), then keep it only if no source page was
+    /// handed out again since the segment was built; a source range outside
+    /// the prefill's KV bytes or a page changed under the copy rejects the
+    /// room (its end is then acknowledged as failed).
+    fn pull(
+        &mut self,
+        room: RoomId,
+        dst: std::ops::Range<usize>,
+        r: PullRef,
+    ) -> Result<(), LinkReadError> {
+        let good = self.source.as_ref().is_some_and(|src| {
+            let len = dst.len();
+            let in_kv = usize::try_from(r.src_offset)
+                .ok()
+                .and_then(|o| o.checked_add(len).map(|end| (o, end)))
+                .filter(|(_, end)| *end <= src.kv_end);
+            in_kv.is_some_and(|(o, _)| {
+                self.pool.copy_from(dst.start, &src.region, o, len).is_ok()
+                    && src.gens.unchanged_since(r.pages(), r.epoch) == Some(true)
+            })
+        });
+        if good {
+            self.counters
+                .bytes_landed
+                .fetch_add(dst.len() as u64, Ordering::Relaxed);
+        } else {
+            self.counters
+                .rejected_segments
+                .fetch_add(1, Ordering::Relaxed);
+            if let Some(slot) = self.rooms.get_mut(&room) {
+                slot.rejected = true;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -1304,6 +1348,7 @@ mod tests {
                 heads: None,
             },
             src: 0..8,
+            src_pages: 0..1,
             dst: 0..8,
         }]
     }
@@ -1519,6 +1564,166 @@ mod tests {
         }
     }
 
+    /// Over shm, decode pulls: a segment lands only into its room's own
+    /// pages, only from inside the prefill's KV bytes, and only if no
+    /// source page was handed out again after the epoch the record names
+    /// (checked after the copy). Anything else is discarded and fails the
+    /// room's ack; a room forgotten between a record and its pull gets
+    /// nothing. Each case fails if its check is removed.
+    #[tokio::test]
+    async fn shm_pulls_land_only_checked_unchanged_pages_of_their_room() {
+        let g = handoff_kv::KvGeometry {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 4,
+            page_size: 2,
+            dtype: handoff_kv::KvDtype::F32,
+        };
+        let (decode_pool, _dh) = handoff_kv::KvPool::new_shared(g, 8).unwrap();
+        let (prefill_pool, ph) = handoff_kv::KvPool::new_shared(g, 8).unwrap();
+        let layout = *decode_pool.layout();
+        let span = page_span(&layout);
+        let mut reply = [0u8; SHM_REPLY_LEN];
+        reply[..16].copy_from_slice(&ph.to_bytes());
+        reply[16..24].copy_from_slice(&8u64.to_le_bytes());
+        let gens_at = handoff_kv::KvPool::generations_offset(prefill_pool.layout());
+        reply[24..].copy_from_slice(&(gens_at as u64).to_le_bytes());
+        let source = Arc::new(SourcePool::open(&reply).unwrap());
+        assert!(
+            !source.region.is_writable(),
+            "decode maps prefill read-only"
+        );
+        let (mut prefill, decode) = tcp_pair().await;
+        let plan = LinkPlan {
+            pair: handoff_proto::rank::PairPlan::Whole,
+            decode_heads: 1,
+        };
+        let counters: Arc<LinkCounters> = Default::default();
+        let reader = LinkReader::new(
+            decode,
+            TransportKind::Shm,
+            decode_pool.shared_region().unwrap().clone(),
+            layout,
+            plan,
+            counters.clone(),
+        )
+        .with_source(Some(source));
+        // Prefill's computed pages hold a known pattern.
+        let src_lease = prefill_pool.allocator().lease(2).unwrap();
+        let src = prefill_pool.shared_region().unwrap();
+        for (i, p) in src_lease.pages().iter().enumerate() {
+            let at = span_offset(&layout, 8, 0, p.0 as usize);
+            src.write_at(at, &vec![0x50 + i as u8; span]).unwrap();
+        }
+        let epoch = prefill_pool.generations().unwrap().epoch();
+        let dst_lease = decode_pool.allocator().lease(5).unwrap();
+        let d: Vec<u32> = dst_lease.pages().iter().map(|p| p.0).collect();
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let rooms: Vec<RoomId> = (31..=35).map(room).collect();
+        for (r, page) in rooms.iter().zip(&d) {
+            cmd_tx
+                .send(ReaderCmd::Register {
+                    room: *r,
+                    pages: vec![*page],
+                    aux_slot: 0,
+                    guard: dst_lease.writer_guard(),
+                })
+                .unwrap();
+        }
+        let task = tokio::spawn(reader.run(cmd_rx, |_| true));
+        let s0 = src_lease.pages()[0].0;
+        let pull = |r: RoomId, dst_page: u32, src_page: u32, offset: usize, epoch: u64| {
+            let mut b = Record::Segment(SegmentHeader {
+                room: r,
+                layer: 0,
+                dst_page,
+                n_pages: 1,
+                heads: None,
+            })
+            .encode()
+            .to_vec();
+            b.extend(
+                PullRef {
+                    src_offset: offset as u64,
+                    src_page,
+                    src_pages: 1,
+                    epoch,
+                }
+                .encode(),
+            );
+            b
+        };
+        let at0 = span_offset(&layout, 8, 0, s0 as usize);
+        let mut wire = Vec::new();
+        // 31: a good pull.
+        wire.extend(pull(rooms[0], d[0], s0, at0, epoch));
+        // 32: into a page that is room 31's, not its own.
+        wire.extend(pull(rooms[1], d[0], s0, at0, epoch));
+        // 33: from past the prefill's KV bytes (its generations table).
+        wire.extend(pull(rooms[2], d[2], s0, gens_at, epoch));
+        // 34: its source page was handed out again after the epoch.
+        let again = prefill_pool.allocator().lease(1).unwrap();
+        wire.extend(pull(
+            rooms[3],
+            d[3],
+            again.pages()[0].0,
+            span_offset(&layout, 8, 0, again.pages()[0].0 as usize),
+            epoch,
+        ));
+        for r in &rooms[..4] {
+            wire.extend(
+                Record::End {
+                    room: *r,
+                    cancelled: false,
+                }
+                .encode(),
+            );
+        }
+        prefill.write_all(&wire).await.unwrap();
+        let mut acks = [0u8; 4 * ACK_LEN];
+        tokio::time::timeout(Duration::from_secs(5), prefill.read_exact(&mut acks))
+            .await
+            .expect("no acks")
+            .unwrap();
+        let oks: Vec<bool> = acks
+            .chunks(ACK_LEN)
+            .map(|a| Ack::decode(a.try_into().unwrap()).unwrap().ok)
+            .collect();
+        assert_eq!(oks, [true, false, false, false]);
+        let dregion = decode_pool.shared_region().unwrap();
+        let page = |p: u32| {
+            let mut got = vec![0u8; span];
+            dregion
+                .read_at(span_offset(&layout, 8, 0, p as usize), &mut got)
+                .unwrap();
+            got
+        };
+        assert_eq!(page(d[0]), vec![0x50; span], "the good pull landed");
+        assert_eq!(page(d[2]), vec![0; span], "nothing from past the KV bytes");
+        assert_eq!(counters.rejected_segments.load(Ordering::Relaxed), 3);
+        // 35: forgotten between its record and its pull reference.
+        let rec = pull(rooms[4], d[4], s0, at0, epoch);
+        prefill.write_all(&rec[..RECORD_LEN]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        cmd_tx.send(ReaderCmd::Forget { room: rooms[4] }).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        prefill.write_all(&rec[RECORD_LEN..]).await.unwrap();
+        let end = Record::End {
+            room: rooms[4],
+            cancelled: false,
+        };
+        prefill.write_all(&end.encode()).await.unwrap();
+        let mut ack = [0u8; ACK_LEN];
+        tokio::time::timeout(Duration::from_secs(5), prefill.read_exact(&mut ack))
+            .await
+            .expect("no ack")
+            .unwrap();
+        assert!(!Ack::decode(&ack).unwrap().ok);
+        assert_eq!(page(d[4]), vec![0; span], "a forgotten room got bytes");
+        drop(cmd_tx);
+        task.await.unwrap();
+    }
+
     /// A segments job of one page for `room`.
     /// Large payloads (read straight into the pool, each one's tail
     /// together with the next record's header) land byte-exact however the
@@ -1666,12 +1871,7 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
         // Forgotten mid-payload: the rest, and a later segment, are discarded.
-        cmd_tx
-            .send(ReaderCmd::Forget {
-                room: gone,
-                may_write: true,
-            })
-            .unwrap();
+        cmd_tx.send(ReaderCmd::Forget { room: gone }).unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
         prefill
             .write_all(&vec![0x22; span - span / 2])

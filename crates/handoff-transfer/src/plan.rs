@@ -153,6 +153,7 @@ pub fn build_sliced_segments(
                             }),
                         },
                         src: src_layout.head_range(layer, s, part, slice.src_head_offset, n)?,
+                        src_pages: s.0..s.0 + 1,
                         dst: dst_layout.head_range(layer, d, part, slice.dst_head_offset, n)?,
                     });
                 }

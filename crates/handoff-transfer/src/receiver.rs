@@ -35,7 +35,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::error::TransportError;
-use crate::link::{connect_link_stream, LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
+use crate::link::{
+    connect_link_stream, LinkCounters, LinkReader, ReaderCmd, ReaderEvent, SourcePool,
+};
 use crate::plan::LinkPlan;
 use crate::room_handle::ReceiverRoom;
 use crate::transport::TransportKind;
@@ -129,7 +131,6 @@ enum Ev {
 pub struct KvReceiver {
     tx: mpsc::UnboundedSender<Ev>,
     config: ReceiverConfig,
-    pool: Arc<ShmRegion>,
     layout: KvLayout,
     tasks: TaskCounter,
     conn_ids: Arc<std::sync::atomic::AtomicU64>,
@@ -163,7 +164,7 @@ impl KvReceiver {
             control_waiters: HashMap::new(),
             counters,
             tasks: tasks.clone(),
-            pool: pool.clone(),
+            pool,
             layout,
             next_link: 0,
             self_tx: tx.downgrade(),
@@ -172,7 +173,6 @@ impl KvReceiver {
         KvReceiver {
             tx,
             config,
-            pool,
             layout,
             tasks,
             conn_ids: Arc::new(std::sync::atomic::AtomicU64::new(0)),
@@ -265,7 +265,7 @@ impl KvReceiver {
         let pending: Vec<_> = (0..count)
             .map(|index| {
                 let (endpoint, config) = (self.endpoint, self.config.handshake.clone());
-                let (timeout, pool) = (self.config.handshake_timeout, self.pool.clone());
+                let timeout = self.config.handshake_timeout;
                 let num_pages = self.layout.num_pages;
                 let setup = TcpStreamSetup {
                     nonce,
@@ -274,7 +274,7 @@ impl KvReceiver {
                 };
                 self.tasks.spawn(async move {
                     connect_link_stream(
-                        addr, endpoint, id, config, timeout, transport, &pool, num_pages, setup,
+                        addr, endpoint, id, config, timeout, transport, num_pages, setup,
                     )
                     .await
                 })
@@ -284,13 +284,13 @@ impl KvReceiver {
         let mut pending = AbortOnDrop(pending);
         let mut sockets = Vec::with_capacity(pending.0.len());
         let mut prefill = None;
-        let mut writer_pid = None;
+        let mut source = None;
         let mut failed = None;
         for p in &mut pending.0 {
             match p.await {
                 Ok(Ok(l)) => {
                     sockets.push(l.stream);
-                    writer_pid = writer_pid.or(l.writer_pid);
+                    source = source.or(l.source);
                     prefill = Some(l.fingerprint);
                 }
                 Ok(Err(e)) => failed = failed.or(Some(e)),
@@ -313,7 +313,7 @@ impl KvReceiver {
                 sockets,
                 plan,
                 tp: TpPosition::of(&prefill),
-                writer_pid,
+                source,
             })
             .map_err(TransportError::Config),
         };
@@ -476,8 +476,8 @@ struct NewLink {
     sockets: Vec<TcpStream>,
     plan: LinkPlan,
     tp: TpPosition,
-    /// Over shm, the prefill process that maps our pool.
-    writer_pid: Option<u32>,
+    /// Over shm, the prefill's pool this link pulls from.
+    source: Option<Arc<SourcePool>>,
 }
 
 /// The I/O handles of one data link to a prefill peer: one reader per
@@ -603,7 +603,7 @@ impl Driver {
                 link.plan.clone(),
                 self.counters.clone(),
             )
-            .with_writer_pid(link.writer_pid);
+            .with_source(link.source.clone());
             let weak = self.self_tx.clone();
             self.tasks.spawn(reader.run(rx, move |e| {
                 weak.upgrade()
@@ -726,13 +726,12 @@ impl Driver {
                         guard: lease.writer_guard(),
                     });
                 }
-                ReceiverEvent::ForgetWrites {
-                    peer,
-                    room,
-                    may_write,
-                } => {
+                ReceiverEvent::ForgetWrites { peer, room, .. } => {
+                    // The link reader is the only writer of the room's
+                    // pages on every transport: once it has this command
+                    // nothing lands, however long the prefill stalls.
                     if let Some(l) = self.links.get(&peer) {
-                        let _ = l.tx(room).send(ReaderCmd::Forget { room, may_write });
+                        let _ = l.tx(room).send(ReaderCmd::Forget { room });
                     }
                 }
                 ReceiverEvent::ClosePeer { peer } => {

@@ -839,6 +839,7 @@ pub(crate) fn build_segments(
                     heads: None,
                 },
                 src: s..s + n * span,
+                src_pages: s0 as u32..(s0 + n) as u32,
                 dst: d..d + n * span,
             });
             i += n;

@@ -1,8 +1,10 @@
 //! The `Transport` trait and its two implementations (DESIGN.md §5), seen
 //! from the writing (prefill) side of one data link:
 //!
-//! * [`ShmTransport`] — the decode pool is mapped here; segments are copied
-//!   straight into decode's pages (one-sided, like an RDMA write).
+//! * [`ShmTransport`] — decode maps our pool read-only; each segment goes
+//!   out as its record header and a [`PullRef`] (where its bytes are in our
+//!   pool), and decode's link reader copies them into its own pages (a
+//!   one-sided read, like an RDMA read). No process writes another's memory.
 //! * [`TcpTransport`] — segments are streamed as a record header followed by
 //!   the payload, several coalesced segments per vectored write; decode's
 //!   link reader places them into its pool.
@@ -17,12 +19,12 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use handoff_kv::ShmRegion;
+use handoff_kv::{PageGenerations, ShmRegion};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 
 use crate::error::TransportError;
-use handoff_proto::datalink::{Record, SegmentHeader, RECORD_LEN};
+use handoff_proto::datalink::{PullRef, Record, SegmentHeader, RECORD_LEN};
 
 /// Which transport a data link uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -55,6 +57,9 @@ pub struct Segment {
     pub header: SegmentHeader,
     /// Source byte range.
     pub src: Range<usize>,
+    /// Source pages the range lies in (what a pull checks the generations
+    /// of).
+    pub src_pages: Range<u32>,
     /// Destination byte range.
     pub dst: Range<usize>,
 }
@@ -87,23 +92,37 @@ fn encode_records(recs: &[Record]) -> Vec<u8> {
     recs.iter().flat_map(|r| r.encode()).collect()
 }
 
-/// Bytes copied between cancellation checks / yields.
-const SHM_CHUNK: usize = 8 << 20;
+/// Segments announced per write (a cancellation check between writes).
+const SHM_BATCH_SEGS: usize = 1024;
 
-/// Shared-memory transport: copies into the mapped decode pool.
+/// Shared-memory transport: tells decode where each segment's bytes are in
+/// our pool; decode pulls them.
 #[derive(Debug)]
 pub struct ShmTransport {
-    src: Arc<ShmRegion>,
-    dst: ShmRegion,
+    gens: PageGenerations,
     link: OwnedWriteHalf,
 }
 
 impl ShmTransport {
-    /// A transport copying from `src` into the mapped decode pool `dst`,
-    /// with `link` carrying records.
-    pub fn new(src: Arc<ShmRegion>, dst: ShmRegion, link: OwnedWriteHalf) -> Self {
-        Self { src, dst, link }
+    /// A transport announcing pulls from the pool whose page generations
+    /// are `gens`, with `link` carrying records.
+    pub fn new(gens: PageGenerations, link: OwnedWriteHalf) -> Self {
+        Self { gens, link }
     }
+}
+
+/// `seg`'s record and pull reference, as the shm link carries them.
+fn pull_record(seg: &Segment, epoch: u64) -> impl Iterator<Item = u8> {
+    let pull = PullRef {
+        src_offset: seg.src.start as u64,
+        src_page: seg.src_pages.start,
+        src_pages: seg.src_pages.len() as u32,
+        epoch,
+    };
+    Record::Segment(seg.header)
+        .encode()
+        .into_iter()
+        .chain(pull.encode())
 }
 
 impl Transport for ShmTransport {
@@ -117,28 +136,30 @@ impl Transport for ShmTransport {
         trailer: &'a [Record],
         cancel: &'a AtomicBool,
     ) -> Result<bool, TransportError> {
-        let mut since_yield = 0usize;
-        for s in segs {
-            let mut off = 0usize;
-            while off < s.src.len() {
-                if cancel.load(Ordering::Acquire) {
-                    return Ok(false);
-                }
-                let n = (s.src.len() - off).min(SHM_CHUNK);
-                self.dst
-                    .copy_from(s.dst.start + off, &self.src, s.src.start + off, n)?;
-                off += n;
-                since_yield += n;
-                if since_yield >= SHM_CHUNK {
-                    since_yield = 0;
-                    tokio::task::yield_now().await;
-                }
+        // Every source page was stamped when it was leased, before it was
+        // computed: none is past the epoch read now, and one handed out
+        // again later (it should not be, while the room lives) is.
+        let epoch = self.gens.epoch();
+        let mut chunks = segs.chunks(SHM_BATCH_SEGS).peekable();
+        while let Some(chunk) = chunks.next() {
+            if cancel.load(Ordering::Acquire) {
+                return Ok(false);
             }
+            let mut out: Vec<u8> = chunk.iter().flat_map(|s| pull_record(s, epoch)).collect();
+            if chunks.peek().is_none() {
+                out.extend(encode_records(trailer));
+            }
+            self.link
+                .write_all(&out)
+                .await
+                .map_err(TransportError::io("shm link record"))?;
         }
-        if cancel.load(Ordering::Acquire) {
-            return Ok(false);
+        if segs.is_empty() {
+            if cancel.load(Ordering::Acquire) {
+                return Ok(false);
+            }
+            self.write_records(trailer).await?;
         }
-        self.write_records(trailer).await?;
         Ok(true)
     }
 

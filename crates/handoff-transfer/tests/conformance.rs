@@ -88,7 +88,7 @@ struct Pair {
 /// Fill the prefill pool with a pattern unique per byte position.
 fn fill(pool: &KvPool) {
     let region = pool.shared_region().unwrap();
-    let bytes: Vec<u8> = (0..region.len())
+    let bytes: Vec<u8> = (0..pool.layout().pool_bytes())
         .map(|i| (i * 7 + i / 251) as u8 | 1)
         .collect();
     region.write_at(0, &bytes).unwrap();
@@ -1037,8 +1037,6 @@ async fn bad_secret_is_refused(kind: TransportKind) {
 async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: TransportKind) {
     let p = pair(kind).await;
     // A decode that lies: its destination names a page outside its pool.
-    let (liar_pool, _) = testing::pool();
-    let liar_region = liar_pool.shared_region().unwrap().clone();
     let mut raw = RawDecode::connect(p.tx.local_addr(), decode_handshake())
         .await
         .unwrap();
@@ -1049,7 +1047,6 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
         decode_handshake(),
         Duration::from_secs(2),
         kind,
-        &liar_region,
         testing::TEST_PAGES,
     )
     .await
@@ -1084,9 +1081,6 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
         Some(Message::Status(s)) => assert_eq!(s.room, r),
         other => panic!("decode not told: {other:?}"),
     }
-    let mut all = vec![0u8; liar_region.len()];
-    liar_region.read_at(0, &mut all).unwrap();
-    assert!(all.iter().all(|b| *b == 0), "nothing written");
     drop(raw);
     drop(_link);
     teardown(p).await;
@@ -1298,41 +1292,23 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
         receiver_outcome(&rx, r, Duration::from_secs(1)).await,
         ReceiverPoll::Failed(_)
     ));
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let s = d_pool.allocator().stats();
-    assert_eq!(
-        s.leased,
-        4,
-        "pages stay fenced while the writer may write {:?}",
-        rx.stats().await.unwrap()
-    );
-    assert_eq!(
-        d_pool.allocator().lease(61).unwrap_err().to_string(),
-        "need 61 free KV pages, only 60 are free"
-    );
+    // Decode's link reader is the only writer of its pages on both
+    // transports (over shm it pulls from the prefill's pool), and it stopped
+    // writing the room when the room failed: the fence releases the pages
+    // while the prefill is still frozen, and a new owner takes every page.
     let fence = testing::timers().abort_ack_fence;
-    if kind == TransportKind::Tcp {
-        // Over tcp decode places every byte itself: once it forgot the room
-        // nothing of the writer's lands, so the fence releases the pages.
-        eventually(
-            "fence releases the pages",
-            Duration::from_secs(2),
-            || async { d_pool.allocator().stats().leased == 0 },
-        )
-        .await;
-        assert!(t0.elapsed() >= fence);
-    } else {
-        // Over shm the writer copies into our memory itself, and it may be
-        // frozen in the middle of a copy: the pages stay fenced, past the
-        // fence, for as long as its process maps the pool.
-        tokio::time::sleep(fence + Duration::from_millis(500)).await;
-        assert_eq!(
-            d_pool.allocator().stats().leased,
-            4,
-            "shm pages released under a frozen writer"
-        );
-    }
-    // The writer resumes, and keeps trying until it is refused.
+    eventually(
+        "fence releases the pages while the prefill is frozen",
+        fence + Duration::from_secs(2),
+        || async { d_pool.allocator().stats().leased == 0 },
+    )
+    .await;
+    assert!(t0.elapsed() >= fence);
+    let reused = d_pool.allocator().lease(testing::TEST_PAGES).unwrap();
+    let kv_bytes = d_pool.layout().pool_bytes();
+    region.write_at(0, &vec![0x5A; kv_bytes]).unwrap();
+    // The writer resumes mid-stream and keeps sending the room's segments
+    // until it is refused: none of it may reach the new owner's pages.
     assert!(Command::new("kill")
         .args(["-CONT", &pid])
         .status()
@@ -1343,21 +1319,8 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
         stopped.starts_with("STOPPED") && stopped.contains("resumed=true"),
         "the writer was not seen resuming: {stopped}"
     );
-    // Over shm the pages come back once the resumed prefill has let go of
-    // the pool: decode declared it dead while it was frozen and closed its
-    // link, and a prefill drops a link's mapping with the link.
-    eventually(
-        "pages back once the resumed writer let go of the pool",
-        Duration::from_secs(3),
-        || async { d_pool.allocator().stats().leased == 0 },
-    )
-    .await;
-    // The pages are reused: a new owner takes every page and marks it; the
-    // resumed writer, still running, must not reach them.
-    let reused = d_pool.allocator().lease(testing::TEST_PAGES).unwrap();
-    region.write_at(0, &vec![0x5A; region.len()]).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut now = vec![0u8; region.len()];
+    let mut now = vec![0u8; kv_bytes];
     region.read_at(0, &mut now).unwrap();
     let landed = now.iter().filter(|&&b| b != 0x5A).count();
     assert_eq!(
@@ -1381,6 +1344,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     let r = room(800);
     let RawRoom {
         d_pool,
+        src,
         rx,
         mut control,
         mut data,
@@ -1399,12 +1363,11 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
             n_pages: 1,
             heads: None,
         });
-        data.write_all(&h.encode()).await.unwrap();
-        data.write_all(&vec![0xAB; span]).await.unwrap();
+        send_segment(kind, &mut data, &src, h, 0xAB, span).await;
     }
     end_room_expecting_a_refusal(&mut data, r).await;
     assert_pool_untouched(&d_pool, "nothing written");
-    assert!(rx.stats().await.unwrap().rejected_segments >= 3);
+    assert_eq!(rx.stats().await.unwrap().rejected_segments, 3);
     // The lying prefill reports failure; decode fails the room and frees it.
     raw_prefill_gives_up(&mut control, &rx, r).await;
     eventually("pages back", Duration::from_secs(1), || async {
@@ -1509,6 +1472,8 @@ async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: Tra
 /// room's destination.
 struct RawRoom {
     d_pool: KvPool,
+    /// The raw prefill's pool (what decode pulls from over shm).
+    src: KvPool,
     rx: KvReceiver,
     control: RawDecode,
     data: TcpStream,
@@ -1529,8 +1494,9 @@ async fn raw_decode_room(kind: TransportKind, r: RoomId) -> RawRoom {
     );
     let rx2 = rx.clone();
     let connecting = tokio::spawn(async move { rx2.connect(addr).await });
+    let (src, _) = testing::pool();
     let (mut control, data, _others) =
-        raw_prefill(&listener, testing::sender_config().handshake, r).await;
+        raw_prefill(&listener, testing::sender_config().handshake, r, &src).await;
     let rank = connecting.await.unwrap().unwrap();
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
@@ -1542,6 +1508,7 @@ async fn raw_decode_room(kind: TransportKind, r: RoomId) -> RawRoom {
     assert_eq!(dest.pages, mine);
     RawRoom {
         d_pool,
+        src,
         rx,
         control,
         data,
@@ -1550,10 +1517,10 @@ async fn raw_decode_room(kind: TransportKind, r: RoomId) -> RawRoom {
     }
 }
 
-/// Every byte of `pool`'s region is still zero.
+/// Every KV byte of `pool`'s region is still zero.
 fn assert_pool_untouched(pool: &KvPool, what: &str) {
     let region = pool.shared_region().unwrap();
-    let mut all = vec![0u8; region.len()];
+    let mut all = vec![0u8; pool.layout().pool_bytes()];
     region.read_at(0, &mut all).unwrap();
     assert!(all.iter().all(|b| *b == 0), "{what}");
 }
@@ -1668,31 +1635,16 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
         (0, 0),
         "decode still holds the dead prefill"
     );
-    if kind == TransportKind::Shm {
-        // It maps our pool and could copy into it the moment it thaws: the
-        // pages wait, past the fence, until it lets go of the pool.
-        tokio::time::sleep(testing::timers().abort_ack_fence + Duration::from_millis(300)).await;
-        assert_eq!(
-            d_pool.allocator().stats().leased,
-            4,
-            "shm pages freed under a frozen writer"
-        );
-        signal(&child.0, "-CONT");
-        eventually(
-            "pages back once the thawed prefill dropped its link's mapping",
-            Duration::from_secs(3),
-            || async { d_pool.allocator().stats().leased == 0 },
-        )
-        .await;
-    } else {
-        eventually(
-            "pages back after the fence",
-            Duration::from_secs(3),
-            || async { d_pool.allocator().stats().leased == 0 },
-        )
-        .await;
-        signal(&child.0, "-CONT");
-    }
+    // Nothing of the frozen prefill can write our pages on either transport
+    // (over shm decode pulls; the prefill maps nothing of ours): the pages
+    // come back at the fence while it is still frozen.
+    eventually(
+        "pages back after the fence, the prefill still frozen",
+        Duration::from_secs(3),
+        || async { d_pool.allocator().stats().leased == 0 },
+    )
+    .await;
+    signal(&child.0, "-CONT");
     drop(child);
     rx.shutdown();
     // Frozen decode.
@@ -1959,34 +1911,81 @@ async fn until_links(
     }
 }
 
-/// A decode that offers a shared file that is not a KV pool (here another
-/// memfd of the same user) is refused before anything is mapped or written.
+/// A decode offering its own pool for prefill to write into (the shm setup
+/// before decode pulled) is refused by name: prefill maps nothing of a
+/// peer's and writes into no other process's memory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shm_link_to_a_foreign_file_is_refused() {
+async fn a_decode_offering_its_pool_for_writes_is_refused() {
     let (tx, p_pool) = lone_sender().await;
-    let foreign = handoff_kv::ShmRegion::create("secrets", p_pool.layout().pool_bytes()).unwrap();
-    let e = handoff_transfer::link::connect_link(
-        tx.local_addr(),
+    let (d_pool, handle) = testing::pool();
+    let mut s = TcpStream::connect(tx.local_addr()).await.unwrap();
+    let preface = handoff_proto::datalink::encode_preface(
+        handoff_proto::datalink::PREFACE_DATA,
         rand_id(),
         RAW_CONNECT,
-        decode_handshake(),
-        Duration::from_secs(2),
-        TransportKind::Shm,
-        &foreign,
-        testing::TEST_PAGES,
-    )
-    .await
-    .unwrap_err();
-    assert!(e.to_string().contains("not a handoff KV pool"), "{e}");
-    let mut all = vec![0u8; foreign.len()];
-    foreign.read_at(0, &mut all).unwrap();
-    assert!(all.iter().all(|b| *b == 0));
+    );
+    s.write_all(&preface).await.unwrap();
+    handoff_transfer::conn::handshake_exact(&mut s, decode_handshake(), Duration::from_secs(2))
+        .await
+        .unwrap();
+    let mut setup = vec![handoff_proto::datalink::SETUP_SHM_PUSH];
+    setup.extend_from_slice(&handle.to_bytes());
+    s.write_all(&setup).await.unwrap();
+    let mut reply = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut reply)).await;
+    assert_eq!(reply.first(), Some(&1), "refused");
+    let msg = String::from_utf8_lossy(&reply[3..]);
+    assert!(msg.contains("upgrade the decode worker"), "{msg}");
+    assert_pool_untouched(&d_pool, "prefill wrote into a decode pool");
     assert_eq!(tx.stats().await.unwrap().links, 0);
+    drop(p_pool);
     tx.shutdown();
     eventually("no task left", Duration::from_secs(3), || async {
         tx.live_tasks() == 0
     })
     .await;
+}
+
+/// A prefill whose shm setup reply names a shared file that is not a KV
+/// pool (here another memfd of the same user) is refused by decode before
+/// anything is mapped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_naming_a_foreign_file_for_pulls_is_refused() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let foreign = handoff_kv::ShmRegion::create("secrets", 1 << 16).unwrap();
+    let reply_handle = foreign.handle();
+    let raw = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut pre = [0u8; handoff_proto::datalink::PREFACE_LEN];
+        s.read_exact(&mut pre).await.unwrap();
+        let hs = testing::sender_config().handshake;
+        handoff_transfer::conn::handshake_exact(&mut s, hs, Duration::from_secs(2))
+            .await
+            .unwrap();
+        let mut setup = [0u8; 9];
+        s.read_exact(&mut setup).await.unwrap();
+        assert_eq!(setup[0], handoff_proto::datalink::SETUP_SHM);
+        let mut ok = vec![0u8];
+        ok.extend_from_slice(&reply_handle.to_bytes());
+        ok.extend_from_slice(&4u64.to_le_bytes());
+        ok.extend_from_slice(&0u64.to_le_bytes());
+        s.write_all(&ok).await.unwrap();
+        s
+    });
+    let e = handoff_transfer::link::connect_link(
+        addr,
+        rand_id(),
+        RAW_CONNECT,
+        decode_handshake(),
+        Duration::from_secs(2),
+        TransportKind::Shm,
+        testing::TEST_PAGES,
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("not a handoff KV pool"), "{e}");
+    drop(raw.await.unwrap());
 }
 
 // ---- TP fan-in / fan-out (DESIGN.md §4 "Fan-in / fan-out") ----
@@ -2014,7 +2013,7 @@ fn fill_tp(pool: &KvPool, rank: usize, tp: usize) {
     let l = pool.layout();
     let local = testing::TP_KV_HEADS / tp;
     let region = pool.shared_region().unwrap();
-    let mut all = vec![0u8; region.len()];
+    let mut all = vec![0u8; l.pool_bytes()];
     for layer in 0..l.geometry.layers {
         for page in 0..l.num_pages as u32 {
             for (part, kind) in KV_KINDS.into_iter().enumerate() {
@@ -2378,7 +2377,39 @@ async fn end_room_expecting_a_refusal(data: &mut TcpStream, room: RoomId) {
     );
 }
 
-/// A raw prefill endpoint on `listener` speaking `hs`: the control
+/// As a raw prefill with pool `src`: send segment `h` whose payload is
+/// `len` bytes of `fill`: on a tcp link the bytes follow the header; over
+/// shm they are put in `src` (at its start) and a pull reference to them
+/// follows, as a prefill's would.
+async fn send_segment(
+    kind: TransportKind,
+    data: &mut TcpStream,
+    src: &KvPool,
+    h: handoff_proto::datalink::Record,
+    fill: u8,
+    len: usize,
+) {
+    data.write_all(&h.encode()).await.unwrap();
+    match kind {
+        TransportKind::Tcp => data.write_all(&vec![fill; len]).await.unwrap(),
+        TransportKind::Shm => {
+            src.shared_region()
+                .unwrap()
+                .write_at(0, &vec![fill; len])
+                .unwrap();
+            let pull = handoff_proto::datalink::PullRef {
+                src_offset: 0,
+                src_page: 0,
+                src_pages: 1,
+                epoch: src.generations().unwrap().epoch(),
+            };
+            data.write_all(&pull.encode()).await.unwrap();
+        }
+    }
+}
+
+/// A raw prefill endpoint on `listener` speaking `hs`, with pool `src`
+/// (what decode pulls from over shm): the control
 /// connection (handshaken) and, of the data link (set up, payload-ready) of
 /// the decode endpoint that connects to it, the stream that carries `room`
 /// (a link has several streams when the case asks for them), and the other
@@ -2387,6 +2418,7 @@ async fn raw_prefill(
     listener: &tokio::net::TcpListener,
     hs: HandshakeConfig,
     room: RoomId,
+    src: &KvPool,
 ) -> (RawDecode, TcpStream, Vec<TcpStream>) {
     use handoff_proto::datalink::{stream_of, TcpStreamSetup};
     let mut control = None;
@@ -2406,25 +2438,27 @@ async fn raw_prefill(
                 .unwrap();
             let mut k = [0u8; 1];
             s.read_exact(&mut k).await.unwrap();
-            let st = if k[0] == b'S' {
-                let mut handle = [0u8; 16];
-                s.read_exact(&mut handle).await.unwrap();
+            let mut pages = [0u8; 8];
+            s.read_exact(&mut pages).await.unwrap();
+            let st = if k[0] == handoff_proto::datalink::SETUP_SHM {
                 TcpStreamSetup {
                     nonce: 0,
                     index: 0,
                     count: 1,
                 }
             } else {
-                let mut pages = [0u8; 8];
-                s.read_exact(&mut pages).await.unwrap();
                 let mut st = [0u8; TcpStreamSetup::LEN];
                 s.read_exact(&mut st).await.unwrap();
                 TcpStreamSetup::decode(&st).unwrap()
             };
-            // Setup accepted; over shm, with the writer's pid.
+            // Setup accepted; over shm, with the pool decode pulls from.
             let mut ok = vec![0u8];
-            if k[0] == b'S' {
-                ok.extend_from_slice(&std::process::id().to_le_bytes());
+            if k[0] == handoff_proto::datalink::SETUP_SHM {
+                let region = src.shared_region().unwrap();
+                ok.extend_from_slice(&region.handle().to_bytes());
+                ok.extend_from_slice(&(src.layout().num_pages as u64).to_le_bytes());
+                let gens_at = KvPool::generations_offset(src.layout()) as u64;
+                ok.extend_from_slice(&gens_at.to_le_bytes());
             }
             s.write_all(&ok).await.unwrap();
             data.resize_with(usize::from(st.count), || None);
@@ -2453,8 +2487,14 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
     let rx2 = rx.clone();
     let connecting = tokio::spawn(async move { rx2.connect(addr).await });
     let r = room(920);
-    let (mut control, mut data, _others) =
-        raw_prefill(&listener, testing::tp_sender_config(0, 1).handshake, r).await;
+    let (src, _) = testing::pool();
+    let (mut control, mut data, _others) = raw_prefill(
+        &listener,
+        testing::tp_sender_config(0, 1).handshake,
+        r,
+        &src,
+    )
+    .await;
     let rank = connecting.await.unwrap().unwrap();
     rx.open(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
@@ -2501,34 +2541,28 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
         ),
     ];
     for (h, len) in &bad {
-        data.write_all(&h.encode()).await.unwrap();
-        data.write_all(&vec![0xAB; *len]).await.unwrap();
+        send_segment(kind, &mut data, &src, *h, 0xAB, *len).await;
     }
     // One good slice: local head 1 of the room's second page, V block.
-    data.write_all(&slice(1, mine[1].0, KvPart::V, 1, 1).encode())
-        .await
-        .unwrap();
-    data.write_all(&vec![0xCD; head_bytes]).await.unwrap();
+    let good_slice = slice(1, mine[1].0, KvPart::V, 1, 1);
+    send_segment(kind, &mut data, &src, good_slice, 0xCD, head_bytes).await;
     end_room_expecting_a_refusal(&mut data, r).await;
     let region = d_pool.shared_region().unwrap();
-    let mut all = vec![0u8; region.len()];
+    let mut all = vec![0u8; d_pool.layout().pool_bytes()];
     region.read_at(0, &mut all).unwrap();
     let good = d_pool
         .layout()
         .head_slice_bytes(1, mine[1], handoff_kv::KvPart::V, 1..2)
         .unwrap();
-    match kind {
-        // Only the good slice landed, exactly where it belongs.
-        TransportKind::Tcp => {
-            assert!(all[good.clone()].iter().all(|b| *b == 0xCD));
-            all[good].fill(0);
-        }
-        // Over shm the link carries no payload at all: nothing lands.
-        TransportKind::Shm => {}
-    }
+    // On both transports only the good slice landed, exactly where it
+    // belongs (over shm, decode pulled it and placed it itself).
+    assert!(all[good.clone()].iter().all(|b| *b == 0xCD));
+    all[good].fill(0);
     assert!(all.iter().all(|b| *b == 0), "nothing else written");
-    let want = bad.len() as u64 + u64::from(kind == TransportKind::Shm);
-    assert_eq!(rx.stats().await.unwrap().rejected_segments, want);
+    assert_eq!(
+        rx.stats().await.unwrap().rejected_segments,
+        bad.len() as u64
+    );
     raw_prefill_gives_up(&mut control, &rx, r).await;
     drop(control);
     drop(data);

@@ -78,7 +78,7 @@ async fn run(args: &[String]) -> Result<(), String> {
             let (pool, _) = testing::pool();
             let region = pool.shared_region().ok_or("shared")?.clone();
             region
-                .write_at(0, &vec![0xA5; region.len()])
+                .write_at(0, &vec![0xA5; pool.layout().pool_bytes()])
                 .map_err(|e| e.to_string())?;
             let tx = KvSender::start(testing::sender_config(), region, *pool.layout())
                 .await

@@ -13,6 +13,26 @@ use handoff_transfer::{KvReceiver, ReceiverConfig, ReceiverPoll, TransportKind};
 
 use super::workload::{geometry, handshake, placement, IoRuntime, PinThreads};
 
+/// Fill `range` of `region` from the blocking socket `s` (the raw TCP
+/// baseline reads straight into the pool, as a link reader does).
+fn read_exact_into(
+    region: &handoff_kv::ShmRegion,
+    mut range: std::ops::Range<usize>,
+    s: &std::net::TcpStream,
+) -> Result<(), String> {
+    use std::os::fd::AsFd;
+    while !range.is_empty() {
+        match region.readv_into(range.clone(), &mut [], s.as_fd()) {
+            Err(e) => return Err(e.to_string()),
+            Ok(Ok(0)) => return Err("raw stream closed early".into()),
+            Ok(Ok(n)) => range.start += n,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Ok(Err(e)) => return Err(e.to_string()),
+        }
+    }
+    Ok(())
+}
+
 /// Decode side: open `room` from `sources` and reserve `lease` for it.
 async fn open_reserved(
     rx: &KvReceiver,
@@ -170,19 +190,13 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
                 let dst = placement(seed, pages / 2, contiguous).1;
                 let region = region.clone();
                 let r = tokio::task::spawn_blocking(move || -> Result<(), String> {
-                    let mut s = std::net::TcpStream::connect(a).map_err(|e| e.to_string())?;
+                    let s = std::net::TcpStream::connect(a).map_err(|e| e.to_string())?;
                     if contiguous {
-                        region
-                            .with_mut(0..dst.len() * page, |b| s.read_exact(b))
-                            .map_err(|e| e.to_string())?
-                            .map_err(|e| e.to_string())?;
+                        read_exact_into(&region, 0..dst.len() * page, &s)?;
                     } else {
                         for p in &dst {
                             let r = p.0 as usize * page..(p.0 as usize + 1) * page;
-                            region
-                                .with_mut(r, |b| s.read_exact(b))
-                                .map_err(|e| e.to_string())?
-                                .map_err(|e| e.to_string())?;
+                            read_exact_into(&region, r, &s)?;
                         }
                     }
                     Ok(())
