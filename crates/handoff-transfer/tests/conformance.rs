@@ -71,6 +71,7 @@ conformance!(
     fan_out_one_prefill_rank_feeds_two_decode_ranks,
     decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else,
     room_handles_own_their_rooms,
+    a_decode_speaking_the_previous_version_completes_a_room,
 );
 
 fn room(n: u64) -> RoomId {
@@ -204,6 +205,78 @@ fn span_bytes(pool: &KvPool, layer: usize, page: PageIndex) -> Vec<u8> {
         .read_at(k.start, &mut out)
         .unwrap();
     out
+}
+
+/// Version window (issue 14 item 9): a decode that speaks only protocol 1
+/// with protocol 1's capabilities (the kept encoder: this build configured
+/// as N-1) connects to the current prefill, which settles on version 1 and
+/// no optional field, and a room completes byte for byte. A peer outside
+/// the window is refused naming both ranges
+/// (`version_and_fingerprint_mismatch_fail_at_handshake`).
+async fn a_decode_speaking_the_previous_version_completes_a_room(kind: TransportKind) {
+    let (p_pool, _) = testing::pool();
+    let (d_pool, _) = testing::pool();
+    fill(&p_pool);
+    let tx = KvSender::start(
+        testing::sender_config(),
+        p_pool.shared_region().unwrap().clone(),
+        *p_pool.layout(),
+    )
+    .await
+    .unwrap();
+    let mut cfg = testing::receiver_config(kind);
+    cfg.handshake.max_version = handoff_proto::frame::PROTOCOL_VERSION - 1;
+    cfg.handshake.capabilities = handoff_proto::handshake::Capabilities::V1;
+    let rx = KvReceiver::start(
+        cfg,
+        d_pool.shared_region().unwrap().clone(),
+        *d_pool.layout(),
+    );
+    let rank = rx.connect(tx.local_addr()).await.unwrap();
+    let p = Pair {
+        tx,
+        rx,
+        p_pool,
+        d_pool,
+        rank,
+    };
+    let r = room(12);
+    let dst = open_both(&p, r, 3).await;
+    let src: Arc<[PageIndex]> = [9, 4, 30]
+        .into_iter()
+        .map(PageIndex)
+        .collect::<Vec<_>>()
+        .into();
+    p.tx.send(r, 0..2, 0..3, src.clone()).await.unwrap();
+    p.tx.finish(
+        r,
+        AuxData {
+            first_token: 99,
+            logprob: -1.5,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    let ReceiverPoll::Success { lease, aux } =
+        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
+    else {
+        panic!("an N-1 decode did not commit")
+    };
+    assert_eq!((lease.pages(), aux.first_token), (&dst[..], 99));
+    for layer in 0..2 {
+        for (s, d) in src.iter().zip(&dst) {
+            assert_eq!(
+                span_bytes(&p.p_pool, layer, *s),
+                span_bytes(&p.d_pool, layer, *d)
+            );
+        }
+    }
+    drop(lease);
+    teardown(p).await;
 }
 
 async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
