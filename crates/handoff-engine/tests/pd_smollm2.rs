@@ -424,3 +424,47 @@ fn prefix_cache_on_equals_cache_off_on_smollm2() {
     // a page, and their first pass, cannot).
     assert!(hits >= 12, "only {hits} requests hit the cache");
 }
+
+#[test]
+fn a_near_tie_prompt_answers_the_same_after_a_prefix_cache_hit() {
+    // Found by the chaos suite's fault-free control run: this raw prompt
+    // (18 tokens) sits on a greedy near-tie at its 6th token. Computed
+    // whole, then again with its first page from the prefix cache (a
+    // 2-token chunk), it answered "uses recursion" and then "uses a
+    // recursive" while prefill attention was a batched GEMM whose
+    // summation order depends on the chunk's length.
+    let on = Engine::start(config(16, 4096)).unwrap();
+    let mut cfg = config(16, 4096);
+    cfg.prefix_cache = false;
+    let off = Engine::start(cfg).unwrap();
+    let ids = on
+        .tokenizer()
+        .encode(
+            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+            true,
+        )
+        .unwrap();
+    let req = GenerateRequest {
+        prompt_ids: ids,
+        sampling: SamplingParams {
+            max_new_tokens: 8,
+            temperature: 0.0,
+            ..Default::default()
+        },
+        arrived: Instant::now(),
+    };
+    let want = drain(off.submit(req.clone()).unwrap()).unwrap().ids;
+    for pass in 0..2 {
+        let mut s = on.submit(req.clone()).unwrap();
+        let mut ids = Vec::new();
+        let cached = loop {
+            match s.blocking_next() {
+                Some(StreamEvent::Token(t)) => ids.push(t.id),
+                Some(StreamEvent::Finished(f)) => break f.cached_tokens,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(cached, 16 * pass, "pass {pass}");
+        assert_eq!(ids, want, "pass {pass} (cached {cached} tokens)");
+    }
+}

@@ -1,10 +1,10 @@
 //! Paged attention (DESIGN.md §6): queries of new tokens against every key of
 //! their sequence, read from the sequence's pages in the KV pool. Two paths:
-//! one-token decode reads the pages in place; multi-token prefill gathers a
-//! sequence's keys once and uses batched GEMMs. Both are exact softmax
-//! attention with a causal mask; they differ only in summation order.
+//! one-token decode reads the pages in place; multi-token prefill runs the
+//! same per-token attention for every new token, in parallel, so a token's
+//! result never depends on the tokens computed with it. Exact softmax
+//! attention with a causal mask.
 
-use candle_core::{Device, Tensor};
 use handoff_kv::{KvPart, KvPool, PageIndex};
 use rayon::prelude::*;
 
@@ -131,7 +131,14 @@ pub fn attend_decode(
 }
 
 /// Prefill path for one sequence with `seq.n` new tokens: `q` is
-/// `[n][heads*head_dim]`; returns the same shape.
+/// `[n][heads*head_dim]`; returns the same shape. Each new token attends
+/// exactly as a decode step at its position would (`attend_one`), one task
+/// per (token, KV head): a token's result depends only on its query and the
+/// keys and values before it, never on how many tokens were computed with
+/// it. So a prompt computed whole, in other chunks, or after a prefix-cache
+/// hit gives the same bits (batched GEMMs over the chunk, used before, sum
+/// in an order that depends on the chunk's length, and that moved greedy
+/// near-ties: a cached prompt answered differently).
 pub fn attend_prefill(
     pool: &KvPool,
     layer: usize,
@@ -140,49 +147,107 @@ pub fn attend_prefill(
     shape: AttnShape,
 ) -> Result<Vec<f32>, ModelError> {
     let (d, n, group) = (shape.head_dim, seq.n, shape.group());
-    let len = seq.start + n;
     let width = shape.heads * d;
     let scale = 1.0 / (d as f32).sqrt();
-    let rows = group * n;
-    // Queries grouped by KV head: [kv_heads][group * n][d], row = g * n + t.
-    let mut qg = vec![0.0f32; shape.kv_heads * rows * d];
-    for t in 0..n {
-        for h in 0..shape.heads {
-            let (kvh, g) = (h / group, h % group);
-            let dst = (kvh * rows + g * n + t) * d;
-            for j in 0..d {
-                qg[dst + j] = q[t * width + h * d + j] * scale;
-            }
-        }
-    }
-    let mut k = Vec::with_capacity(shape.kv_heads * len * d);
-    let mut v = Vec::with_capacity(shape.kv_heads * len * d);
-    for kvh in 0..shape.kv_heads {
-        pool.gather_head(layer, seq.pages, KvPart::K, kvh, len, &mut k);
-        pool.gather_head(layer, seq.pages, KvPart::V, kvh, len, &mut v);
-    }
-    let dev = Device::Cpu;
-    let qt = Tensor::from_vec(qg, (shape.kv_heads, rows, d), &dev)?;
-    let kt = Tensor::from_vec(k, (shape.kv_heads, len, d), &dev)?;
-    let vt = Tensor::from_vec(v, (shape.kv_heads, len, d), &dev)?;
-    let mut scores = qt.matmul(&kt.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-    scores.par_chunks_mut(len).enumerate().for_each(|(r, row)| {
-        let t = (r % rows) % n;
-        let visible = seq.start + t + 1;
-        row[visible..].fill(f32::NEG_INFINITY);
-        softmax(row);
-    });
-    let p = Tensor::from_vec(scores, (shape.kv_heads, rows, len), &dev)?;
-    let o = p.matmul(&vt)?.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0.0f32; n * width];
-    for kvh in 0..shape.kv_heads {
-        for g in 0..group {
-            let h = kvh * group + g;
+    out.par_chunks_mut(group * d).enumerate().for_each_init(
+        Scratch::default,
+        |scratch, (idx, o)| {
+            let (t, kvh) = (idx / shape.kv_heads, idx % shape.kv_heads);
+            let one = SeqAttn {
+                pages: seq.pages,
+                start: seq.start + t,
+                n: 1,
+            };
+            for (g, o) in o.chunks_exact_mut(d).enumerate() {
+                let h = kvh * group + g;
+                let qh = &q[t * width + h * d..t * width + (h + 1) * d];
+                attend_one(pool, layer, &one, kvh, qh, scale, scratch, o);
+            }
+        },
+    );
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use handoff_kv::{KvDtype, KvGeometry};
+
+    /// Every token of a prefill attends bit for bit as a decode step at its
+    /// position would, and a chunk that starts later (after a prefix-cache
+    /// hit) gives its tokens the same bits as the whole prompt did. With
+    /// the batched GEMMs this module used before, both differ in the last
+    /// bits, which is what moved SmolLM2's greedy output after a cache hit.
+    #[test]
+    fn prefill_tokens_match_decode_steps_and_later_chunks_bit_for_bit() {
+        let shape = AttnShape {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 16,
+        };
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let g = KvGeometry {
+                layers: 1,
+                kv_heads: shape.kv_heads,
+                head_dim: shape.head_dim,
+                page_size: 4,
+                dtype,
+            };
+            let mut pool = KvPool::new(g, 16).unwrap();
+            let pages: Vec<PageIndex> = [5, 1, 9, 3, 12, 7].map(PageIndex).to_vec();
+            let n = 23;
+            let mut x = 0x2545_f491_4f6c_dd1du64;
+            let mut rnd = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            };
+            let kvw = shape.kv_heads * shape.head_dim;
+            for pos in 0..n {
+                let k: Vec<f32> = (0..kvw).map(|_| rnd()).collect();
+                let v: Vec<f32> = (0..kvw).map(|_| rnd()).collect();
+                pool.write_token(0, &pages, pos, &k, &v).unwrap();
+            }
+            let width = shape.heads * shape.head_dim;
+            let q: Vec<f32> = (0..n * width).map(|_| 4.0 * rnd()).collect();
+            let whole = SeqAttn {
+                pages: &pages,
+                start: 0,
+                n,
+            };
+            let all = attend_prefill(&pool, 0, &whole, &q, shape).unwrap();
             for t in 0..n {
-                let src = (kvh * rows + g * n + t) * d;
-                out[t * width + h * d..t * width + (h + 1) * d].copy_from_slice(&o[src..src + d]);
+                let step = SeqAttn {
+                    pages: &pages,
+                    start: t,
+                    n: 1,
+                };
+                let d = attend_decode(&pool, 0, &[step], &q[t * width..(t + 1) * width], shape);
+                assert_eq!(
+                    d.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+                    all[t * width..(t + 1) * width]
+                        .iter()
+                        .map(|f| f.to_bits())
+                        .collect::<Vec<_>>(),
+                    "{dtype:?} token {t}"
+                );
+            }
+            for from in [1, 4, 16, 22] {
+                let tail = SeqAttn {
+                    pages: &pages,
+                    start: from,
+                    n: n - from,
+                };
+                let part = attend_prefill(&pool, 0, &tail, &q[from * width..], shape).unwrap();
+                assert!(
+                    part.iter()
+                        .zip(&all[from * width..])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?} chunk from {from}"
+                );
             }
         }
     }
-    Ok(out)
 }
