@@ -53,4 +53,13 @@ HANDOFF_BIN="$BIN" tests/python/run.sh --model "$MODEL" --disaggregation-transfe
 
 step "python: SGLang's PD router (sglang-router 0.3.2) in front of handoff prefill + decode"
 HANDOFF_BIN="$BIN" tests/sglang_router/run.sh --model "$MODEL"
+step "chaos: faults across network namespaces under load (bounded run)"
+# Root only (namespaces, tc, iptables): prefill, decode and router in three
+# namespaces, a seeded schedule of kills, freezes, cut links and injected
+# frames under 300 requests; fails on any garbage, hang or leaked page or room.
+if [ "$(id -u)" = 0 ]; then
+    HANDOFF_BIN="$BIN" HANDOFF_MODEL="$MODEL" scripts/chaos.sh --requests 300
+else
+    echo "not root: the chaos run skips"
+fi
 echo "all test steps passed"

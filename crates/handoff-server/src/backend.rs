@@ -17,6 +17,15 @@ use serde_json::Value;
 
 use crate::errors::ApiError;
 
+/// What a PD worker's transfer endpoint reports for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransferSnapshot {
+    /// KV bytes sent to decode workers (prefill; a total that only grows).
+    pub kv_bytes_sent: u64,
+    /// Rooms the endpoint holds now.
+    pub live_rooms: usize,
+}
+
 /// The engine behind a worker.
 #[derive(Clone)]
 pub enum Backend {
@@ -204,13 +213,21 @@ impl Backend {
         }
     }
 
-    /// KV bytes this worker's transfer endpoint sent to decode workers (0
-    /// for any other role, or if the endpoint does not answer).
-    pub async fn kv_bytes_sent(&self) -> u64 {
-        match self {
-            Backend::Prefill(p) => p.transfer_stats().await.map_or(0, |s| s.kv_bytes_sent),
-            Backend::Colocated(_) | Backend::Decode(_) => 0,
-        }
+    /// What this worker's transfer endpoint reports for `/metrics`: KV
+    /// bytes sent to decode workers (prefill) and live rooms (either PD
+    /// role; a leak shows there). Zeros for colocated serving or an
+    /// endpoint that does not answer.
+    pub async fn transfer_snapshot(&self) -> TransferSnapshot {
+        let stats = match self {
+            Backend::Prefill(p) => p.transfer_stats().await.ok(),
+            Backend::Decode(d) => d.transfer_stats().await.ok(),
+            Backend::Colocated(_) => None,
+        };
+        let sent = matches!(self, Backend::Prefill(_));
+        stats.map_or_else(TransferSnapshot::default, |s| TransferSnapshot {
+            kv_bytes_sent: if sent { s.kv_bytes_sent } else { 0 },
+            live_rooms: s.live_rooms,
+        })
     }
 
     /// Current load.

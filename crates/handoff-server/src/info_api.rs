@@ -153,8 +153,8 @@ pub async fn get_load(State(state): State<AppState>) -> Json<Value> {
 
 /// `GET /metrics`: Prometheus text exposition.
 pub async fn metrics(State(state): State<AppState>) -> Response {
-    let kv_bytes = state.engine.kv_bytes_sent().await;
-    let body = state.metrics.render(&state.engine.load(), kv_bytes);
+    let transfer = state.engine.transfer_snapshot().await;
+    let body = state.metrics.render(&state.engine.load(), transfer);
     (
         [(
             header::CONTENT_TYPE,

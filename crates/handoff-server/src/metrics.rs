@@ -4,6 +4,7 @@
 //! engine at scrape time). The same exposition carries SGLang's `sglang:`
 //! names beside these ([`crate::field_metrics`]).
 
+use crate::backend::TransferSnapshot;
 use handoff_engine::handle::LoadSnapshot;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -50,6 +51,7 @@ pub struct Metrics {
     pages_used: Gauge,
     pages_cached: Gauge,
     kv_bytes_sent: Counter,
+    live_rooms: Gauge,
     stalled: Counter,
     prefill_stages: Family<StageLabels, Histogram>,
     field: FieldMetrics,
@@ -83,6 +85,7 @@ impl Metrics {
         let pages_used = Gauge::default();
         let pages_cached = Gauge::default();
         let kv_bytes_sent = Counter::default();
+        let live_rooms = Gauge::default();
         let stalled = Counter::default();
         registry.register(
             "http_requests",
@@ -151,6 +154,11 @@ impl Metrics {
             kv_bytes_sent.clone(),
         );
         registry.register(
+            "transfer_live_rooms",
+            "PD worker: rooms its transfer endpoint holds (0 once idle: anything else is a leak)",
+            live_rooms.clone(),
+        );
+        registry.register(
             "requests_stalled",
             "Requests ended by the stall watchdog: no token for --stream-stall-timeout-secs",
             stalled.clone(),
@@ -168,6 +176,7 @@ impl Metrics {
             page_size: page_size.max(1),
             pages_cached,
             kv_bytes_sent,
+            live_rooms,
             stalled,
             prefill_stages,
             registry,
@@ -266,15 +275,17 @@ impl Metrics {
         }
     }
 
-    /// The text exposition, with the engine's load as of now and the KV
-    /// bytes its transfer endpoint sent so far (a total that only grows).
-    pub fn render(&self, load: &LoadSnapshot, kv_bytes_sent: u64) -> String {
+    /// The text exposition, with the engine's load as of now and what its
+    /// transfer endpoint reports (KV bytes sent so far, a total that only
+    /// grows, and live rooms).
+    pub fn render(&self, load: &LoadSnapshot, transfer: TransferSnapshot) -> String {
         let as_i64 = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
         self.pages_cached.set(as_i64(load.pages_cached));
         // The endpoint keeps the total; concurrent scrapes both set it.
         self.kv_bytes_sent
             .inner()
-            .fetch_max(kv_bytes_sent, std::sync::atomic::Ordering::Relaxed);
+            .fetch_max(transfer.kv_bytes_sent, std::sync::atomic::Ordering::Relaxed);
+        self.live_rooms.set(as_i64(transfer.live_rooms));
         self.running.set(as_i64(load.running));
         self.waiting.set(as_i64(load.waiting));
         self.paused.set(as_i64(load.paused));
@@ -329,7 +340,10 @@ mod tests {
                 pages_used: 3,
                 pages_cached: 4,
             },
-            4096,
+            TransferSnapshot {
+                kv_bytes_sent: 4096,
+                live_rooms: 5,
+            },
         );
         for needle in [
             "handoff_http_requests_total{endpoint=\"/generate\",status=\"200\"} 1",
@@ -342,6 +356,7 @@ mod tests {
             "handoff_kv_pages_used 3",
             "handoff_kv_pages_cached 4",
             "handoff_kv_transfer_bytes_total 4096",
+            "handoff_transfer_live_rooms 5",
             // SGLang's names, in tokens, labelled with the model.
             "sglang:num_running_reqs{model_name=\"smol\"} 2",
             "sglang:num_queue_reqs{model_name=\"smol\"} 1",
