@@ -336,6 +336,9 @@ pub fn data_link(data: &[u8]) -> usize {
         if let Ok(r) = Record::decode(b) {
             let e = r.encode();
             assert_eq!(Record::decode(&e).map(|r| r.encode()), Ok(e));
+            if let Record::Segment(h) = r {
+                ok += usize::from(placement_holds(&h, data));
+            }
             ok += 1;
         }
     }
@@ -380,6 +383,78 @@ pub fn data_link(data: &[u8]) -> usize {
         }
     }
     ok
+}
+
+/// Decode's placement of a segment (`placement::place`) against a sample
+/// pool, a room whose pages are the bits of the input's first 8 bytes and,
+/// by the input's 9th byte, a whole-span or a head-sliced link: a placed
+/// range lies in the pool and in the blocks of the segment's layer of the
+/// room's own pages (in the one block its head slice names). Whether the
+/// segment was placed.
+pub fn placement_holds(h: &crate::datalink::SegmentHeader, data: &[u8]) -> bool {
+    use crate::ids::{PageIndex, RankId};
+    use crate::layout::{KvPart, PageLayout};
+    use crate::rank::{PairPlan, SliceTransfer};
+    let pool = PageLayout {
+        layers: 4,
+        local_heads: 2,
+        page_size: 2,
+        head_dim: 4,
+        dtype_bytes: 2,
+        num_pages: 64,
+    };
+    let len = pool.pool_bytes().unwrap_or(0);
+    let bits = data
+        .iter()
+        .take(8)
+        .fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
+    let room: Vec<u32> = (0..64).filter(|p| bits >> p & 1 == 1).collect();
+    let plan = if data.get(8).is_some_and(|b| b & 1 == 1) {
+        PairPlan::Sliced(vec![SliceTransfer {
+            prefill_rank: RankId(0),
+            decode_rank: RankId(0),
+            heads: 1..2,
+            src_head_offset: 0,
+            dst_head_offset: 1,
+        }])
+    } else {
+        PairPlan::Whole
+    };
+    let Some(r) = crate::placement::place(&pool, 2, &plan, Some(&room), h, len) else {
+        return false;
+    };
+    assert!(
+        !r.is_empty() && r.end <= len,
+        "{r:?} outside a pool of {len}"
+    );
+    let block = pool.block_bytes();
+    let in_room = |p: u32| room.binary_search(&p).is_ok();
+    match h.heads {
+        None => {
+            // Every byte in a span (K and V block) of the segment's layer
+            // of a page of the room.
+            let mut at = r.start;
+            while at < r.end {
+                let b = at / block;
+                let (layer, page) = ((b / 2) as u32 / 64, (b / 2) as u32 % 64);
+                assert!(
+                    layer == h.layer && in_room(page),
+                    "{r:?} reaches layer {layer} page {page}"
+                );
+                at = (b + 1) * block;
+            }
+            assert!(matches!(plan, PairPlan::Whole));
+        }
+        Some(s) => {
+            let part = pool
+                .block_offset(h.layer, PageIndex(h.dst_page), s.part)
+                .unwrap_or(usize::MAX);
+            assert!(in_room(h.dst_page) && part <= r.start && r.end <= part + block);
+            assert!(s.first >= 1 || matches!(plan, PairPlan::Whole));
+            let _ = KvPart::K;
+        }
+    }
+    true
 }
 
 /// Seeds of the `data_link` target: one valid piece of each kind, a claim
@@ -438,7 +513,28 @@ pub fn data_link_seeds() -> Vec<(&'static str, Vec<u8>)> {
     signed.extend(1_700_000_000u64.to_be_bytes());
     signed.extend(b"10.0.0.7|");
     signed.extend(sign(b"fuzz key", &claim).as_bytes());
+    // Placed segments: the record's first 8 bytes (tag 1, room 5) put
+    // pages 48, 50 and 56 in the room, its 9th byte (the room's top byte)
+    // picks a whole-span (even) or head-sliced (odd) link.
+    let placed = |room: u64, layer, dst_page, heads| {
+        Record::Segment(SegmentHeader {
+            room: RoomId::new(room).unwrap_or_else(|| unreachable!()),
+            layer,
+            dst_page,
+            n_pages: 1,
+            heads,
+        })
+        .encode()
+        .to_vec()
+    };
+    let slice = HeadSlice {
+        part: KvPart::V,
+        first: 1,
+        count: 1,
+    };
     vec![
+        ("placed_span", placed(5, 2, 56, None)),
+        ("placed_slice", placed(1 << 56 | 5, 1, 50, Some(slice))),
         ("segment_record", segment.to_vec()),
         ("aux_record", aux.to_vec()),
         ("end_record", end.to_vec()),

@@ -90,6 +90,7 @@ pub mod heartbeat;
 pub mod ids;
 pub mod layout;
 pub mod message;
+pub mod placement;
 pub mod rank;
 pub mod receiver_endpoint;
 pub mod receiver_room;

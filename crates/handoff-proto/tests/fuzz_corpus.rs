@@ -10,6 +10,7 @@ use std::path::PathBuf;
 
 use handoff_proto::fuzz::{
     data_link, data_link_seeds, decode_frames, frame_decoder_seeds, handshake, handshake_seeds,
+    placement_holds,
 };
 use proptest::prelude::*;
 
@@ -74,6 +75,18 @@ fn data_link_corpus() {
             "garbage.bin" => assert_eq!(n, 0, "{name}"),
             "records_in_a_row.bin" => assert!(n >= 3, "{name}: {n}"),
             _ => assert!(n >= 1, "{name} decoded nothing"),
+        }
+    }
+    // The placed seeds are placed (and the check of where is what runs).
+    for (name, bytes) in data_link_seeds() {
+        if name.starts_with("placed_") {
+            let b: &[u8; 32] = bytes[..32].try_into().unwrap();
+            let Ok(handoff_proto::datalink::Record::Segment(h)) =
+                handoff_proto::datalink::Record::decode(b)
+            else {
+                panic!("{name} is not a segment")
+            };
+            assert!(placement_holds(&h, &bytes), "{name} was not placed");
         }
     }
     // The signed claim verifies (counted), and one flipped byte of it does not.

@@ -964,47 +964,14 @@ impl LinkReader {
         &mut self,
         h: &handoff_proto::datalink::SegmentHeader,
     ) -> Option<std::ops::Range<usize>> {
-        let num_pages = self.layout.num_pages;
-        let ok = (h.layer as usize) < self.layout.geometry.layers
-            && (h.dst_page as usize)
-                .checked_add(h.n_pages as usize)
-                .is_some_and(|end| end <= num_pages)
-            && self.rooms.get(&h.room).is_some_and(|slot| {
-                (h.dst_page..h.dst_page + h.n_pages).all(|p| slot.pages.binary_search(&p).is_ok())
-            });
-        let range = match (ok, h.heads) {
-            (false, _) => None,
-            (true, None) if self.plan.is_whole() => {
-                let start = span_offset(
-                    &self.layout,
-                    num_pages,
-                    h.layer as usize,
-                    h.dst_page as usize,
-                );
-                Some(start..start + h.n_pages as usize * page_span(&self.layout))
-            }
-            (true, None) => None,
-            (true, Some(s)) => {
-                let local = self.plan.decode_heads;
-                let heads = s.first..s.first.saturating_add(s.count);
-                let allowed = s.first.checked_add(s.count).is_some()
-                    && self.plan.pair.allows_dst_heads(heads, local);
-                allowed
-                    .then(|| self.layout.geometry.page_layout(local as usize, num_pages))
-                    .flatten()
-                    .and_then(|l| {
-                        l.head_range(
-                            h.layer,
-                            handoff_proto::PageIndex(h.dst_page),
-                            s.part,
-                            s.first,
-                            s.count,
-                        )
-                        .ok()
-                    })
-                    .filter(|r| r.end <= self.pool.len())
-            }
-        };
+        let range = handoff_proto::placement::place(
+            &self.layout.page_layout(),
+            self.plan.decode_heads,
+            &self.plan.pair,
+            self.rooms.get(&h.room).map(|s| &s.pages[..]),
+            h,
+            self.pool.len(),
+        );
         if range.is_none() {
             self.counters
                 .rejected_segments
