@@ -17,14 +17,17 @@ step "model"
 MODEL="$(scripts/fetch-model.sh)"
 export HANDOFF_MODEL="$MODEL"
 
-step "network namespace tools (ip, iptables) for the dropped-port tests"
+step "network namespace tools (ip, iptables) and etcd for the discovery tests"
 # As root (CI), the tests that drop a port in a network namespace must run:
 # install iptables if missing and make a failed namespace setup a failure.
 if [ "$(id -u)" = 0 ]; then
-    if ! command -v iptables >/dev/null; then
-        apt-get update -q >/dev/null && apt-get install -y -q iptables iproute2 >/dev/null
+    if ! command -v iptables >/dev/null || ! command -v etcd >/dev/null; then
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q iptables iproute2 etcd-server >/dev/null
     fi
     export HANDOFF_REQUIRE_NETNS=1
+    # The discovery tests start their own etcd (Debian's etcd-server) on loopback.
+    export HANDOFF_REQUIRE_ETCD=1
 else
     echo "not root: the network-namespace tests will skip"
 fi

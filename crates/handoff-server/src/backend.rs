@@ -230,6 +230,37 @@ impl Backend {
         })
     }
 
+    /// A PD worker's registration record for discovery (`None` for
+    /// colocated serving): its role, `url`, the bootstrap port of a
+    /// prefill's transfer endpoint, and what its transfer handshake says
+    /// about the model and KV layout.
+    pub fn discovery_record(&self, url: &str) -> Option<crate::discovery::WorkerRecord> {
+        let (role, fp, port) = match self {
+            Backend::Prefill(p) => ("prefill", p.fingerprint(), Some(p.bootstrap_addr().port())),
+            Backend::Decode(d) => ("decode", d.fingerprint(), None),
+            Backend::Colocated(_) => return None,
+        };
+        Some(crate::discovery::WorkerRecord {
+            role: role.into(),
+            url: url.to_string(),
+            bootstrap_port: port,
+            model: fp.model_id.clone(),
+            model_hash: fp.model_hash.iter().map(|b| format!("{b:02x}")).collect(),
+            kv: format!(
+                "{}/{}/{}/{}/{}",
+                fp.layers,
+                fp.kv_heads,
+                fp.head_dim,
+                fp.page_size,
+                fp.dtype.name()
+            ),
+            protocol: [
+                handoff_proto::frame::PROTOCOL_VERSION_MIN,
+                handoff_proto::frame::PROTOCOL_VERSION,
+            ],
+        })
+    }
+
     /// Current load.
     pub fn load(&self) -> LoadSnapshot {
         match self {

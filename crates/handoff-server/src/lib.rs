@@ -10,6 +10,7 @@ pub mod app;
 pub mod auth;
 pub mod backend;
 pub mod cors;
+pub mod discovery;
 pub mod errors;
 pub mod extract;
 pub mod field_metrics;

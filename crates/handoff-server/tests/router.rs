@@ -341,7 +341,9 @@ async fn both_sides_idle_within_1s(r: &TestRouter) {
     }
     // The router's own state follows.
     let t0 = Instant::now();
-    while r.handle.live_rooms() > 0 || r.handle.workers().decode[0].in_flight() > 0 {
+    while r.handle.live_rooms() > 0
+        || r.handle.workers().of(handoff_proto::Role::Decode)[0].in_flight() > 0
+    {
         assert!(t0.elapsed() < Duration::from_secs(1), "room still live");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -525,7 +527,7 @@ async fn policies_pair_valid_workers() {
         let served: Vec<u64> = r
             .handle
             .workers()
-            .decode
+            .of(handoff_proto::Role::Decode)
             .iter()
             .map(|d| d.served())
             .collect();
@@ -533,7 +535,10 @@ async fn policies_pair_valid_workers() {
         if policy == PolicyKind::RoundRobin {
             assert_eq!(served, [2, 2], "round robin alternates");
         }
-        assert_eq!(r.handle.workers().prefill[0].served(), 4);
+        assert_eq!(
+            r.handle.workers().of(handoff_proto::Role::Prefill)[0].served(),
+            4
+        );
     }
 }
 
@@ -544,7 +549,7 @@ async fn cache_aware_keeps_a_conversation_on_one_worker() {
     let served = |r: &TestRouter| -> Vec<u64> {
         r.handle
             .workers()
-            .decode
+            .of(handoff_proto::Role::Decode)
             .iter()
             .map(|d| d.served())
             .collect()

@@ -24,15 +24,23 @@ pub struct RouterArgs {
     /// `--prefill http://10.0.0.1:30001 8998 --prefill http://10.0.0.2:30001`.
     #[arg(
         long,
-        required = true,
+        required_unless_present = "discovery",
         num_args = 1..=2,
         action = ArgAction::Append,
         value_names = ["URL", "BOOTSTRAP_PORT"]
     )]
     prefill: Vec<String>,
     /// A decode worker's HTTP URL. Repeat for more workers.
-    #[arg(long, required = true, value_name = "URL", action = ArgAction::Append)]
+    #[arg(long, required_unless_present = "discovery", value_name = "URL", action = ArgAction::Append)]
     decode: Vec<String>,
+    /// Find workers in etcd (`etcd://HOST:PORT[/PREFIX]`, as the workers'
+    /// `--discovery`): they join when they register and leave when their
+    /// key goes (shutdown, or a lease that expired). Workers must all serve
+    /// the model of the first one accepted; others are refused, with the
+    /// reason in the log and in /workers. --prefill and --decode may be
+    /// given too.
+    #[arg(long, value_name = "etcd://HOST:PORT[/PREFIX]")]
+    discovery: Option<handoff_server::discovery::EtcdEndpoint>,
     /// Pairing policy of both roles: round_robin, least_load, power_of_two
     /// or cache_aware [default: cache_aware for a role with more than one
     /// worker, round_robin otherwise].
@@ -133,8 +141,15 @@ pub fn config(
             PolicyKind::RoundRobin
         })
     };
-    c.prefill_policy = args.prefill_policy.unwrap_or(default(prefill_workers));
-    c.decode_policy = args.decode_policy.unwrap_or(default(args.decode.len()));
+    // With discovery, a role may have several workers.
+    let many = if args.discovery.is_some() { 2 } else { 0 };
+    c.prefill_policy = args
+        .prefill_policy
+        .unwrap_or(default(prefill_workers.max(many)));
+    c.decode_policy = args
+        .decode_policy
+        .unwrap_or(default(args.decode.len().max(many)));
+    c.discovery = args.discovery.clone();
     c.request_timeout = Duration::from_secs(args.request_timeout_secs);
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;

@@ -62,6 +62,21 @@ pub struct PdArgs {
     /// Threads of the worker's KV transfer runtime.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub transfer_io_threads: u16,
+    /// Register this worker in etcd (`etcd://HOST:PORT[/PREFIX]`, prefix
+    /// `/handoff` by default) under a lease kept alive while it runs and
+    /// revoked when it shuts down, so routers started with the same
+    /// `--discovery` find it: its role, URL, transfer port, model and KV
+    /// layout.
+    #[arg(long, value_name = "etcd://HOST:PORT[/PREFIX]")]
+    pub discovery: Option<handoff_server::discovery::EtcdEndpoint>,
+    /// Seconds the discovery lease lives without a renewal (renewed every
+    /// third of it): how long a worker that died stays listed.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=300))]
+    pub discovery_ttl_secs: u64,
+    /// The host routers reach this worker at, registered in discovery
+    /// [default: --host; required when --host is 0.0.0.0 or ::].
+    #[arg(long, value_name = "HOST")]
+    pub advertise_host: Option<String>,
     /// Exit when standard input closes (set by `handoff serve` for its
     /// worker processes, so they never outlive it).
     #[arg(long, hide = true)]
@@ -219,6 +234,30 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
             .with_context(|| format!("binding {}:{}", args.http.host, args.http.port))?;
         let addr = listener.local_addr()?;
         tracing::info!("listening on http://{addr}");
+        // Discovery: registered before serving; on shutdown the lease is
+        // revoked first (routers stop sending at once), then in-flight
+        // requests drain.
+        let (deregister, deregistered) = tokio::sync::oneshot::channel::<()>();
+        let registration = match &args.pd.discovery {
+            Some(ep) => {
+                let url = advertised_url(&args, addr)?;
+                let record = backend
+                    .discovery_record(&url)
+                    .context("only prefill and decode workers register in discovery")?;
+                let ttl = std::time::Duration::from_secs(args.pd.discovery_ttl_secs);
+                let r = handoff_server::discovery::Registrar::new(ep, &record, ttl)
+                    .context("discovery")?;
+                let lease = r
+                    .start()
+                    .await
+                    .with_context(|| format!("registering in discovery at {}", ep.base))?;
+                tracing::info!(key = r.key(), %url, "registered in discovery");
+                Some(tokio::spawn(r.run(lease, async move {
+                    let _ = deregistered.await;
+                })))
+            }
+            None => None,
+        };
         let stop = async move {
             if exit_with_parent {
                 tokio::select! {
@@ -227,6 +266,10 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
                 }
             } else {
                 crate::signal::shutdown_signal().await
+            }
+            if let Some(task) = registration {
+                let _ = deregister.send(());
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(3), task).await;
             }
         };
         let app = handoff_server::app_with_state(
@@ -245,6 +288,24 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
         .context("serving HTTP")?;
         tracing::info!("shut down");
         Ok::<_, anyhow::Error>(())
+    })
+}
+
+/// The URL routers reach this worker at: `--advertise-host`, else
+/// `--host`, with the port it listens on.
+fn advertised_url(args: &WorkerArgs, addr: SocketAddr) -> anyhow::Result<String> {
+    let host = match &args.pd.advertise_host {
+        Some(h) => h.clone(),
+        None if addr.ip().is_unspecified() => bail!(
+            "--host {} is every address: give --advertise-host, the address routers reach this worker at",
+            args.http.host
+        ),
+        None => args.http.host.clone(),
+    };
+    Ok(if host.contains(':') && !host.starts_with('[') {
+        format!("http://[{host}]:{}", addr.port())
+    } else {
+        format!("http://{host}:{}", addr.port())
     })
 }
 

@@ -55,7 +55,7 @@ impl DecodeEngine {
             .ok_or_else(|| EngineError::Model("the decode KV pool is not shared".into()))?;
         let layout = *loaded.pool.layout();
         let rt = runtime(pd.io_threads, "handoff-decode-io")?;
-        let hs = handshake_config(Role::Decode, fp, &pd);
+        let hs = handshake_config(Role::Decode, fp.clone(), &pd);
         let default_kind = match pd.transport_choice {
             TransportChoice::Fixed(k) => k,
             TransportChoice::Auto => handoff_transfer::TransportKind::Tcp,
@@ -91,6 +91,7 @@ impl DecodeEngine {
                     next_slot: AtomicU32::new(0),
                     transport: pd.transport_choice,
                 }),
+                fingerprint: fp,
                 runtime: Some(rt),
             }),
         })
@@ -106,6 +107,7 @@ pub struct DecodeHandle {
 
 struct Inner {
     ctx: Arc<Ctx>,
+    fingerprint: handoff_proto::handshake::Fingerprint,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -242,6 +244,12 @@ impl DecodeHandle {
     /// links, malformed frames ...). Works from any async runtime.
     pub async fn transfer_stats(&self) -> Result<handoff_transfer::EndpointStats, EngineError> {
         Ok(self.inner.ctx.receiver.stats().await?)
+    }
+
+    /// What this worker's transfer handshake says about it (model, weights,
+    /// KV geometry and dtype).
+    pub fn fingerprint(&self) -> &handoff_proto::handshake::Fingerprint {
+        &self.inner.fingerprint
     }
 
     /// Live rooms of the transfer endpoint (a leak shows here). Blocking:

@@ -121,7 +121,7 @@ impl PrefillEngine {
             .ok_or_else(|| EngineError::Model("the prefill KV pool is not shared".into()))?;
         let layout = *pool.layout();
         let rt = runtime(pd.io_threads, "handoff-prefill-io")?;
-        let mut sc = SenderConfig::new(handshake_config(Role::Prefill, fp, &pd));
+        let mut sc = SenderConfig::new(handshake_config(Role::Prefill, fp.clone(), &pd));
         sc.listen = pd.listen;
         sc.rooms = pd.rooms.clone();
         sc.handshake_timeout = pd.handshake_timeout;
@@ -165,6 +165,7 @@ impl PrefillEngine {
         Ok(PrefillHandle {
             inner: Arc::new(Inner {
                 ctx,
+                fingerprint: fp,
                 info,
                 tokenizer,
                 chat_template,
@@ -183,6 +184,7 @@ pub struct PrefillHandle {
 
 struct Inner {
     ctx: Arc<Ctx>,
+    fingerprint: handoff_proto::handshake::Fingerprint,
     info: ModelInfo,
     tokenizer: Arc<Tokenizer>,
     chat_template: Option<ChatTemplate>,
@@ -292,6 +294,12 @@ impl PrefillHandle {
     /// links, malformed frames ...). Works from any async runtime.
     pub async fn transfer_stats(&self) -> Result<handoff_transfer::EndpointStats, EngineError> {
         Ok(self.inner.ctx.sender.stats().await?)
+    }
+
+    /// What this worker's transfer handshake says about it (model, weights,
+    /// KV geometry and dtype).
+    pub fn fingerprint(&self) -> &handoff_proto::handshake::Fingerprint {
+        &self.inner.fingerprint
     }
 
     /// Live rooms of the transfer endpoint (a leak shows here). Blocking:

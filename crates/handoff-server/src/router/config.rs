@@ -66,6 +66,9 @@ pub struct RouterConfig {
     /// prefill it names (`None`: unsigned; decode workers then need
     /// `--prefill-allow`).
     pub transfer_secret: Option<crate::trust::TransferSecret>,
+    /// Where workers register (etcd): the router adds and removes them
+    /// live, beside any given on its command line.
+    pub discovery: Option<crate::discovery::EtcdEndpoint>,
 }
 
 impl RouterConfig {
@@ -87,15 +90,17 @@ impl RouterConfig {
             stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),
             api_key: None,
             transfer_secret: None,
+            discovery: None,
         }
     }
 
     /// Check the worker lists and URLs.
     pub fn validate(&self) -> Result<(), RouterConfigError> {
-        if self.prefill.is_empty() {
+        // With discovery, workers may all come from etcd.
+        if self.prefill.is_empty() && self.discovery.is_none() {
             return Err(RouterConfigError::NoPrefill);
         }
-        if self.decode.is_empty() {
+        if self.decode.is_empty() && self.discovery.is_none() {
             return Err(RouterConfigError::NoDecode);
         }
         for p in &self.prefill {
@@ -113,10 +118,12 @@ impl RouterConfig {
 #[non_exhaustive]
 pub enum RouterConfigError {
     /// No prefill worker was given.
-    #[error("at least one prefill worker is required (--prefill URL [BOOTSTRAP_PORT])")]
+    #[error(
+        "at least one prefill worker is required (--prefill URL [BOOTSTRAP_PORT], or --discovery)"
+    )]
     NoPrefill,
     /// No decode worker was given.
-    #[error("at least one decode worker is required (--decode URL)")]
+    #[error("at least one decode worker is required (--decode URL, or --discovery)")]
     NoDecode,
     /// A worker URL is not an absolute `http://` URL with a host.
     #[error("worker URL `{url}` is invalid: {reason}")]

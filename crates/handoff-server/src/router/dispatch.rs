@@ -254,12 +254,8 @@ impl RouterState {
         failed: &[Arc<Worker>],
         blocks: &[u64],
     ) -> Result<Arc<Worker>, Role> {
-        let usable: Vec<&Arc<Worker>> = self
-            .workers
-            .of(role)
-            .iter()
-            .filter(|w| w.dispatchable())
-            .collect();
+        let all = self.workers.of(role);
+        let usable: Vec<&Arc<Worker>> = all.iter().filter(|w| w.dispatchable()).collect();
         let fresh: Vec<&Arc<Worker>> = usable
             .iter()
             .copied()

@@ -14,19 +14,21 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::errors::ApiError;
+use std::sync::Arc;
+
 use crate::router::workers::{Health, Worker};
 use crate::router::RouterState;
 use handoff_proto::Role;
 
 /// A healthy decode worker (else a dispatchable one): it answers the routes
 /// any worker can answer.
-fn answering_worker(state: &RouterState) -> Result<&Worker, ApiError> {
+fn answering_worker(state: &RouterState) -> Result<Arc<Worker>, ApiError> {
     let decode = state.workers.of(Role::Decode);
     decode
         .iter()
         .find(|w| w.health() == Health::Healthy)
         .or_else(|| decode.iter().find(|w| w.dispatchable()))
-        .map(|w| &**w)
+        .cloned()
         .ok_or_else(|| {
             ApiError::new(
                 503,
@@ -85,7 +87,7 @@ async fn forward_get(state: RouterState, path: &'static str) -> Response {
         Err(e) => return e.into_response(),
     };
     let req = state.client.get(format!("{}{path}", w.url));
-    relay_one(&state, path, req, w).await
+    relay_one(&state, path, req, &w).await
 }
 
 /// A JSON POST route answered by one decode worker: the body is checked to
@@ -104,7 +106,7 @@ async fn forward_post(state: RouterState, path: &'static str, req: Request) -> R
         .post(format!("{}{path}", w.url))
         .header(CONTENT_TYPE, "application/json")
         .body(body);
-    relay_one(&state, path, req, w).await
+    relay_one(&state, path, req, &w).await
 }
 
 async fn read_json_body(req: Request) -> Result<Bytes, ApiError> {
@@ -177,7 +179,8 @@ pub async fn detokenize(State(state): State<RouterState>, req: Request) -> Respo
 /// `{"url", "role", "status", "message" | "answer"}` (a JSON answer is
 /// kept as JSON), and whether all of them answered 200.
 async fn fan_out(state: &RouterState, path: &str, body: Option<Bytes>) -> (bool, Vec<Value>) {
-    let calls = state.workers.all().map(|w| {
+    let all = state.workers.all();
+    let calls = all.iter().map(|w| {
         let client = state.client.clone();
         let timeout = state.config.health_timeout;
         let (url, role) = (w.url.clone(), w.role.name());

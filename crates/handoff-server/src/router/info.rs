@@ -36,11 +36,13 @@ pub async fn readiness(State(state): State<RouterState>) -> Response {
     ApiError::new(503, "not_ready", missing).into_response()
 }
 
-/// `GET /workers`: every worker with its role, health, load and counts.
+/// `GET /workers`: every worker with its role, health, load and counts,
+/// then the registrations discovery refused (`"health": "refused"` and the
+/// reason).
 pub async fn workers(State(state): State<RouterState>) -> Json<Value> {
-    Json(Value::Array(
-        state.workers.all().map(|w| w.describe()).collect(),
-    ))
+    let mut all: Vec<Value> = state.workers.all().iter().map(|w| w.describe()).collect();
+    all.extend(state.workers.refused());
+    Json(Value::Array(all))
 }
 
 /// `GET /get_load`: each worker's last `/get_load` answer, labelled.
@@ -49,6 +51,7 @@ pub async fn get_load(State(state): State<RouterState>) -> Json<Value> {
         state
             .workers
             .all()
+            .iter()
             .map(|w| {
                 json!({
                     "url": w.url,

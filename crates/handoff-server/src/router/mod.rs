@@ -8,6 +8,7 @@
 //! [`run_router`] serves it until a shutdown future resolves.
 
 pub mod config;
+pub mod discovery;
 pub mod dispatch;
 pub mod forward;
 pub mod info;
@@ -127,6 +128,7 @@ impl RouterState {
 pub struct RouterHandle {
     state: RouterState,
     health_task: Option<tokio::task::JoinHandle<()>>,
+    discovery_task: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RouterHandle {
@@ -158,7 +160,10 @@ impl RouterHandle {
 
 impl Drop for RouterHandle {
     fn drop(&mut self) {
-        if let Some(t) = self.health_task.take() {
+        for t in [self.health_task.take(), self.discovery_task.take()]
+            .into_iter()
+            .flatten()
+        {
             t.abort();
         }
     }
@@ -182,6 +187,11 @@ pub fn router_app(config: RouterConfig) -> Result<(Router, RouterHandle), Router
             }
         })
     });
+    let discovery_task = state
+        .config
+        .discovery
+        .clone()
+        .map(|ep| tokio::spawn(discovery::run(state.clone(), ep)));
     let app = Router::new()
         .route("/generate", post(dispatch::generate))
         .route("/v1/completions", post(dispatch::completions))
@@ -212,7 +222,14 @@ pub fn router_app(config: RouterConfig) -> Result<(Router, RouterHandle), Router
         .fallback(dispatch::not_found)
         .layer(DefaultBodyLimit::max(ROUTER_MAX_BODY_BYTES))
         .with_state(state.clone());
-    Ok((app, RouterHandle { state, health_task }))
+    Ok((
+        app,
+        RouterHandle {
+            state,
+            health_task,
+            discovery_task,
+        },
+    ))
 }
 
 /// Serve the router on `listener` until `shutdown` resolves (then drain:

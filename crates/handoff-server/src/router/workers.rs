@@ -9,7 +9,7 @@
 //! workers; readiness needs a `Healthy` one of each role.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -185,13 +185,15 @@ impl Drop for InFlightGuard {
     }
 }
 
-/// Every worker of the router.
+/// Every worker of the router: the ones on its command line and, with
+/// discovery, the ones registered in etcd, added and removed live.
+/// Readers take a snapshot of a role's list (an `Arc`, cheap to clone).
 #[derive(Debug)]
 pub struct Workers {
-    /// Prefill workers, in configuration order.
-    pub prefill: Vec<Arc<Worker>>,
-    /// Decode workers, in configuration order.
-    pub decode: Vec<Arc<Worker>>,
+    prefill: RwLock<Arc<Vec<Arc<Worker>>>>,
+    decode: RwLock<Arc<Vec<Arc<Worker>>>>,
+    /// Registrations discovery refused (a different model), for `/workers`.
+    refused: Mutex<Vec<Value>>,
 }
 
 impl Workers {
@@ -216,20 +218,84 @@ impl Workers {
             .iter()
             .map(|d| Worker::new(d, Role::Decode, 0, metrics).map(Arc::new))
             .collect::<Result<_, _>>()?;
-        Ok(Workers { prefill, decode })
+        Ok(Workers {
+            prefill: RwLock::new(Arc::new(prefill)),
+            decode: RwLock::new(Arc::new(decode)),
+            refused: Mutex::new(Vec::new()),
+        })
     }
 
-    /// The workers of one role.
-    pub fn of(&self, role: Role) -> &[Arc<Worker>] {
+    fn list(&self, role: Role) -> &RwLock<Arc<Vec<Arc<Worker>>>> {
         match role {
             Role::Prefill => &self.prefill,
             Role::Decode => &self.decode,
         }
     }
 
-    /// Every worker, prefill first.
-    pub fn all(&self) -> impl Iterator<Item = &Arc<Worker>> {
-        self.prefill.iter().chain(self.decode.iter())
+    /// The workers of one role now.
+    pub fn of(&self, role: Role) -> Arc<Vec<Arc<Worker>>> {
+        self.list(role)
+            .read()
+            .map(|l| Arc::clone(&l))
+            .unwrap_or_else(|e| Arc::clone(&e.into_inner()))
+    }
+
+    /// Every worker now, prefill first.
+    pub fn all(&self) -> Vec<Arc<Worker>> {
+        let mut out = self.of(Role::Prefill).to_vec();
+        out.extend(self.of(Role::Decode).iter().cloned());
+        out
+    }
+
+    /// Add a worker of `role` at `url` (discovery); false if one with that
+    /// URL is already there.
+    pub fn add(
+        &self,
+        url: &str,
+        role: Role,
+        bootstrap_port: u16,
+        metrics: &RouterMetrics,
+    ) -> Result<bool, RouterConfigError> {
+        let w = Arc::new(Worker::new(url, role, bootstrap_port, metrics)?);
+        let mut l = self.list(role).write().unwrap_or_else(|e| e.into_inner());
+        if l.iter().any(|x| x.url == w.url) {
+            return Ok(false);
+        }
+        let mut next = l.to_vec();
+        next.push(w);
+        *l = Arc::new(next);
+        Ok(true)
+    }
+
+    /// Remove the worker of `role` at `url` (discovery: its key is gone);
+    /// requests already on it finish. Whether it was there.
+    pub fn remove(&self, url: &str, role: Role) -> bool {
+        let url = url.trim_end_matches('/');
+        let mut l = self.list(role).write().unwrap_or_else(|e| e.into_inner());
+        let next: Vec<Arc<Worker>> = l.iter().filter(|w| w.url != url).cloned().collect();
+        let gone = next.len() != l.len();
+        *l = Arc::new(next);
+        gone
+    }
+
+    /// Record a registration discovery refused, with why.
+    pub fn refuse(&self, entry: Value) {
+        let mut r = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(key) = entry.get("key") {
+            r.retain(|e| e.get("key") != Some(key));
+        }
+        r.push(entry);
+    }
+
+    /// Forget a refused registration whose key is gone.
+    pub fn forget_refused(&self, key: &str) {
+        let mut r = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        r.retain(|e| e.get("key").and_then(Value::as_str) != Some(key));
+    }
+
+    /// Registrations discovery refused.
+    pub fn refused(&self) -> Vec<Value> {
+        self.refused.lock().map(|r| r.clone()).unwrap_or_default()
     }
 
     /// How many workers of `role` passed their last probe.
@@ -243,7 +309,7 @@ impl Workers {
     /// At least one healthy worker of each role.
     pub fn ready(&self) -> bool {
         let healthy = |ws: &[Arc<Worker>]| ws.iter().any(|w| w.health() == Health::Healthy);
-        healthy(&self.prefill) && healthy(&self.decode)
+        healthy(&self.of(Role::Prefill)) && healthy(&self.of(Role::Decode))
     }
 
     /// Probe every worker once, concurrently.
@@ -254,7 +320,8 @@ impl Workers {
         unhealthy_after: u32,
         metrics: &RouterMetrics,
     ) {
-        let probes = self.all().map(|w| async move {
+        let all = self.all();
+        let probes = all.iter().map(|w| async move {
             let ok = probe_health(client, w, timeout).await;
             if ok {
                 if let Some(load) = probe_load(client, w, timeout).await {

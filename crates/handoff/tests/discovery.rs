@@ -1,0 +1,324 @@
+//! Discovery on a real etcd (issue 15): `handoff prefill|decode
+//! --discovery etcd://...` register under a lease, `handoff router
+//! --discovery ...` (no static workers) finds them. Two prefill and two
+//! decode workers of the tiny model all serve, with one answer per prompt
+//! whichever pair took it; a decode killed with SIGKILL leaves the router's
+//! set within the lease TTL and requests keep succeeding; a prefill
+//! stopped with SIGTERM deregisters at once; a worker of another model is
+//! refused, with the reason in `/workers`.
+//!
+//! Needs Debian's `etcd-server` (`etcd` on PATH), which `scripts/test.sh`
+//! installs; without it the test says so and passes, unless
+//! `HANDOFF_REQUIRE_ETCD` is set (CI sets it).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Proc {
+    child: Child,
+    http: String,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Etcd {
+    _proc: Proc,
+    endpoint: String,
+    _dir: tempdir::Dir,
+}
+
+mod tempdir {
+    /// A directory removed on drop.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    pub fn new(tag: &str) -> Dir {
+        let p = std::env::temp_dir().join(format!(
+            "handoff-{tag}-{}-{:x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&p).unwrap();
+        Dir(p)
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A fresh single-member etcd on loopback, or `None` (skip) without one.
+async fn etcd() -> Option<Etcd> {
+    let found = Command::new("etcd")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var_os("HANDOFF_REQUIRE_ETCD").is_none(),
+            "HANDOFF_REQUIRE_ETCD is set but there is no etcd on PATH (apt-get install etcd-server)"
+        );
+        eprintln!("skipping: no etcd on PATH (apt-get install etcd-server)");
+        return None;
+    }
+    let dir = tempdir::new("etcd");
+    let (client, peer) = (free_port(), free_port());
+    let client_url = format!("http://127.0.0.1:{client}");
+    let peer_url = format!("http://127.0.0.1:{peer}");
+    let child = Command::new("etcd")
+        .args(["--name", "t", "--data-dir"])
+        .arg(dir.0.join("data"))
+        .args(["--listen-client-urls", &client_url])
+        .args(["--advertise-client-urls", &client_url])
+        .args(["--listen-peer-urls", &peer_url])
+        .args(["--initial-advertise-peer-urls", &peer_url])
+        .args(["--initial-cluster", &format!("t={peer_url}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn etcd");
+    let p = Proc {
+        child,
+        http: client_url.clone(),
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let up = reqwest::Client::new()
+            .post(format!("{client_url}/v3/kv/range"))
+            .json(&json!({"key": "AA=="}))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success());
+        if up {
+            break;
+        }
+        assert!(Instant::now() < deadline, "etcd never answered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Some(Etcd {
+        _proc: p,
+        endpoint: format!("etcd://127.0.0.1:{client}/t{:x}", rand::random::<u32>()),
+        _dir: dir,
+    })
+}
+
+fn tiny(dir: &Path, seed: u64) -> PathBuf {
+    let path = dir.join(format!("tiny-{seed}.gguf"));
+    handoff_model::tiny::write_tiny_gguf(&path, seed).expect("tiny GGUF");
+    path
+}
+
+const SECRET: &str = "discovery test secret";
+
+/// Start `handoff <args>` and read its log until it listens.
+fn start(role: &str, args: &[&str]) -> Proc {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .arg(role)
+        .args(["--port", "0"])
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .env("HANDOFF_TRANSFER_SECRET", SECRET)
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn handoff");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let mut http = None;
+    for line in lines.by_ref() {
+        let line = line.expect("log line");
+        if let Some(i) = line.find("listening on http://") {
+            http = Some(format!(
+                "http://{}",
+                line[i + "listening on http://".len()..].trim()
+            ));
+            break;
+        }
+    }
+    std::thread::spawn(move || for _ in lines.by_ref() {});
+    Proc {
+        child,
+        http: http.unwrap_or_else(|| panic!("{role} never listened")),
+    }
+}
+
+fn worker(role: &str, model: &Path, discovery: &str) -> Proc {
+    let model = model.to_str().unwrap();
+    let mut args = vec![
+        "--model",
+        model,
+        "--kv-pages",
+        "256",
+        "--discovery",
+        discovery,
+        "--disaggregation-transfer-backend",
+        "tcp",
+    ];
+    if role == "prefill" {
+        args.extend(["--disaggregation-bootstrap-port", "0"]);
+    }
+    start(role, &args)
+}
+
+async fn workers(router: &str) -> Vec<Value> {
+    reqwest::get(format!("{router}/workers"))
+        .await
+        .expect("workers")
+        .json::<Value>()
+        .await
+        .expect("JSON")
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Wait until `/workers` satisfies `ok`, or fail after `within`.
+async fn until(router: &str, within: Duration, what: &str, ok: impl Fn(&[Value]) -> bool) {
+    let deadline = Instant::now() + within;
+    loop {
+        let w = workers(router).await;
+        if ok(&w) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not within {within:?}: {what}: {w:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn count(w: &[Value], role: &str, health: &str) -> usize {
+    w.iter()
+        .filter(|w| w["role"] == role && w["health"] == health)
+        .count()
+}
+
+async fn generate(router: &str, prompt: u32) -> (u16, Value) {
+    let body = json!({
+        "input_ids": (0..40u32).map(|i| 30 + (i * 7 + prompt) % 150).collect::<Vec<_>>(),
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+    });
+    let r = reqwest::Client::new()
+        .post(format!("{router}/generate"))
+        .json(&body)
+        .send()
+        .await
+        .expect("router answers");
+    let s = r.status().as_u16();
+    (s, r.json::<Value>().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
+    let Some(etcd) = etcd().await else { return };
+    let dir = tempdir::new("discovery-models");
+    let model = tiny(&dir.0, 5);
+    let ep = etcd.endpoint.as_str();
+    let mut prefills = vec![worker("prefill", &model, ep), worker("prefill", &model, ep)];
+    let mut decodes = vec![worker("decode", &model, ep), worker("decode", &model, ep)];
+    let router = start(
+        "router",
+        &["--discovery", ep, "--health-check-interval-secs", "1"],
+    );
+    let r = router.http.as_str();
+    until(r, Duration::from_secs(20), "four healthy workers", |w| {
+        count(w, "prefill", "healthy") == 2 && count(w, "decode", "healthy") == 2
+    })
+    .await;
+
+    // Every worker takes requests; a prompt's answer is the same whichever
+    // pair served it.
+    let mut answers: Vec<Option<Value>> = vec![None; 3];
+    for i in 0..12u32 {
+        let (s, v) = generate(r, i % 3).await;
+        assert_eq!(s, 200, "{v}");
+        let text = v["output_ids"].clone();
+        let slot = &mut answers[(i % 3) as usize];
+        match slot {
+            None => *slot = Some(text),
+            Some(want) => assert_eq!(&text, want, "prompt {} answered differently", i % 3),
+        }
+    }
+    let w = workers(r).await;
+    for x in &w {
+        assert!(x["served"].as_u64() > Some(0), "a worker took nothing: {x}");
+    }
+    for p in prefills.iter().chain(&decodes) {
+        assert!(
+            w.iter().any(|x| x["url"] == p.http.as_str()),
+            "{} not listed",
+            p.http
+        );
+    }
+
+    // SIGKILL a decode: its lease (3 s) expires and the router drops it;
+    // requests keep succeeding on the other.
+    let dead = decodes.remove(0);
+    let dead_url = dead.http.clone();
+    let t0 = Instant::now();
+    drop(dead);
+    until(r, Duration::from_secs(8), "the killed decode gone", |w| {
+        !w.iter().any(|x| x["url"] == dead_url.as_str())
+    })
+    .await;
+    let gone_after = t0.elapsed();
+    assert!(gone_after <= Duration::from_secs(6), "{gone_after:?}");
+    for i in 0..4u32 {
+        let (s, v) = generate(r, i % 3).await;
+        assert_eq!(s, 200, "after a decode died: {v}");
+        assert_eq!(Some(v["output_ids"].clone()), answers[(i % 3) as usize]);
+    }
+
+    // SIGTERM a prefill: it revokes its lease before draining, so the
+    // router drops it well before a TTL would.
+    let leaving = prefills.remove(0);
+    let leaving_url = leaving.http.clone();
+    let t0 = Instant::now();
+    let pid = leaving.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    until(r, Duration::from_secs(5), "the stopped prefill gone", |w| {
+        !w.iter().any(|x| x["url"] == leaving_url.as_str())
+    })
+    .await;
+    assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    drop(leaving);
+
+    // Another model: refused, with the reason listed.
+    let other = tiny(&dir.0, 6);
+    let stranger = worker("decode", &other, ep);
+    until(r, Duration::from_secs(10), "the other model refused", |w| {
+        w.iter().any(|x| {
+            x["url"] == stranger.http.as_str()
+                && x["health"] == "refused"
+                && x["reason"].as_str().is_some_and(|s| s.contains("differs"))
+        })
+    })
+    .await;
+    let (s, v) = generate(r, 1).await;
+    assert_eq!(
+        (s, Some(v["output_ids"].clone())),
+        (200, answers[1].clone())
+    );
+    drop(stranger);
+    drop(router);
+}
