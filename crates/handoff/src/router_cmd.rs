@@ -65,6 +65,10 @@ pub struct RouterArgs {
     /// `--prefill-allow` for every prefill.
     #[arg(long, value_name = "PATH")]
     transfer_secret_file: Option<std::path::PathBuf>,
+    /// Seconds a request waits for a worker when a role has none healthy
+    /// (restarting, or not registered yet) before a 503 with Retry-After.
+    #[arg(long, default_value_t = 0)]
+    queue_timeout_secs: u64,
     /// Retries of a request that failed before any byte reached the client
     /// (connection errors, 502, 503), each with a fresh room.
     #[arg(long, default_value_t = 2)]
@@ -153,6 +157,7 @@ pub fn config(
     c.request_timeout = Duration::from_secs(args.request_timeout_secs);
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;
+    c.queue_timeout = Duration::from_secs(args.queue_timeout_secs);
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();
     c.stall_timeout = args.limits.stall_timeout();

@@ -230,17 +230,57 @@ async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
     let dir = tempdir::new("discovery-models");
     let model = tiny(&dir.0, 5);
     let ep = etcd.endpoint.as_str();
-    let mut prefills = vec![worker("prefill", &model, ep), worker("prefill", &model, ep)];
-    let mut decodes = vec![worker("decode", &model, ep), worker("decode", &model, ep)];
+    // The router starts first, with no worker anywhere: a request that
+    // comes now waits (--queue-timeout-secs) for workers to register.
     let router = start(
         "router",
-        &["--discovery", ep, "--health-check-interval-secs", "1"],
+        &[
+            "--discovery",
+            ep,
+            "--health-check-interval-secs",
+            "1",
+            "--queue-timeout-secs",
+            "30",
+        ],
     );
     let r = router.http.as_str();
+    let early = {
+        let r = r.to_string();
+        tokio::spawn(async move { generate(&r, 0).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!early.is_finished(), "the early request did not wait");
+    let mut prefills = vec![worker("prefill", &model, ep), worker("prefill", &model, ep)];
+    let mut decodes = vec![worker("decode", &model, ep), worker("decode", &model, ep)];
+    let (s, v) = early.await.unwrap();
+    assert_eq!(s, 200, "the early request: {v}");
     until(r, Duration::from_secs(20), "four healthy workers", |w| {
         count(w, "prefill", "healthy") == 2 && count(w, "decode", "healthy") == 2
     })
     .await;
+
+    // Without workers and with a short queue timeout: a 503 that says when
+    // to retry.
+    let empty = format!("{ep}-empty");
+    let lonely = start(
+        "router",
+        &["--discovery", &empty, "--queue-timeout-secs", "1"],
+    );
+    let t0 = Instant::now();
+    let resp = reqwest::Client::new()
+        .post(format!("{}/generate", lonely.http))
+        .json(&json!({"text": "hi", "sampling_params": {"max_new_tokens": 1}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t0.elapsed()
+    );
+    drop(lonely);
 
     // Every worker takes requests; a prompt's answer is the same whichever
     // pair served it.
@@ -266,6 +306,40 @@ async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
             p.http
         );
     }
+
+    // etcd frozen for 5 s (longer than the leases): the router keeps
+    // serving with the workers it knows; when etcd is back the expired
+    // leases' keys go, the workers register again, and all four are back.
+    let etcd_pid = etcd._proc.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-STOP", &etcd_pid])
+        .status()
+        .unwrap()
+        .success());
+    let t0 = Instant::now();
+    let mut i = 0;
+    while t0.elapsed() < Duration::from_secs(5) {
+        let (s, v) = generate(r, i % 3).await;
+        assert_eq!(s, 200, "while etcd is frozen: {v}");
+        assert_eq!(Some(v["output_ids"].clone()), answers[(i % 3) as usize]);
+        i += 1;
+    }
+    assert!(Command::new("kill")
+        .args(["-CONT", &etcd_pid])
+        .status()
+        .unwrap()
+        .success());
+    for i in 0..6u32 {
+        let (s, v) = generate(r, i % 3).await;
+        assert_eq!(s, 200, "after etcd came back: {v}");
+    }
+    until(
+        r,
+        Duration::from_secs(20),
+        "all four back after etcd returned",
+        |w| count(w, "prefill", "healthy") == 2 && count(w, "decode", "healthy") == 2,
+    )
+    .await;
 
     // SIGKILL a decode: its lease (3 s) expires and the router drops it;
     // requests keep succeeding on the other.

@@ -66,6 +66,10 @@ pub struct RouterConfig {
     /// prefill it names (`None`: unsigned; decode workers then need
     /// `--prefill-allow`).
     pub transfer_secret: Option<crate::trust::TransferSecret>,
+    /// How long a request waits for a worker of a role that has none
+    /// dispatchable (all down, restarting, or not registered yet) before a
+    /// 503 with `Retry-After` (default 0: at once).
+    pub queue_timeout: Duration,
     /// Where workers register (etcd): the router adds and removes them
     /// live, beside any given on its command line.
     pub discovery: Option<crate::discovery::EtcdEndpoint>,
@@ -90,6 +94,7 @@ impl RouterConfig {
             stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),
             api_key: None,
             transfer_secret: None,
+            queue_timeout: Duration::ZERO,
             discovery: None,
         }
     }

@@ -100,17 +100,27 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     for attempt in 0..=state.config.max_retries {
         let pair = match state.pick_pair(&failed, &blocks) {
             Ok(p) => p,
-            Err(role) => {
-                if let Some(f) = last {
-                    return fail(&mut tl, f);
+            Err(_) if last.is_some() => return fail(&mut tl, last.take().expect("checked")),
+            // No worker of a role now: wait for one to come back or
+            // register, up to the queue timeout (and the request's deadline).
+            Err(role) => match state.wait_for_pair(&failed, &blocks, deadline).await {
+                Ok(p) => p,
+                Err(_) => {
+                    let err = ApiError::new(
+                        503,
+                        "no_healthy_worker",
+                        format!("no healthy {} worker is available", role.name()),
+                    );
+                    tl.set_status(err.status);
+                    tl.finish("no_healthy_worker");
+                    let mut resp = err.into_response();
+                    resp.headers_mut().insert(
+                        axum::http::header::RETRY_AFTER,
+                        axum::http::HeaderValue::from_static("1"),
+                    );
+                    return resp;
                 }
-                let err = ApiError::new(
-                    503,
-                    "no_healthy_worker",
-                    format!("no healthy {} worker is available", role.name()),
-                );
-                return refuse(&mut tl, err, "no_healthy_worker");
-            }
+            },
         };
         if attempt > 0 {
             state.metrics.count_retry(route);
@@ -246,6 +256,25 @@ impl RouterState {
         let prefill = self.pick(Role::Prefill, failed, blocks)?;
         let decode = self.pick(Role::Decode, failed, blocks)?;
         Ok(Pair { prefill, decode })
+    }
+
+    /// [`Self::pick_pair`], waiting up to the queue timeout (and no later
+    /// than `deadline`) for a worker of the missing role to become
+    /// dispatchable: one that registers, or comes back healthy.
+    async fn wait_for_pair(
+        &self,
+        failed: &[Arc<Worker>],
+        blocks: &[u64],
+        deadline: Instant,
+    ) -> Result<Pair, Role> {
+        let until = deadline.min(Instant::now() + self.config.queue_timeout);
+        loop {
+            match self.pick_pair(failed, blocks) {
+                Ok(p) => return Ok(p),
+                Err(role) if Instant::now() >= until => return Err(role),
+                Err(_) => tokio::time::sleep(std::time::Duration::from_millis(50)).await,
+            }
+        }
     }
 
     fn pick(
