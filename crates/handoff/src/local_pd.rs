@@ -1,6 +1,7 @@
-//! `handoff serve` in its default, disaggregated form: one prefill and one
-//! decode worker as child processes on loopback (KV over shared memory),
-//! and handoff's router in this process on the public address. The workers
+//! `handoff serve` in its default, disaggregated form: prefill and decode
+//! workers (one each, or `--prefill-replicas` / `--decode-replicas`) as
+//! child processes on loopback (KV over shared memory), and handoff's
+//! router in this process on the public address. The workers
 //! exit with `handoff serve` (their standard input is a pipe from it); a
 //! worker that dies (killed, crashed) is started again on the same ports,
 //! and the router's health checks take it back once it answers.
@@ -200,6 +201,18 @@ async fn wait_healthy(
     }
 }
 
+/// How many workers of each role `handoff serve` runs, and how long a
+/// request waits for one of a role that has none healthy.
+#[derive(Debug, Clone, Copy)]
+pub struct Replicas {
+    /// Prefill worker processes.
+    pub prefill: usize,
+    /// Decode worker processes.
+    pub decode: usize,
+    /// The router's queue timeout.
+    pub queue_timeout: Duration,
+}
+
 /// Run router + prefill + decode until SIGTERM / ctrl-c.
 /// `prefill_nice`: the prefill worker's scheduling niceness (0 = as this
 /// process). On a host where both workers share the cores, a positive value
@@ -210,6 +223,7 @@ pub fn run(
     http: &HttpArgs,
     pd: &PdArgs,
     prefill_nice: u8,
+    replicas: Replicas,
 ) -> anyhow::Result<()> {
     let api_key = http.limits.api_key()?;
     let api_key_text = api_key.as_ref().map(|k| k.secret().to_string());
@@ -217,10 +231,15 @@ pub fn run(
     let model = engine.model_path()?;
     // The prefill worker's transfer endpoint: the port asked for, or a free
     // one (the router must know it, so 0 is resolved here too).
+    // Further prefill replicas take free ports.
     let bootstrap = match pd.disaggregation_bootstrap_port {
         Some(port) if port != 0 => port,
         _ => free_port()?,
     };
+    let mut bootstraps = vec![bootstrap];
+    for _ in 1..replicas.prefill {
+        bootstraps.push(free_port()?);
+    }
     let transfer = pd.disaggregation_transfer_backend.to_string();
     // Transfer flags both workers take.
     let mut common = vec![
@@ -251,83 +270,107 @@ pub fn run(
         }
     };
     let router_secret = secret.and_then(handoff_server::trust::TransferSecret::new);
-    let prefill_spec = Spec {
-        role: "prefill",
-        model: model.clone(),
-        engine: engine.clone(),
-        port: free_port()?,
-        extra: [
-            vec![
-                "--disaggregation-bootstrap-port".into(),
-                bootstrap.to_string(),
-            ],
-            common.clone(),
-        ]
-        .concat(),
-        nice: prefill_nice,
-        api_key: api_key_text.clone(),
-        transfer_secret: run_secret.clone(),
-    };
-    let decode_spec = Spec {
-        role: "decode",
-        model: model.clone(),
-        engine: engine.clone(),
-        port: free_port()?,
-        extra: [
-            vec![
-                "--transfer".into(),
-                transfer.clone(),
-                "--transfer-tcp-streams".into(),
-                pd.transfer_tcp_streams.to_string(),
-            ],
-            common,
-        ]
-        .concat(),
-        nice: 0,
-        api_key: api_key_text,
-        transfer_secret: run_secret,
-    };
-    let mut prefill = spawn_worker(&prefill_spec)?;
-    let mut decode = spawn_worker(&decode_spec)?;
+    let mut prefill_specs = Vec::with_capacity(replicas.prefill);
+    for port in &bootstraps {
+        prefill_specs.push(Spec {
+            role: "prefill",
+            model: model.clone(),
+            engine: engine.clone(),
+            port: free_port()?,
+            extra: [
+                vec!["--disaggregation-bootstrap-port".into(), port.to_string()],
+                common.clone(),
+            ]
+            .concat(),
+            nice: prefill_nice,
+            api_key: api_key_text.clone(),
+            transfer_secret: run_secret.clone(),
+        });
+    }
+    let mut decode_specs = Vec::with_capacity(replicas.decode);
+    for _ in 0..replicas.decode {
+        decode_specs.push(Spec {
+            role: "decode",
+            model: model.clone(),
+            engine: engine.clone(),
+            port: free_port()?,
+            extra: [
+                vec![
+                    "--transfer".into(),
+                    transfer.clone(),
+                    "--transfer-tcp-streams".into(),
+                    pd.transfer_tcp_streams.to_string(),
+                ],
+                common.clone(),
+            ]
+            .concat(),
+            nice: 0,
+            api_key: api_key_text.clone(),
+            transfer_secret: run_secret.clone(),
+        });
+    }
+    let specs: Vec<Spec> = prefill_specs.into_iter().chain(decode_specs).collect();
+    let mut started = Vec::with_capacity(specs.len());
+    for spec in &specs {
+        started.push(spawn_worker(spec)?);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("building the tokio runtime")?;
     rt.block_on(async {
-        wait_healthy(&mut prefill, api_key.as_ref()).await?;
-        wait_healthy(&mut decode, api_key.as_ref()).await?;
+        for w in &mut started {
+            wait_healthy(w, api_key.as_ref()).await?;
+        }
         let listener = tokio::net::TcpListener::bind((http.host.as_str(), http.port))
             .await
             .with_context(|| format!("binding {}:{}", http.host, http.port))?;
         let addr = listener.local_addr()?;
-        let mut config = RouterConfig::new(
-            vec![PrefillSpec {
-                url: prefill.url.clone(),
-                bootstrap_port: Some(bootstrap),
-            }],
-            vec![decode.url.clone()],
-        );
+        let prefills: Vec<PrefillSpec> = started
+            .iter()
+            .filter(|w| w.role == "prefill")
+            .zip(&bootstraps)
+            .map(|(w, port)| PrefillSpec {
+                url: w.url.clone(),
+                bootstrap_port: Some(*port),
+            })
+            .collect();
+        let decodes: Vec<String> = started
+            .iter()
+            .filter(|w| w.role == "decode")
+            .map(|w| w.url.clone())
+            .collect();
+        let policy = |n: usize| {
+            if n > 1 {
+                handoff_server::router::PolicyKind::CacheAware
+            } else {
+                handoff_server::router::PolicyKind::RoundRobin
+            }
+        };
+        let mut config = RouterConfig::new(prefills.clone(), decodes.clone());
+        config.prefill_policy = policy(prefills.len());
+        config.decode_policy = policy(decodes.len());
         config.health_interval = Duration::from_secs(1);
+        config.queue_timeout = replicas.queue_timeout;
         config.http = http.limits.limits();
         config.allow_origins = http.limits.allow_origin.clone();
         config.stall_timeout = http.limits.stall_timeout();
         config.api_key = api_key.clone();
         config.transfer_secret = router_secret.clone();
         tracing::info!(
-            prefill = %prefill.url,
-            decode = %decode.url,
-            bootstrap,
+            prefill = ?prefills.iter().map(|p| p.url.as_str()).collect::<Vec<_>>(),
+            decode = ?decodes,
+            bootstrap = ?bootstraps,
             %transfer,
             "disaggregated: router -> prefill + decode"
         );
         tracing::info!("listening on http://{addr}");
-        let prefill = std::sync::Arc::new(std::sync::Mutex::new(prefill));
-        let decode = std::sync::Arc::new(std::sync::Mutex::new(decode));
-        let supervisor = supervise(vec![
-            (prefill_spec, prefill.clone()),
-            (decode_spec, decode.clone()),
-        ]);
+        let workers: Vec<std::sync::Arc<std::sync::Mutex<Worker>>> = started
+            .drain(..)
+            .map(|w| std::sync::Arc::new(std::sync::Mutex::new(w)))
+            .collect();
+        let supervisor = supervise(specs.iter().cloned().zip(workers.iter().cloned()).collect());
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let stop = async move {
             tokio::select! {
@@ -350,12 +393,9 @@ pub fn run(
             return Err(e);
         }
         tracing::info!("router stopped; stopping the workers");
-        Ok::<_, anyhow::Error>((prefill, decode))
+        Ok::<_, anyhow::Error>(workers)
     })
-    .map(|(prefill, decode)| {
-        drop(prefill);
-        drop(decode);
-    })?;
+    .map(drop)?;
     tracing::info!("shut down");
     Ok(())
 }

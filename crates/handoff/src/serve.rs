@@ -34,6 +34,18 @@ pub struct ServeArgs {
     /// niceness 0 under mixed load on 2 cores).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u8).range(0..=19))]
     prefill_nice: u8,
+    /// Disaggregated serve: prefill worker processes (each supervised,
+    /// each with its own KV pool of --kv-pages).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    prefill_replicas: u16,
+    /// Disaggregated serve: decode worker processes.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    decode_replicas: u16,
+    /// Disaggregated serve: seconds a request waits for a worker of a role
+    /// with none healthy (one being restarted) before a 503 with
+    /// Retry-After.
+    #[arg(long, default_value_t = 30)]
+    queue_timeout_secs: u64,
 }
 
 /// Run `handoff serve` until SIGTERM / ctrl-c.
@@ -43,7 +55,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         (false, m) => m,
     };
     let Some(mode) = mode else {
-        return crate::local_pd::run(&args.engine, &args.http, &args.pd, args.prefill_nice);
+        let replicas = crate::local_pd::Replicas {
+            prefill: usize::from(args.prefill_replicas),
+            decode: usize::from(args.decode_replicas),
+            queue_timeout: std::time::Duration::from_secs(args.queue_timeout_secs),
+        };
+        return crate::local_pd::run(
+            &args.engine,
+            &args.http,
+            &args.pd,
+            args.prefill_nice,
+            replicas,
+        );
     };
     let worker = WorkerArgs {
         engine: args.engine,

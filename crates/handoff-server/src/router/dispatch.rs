@@ -100,11 +100,12 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     for attempt in 0..=state.config.max_retries {
         let pair = match state.pick_pair(&failed, &blocks) {
             Ok(p) => p,
-            Err(_) if last.is_some() => return fail(&mut tl, last.take().expect("checked")),
-            // No worker of a role now: wait for one to come back or
-            // register, up to the queue timeout (and the request's deadline).
+            // No worker of a role now (a retry too: nothing reached the
+            // client yet): wait for one to come back or register, up to the
+            // queue timeout (and the request's deadline).
             Err(role) => match state.wait_for_pair(&failed, &blocks, deadline).await {
                 Ok(p) => p,
+                Err(_) if last.is_some() => return fail(&mut tl, last.take().expect("checked")),
                 Err(_) => {
                     let err = ApiError::new(
                         503,

@@ -1,0 +1,238 @@
+//! `handoff serve --prefill-replicas 2 --decode-replicas 2` (issue 15 item
+//! 2): four supervised worker processes behind the router, every one takes
+//! requests, and a decode replica killed with SIGKILL under a steady load
+//! fails no request that had not started on it (they go to the other
+//! replica); the ones it was generating end with a typed error, and no
+//! answer is wrong; the supervisor starts it again and all four are
+//! healthy again.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+struct Serve {
+    child: Child,
+    url: String,
+    /// `worker process started` lines: (role, pid).
+    workers: Arc<Mutex<Vec<(String, u32)>>>,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn field(line: &str, name: &str) -> Option<String> {
+    let i = line.find(&format!("{name}="))?;
+    let rest = &line[i + name.len() + 1..];
+    Some(
+        rest.split_whitespace()
+            .next()?
+            .trim_matches('"')
+            .to_string(),
+    )
+}
+
+fn serve(model: &std::path::Path) -> Serve {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["serve", "--port", "0", "--kv-pages", "256"])
+        .args(["--prefill-replicas", "2", "--decode-replicas", "2"])
+        .arg("--model")
+        .arg(model)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn handoff serve");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let workers = Arc::new(Mutex::new(Vec::new()));
+    let mut url = None;
+    let record = |line: &str, workers: &Mutex<Vec<(String, u32)>>| {
+        if line.contains("worker process started") {
+            if let (Some(role), Some(pid)) = (field(line, "role"), field(line, "pid")) {
+                workers
+                    .lock()
+                    .unwrap()
+                    .push((role, pid.parse().expect("pid")));
+            }
+        }
+    };
+    for line in lines.by_ref() {
+        let line = line.expect("log line");
+        record(&line, &workers);
+        if !line.starts_with('[') {
+            if let Some(i) = line.find("listening on http://") {
+                url = Some(format!(
+                    "http://{}",
+                    line[i + "listening on http://".len()..].trim()
+                ));
+                break;
+            }
+        }
+    }
+    let w = workers.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            record(&line, &w);
+        }
+    });
+    Serve {
+        child,
+        url: url.expect("serve never listened"),
+        workers,
+    }
+}
+
+async fn generate(url: &str, prompt: u32) -> (u16, Value) {
+    let body = json!({
+        "input_ids": (0..48u32).map(|i| 30 + (i * 11 + prompt * 7) % 150).collect::<Vec<_>>(),
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+    });
+    match reqwest::Client::new()
+        .post(format!("{url}/generate"))
+        .json(&body)
+        .send()
+        .await
+    {
+        Ok(r) => {
+            let s = r.status().as_u16();
+            (s, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+        Err(e) => (0, json!(e.to_string())),
+    }
+}
+
+async fn workers(url: &str) -> Vec<Value> {
+    reqwest::get(format!("{url}/workers"))
+        .await
+        .expect("workers")
+        .json::<Value>()
+        .await
+        .expect("JSON")
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_all_serve_and_a_killed_decode_fails_only_what_it_was_generating() {
+    let dir = std::env::temp_dir().join(format!("handoff-replicas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = dir.join("tiny.gguf");
+    handoff_model::tiny::write_tiny_gguf(&model, 5).expect("tiny GGUF");
+    let s = serve(&model);
+    let url = s.url.clone();
+    let mut answers = Vec::new();
+    for p in 0..8u32 {
+        let (status, v) = generate(&url, p).await;
+        assert_eq!(status, 200, "{v}");
+        answers.push(v["output_ids"].clone());
+    }
+    let w = workers(&url).await;
+    assert_eq!(w.len(), 4, "{w:#?}");
+    for x in &w {
+        assert!(
+            x["served"].as_u64() > Some(0),
+            "a replica took nothing: {x}"
+        );
+    }
+
+    // A steady load from 4 clients; one decode replica dies in the middle.
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t0 = Instant::now();
+    let mut clients = Vec::new();
+    for c in 0..4u32 {
+        let (url, done, answers) = (url.clone(), done.clone(), answers.clone());
+        clients.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            let mut n = 0u32;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                let p = (c + n) % 8;
+                let start = t0.elapsed();
+                let (status, v) = generate(&url, p).await;
+                out.push((
+                    start,
+                    t0.elapsed(),
+                    status,
+                    v.clone(),
+                    v["output_ids"] == answers[p as usize],
+                ));
+                n += 1;
+            }
+            out
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let victim = s
+        .workers
+        .lock()
+        .unwrap()
+        .iter()
+        .find(|(role, _)| role == "decode")
+        .map(|(_, pid)| *pid)
+        .expect("a decode pid");
+    let killed_at = t0.elapsed();
+    assert!(Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut all = Vec::new();
+    for c in clients {
+        all.extend(c.await.unwrap());
+    }
+    let after: Vec<_> = all.iter().filter(|r| r.0 > killed_at).collect();
+    assert!(
+        after.len() >= 8,
+        "only {} requests after the kill",
+        after.len()
+    );
+    for (start, end, status, v, same) in &all {
+        match status {
+            200 => assert!(same, "a wrong answer: {v}"),
+            // In flight on the killed replica: a typed error, at once.
+            502 => {
+                assert!(
+                    *start < killed_at && *end > killed_at,
+                    "{start:?} {end:?} {v}"
+                );
+                assert!(v["error"]["message"].as_str().is_some(), "{v}");
+            }
+            other => panic!("{other}: {v}"),
+        }
+    }
+    for (_, _, status, v, _) in &after {
+        assert_eq!(*status, 200, "a request started after the kill failed: {v}");
+    }
+    // Started again by the supervisor, and healthy.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let w = workers(&url).await;
+        let healthy = w.iter().filter(|x| x["health"] == "healthy").count();
+        let restarted = s.workers.lock().unwrap().len() == 5;
+        if healthy == 4 && restarted {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not back: {w:#?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(s);
+    let _ = std::fs::remove_dir_all(&dir);
+}
