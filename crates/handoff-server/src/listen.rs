@@ -44,6 +44,9 @@ pub struct HttpLimits {
     pub write_timeout: Duration,
     /// Open connections at most; more get a 503.
     pub max_connections: usize,
+    /// After shutdown: longest open connections may take to finish their
+    /// requests before they are cut.
+    pub drain_timeout: Duration,
 }
 
 impl Default for HttpLimits {
@@ -53,6 +56,7 @@ impl Default for HttpLimits {
             body_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(30),
             max_connections: 1024,
+            drain_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -62,7 +66,8 @@ impl Default for HttpLimits {
 pub struct BodyDeadline(pub Duration);
 
 /// Serve `app` on `listener` within `limits` until `shutdown` resolves; then
-/// stop accepting and wait for open connections to finish their requests.
+/// stop accepting and wait for open connections to finish their requests,
+/// up to `limits.drain_timeout` (then they are cut).
 pub async fn serve<F>(
     listener: TcpListener,
     app: Router,
@@ -80,7 +85,10 @@ where
         .header_read_timeout(limits.header_timeout)
         .keep_alive(true);
     tokio::pin!(shutdown);
+    // The connection tasks, so a drain that times out can cut them.
+    let mut conns = tokio::task::JoinSet::new();
     loop {
+        while conns.try_join_next().is_some() {}
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
@@ -111,7 +119,7 @@ where
         });
         let io = TokioIo::new(WriteDeadline::new(stream, limits.write_timeout));
         let conn = graceful.watch(builder.serve_connection(io, service));
-        tokio::spawn(async move {
+        conns.spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!("connection from {peer} ended: {e}");
             }
@@ -119,7 +127,21 @@ where
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    if tokio::time::timeout(limits.drain_timeout, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            open = limits
+                .max_connections
+                .saturating_sub(slots.available_permits()),
+            "drain timeout ({} s): cutting the connections still open",
+            limits.drain_timeout.as_secs()
+        );
+    }
+    // Dropping the set aborts what is left (cut connections drop their
+    // requests, which cancels them).
+    drop(conns);
     Ok(())
 }
 

@@ -244,6 +244,7 @@ fn limits(header: u64, body: u64, write: u64, conns: usize) -> handoff_server::H
         body_timeout: Duration::from_secs(body),
         write_timeout: Duration::from_secs(write),
         max_connections: conns,
+        ..Default::default()
     }
 }
 

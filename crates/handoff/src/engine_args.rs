@@ -242,6 +242,11 @@ pub struct HttpLimitArgs {
     /// Open connections at most; past it a new connection gets a 503.
     #[arg(long, default_value_t = handoff_server::HttpLimits::default().max_connections as u64, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     pub max_connections: u64,
+    /// On SIGTERM: seconds in-flight requests may take to finish once the
+    /// server stopped accepting (a worker with --discovery deregisters
+    /// first); what is still open then is cut and the process exits.
+    #[arg(long, default_value_t = handoff_server::HttpLimits::default().drain_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    pub drain_timeout_secs: u64,
     /// Seconds a request may wait for its next token (a worker) or its next
     /// byte from decode (the router) before it ends with a `stalled` error
     /// (an SSE error event once streaming) and is cancelled on both PD
@@ -277,6 +282,7 @@ impl HttpLimitArgs {
             body_timeout: std::time::Duration::from_secs(self.http_body_timeout_secs),
             write_timeout: std::time::Duration::from_secs(self.stream_write_timeout_secs),
             max_connections: self.max_connections as usize,
+            drain_timeout: std::time::Duration::from_secs(self.drain_timeout_secs),
         }
     }
 
@@ -317,6 +323,8 @@ impl HttpLimitArgs {
             self.stream_write_timeout_secs.to_string(),
             "--max-connections".into(),
             self.max_connections.to_string(),
+            "--drain-timeout-secs".into(),
+            self.drain_timeout_secs.to_string(),
         ]
         .into_iter()
         .chain(

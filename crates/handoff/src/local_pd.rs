@@ -361,7 +361,8 @@ pub fn run(
         tracing::info!(
             prefill = ?prefills.iter().map(|p| p.url.as_str()).collect::<Vec<_>>(),
             decode = ?decodes,
-            bootstrap = ?bootstraps,
+            bootstrap,
+            bootstraps = ?bootstraps,
             %transfer,
             "disaggregated: router -> prefill + decode"
         );
