@@ -56,6 +56,11 @@ HANDOFF_BIN="$BIN" tests/python/run.sh --model "$MODEL" --disaggregation-transfe
 
 step "python: SGLang's PD router (sglang-router 0.3.2) in front of handoff prefill + decode"
 HANDOFF_BIN="$BIN" tests/sglang_router/run.sh --model "$MODEL"
+step "Kubernetes manifests (deploy/k8s) against the API schemas"
+python3 -m venv /tmp/handoff-k8s-venv
+/tmp/handoff-k8s-venv/bin/pip install -q kubernetes-validate==1.37.0
+/tmp/handoff-k8s-venv/bin/kubernetes-validate --strict --quiet deploy/k8s/*.yaml
+
 step "chaos: faults across network namespaces under load (bounded run)"
 # Root only (namespaces, tc, iptables): prefill, decode and router in three
 # namespaces, a seeded schedule of kills, freezes, cut links and injected
