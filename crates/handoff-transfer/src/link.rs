@@ -1345,6 +1345,21 @@ mod tests {
     }
 
     /// Both ends of a loopback TCP connection (connecting, accepted).
+    /// As a prefill: end `room` on `link` and read decode's ack of it.
+    async fn end_and_ack(link: &mut TcpStream, room: RoomId) -> Ack {
+        let end = Record::End {
+            room,
+            cancelled: false,
+        };
+        link.write_all(&end.encode()).await.unwrap();
+        let mut ack = [0u8; ACK_LEN];
+        tokio::time::timeout(Duration::from_secs(5), link.read_exact(&mut ack))
+            .await
+            .expect("no ack")
+            .unwrap();
+        Ack::decode(&ack).unwrap()
+    }
+
     async fn tcp_pair() -> (TcpStream, TcpStream) {
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
@@ -1675,17 +1690,7 @@ mod tests {
         cmd_tx.send(ReaderCmd::Forget { room: rooms[4] }).unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
         prefill.write_all(&rec[RECORD_LEN..]).await.unwrap();
-        let end = Record::End {
-            room: rooms[4],
-            cancelled: false,
-        };
-        prefill.write_all(&end.encode()).await.unwrap();
-        let mut ack = [0u8; ACK_LEN];
-        tokio::time::timeout(Duration::from_secs(5), prefill.read_exact(&mut ack))
-            .await
-            .expect("no ack")
-            .unwrap();
-        assert!(!Ack::decode(&ack).unwrap().ok);
+        assert!(!end_and_ack(&mut prefill, rooms[4]).await.ok);
         assert_eq!(page(d[4]), vec![0; span], "a forgotten room got bytes");
         drop(cmd_tx);
         task.await.unwrap();
@@ -1849,18 +1854,9 @@ mod tests {
         // The other room still gets its page, and its ack.
         prefill.write_all(&segment(kept, kept_page)).await.unwrap();
         prefill.write_all(&vec![0x44; span]).await.unwrap();
-        let end = Record::End {
-            room: kept,
-            cancelled: false,
-        };
-        prefill.write_all(&end.encode()).await.unwrap();
-        let mut ack = [0u8; ACK_LEN];
-        tokio::time::timeout(Duration::from_secs(5), prefill.read_exact(&mut ack))
-            .await
-            .expect("no ack")
-            .unwrap();
+        let ack = end_and_ack(&mut prefill, kept).await;
         assert_eq!(
-            Ack::decode(&ack).unwrap(),
+            ack,
             Ack {
                 room: kept,
                 ok: true

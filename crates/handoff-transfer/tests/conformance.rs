@@ -207,6 +207,35 @@ fn span_bytes(pool: &KvPool, layer: usize, page: PageIndex) -> Vec<u8> {
     out
 }
 
+/// Finish room `r` with `aux` on prefill, wait until both sides report
+/// success, and return what decode committed.
+async fn finish_and_commit(p: &Pair, r: RoomId, aux: AuxData) -> (handoff_kv::PageLease, AuxData) {
+    p.tx.finish(r, aux).await.unwrap();
+    assert_eq!(
+        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
+        SenderPoll::Success
+    );
+    let ReceiverPoll::Success { lease, aux } =
+        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
+    else {
+        panic!("decode did not commit room {}", r.get())
+    };
+    (lease, aux)
+}
+
+/// Layers `0..layers` of every source page landed on its destination page.
+fn assert_moved(p: &Pair, layers: usize, src: &[PageIndex], dst: &[PageIndex]) {
+    for layer in 0..layers {
+        for (s, d) in src.iter().zip(dst) {
+            assert_eq!(
+                span_bytes(&p.p_pool, layer, *s),
+                span_bytes(&p.d_pool, layer, *d),
+                "layer {layer} page {s:?} -> {d:?}"
+            );
+        }
+    }
+}
+
 /// Version window (issue 14 item 9): a decode that speaks only protocol 1
 /// with protocol 1's capabilities (the kept encoder: this build configured
 /// as N-1) connects to the current prefill, which settles on version 1 and
@@ -248,33 +277,13 @@ async fn a_decode_speaking_the_previous_version_completes_a_room(kind: Transport
         .collect::<Vec<_>>()
         .into();
     p.tx.send(r, 0..2, 0..3, src.clone()).await.unwrap();
-    p.tx.finish(
-        r,
-        AuxData {
-            first_token: 99,
-            logprob: -1.5,
-        },
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
-        SenderPoll::Success
-    );
-    let ReceiverPoll::Success { lease, aux } =
-        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
-    else {
-        panic!("an N-1 decode did not commit")
+    let aux = AuxData {
+        first_token: 99,
+        logprob: -1.5,
     };
-    assert_eq!((lease.pages(), aux.first_token), (&dst[..], 99));
-    for layer in 0..2 {
-        for (s, d) in src.iter().zip(&dst) {
-            assert_eq!(
-                span_bytes(&p.p_pool, layer, *s),
-                span_bytes(&p.d_pool, layer, *d)
-            );
-        }
-    }
+    let (lease, got) = finish_and_commit(&p, r, aux).await;
+    assert_eq!((lease.pages(), got.first_token), (&dst[..], 99));
+    assert_moved(&p, 2, &src, &dst);
     drop(lease);
     teardown(p).await;
 }
@@ -297,36 +306,15 @@ async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
     p.tx.send(r, 0..1, 0..9, src.clone()).await.unwrap();
     p.tx.send(r, 1..2, 0..4, src.clone()).await.unwrap();
     p.tx.send(r, 1..2, 4..9, src.clone()).await.unwrap();
-    p.tx.finish(
-        r,
-        AuxData {
-            first_token: 4242,
-            logprob: -0.25,
-        },
-    )
-    .await
-    .unwrap();
-    assert_eq!(
-        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
-        SenderPoll::Success
-    );
-    let ReceiverPoll::Success { lease, aux } =
-        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
-    else {
-        panic!("decode did not commit")
+    let aux = AuxData {
+        first_token: 4242,
+        logprob: -0.25,
     };
+    let (lease, aux) = finish_and_commit(&p, r, aux).await;
     assert_eq!(lease.pages(), &dst[..]);
     assert_eq!(aux.first_token, 4242);
     assert_eq!(aux.logprob, -0.25);
-    for layer in 0..2 {
-        for (s, d) in src.iter().zip(&dst) {
-            assert_eq!(
-                span_bytes(&p.p_pool, layer, *s),
-                span_bytes(&p.d_pool, layer, *d),
-                "layer {layer} page {s:?} -> {d:?}"
-            );
-        }
-    }
+    assert_moved(&p, 2, &src, &dst);
     // Pages outside the room are untouched.
     let untouched = (0..testing::TEST_PAGES as u32)
         .map(PageIndex)

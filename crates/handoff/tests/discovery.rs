@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+mod common;
+use common::workers;
+
 struct Proc {
     child: Child,
     http: String,
@@ -173,18 +176,6 @@ fn worker(role: &str, model: &Path, discovery: &str) -> Proc {
         args.extend(["--disaggregation-bootstrap-port", "0"]);
     }
     start(role, &args)
-}
-
-async fn workers(router: &str) -> Vec<Value> {
-    reqwest::get(format!("{router}/workers"))
-        .await
-        .expect("workers")
-        .json::<Value>()
-        .await
-        .expect("JSON")
-        .as_array()
-        .cloned()
-        .unwrap_or_default()
 }
 
 /// Wait until `/workers` satisfies `ok`, or fail after `within`.
