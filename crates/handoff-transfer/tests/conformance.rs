@@ -96,6 +96,11 @@ fn fill(pool: &KvPool) {
 }
 
 async fn pair(kind: TransportKind) -> Pair {
+    pair_with(testing::receiver_config(kind)).await
+}
+
+/// A connected pair whose decode endpoint runs `rcfg`.
+async fn pair_with(rcfg: handoff_transfer::ReceiverConfig) -> Pair {
     let (p_pool, _) = testing::pool();
     let (d_pool, _) = testing::pool();
     fill(&p_pool);
@@ -107,7 +112,7 @@ async fn pair(kind: TransportKind) -> Pair {
     .await
     .unwrap();
     let rx = KvReceiver::start(
-        testing::receiver_config(kind),
+        rcfg,
         d_pool.shared_region().unwrap().clone(),
         *d_pool.layout(),
     );
@@ -243,32 +248,10 @@ fn assert_moved(p: &Pair, layers: usize, src: &[PageIndex], dst: &[PageIndex]) {
 /// the window is refused naming both ranges
 /// (`version_and_fingerprint_mismatch_fail_at_handshake`).
 async fn a_decode_speaking_the_previous_version_completes_a_room(kind: TransportKind) {
-    let (p_pool, _) = testing::pool();
-    let (d_pool, _) = testing::pool();
-    fill(&p_pool);
-    let tx = KvSender::start(
-        testing::sender_config(),
-        p_pool.shared_region().unwrap().clone(),
-        *p_pool.layout(),
-    )
-    .await
-    .unwrap();
     let mut cfg = testing::receiver_config(kind);
     cfg.handshake.max_version = handoff_proto::frame::PROTOCOL_VERSION - 1;
     cfg.handshake.capabilities = handoff_proto::handshake::Capabilities::V1;
-    let rx = KvReceiver::start(
-        cfg,
-        d_pool.shared_region().unwrap().clone(),
-        *d_pool.layout(),
-    );
-    let rank = rx.connect(tx.local_addr()).await.unwrap();
-    let p = Pair {
-        tx,
-        rx,
-        p_pool,
-        d_pool,
-        rank,
-    };
+    let p = pair_with(cfg).await;
     let r = room(12);
     let dst = open_both(&p, r, 3).await;
     let src: Arc<[PageIndex]> = [9, 4, 30]
