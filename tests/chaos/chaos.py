@@ -275,7 +275,6 @@ class Proc:
         self.log = open(os.path.join(log_dir, f"{NAMES[k]}.log"), "ab")
         self.p = None
         self.restarts = 0
-        self.stopped = False
 
     def start(self):
         self.p = subprocess.Popen(["ip", "netns", "exec", NS[self.k]] + self.argv,
@@ -434,7 +433,9 @@ class Run:
         self.rng = random.Random(args.seed)
         self.lock = threading.Lock()
         self.results = []
-        self.kills = {"p": [], "d": [], "r": []}
+        # When the router was killed or terminated (a stream cut then is not
+        # the router's fault).
+        self.router_kills = []
         self.heals = []
         self.faults = {}
         self.done = threading.Event()
@@ -502,7 +503,7 @@ class Run:
                 want = self.ref[(kind.replace("-stream", ""), i)]
                 if text != want:
                     outcome, text = "garbage", f"{text!r} != reference {want!r}"
-            if outcome == "cut" and any(t0 - 0.5 <= t <= t1 for t in self.kills["r"]):
+            if outcome == "cut" and any(t0 - 0.5 <= t <= t1 for t in self.router_kills):
                 outcome = "cut_by_router_kill"
             with self.lock:
                 self.results.append((t0, t1, kind, i, outcome, text))
@@ -525,7 +526,7 @@ class Run:
             t = time.time()
             proc.signal(signal.SIGKILL if what == "kill" else signal.SIGTERM)
             if k == "r":
-                self.kills["r"].append(t)
+                self.router_kills.append(t)
             try:
                 proc.p.wait(timeout=15)
             except subprocess.TimeoutExpired:

@@ -439,6 +439,11 @@ impl PageGenerations {
         self.pages
     }
 
+    /// Where the table starts in its region (after the pool's KV bytes).
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
     /// The current epoch: every page handed out so far was stamped at most
     /// this.
     pub fn epoch(&self) -> u64 {

@@ -393,7 +393,7 @@ pub fn data_link(data: &[u8]) -> usize {
 /// segment was placed.
 pub fn placement_holds(h: &crate::datalink::SegmentHeader, data: &[u8]) -> bool {
     use crate::ids::{PageIndex, RankId};
-    use crate::layout::{KvPart, PageLayout};
+    use crate::layout::PageLayout;
     use crate::rank::{PairPlan, SliceTransfer};
     let pool = PageLayout {
         layers: 4,
@@ -451,7 +451,6 @@ pub fn placement_holds(h: &crate::datalink::SegmentHeader, data: &[u8]) -> bool 
                 .unwrap_or(usize::MAX);
             assert!(in_room(h.dst_page) && part <= r.start && r.end <= part + block);
             assert!(s.first >= 1 || matches!(plan, PairPlan::Whole));
-            let _ = KvPart::K;
         }
     }
     true

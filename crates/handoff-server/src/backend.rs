@@ -223,9 +223,8 @@ impl Backend {
             Backend::Decode(d) => d.transfer_stats().await.ok(),
             Backend::Colocated(_) => None,
         };
-        let sent = matches!(self, Backend::Prefill(_));
         stats.map_or_else(TransferSnapshot::default, |s| TransferSnapshot {
-            kv_bytes_sent: if sent { s.kv_bytes_sent } else { 0 },
+            kv_bytes_sent: s.kv_bytes_sent,
             live_rooms: s.live_rooms,
         })
     }

@@ -223,9 +223,11 @@ impl SourcePool {
     /// and only if it is a handoff KV pool with its generations table
     /// inside the region.
     fn open(reply: &[u8; SHM_REPLY_LEN]) -> Result<Self, TransportError> {
-        let handle = ShmRegionHandle::from_bytes(&arr(&reply[..ShmRegionHandle::ENCODED_LEN]));
-        let pages = u64::from_le_bytes(arr(&reply[16..24]));
-        let gens_at = u64::from_le_bytes(arr(&reply[24..32]));
+        let (h, rest) = reply.split_at(ShmRegionHandle::ENCODED_LEN);
+        let handle = ShmRegionHandle::from_bytes(h.try_into().expect("16 bytes"));
+        let (pages, gens_at) = rest.split_at(8);
+        let pages = u64::from_le_bytes(pages.try_into().expect("8 bytes"));
+        let gens_at = u64::from_le_bytes(gens_at.try_into().expect("8 bytes"));
         let bad = |why: String| TransportError::PeerMisbehaved(format!("shm link setup: {why}"));
         let path = format!("/proc/{}/fd/{}", handle.pid, handle.fd);
         let name = std::fs::read_link(&path)
@@ -254,12 +256,6 @@ impl SourcePool {
 /// Prefill's shm setup reply after the status byte: its pool's handle,
 /// page count and generations offset.
 const SHM_REPLY_LEN: usize = ShmRegionHandle::ENCODED_LEN + 16;
-
-fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
-    let mut a = [0u8; N];
-    a.copy_from_slice(&b[..N]);
-    a
-}
 
 /// [`connect_link`] for stream `stream.index` of a TCP link of
 /// `stream.count` streams (`stream` is ignored for shm).
@@ -355,7 +351,6 @@ struct PendingWriter {
     /// Over shm, our pool's page generations (their table's place goes to
     /// decode with the pool's handle).
     shm: Option<PageGenerations>,
-    gens_at: usize,
     w: tokio::net::tcp::OwnedWriteHalf,
 }
 
@@ -368,7 +363,7 @@ impl PendingWriter {
         if let Some(g) = &self.shm {
             ok.extend_from_slice(&self.src.handle().to_bytes());
             ok.extend_from_slice(&(g.pages() as u64).to_le_bytes());
-            ok.extend_from_slice(&(self.gens_at as u64).to_le_bytes());
+            ok.extend_from_slice(&(g.offset() as u64).to_le_bytes());
         }
         self.w
             .write_all(&ok)
@@ -405,7 +400,6 @@ pub async fn accept_link(
         index: 0,
         count: 1,
     };
-    let gens_at = KvPool::generations_offset(layout);
     let setup: Result<(TransportKind, usize, Option<PageGenerations>), SetupRefusal> =
         match (&plan, kind[0]) {
             (Err(e), _) => Err(e.clone().into()),
@@ -417,6 +411,7 @@ pub async fn accept_link(
                     Err(SetupRefusal::Pages(pages))
                 } else {
                     // Decode maps our pool read-only and pulls from it.
+                    let gens_at = KvPool::generations_offset(layout);
                     PageGenerations::new(src.clone(), gens_at, layout.num_pages)
                         .map(|g| (TransportKind::Shm, pages as usize, Some(g)))
                         .map_err(SetupRefusal::from)
@@ -455,12 +450,7 @@ pub async fn accept_link(
         kind,
         stream,
         plan,
-        writer: PendingWriter {
-            src,
-            shm,
-            gens_at,
-            w,
-        },
+        writer: PendingWriter { src, shm, w },
         acks: r,
     })
 }
@@ -973,14 +963,19 @@ impl LinkReader {
             self.pool.len(),
         );
         if range.is_none() {
-            self.counters
-                .rejected_segments
-                .fetch_add(1, Ordering::Relaxed);
-            if let Some(slot) = self.rooms.get_mut(&h.room) {
-                slot.rejected = true;
-            }
+            self.reject(h.room);
         }
         range
+    }
+
+    /// Count a refused segment and fail its room's end (if it has one).
+    fn reject(&mut self, room: RoomId) {
+        self.counters
+            .rejected_segments
+            .fetch_add(1, Ordering::Relaxed);
+        if let Some(slot) = self.rooms.get_mut(&room) {
+            slot.rejected = true;
+        }
     }
 
     /// Read what is available. `Ok(false)` on EOF.
@@ -1124,7 +1119,7 @@ impl LinkReader {
                     self.state = ReadState::Header;
                     let pull = PullRef::decode(&b)?;
                     if let Some(dst) = dst {
-                        self.pull(room, dst, pull)?;
+                        self.pull(room, dst, pull);
                     }
                 }
                 ReadState::Payload {
@@ -1217,19 +1212,13 @@ impl LinkReader {
     /// handed out again since the segment was built; a source range outside
     /// the prefill's KV bytes or a page changed under the copy rejects the
     /// room (its end is then acknowledged as failed).
-    fn pull(
-        &mut self,
-        room: RoomId,
-        dst: std::ops::Range<usize>,
-        r: PullRef,
-    ) -> Result<(), LinkReadError> {
+    fn pull(&mut self, room: RoomId, dst: std::ops::Range<usize>, r: PullRef) {
         let good = self.source.as_ref().is_some_and(|src| {
             let len = dst.len();
             let in_kv = usize::try_from(r.src_offset)
                 .ok()
-                .and_then(|o| o.checked_add(len).map(|end| (o, end)))
-                .filter(|(_, end)| *end <= src.kv_end);
-            in_kv.is_some_and(|(o, _)| {
+                .filter(|o| o.checked_add(len).is_some_and(|end| end <= src.kv_end));
+            in_kv.is_some_and(|o| {
                 self.pool.copy_from(dst.start, &src.region, o, len).is_ok()
                     && src.gens.unchanged_since(r.pages(), r.epoch) == Some(true)
             })
@@ -1239,14 +1228,8 @@ impl LinkReader {
                 .bytes_landed
                 .fetch_add(dst.len() as u64, Ordering::Relaxed);
         } else {
-            self.counters
-                .rejected_segments
-                .fetch_add(1, Ordering::Relaxed);
-            if let Some(slot) = self.rooms.get_mut(&room) {
-                slot.rejected = true;
-            }
+            self.reject(room);
         }
-        Ok(())
     }
 }
 

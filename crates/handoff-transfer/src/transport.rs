@@ -141,26 +141,26 @@ impl Transport for ShmTransport {
         // again later (it should not be, while the room lives) is.
         let epoch = self.gens.epoch();
         let mut chunks = segs.chunks(SHM_BATCH_SEGS).peekable();
-        while let Some(chunk) = chunks.next() {
+        loop {
             if cancel.load(Ordering::Acquire) {
                 return Ok(false);
             }
+            let chunk = chunks.next().unwrap_or_default();
+            let last = chunks.peek().is_none();
             let mut out: Vec<u8> = chunk.iter().flat_map(|s| pull_record(s, epoch)).collect();
-            if chunks.peek().is_none() {
+            if last {
                 out.extend(encode_records(trailer));
             }
-            self.link
-                .write_all(&out)
-                .await
-                .map_err(TransportError::io("shm link record"))?;
-        }
-        if segs.is_empty() {
-            if cancel.load(Ordering::Acquire) {
-                return Ok(false);
+            if !out.is_empty() {
+                self.link
+                    .write_all(&out)
+                    .await
+                    .map_err(TransportError::io("shm link record"))?;
             }
-            self.write_records(trailer).await?;
+            if last {
+                return Ok(true);
+            }
         }
-        Ok(true)
     }
 
     async fn write_records<'a>(&'a mut self, recs: &'a [Record]) -> Result<(), TransportError> {

@@ -341,13 +341,7 @@ pub fn run(
             .filter(|w| w.role == "decode")
             .map(|w| w.url.clone())
             .collect();
-        let policy = |n: usize| {
-            if n > 1 {
-                handoff_server::router::PolicyKind::CacheAware
-            } else {
-                handoff_server::router::PolicyKind::RoundRobin
-            }
-        };
+        let policy = handoff_server::router::PolicyKind::default_for;
         let mut config = RouterConfig::new(prefills.clone(), decodes.clone());
         config.prefill_policy = policy(prefills.len());
         config.decode_policy = policy(decodes.len());

@@ -138,13 +138,7 @@ pub fn config(
     }
     let prefill_workers = prefill.len();
     let mut c = RouterConfig::new(prefill, args.decode.clone());
-    let default = |workers: usize| {
-        args.policy.unwrap_or(if workers > 1 {
-            PolicyKind::CacheAware
-        } else {
-            PolicyKind::RoundRobin
-        })
-    };
+    let default = |workers: usize| args.policy.unwrap_or(PolicyKind::default_for(workers));
     // With discovery, a role may have several workers.
     let many = if args.discovery.is_some() { 2 } else { 0 };
     c.prefill_policy = args

@@ -11,7 +11,6 @@
 //! installs; without it the test says so and passes, unless
 //! `HANDOFF_REQUIRE_ETCD` is set (CI sets it).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -141,19 +140,7 @@ fn start(role: &str, args: &[&str]) -> Proc {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn handoff");
-    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
-    let mut http = None;
-    for line in lines.by_ref() {
-        let line = line.expect("log line");
-        if let Some(i) = line.find("listening on http://") {
-            http = Some(format!(
-                "http://{}",
-                line[i + "listening on http://".len()..].trim()
-            ));
-            break;
-        }
-    }
-    std::thread::spawn(move || for _ in lines.by_ref() {});
+    let http = common::listening_url(&mut child, |_| {});
     Proc {
         child,
         http: http.unwrap_or_else(|| panic!("{role} never listened")),

@@ -6,12 +6,13 @@
 //! a 5xx JSON error otherwise — with every decode page back; the decode
 //! worker then serves the next request correctly through a new prefill.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+
+mod common;
 
 /// A killed process's sockets close at once, so decode sees the death on
 /// its connection (tens of ms here), not by the heartbeat, which would take
@@ -58,11 +59,8 @@ fn start(role: &str, model: &Path, extra: &[&str]) -> Proc {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn handoff");
-    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
     let mut bootstrap = None;
-    let mut http = None;
-    for line in lines.by_ref() {
-        let line = line.expect("log line");
+    let http = common::listening_url(&mut child, |line| {
         if let Some(i) = line.find("bootstrap=") {
             let addr = line[i + "bootstrap=".len()..]
                 .split_whitespace()
@@ -71,16 +69,7 @@ fn start(role: &str, model: &Path, extra: &[&str]) -> Proc {
             let (host, port) = addr.rsplit_once(':').expect("host:port");
             bootstrap = Some((host.to_string(), port.parse().expect("port")));
         }
-        if let Some(i) = line.find("listening on http://") {
-            http = Some(format!(
-                "http://{}",
-                line[i + "listening on http://".len()..].trim()
-            ));
-            break;
-        }
-    }
-    // Keep draining the log so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines.by_ref() {});
+    });
     Proc {
         child,
         http: http.unwrap_or_else(|| panic!("{role} never listened")),

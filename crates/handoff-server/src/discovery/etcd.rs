@@ -106,6 +106,7 @@ pub enum WatchEvent {
 pub struct Etcd {
     http: reqwest::Client,
     base: String,
+    timeout: Duration,
 }
 
 /// The end of the key range of every key starting with `prefix`.
@@ -152,6 +153,7 @@ impl Etcd {
         Ok(Etcd {
             http,
             base: base.trim_end_matches('/').to_string(),
+            timeout,
         })
     }
 
@@ -164,7 +166,7 @@ impl Etcd {
         let resp = self
             .http
             .post(&url)
-            .timeout(Duration::from_secs(5))
+            .timeout(self.timeout)
             .json(&body)
             .send()
             .await

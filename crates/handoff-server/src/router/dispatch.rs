@@ -98,30 +98,25 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     let mut last: Option<Failure> = None;
     let blocks = prompt_blocks(&body);
     for attempt in 0..=state.config.max_retries {
-        let pair = match state.pick_pair(&failed, &blocks) {
+        // With no worker of a role now (a retry too: nothing reached the
+        // client yet), wait for one to come back or register, up to the
+        // queue timeout (and the request's deadline).
+        let pair = match state.wait_for_pair(&failed, &blocks, deadline).await {
             Ok(p) => p,
-            // No worker of a role now (a retry too: nothing reached the
-            // client yet): wait for one to come back or register, up to the
-            // queue timeout (and the request's deadline).
-            Err(role) => match state.wait_for_pair(&failed, &blocks, deadline).await {
-                Ok(p) => p,
-                Err(_) if last.is_some() => return fail(&mut tl, last.take().expect("checked")),
-                Err(_) => {
-                    let err = ApiError::new(
-                        503,
-                        "no_healthy_worker",
-                        format!("no healthy {} worker is available", role.name()),
-                    );
-                    tl.set_status(err.status);
-                    tl.finish("no_healthy_worker");
-                    let mut resp = err.into_response();
-                    resp.headers_mut().insert(
-                        axum::http::header::RETRY_AFTER,
-                        axum::http::HeaderValue::from_static("1"),
-                    );
-                    return resp;
-                }
-            },
+            Err(_) if last.is_some() => return fail(&mut tl, last.take().expect("checked")),
+            Err(role) => {
+                let err = ApiError::new(
+                    503,
+                    "no_healthy_worker",
+                    format!("no healthy {} worker is available", role.name()),
+                );
+                let mut resp = refuse(&mut tl, err, "no_healthy_worker");
+                resp.headers_mut().insert(
+                    axum::http::header::RETRY_AFTER,
+                    axum::http::HeaderValue::from_static("1"),
+                );
+                return resp;
+            }
         };
         if attempt > 0 {
             state.metrics.count_retry(route);
@@ -259,9 +254,9 @@ impl RouterState {
         Ok(Pair { prefill, decode })
     }
 
-    /// [`Self::pick_pair`], waiting up to the queue timeout (and no later
-    /// than `deadline`) for a worker of the missing role to become
-    /// dispatchable: one that registers, or comes back healthy.
+    /// [`Self::pick_pair`], waiting (when a role has no dispatchable worker)
+    /// up to the queue timeout, and no later than `deadline`, for one to
+    /// register or come back healthy.
     async fn wait_for_pair(
         &self,
         failed: &[Arc<Worker>],

@@ -29,6 +29,16 @@ pub enum PolicyKind {
 }
 
 impl PolicyKind {
+    /// The default for a role of `workers` workers: `cache_aware` when
+    /// there is a choice, `round_robin` otherwise.
+    pub fn default_for(workers: usize) -> Self {
+        if workers > 1 {
+            PolicyKind::CacheAware
+        } else {
+            PolicyKind::RoundRobin
+        }
+    }
+
     /// The CLI name (`round_robin`, `least_load`, `power_of_two`).
     pub fn name(self) -> &'static str {
         match self {
