@@ -87,7 +87,7 @@ impl ApiKey {
     }
 
     /// Whether `header` (an `Authorization` value) carries this key.
-    fn admits(&self, header: Option<&HeaderValue>) -> bool {
+    pub(crate) fn admits(&self, header: Option<&HeaderValue>) -> bool {
         let Some(given) = header.and_then(|h| h.to_str().ok()).and_then(|h| {
             h.strip_prefix("Bearer ")
                 .or_else(|| h.strip_prefix("bearer "))

@@ -11,6 +11,7 @@ pub mod auth;
 pub mod backend;
 pub mod cors;
 pub mod discovery;
+pub mod drain;
 pub mod errors;
 pub mod extract;
 pub mod field_metrics;

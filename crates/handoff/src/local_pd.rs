@@ -4,202 +4,18 @@
 //! router in this process on the public address. The workers
 //! exit with `handoff serve` (their standard input is a pipe from it); a
 //! worker that dies (killed, crashed) is started again on the same ports,
-//! and the router's health checks take it back once it answers.
+//! and the router's health checks take it back once it answers. SIGHUP or
+//! `POST /admin/restart` replaces them one at a time ([`crate::fleet`]).
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener as StdListener;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{bail, Context};
-use handoff_server::router::{run_router, PrefillSpec, RouterConfig};
+use anyhow::Context;
+use handoff_proto::Role;
+use handoff_server::router::{PrefillSpec, RouterConfig};
 
 use crate::engine_args::{EngineArgs, HttpArgs};
+use crate::fleet::{free_port, Fleet, Spec};
 use crate::worker::PdArgs;
-
-/// How long the workers may take to load the model.
-const WORKER_START_TIMEOUT: Duration = Duration::from_secs(600);
-/// How long a worker may take to drain after `handoff serve` stops.
-const WORKER_STOP_GRACE: Duration = Duration::from_secs(10);
-
-/// Most restarts of one worker within [`RESTART_WINDOW`]; beyond that
-/// `handoff serve` gives up and exits with an error.
-const MAX_RESTARTS: usize = 5;
-const RESTART_WINDOW: Duration = Duration::from_secs(60);
-
-/// A worker process; stopped (gracefully, then by force) when dropped.
-struct Worker {
-    role: &'static str,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    url: String,
-}
-
-/// How to start one worker again.
-#[derive(Clone)]
-struct Spec {
-    role: &'static str,
-    model: std::path::PathBuf,
-    engine: EngineArgs,
-    port: u16,
-    extra: Vec<String>,
-    nice: u8,
-    /// The API key the worker requires (given through its environment, not
-    /// its command line).
-    api_key: Option<String>,
-    /// The transfer secret of this run, if serve made one (environment too).
-    transfer_secret: Option<String>,
-}
-
-/// Restart workers that exit; fails once one keeps dying.
-async fn supervise(
-    workers: Vec<(Spec, std::sync::Arc<std::sync::Mutex<Worker>>)>,
-) -> anyhow::Error {
-    let mut restarts: Vec<Vec<Instant>> = vec![Vec::new(); workers.len()];
-    loop {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        for (i, (spec, w)) in workers.iter().enumerate() {
-            let mut w = w.lock().unwrap_or_else(|e| e.into_inner());
-            let status = match w.child.try_wait() {
-                Ok(Some(status)) => status,
-                Ok(None) => continue,
-                Err(e) => return anyhow::anyhow!("watching the {} worker: {e}", spec.role),
-            };
-            let now = Instant::now();
-            restarts[i].retain(|t| now.duration_since(*t) < RESTART_WINDOW);
-            if restarts[i].len() >= MAX_RESTARTS {
-                return anyhow::anyhow!(
-                    "the {} worker exited ({status}) {} times within {} s: giving up",
-                    spec.role,
-                    MAX_RESTARTS + 1,
-                    RESTART_WINDOW.as_secs()
-                );
-            }
-            restarts[i].push(now);
-            tracing::error!(role = spec.role, %status, "worker exited: starting it again");
-            match spawn_worker(spec) {
-                Ok(fresh) => *w = fresh,
-                Err(e) => return e.context(format!("restarting the {} worker", spec.role)),
-            }
-        }
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        // End of its standard input: the worker drains and exits.
-        drop(self.stdin.take());
-        let deadline = Instant::now() + WORKER_STOP_GRACE;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        tracing::warn!(role = self.role, "worker did not stop in time: killing it");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A free loopback port (bound and released: the worker binds it next).
-fn free_port() -> anyhow::Result<u16> {
-    let l = StdListener::bind("127.0.0.1:0").context("finding a free loopback port")?;
-    Ok(l.local_addr()?.port())
-}
-
-/// Start the worker process `spec` describes.
-fn spawn_worker(spec: &Spec) -> anyhow::Result<Worker> {
-    let Spec {
-        role,
-        model,
-        engine,
-        port,
-        extra,
-        nice,
-        api_key,
-        transfer_secret,
-    } = spec;
-    let (role, port, nice) = (*role, *port, *nice);
-    let exe = std::env::current_exe().context("locating the handoff binary")?;
-    // `nice` execs the worker: the pid stays the worker's.
-    let mut cmd = if nice > 0 {
-        let mut c = Command::new("nice");
-        c.args(["-n", &nice.to_string()]).arg(exe);
-        c
-    } else {
-        Command::new(exe)
-    };
-    cmd.env_remove("HANDOFF_API_KEY");
-    if let Some(k) = api_key {
-        cmd.env("HANDOFF_API_KEY", k);
-    }
-    cmd.env_remove(crate::worker::TRANSFER_SECRET_ENV);
-    if let Some(s) = transfer_secret {
-        cmd.env(crate::worker::TRANSFER_SECRET_ENV, s);
-    }
-    let mut child = cmd
-        .arg(role)
-        .args(engine.to_args(model))
-        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(extra)
-        .arg("--exit-with-parent")
-        .stdin(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("starting the {role} worker"))?;
-    tracing::info!(role, pid = child.id(), port, "worker process started");
-    // Its log, prefixed with its role, on our standard error.
-    let stderr = child.stderr.take().context("worker stderr")?;
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            eprintln!("[{role}] {line}");
-        }
-    });
-    Ok(Worker {
-        role,
-        stdin: child.stdin.take(),
-        child,
-        url: format!("http://127.0.0.1:{port}"),
-    })
-}
-
-/// Wait until `w` answers `/health`, or fail if it exits first.
-async fn wait_healthy(
-    w: &mut Worker,
-    key: Option<&handoff_server::auth::ApiKey>,
-) -> anyhow::Result<()> {
-    let mut headers = reqwest::header::HeaderMap::new();
-    if let Some(k) = key {
-        headers.insert(reqwest::header::AUTHORIZATION, k.bearer());
-    }
-    let client = reqwest::Client::builder()
-        .default_headers(headers)
-        .timeout(Duration::from_secs(2))
-        .build()?;
-    let deadline = Instant::now() + WORKER_START_TIMEOUT;
-    loop {
-        if let Some(status) = w.child.try_wait()? {
-            bail!(
-                "the {} worker exited ({status}) before it was healthy: see its log above",
-                w.role
-            );
-        }
-        if let Ok(r) = client.get(format!("{}/health", w.url)).send().await {
-            if r.status().is_success() {
-                return Ok(());
-            }
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "the {} worker was not healthy within {} s",
-                w.role,
-                WORKER_START_TIMEOUT.as_secs()
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 /// How many workers of each role `handoff serve` runs, and how long a
 /// request waits for one of a role that has none healthy.
@@ -270,76 +86,67 @@ pub fn run(
         }
     };
     let router_secret = secret.and_then(handoff_server::trust::TransferSecret::new);
-    let mut prefill_specs = Vec::with_capacity(replicas.prefill);
+    let spec = |role: Role, port: u16, bootstrap_port: Option<u16>, extra: Vec<String>| Spec {
+        role,
+        model: model.clone(),
+        engine: engine.clone(),
+        port,
+        bootstrap_port,
+        extra,
+        nice: if role == Role::Prefill {
+            prefill_nice
+        } else {
+            0
+        },
+        api_key: api_key_text.clone(),
+        transfer_secret: run_secret.clone(),
+    };
+    let mut specs = Vec::with_capacity(replicas.prefill + replicas.decode);
     for port in &bootstraps {
-        prefill_specs.push(Spec {
-            role: "prefill",
-            model: model.clone(),
-            engine: engine.clone(),
-            port: free_port()?,
-            extra: [
-                vec!["--disaggregation-bootstrap-port".into(), port.to_string()],
-                common.clone(),
-            ]
-            .concat(),
-            nice: prefill_nice,
-            api_key: api_key_text.clone(),
-            transfer_secret: run_secret.clone(),
-        });
+        specs.push(spec(
+            Role::Prefill,
+            free_port()?,
+            Some(*port),
+            common.clone(),
+        ));
     }
-    let mut decode_specs = Vec::with_capacity(replicas.decode);
+    let decode_extra = [
+        vec![
+            "--transfer".into(),
+            transfer.clone(),
+            "--transfer-tcp-streams".into(),
+            pd.transfer_tcp_streams.to_string(),
+        ],
+        common.clone(),
+    ]
+    .concat();
     for _ in 0..replicas.decode {
-        decode_specs.push(Spec {
-            role: "decode",
-            model: model.clone(),
-            engine: engine.clone(),
-            port: free_port()?,
-            extra: [
-                vec![
-                    "--transfer".into(),
-                    transfer.clone(),
-                    "--transfer-tcp-streams".into(),
-                    pd.transfer_tcp_streams.to_string(),
-                ],
-                common.clone(),
-            ]
-            .concat(),
-            nice: 0,
-            api_key: api_key_text.clone(),
-            transfer_secret: run_secret.clone(),
-        });
+        specs.push(spec(Role::Decode, free_port()?, None, decode_extra.clone()));
     }
-    let specs: Vec<Spec> = prefill_specs.into_iter().chain(decode_specs).collect();
-    let mut started = Vec::with_capacity(specs.len());
-    for spec in &specs {
-        started.push(spawn_worker(spec)?);
-    }
+    let mut fleet = Fleet::start(specs, api_key.clone(), http.limits.limits().drain_timeout)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("building the tokio runtime")?;
     rt.block_on(async {
-        for w in &mut started {
-            wait_healthy(w, api_key.as_ref()).await?;
-        }
+        fleet.wait_all_healthy().await?;
         let listener = tokio::net::TcpListener::bind((http.host.as_str(), http.port))
             .await
             .with_context(|| format!("binding {}:{}", http.host, http.port))?;
         let addr = listener.local_addr()?;
-        let prefills: Vec<PrefillSpec> = started
-            .iter()
-            .filter(|w| w.role == "prefill")
-            .zip(&bootstraps)
-            .map(|(w, port)| PrefillSpec {
-                url: w.url.clone(),
-                bootstrap_port: Some(*port),
+        let prefills: Vec<PrefillSpec> = fleet
+            .of(Role::Prefill)
+            .into_iter()
+            .map(|(url, bootstrap_port)| PrefillSpec {
+                url,
+                bootstrap_port,
             })
             .collect();
-        let decodes: Vec<String> = started
-            .iter()
-            .filter(|w| w.role == "decode")
-            .map(|w| w.url.clone())
+        let decodes: Vec<String> = fleet
+            .of(Role::Decode)
+            .into_iter()
+            .map(|(url, _)| url)
             .collect();
         let policy = handoff_server::router::PolicyKind::default_for;
         let mut config = RouterConfig::new(prefills.clone(), decodes.clone());
@@ -352,6 +159,8 @@ pub fn run(
         config.stall_timeout = http.limits.stall_timeout();
         config.api_key = api_key.clone();
         config.transfer_secret = router_secret.clone();
+        let (hook, restarts) = handoff_server::router::admin::restart_hook();
+        config.restart = Some(hook.clone());
         tracing::info!(
             prefill = ?prefills.iter().map(|p| p.url.as_str()).collect::<Vec<_>>(),
             decode = ?decodes,
@@ -361,11 +170,12 @@ pub fn run(
             "disaggregated: router -> prefill + decode"
         );
         tracing::info!("listening on http://{addr}");
-        let workers: Vec<std::sync::Arc<std::sync::Mutex<Worker>>> = started
-            .drain(..)
-            .map(|w| std::sync::Arc::new(std::sync::Mutex::new(w)))
-            .collect();
-        let supervisor = supervise(specs.iter().cloned().zip(workers.iter().cloned()).collect());
+        tracing::info!(
+            "SIGHUP or POST /admin/restart (with the API key) restarts the workers one at a time"
+        );
+        let limits = config.http;
+        let (app, handle) = handoff_server::router::build_router(config)?;
+        let control = handle.control();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let stop = async move {
             tokio::select! {
@@ -373,24 +183,29 @@ pub fn run(
                 _ = stop_rx => {}
             }
         };
-        let router = run_router(listener, config, stop);
+        let hup = tokio::spawn(crate::signal::on_hangup(move || match hook.request() {
+            Ok(n) => tracing::info!(restart = n, "SIGHUP: rolling restart"),
+            Err(e) => tracing::warn!("SIGHUP: no restart started ({e:?})"),
+        }));
+        let router = handoff_server::router::serve_router(listener, app, handle, limits, stop);
         tokio::pin!(router);
         let failed = tokio::select! {
             r = &mut router => {
                 r.context("serving the router")?;
                 None
             }
-            e = supervisor => Some(e),
+            e = fleet.run(control, restarts) => Some(e),
         };
+        hup.abort();
         if let Some(e) = failed {
             let _ = stop_tx.send(());
             let _ = router.await;
             return Err(e);
         }
         tracing::info!("router stopped; stopping the workers");
-        Ok::<_, anyhow::Error>(workers)
-    })
-    .map(drop)?;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    drop(fleet);
     tracing::info!("shut down");
     Ok(())
 }

@@ -9,6 +9,7 @@ mod bench;
 mod bench_model;
 mod bench_transfer;
 mod engine_args;
+mod fleet;
 mod local_pd;
 mod model_fetch;
 mod router_cmd;

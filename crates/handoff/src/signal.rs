@@ -1,5 +1,5 @@
-//! Graceful shutdown: the future that resolves on SIGTERM or ctrl-c, shared
-//! by `handoff serve` and `handoff router`.
+//! Signals: the future that resolves on SIGTERM or ctrl-c (graceful
+//! shutdown), shared by `handoff serve` and `handoff router`, and SIGHUP.
 
 /// Resolves on the first SIGTERM or ctrl-c (logging which).
 pub async fn shutdown_signal() {
@@ -27,4 +27,22 @@ pub async fn shutdown_signal() {
         _ = ctrl_c => tracing::info!("ctrl-c received: draining"),
         _ = term => tracing::info!("SIGTERM received: draining"),
     }
+}
+
+/// Call `each` on every SIGHUP, forever (`handoff serve`: a rolling restart
+/// of its workers). Without SIGHUP (not unix, or it cannot be listened to)
+/// it waits forever.
+pub async fn on_hangup(each: impl Fn()) {
+    #[cfg(unix)]
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(mut s) => {
+            while s.recv().await.is_some() {
+                each();
+            }
+        }
+        Err(e) => tracing::warn!("cannot listen for SIGHUP: {e}"),
+    }
+    #[cfg(not(unix))]
+    let _ = each;
+    std::future::pending::<()>().await
 }

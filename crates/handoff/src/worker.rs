@@ -258,6 +258,11 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
             }
             None => None,
         };
+        // Stopping: leave discovery, refuse new work (503 draining) while
+        // routers catch up, then stop accepting and let in-flight requests
+        // finish (handoff_server::drain).
+        let gate = handoff_server::drain::DrainGate::new();
+        let closing = gate.clone();
         let stop = async move {
             if exit_with_parent {
                 tokio::select! {
@@ -271,13 +276,15 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
                 let _ = deregister.send(());
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(3), task).await;
             }
+            closing.close();
+            tokio::time::sleep(handoff_server::drain::DRAIN_LINGER).await;
         };
         let app = handoff_server::app_with_state(
             handoff_server::AppState::new(backend)
                 .with_stall_timeout(args.http.limits.stall_timeout())
                 .with_bootstrap_trust(trust),
         );
-        let app = handoff_server::auth::require_api_key(app, api_key);
+        let app = handoff_server::auth::require_api_key(gate.guard(app), api_key);
         handoff_server::serve(
             listener,
             handoff_server::cors::allow_origins(app, &args.http.limits.allow_origin),

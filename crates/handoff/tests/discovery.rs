@@ -348,11 +348,44 @@ async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
         .status()
         .unwrap()
         .success());
+    // Until it closes its port, it answers health checks (and new work)
+    // with 503 `draining`, never 200 again.
+    let probe = {
+        let url = leaving_url.clone();
+        tokio::spawn(async move {
+            let c = reqwest::Client::new();
+            let mut seen = Vec::new();
+            let until = Instant::now() + Duration::from_secs(8);
+            while Instant::now() < until {
+                match c.get(format!("{url}/health")).send().await {
+                    Ok(resp) => {
+                        let status = resp.status().as_u16();
+                        let v: Value = resp.json().await.unwrap_or(Value::Null);
+                        seen.push((status, v["error"]["code"].as_str().map(String::from)));
+                    }
+                    Err(_) => break,
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            seen
+        })
+    };
     until(r, Duration::from_secs(5), "the stopped prefill gone", |w| {
         !w.iter().any(|x| x["url"] == leaving_url.as_str())
     })
     .await;
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+    let seen = probe.await.unwrap();
+    let first = seen
+        .iter()
+        .position(|(s, _)| *s == 503)
+        .unwrap_or_else(|| panic!("never answered 503 draining: {seen:?}"));
+    assert!(
+        seen[first..]
+            .iter()
+            .all(|(s, code)| *s == 503 && code.as_deref() == Some("draining")),
+        "{seen:?}"
+    );
     drop(leaving);
 
     // Another model: refused, with the reason listed.

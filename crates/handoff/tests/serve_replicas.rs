@@ -6,100 +6,14 @@
 //! answer is wrong; the supervisor starts it again and all four are
 //! healthy again.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
 mod common;
-use common::workers;
-
-struct Serve {
-    child: Child,
-    url: String,
-    /// `worker process started` lines: (role, pid).
-    workers: Arc<Mutex<Vec<(String, u32)>>>,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn field(line: &str, name: &str) -> Option<String> {
-    let i = line.find(&format!("{name}="))?;
-    let rest = &line[i + name.len() + 1..];
-    Some(
-        rest.split_whitespace()
-            .next()?
-            .trim_matches('"')
-            .to_string(),
-    )
-}
-
-fn serve(model: &std::path::Path) -> Serve {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_handoff"))
-        .args(["serve", "--port", "0", "--kv-pages", "256"])
-        .args(["--prefill-replicas", "2", "--decode-replicas", "2"])
-        .arg("--model")
-        .arg(model)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn handoff serve");
-    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
-    let workers = Arc::new(Mutex::new(Vec::new()));
-    let mut url = None;
-    let record = |line: &str, workers: &Mutex<Vec<(String, u32)>>| {
-        if line.contains("worker process started") {
-            if let (Some(role), Some(pid)) = (field(line, "role"), field(line, "pid")) {
-                workers
-                    .lock()
-                    .unwrap()
-                    .push((role, pid.parse().expect("pid")));
-            }
-        }
-    };
-    for line in lines.by_ref() {
-        let line = line.expect("log line");
-        record(&line, &workers);
-        if !line.starts_with('[') {
-            if let Some(i) = line.find("listening on http://") {
-                url = Some(format!(
-                    "http://{}",
-                    line[i + "listening on http://".len()..].trim()
-                ));
-                break;
-            }
-        }
-    }
-    let w = workers.clone();
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            record(&line, &w);
-        }
-    });
-    Serve {
-        child,
-        url: url.expect("serve never listened"),
-        workers,
-    }
-}
+use common::{serve, workers};
 
 async fn generate(url: &str, prompt: u32) -> (u16, Value) {
     let body = json!({
@@ -126,7 +40,11 @@ async fn replicas_all_serve_and_a_killed_decode_fails_only_what_it_was_generatin
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("tiny.gguf");
     handoff_model::tiny::write_tiny_gguf(&model, 5).expect("tiny GGUF");
-    let s = serve(&model);
+    let s = serve(
+        &model,
+        &["--prefill-replicas", "2", "--decode-replicas", "2"],
+        &[],
+    );
     let url = s.url.clone();
     let mut answers = Vec::new();
     for p in 0..8u32 {

@@ -73,6 +73,10 @@ pub struct RouterConfig {
     /// Where workers register (etcd): the router adds and removes them
     /// live, beside any given on its command line.
     pub discovery: Option<crate::discovery::EtcdEndpoint>,
+    /// Whoever runs the workers and restarts them one at a time on
+    /// `POST /admin/restart` (`handoff serve`); `None`: the route answers
+    /// 404.
+    pub restart: Option<crate::router::admin::RestartHook>,
 }
 
 impl RouterConfig {
@@ -96,6 +100,7 @@ impl RouterConfig {
             transfer_secret: None,
             queue_timeout: Duration::ZERO,
             discovery: None,
+            restart: None,
         }
     }
 

@@ -195,7 +195,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             Err(f) => {
                 let worker = Arc::clone(pair.side(f.side()));
                 state.metrics.count_failure(f.side().name(), &f.kind());
-                if matches!(f, Failure::Unreachable { .. }) {
+                if matches!(f, Failure::Unreachable { .. }) || f.is_draining() {
                     worker.mark_unreachable();
                 }
                 if !f.retryable() {

@@ -7,6 +7,7 @@
 //! [`router_app`] builds the HTTP app (run it on any listener, e.g. in tests);
 //! [`run_router`] serves it until a shutdown future resolves.
 
+pub mod admin;
 pub mod config;
 pub mod discovery;
 pub mod dispatch;
@@ -156,6 +157,37 @@ impl RouterHandle {
     pub fn live_rooms(&self) -> usize {
         self.state.rooms.live()
     }
+
+    /// A handle that adds and removes workers while the router serves.
+    pub fn control(&self) -> RouterControl {
+        RouterControl(self.state.clone())
+    }
+}
+
+/// Adds and removes workers of a running router (`handoff serve` replacing
+/// a replica); cheap to clone.
+#[derive(Debug, Clone)]
+pub struct RouterControl(RouterState);
+
+impl RouterControl {
+    /// Send requests to the worker at `url` too (probed by the health loop
+    /// like the others); false if it is there already.
+    pub fn add_worker(
+        &self,
+        url: &str,
+        role: handoff_proto::Role,
+        bootstrap_port: u16,
+    ) -> Result<bool, RouterConfigError> {
+        self.0
+            .workers
+            .add(url, role, bootstrap_port, &self.0.metrics)
+    }
+
+    /// Send no new request to the worker at `url` (those on it finish);
+    /// whether it was there.
+    pub fn remove_worker(&self, url: &str, role: handoff_proto::Role) -> bool {
+        self.0.workers.remove(url, role)
+    }
 }
 
 impl Drop for RouterHandle {
@@ -213,6 +245,10 @@ pub fn router_app(config: RouterConfig) -> Result<(Router, RouterHandle), Router
             get(forward::flush_cache).post(forward::flush_cache),
         )
         .route("/workers", get(info::workers))
+        .route(
+            "/admin/restart",
+            get(admin::restart_status).post(admin::restart),
+        )
         .route("/metrics", get(info::metrics))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -243,11 +279,34 @@ where
     F: Future<Output = ()> + Send + 'static,
 {
     let limits = config.http;
+    let (app, handle) = build_router(config)?;
+    serve_router(listener, app, handle, limits, shutdown).await
+}
+
+/// [`router_app`] behind the API key and CORS of its configuration: what
+/// [`run_router`] serves. Keep [`RouterHandle::control`] to change the
+/// workers while it serves.
+pub fn build_router(config: RouterConfig) -> Result<(Router, RouterHandle), RouterError> {
     let origins = config.allow_origins.clone();
     let key = config.api_key.clone();
     let (app, handle) = router_app(config)?;
     let app = crate::auth::require_api_key(app, key);
-    let app = crate::cors::allow_origins(app, &origins);
+    Ok((crate::cors::allow_origins(app, &origins), handle))
+}
+
+/// Serve what [`build_router`] built on `listener` until `shutdown`
+/// resolves (then drain: in-flight requests finish). Probes every worker
+/// once before accepting.
+pub async fn serve_router<F>(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    handle: RouterHandle,
+    limits: crate::listen::HttpLimits,
+    shutdown: F,
+) -> Result<(), RouterError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
     handle.probe_now().await;
     if !handle.ready() {
         tracing::warn!(

@@ -146,6 +146,12 @@ impl Failure {
         }
     }
 
+    /// The worker refused because it is shutting down (503 `draining`):
+    /// it takes nothing more, so the router stops picking it at once.
+    pub fn is_draining(&self) -> bool {
+        matches!(self, Failure::Status { status: 503, body, .. } if crate::drain::is_draining_body(body))
+    }
+
     /// The client's answer: the worker's own status and body, 502 for an
     /// unreachable worker, 504 for a timeout.
     pub fn into_response(self) -> Response {

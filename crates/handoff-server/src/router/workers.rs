@@ -126,7 +126,8 @@ impl Worker {
             .unwrap_or(Value::Null)
     }
 
-    /// A request could not reach it: unhealthy at once.
+    /// A request could not reach it, or it said it is draining: unhealthy
+    /// at once (a good probe makes it healthy again).
     pub fn mark_unreachable(&self) {
         self.health.store(2, Ordering::Relaxed);
     }

@@ -42,3 +42,97 @@ pub fn listening_url(
     std::thread::spawn(move || for _ in lines.by_ref() {});
     url
 }
+
+/// A `handoff serve` process, stopped with SIGTERM (then SIGKILL) on drop.
+pub struct Serve {
+    pub child: std::process::Child,
+    /// Its public URL.
+    pub url: String,
+    /// Its `worker process started` lines: (role, pid).
+    pub workers: std::sync::Arc<std::sync::Mutex<Vec<(String, u32)>>>,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        use std::time::{Duration, Instant};
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value of `name=` in a log line.
+pub fn log_field(line: &str, name: &str) -> Option<String> {
+    let i = line.find(&format!("{name}="))?;
+    let rest = &line[i + name.len() + 1..];
+    Some(
+        rest.split_whitespace()
+            .next()?
+            .trim_matches('"')
+            .to_string(),
+    )
+}
+
+/// Start `handoff serve --port 0 --kv-pages 256 --model MODEL ARGS` with
+/// `envs`, and wait until it listens; its worker starts are recorded all
+/// along.
+pub fn serve(model: &std::path::Path, args: &[&str], envs: &[(&str, &str)]) -> Serve {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
+        .args(["serve", "--port", "0", "--kv-pages", "256"])
+        .args(args)
+        .arg("--model")
+        .arg(model)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .envs(envs.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn handoff serve");
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
+    let workers = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut url = None;
+    let record = |line: &str, workers: &std::sync::Mutex<Vec<(String, u32)>>| {
+        if line.contains("worker process started") {
+            if let (Some(role), Some(pid)) = (log_field(line, "role"), log_field(line, "pid")) {
+                workers
+                    .lock()
+                    .unwrap()
+                    .push((role, pid.parse().expect("pid")));
+            }
+        }
+    };
+    for line in lines.by_ref() {
+        let line = line.expect("log line");
+        record(&line, &workers);
+        if !line.starts_with('[') {
+            if let Some(i) = line.find("listening on http://") {
+                url = Some(format!(
+                    "http://{}",
+                    line[i + "listening on http://".len()..].trim()
+                ));
+                break;
+            }
+        }
+    }
+    let w = workers.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            record(&line, &w);
+        }
+    });
+    Serve {
+        child,
+        url: url.expect("serve never listened"),
+        workers,
+    }
+}
