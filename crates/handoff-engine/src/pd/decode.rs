@@ -291,6 +291,7 @@ impl Ctx {
             }
             let kind = ctx.transport.for_peer(addr);
             let peer = ctx.receiver.connect_with(addr, kind).await?;
+            tracing::info!(prefill = %addr, peer = peer.0, transport = kind.name(), "connected to a prefill");
             *known = Some(peer);
             Ok(peer)
         })
