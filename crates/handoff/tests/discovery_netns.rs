@@ -10,7 +10,6 @@
 //! set (`scripts/test.sh` sets both as root).
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
