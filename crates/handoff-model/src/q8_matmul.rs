@@ -249,6 +249,13 @@ impl Q8Matrix {
     /// `x` is `[n, in]` row-major; returns `[n, out]`. Runs on the current
     /// rayon pool (the engine's compute threads).
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        self.forward_with(x, n, crate::simd::Q8Path::chosen())
+    }
+
+    /// [`Q8Matrix::forward`] on a given kernel path (one of
+    /// [`crate::simd::Q8Path::available`]; another falls back to the
+    /// baseline). Every path gives the same bits.
+    pub fn forward_with(&self, x: &[f32], n: usize, path: crate::simd::Q8Path) -> Vec<f32> {
         assert_eq!(x.len(), n * self.in_dim, "activation shape");
         if n == 0 || self.out_dim == 0 {
             return vec![0.0; n * self.out_dim];
@@ -271,7 +278,7 @@ impl Q8Matrix {
                     let t = t0 + i;
                     let w = &self.qs[t * per_tile..(t + 1) * per_tile];
                     let wd = &self.d[t * per_tile..(t + 1) * per_tile];
-                    tile(dd, w, wd, &acts, self.blocks, n, out);
+                    tile(dd, w, wd, &acts, n, out, path);
                 }
             });
         let mut y = vec![0f32; n * self.out_dim];
@@ -360,10 +367,11 @@ fn tile(
     w: &[Quants],
     wd: &[f32],
     acts: &QuantizedRows,
-    blocks: usize,
     n: usize,
     out: &mut [f32],
+    path: crate::simd::Q8Path,
 ) {
+    let blocks = wd.len() / TILE;
     // The scale products f32(d_w)·f32(d_x), `[n][blocks][TILE]`, computed
     // up front so that the block loop only loads them.
     // Every element is written below: resizing (not clearing) is enough.
@@ -381,12 +389,12 @@ fn tile(
     while c < n {
         let take = (n - c).min(COLS);
         let res: [f32; TILE * COLS] = match take {
-            COLS => kernel::<COLS>(w, acts, dd, blocks, c),
+            COLS => kernel::<COLS>(w, acts, dd, blocks, c, path),
             _ => {
                 let mut res = [0f32; TILE * COLS];
                 for k in 0..take {
                     res[k * TILE..][..TILE]
-                        .copy_from_slice(&kernel::<1>(w, acts, dd, blocks, c + k)[..TILE]);
+                        .copy_from_slice(&kernel::<1>(w, acts, dd, blocks, c + k, path)[..TILE]);
                 }
                 res
             }
@@ -410,6 +418,7 @@ fn kernel<const C: usize>(
     dd: &[f32],
     blocks: usize,
     c0: usize,
+    path: crate::simd::Q8Path,
 ) -> [f32; TILE * COLS] {
     // Slices of exactly `blocks` elements, visible to LLVM: no bounds
     // checks in the loop.
@@ -418,6 +427,63 @@ fn kernel<const C: usize>(
     let ax: [&[Quants]; C] = std::array::from_fn(|k| &acts.abs[(c0 + k) * blocks..][..blocks]);
     let ds: [&[[f32; TILE]]; C] =
         std::array::from_fn(|k| &dd[(c0 + k) * blocks * TILE..].as_chunks::<TILE>().0[..blocks]);
+    let lanes = faster_lanes::<C>(path, w, xs, ax, ds, blocks)
+        .unwrap_or_else(|| baseline_lanes::<C>(w, xs, ax, ds, blocks));
+    let mut res = [0f32; TILE * COLS];
+    for (r, acc) in lanes.iter().enumerate() {
+        for (k, acc) in acc.iter().enumerate() {
+            res[k * TILE + r] = hsum(acc);
+        }
+    }
+    res
+}
+
+/// The lanes of a run-time chosen SIMD kernel (`None`: run the baseline).
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+#[inline(always)]
+fn faster_lanes<const C: usize>(
+    path: crate::simd::Q8Path,
+    w: &[[Quants; TILE]],
+    xs: [&[Quants]; C],
+    ax: [&[Quants]; C],
+    ds: [&[[f32; TILE]]; C],
+    blocks: usize,
+) -> Option<[[[f32; 8]; C]; TILE]> {
+    crate::simd::block_products::<C, TILE>(path, w, xs, ax, ds, blocks)
+}
+
+/// No faster kernel outside x86-64 with AVX2: the baseline runs.
+#[cfg(not(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+)))]
+#[inline(always)]
+fn faster_lanes<const C: usize>(
+    _path: crate::simd::Q8Path,
+    _w: &[[Quants; TILE]],
+    _xs: [&[Quants]; C],
+    _ax: [&[Quants]; C],
+    _ds: [&[[f32; TILE]]; C],
+    _blocks: usize,
+) -> Option<[[[f32; 8]; C]; TILE]> {
+    None
+}
+
+/// The safe kernel: the lanes of `TILE` weight rows against `C`
+/// activation rows.
+#[inline(always)]
+fn baseline_lanes<const C: usize>(
+    w: &[[Quants; TILE]],
+    xs: [&[Quants]; C],
+    ax: [&[Quants]; C],
+    ds: [&[[f32; TILE]]; C],
+    blocks: usize,
+) -> [[[f32; 8]; C]; TILE] {
     let ones = lanes::ones();
     let mut acc = [[lanes::zero(); C]; TILE];
     for b in 0..blocks {
@@ -430,13 +496,7 @@ fn kernel<const C: usize>(
             }
         }
     }
-    let mut res = [0f32; TILE * COLS];
-    for (r, acc) in acc.iter().enumerate() {
-        for (k, acc) in acc.iter().enumerate() {
-            res[k * TILE + r] = hsum(&lanes::lanes(*acc));
-        }
-    }
-    res
+    acc.map(|row| row.map(lanes::lanes))
 }
 
 #[cfg(test)]
@@ -476,6 +536,92 @@ mod tests {
         for (i, (x, y)) in a.iter().zip(b).enumerate() {
             assert_eq!(x.to_bits(), y.to_bits(), "element {i}: {x} vs {y}");
         }
+    }
+
+    /// Every kernel path this CPU runs (the safe baseline and the
+    /// run-time chosen SIMD ones) gives the same bits, for every shape the
+    /// model uses and odd ones, batch 1 to 17, with weights at the quant
+    /// range's ends.
+    #[test]
+    fn every_path_gives_the_same_bits() {
+        use crate::simd::Q8Path;
+        let paths = Q8Path::available();
+        eprintln!("kernel paths on this CPU: {paths:?}");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for &(out, inp) in &[(960, 576), (576, 1536), (37, 576), (5, 32), (3, 2048)] {
+            for &n in &[1usize, 2, 3, 8, 17] {
+                let mut w = random(&mut rng, out * inp, 0.1);
+                // A block whose largest weight sits at +127 and -127.
+                w[0] = 0.5;
+                w[1] = -0.5;
+                let x = random(&mut rng, n * inp, 2.0);
+                let dev = Device::Cpu;
+                let wt = Tensor::from_slice(&w, (out, inp), &dev).unwrap();
+                let q = QTensor::quantize(&wt, GgmlDType::Q8_0).unwrap();
+                let m = Q8Matrix::from_ggml_q8_0(&q.data().unwrap(), out, inp).unwrap();
+                let base = m.forward_with(&x, n, Q8Path::Baseline);
+                for &p in &paths[1..] {
+                    let got = m.forward_with(&x, n, p);
+                    for (i, (a, b)) in got.iter().zip(&base).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{} vs baseline, {out}x{inp} n={n} element {i}: {a} vs {b}",
+                            p.name()
+                        );
+                    }
+                }
+                assert_eq!(m.forward(&x, n), base, "the chosen path");
+            }
+        }
+    }
+
+    /// `unsafe` lives in `simd/` only: no other source file of the crate
+    /// allows it or uses it.
+    #[test]
+    fn only_simd_may_use_unsafe() {
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut stack = vec![src.clone()];
+        let mut checked = 0;
+        while let Some(dir) = stack.pop() {
+            for e in std::fs::read_dir(&dir).unwrap() {
+                let path = e.unwrap().path();
+                if path.is_dir() {
+                    if path != src.join("simd") {
+                        stack.push(path);
+                    }
+                    continue;
+                }
+                if path.extension().is_none_or(|x| x != "rs") {
+                    continue;
+                }
+                let text = std::fs::read_to_string(&path).unwrap();
+                checked += 1;
+                for (i, line) in text.lines().enumerate() {
+                    // The code before any comment or string on the line,
+                    // as identifiers.
+                    let code = line.split("//").next().unwrap_or("");
+                    let code = code.split('"').next().unwrap_or("");
+                    let uses = code
+                        .split(|c: char| !(c.is_alphanumeric() || c == '_'))
+                        .any(|t| t == "unsafe" || t == "unsafe_code");
+                    let allowed = path == src.join("lib.rs")
+                        && (line.trim() == "#[allow(unsafe_code)]"
+                            || line.trim() == "#![deny(unsafe_code)]");
+                    assert!(
+                        allowed || !uses,
+                        "{}:{}: `unsafe` outside simd/: {line}",
+                        path.display(),
+                        i + 1
+                    );
+                }
+            }
+        }
+        assert!(checked > 10, "{checked} files");
+        let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
+        assert!(lib.contains("#![deny(unsafe_code)]"));
+        assert_eq!(lib.matches("allow(unsafe_code)").count(), 1);
+        assert!(lib.contains("#[allow(unsafe_code)]\npub mod simd;"));
     }
 
     /// Shapes where candle takes its generic AVX2 path (inner dimension not
