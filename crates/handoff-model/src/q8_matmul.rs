@@ -823,32 +823,42 @@ mod tests {
             .num_threads(threads)
             .build()
             .unwrap();
+        // Every kernel path, in turns (best of 5 rounds each).
+        let paths = crate::simd::Q8Path::available();
         for n in [1usize, 8] {
             let xs: Vec<Vec<f32>> = mats
                 .iter()
                 .map(|(m, _)| random(&mut rng, n * m.in_dim(), 1.0))
                 .collect();
-            let step = || {
+            let step = |p: crate::simd::Q8Path| {
                 for ((m, times), x) in mats.iter().zip(&xs) {
                     for _ in 0..*times {
-                        std::hint::black_box(m.forward(x, n));
+                        std::hint::black_box(m.forward_with(x, n, p));
                     }
                 }
             };
-            pool.install(step);
-            let mut best = f64::MAX;
-            for _ in 0..5 {
-                let t = std::time::Instant::now();
-                for _ in 0..10 {
-                    pool.install(step);
+            let mut best = vec![f64::MAX; paths.len()];
+            for round in 0..6 {
+                for (i, &p) in paths.iter().enumerate() {
+                    let t = std::time::Instant::now();
+                    for _ in 0..10 {
+                        pool.install(|| step(p));
+                    }
+                    if round > 0 {
+                        best[i] = best[i].min(t.elapsed().as_secs_f64() / 10.0);
+                    }
                 }
-                best = best.min(t.elapsed().as_secs_f64() / 10.0);
             }
-            println!(
-                "n={n}: {:.2} ms per step, {:.1} tokens/s (matmuls only)",
-                best * 1e3,
-                n as f64 / best
-            );
+            let base = best[0];
+            for (p, t) in paths.iter().zip(&best) {
+                println!(
+                    "n={n} {}: {:.2} ms per step, {:.1} tokens/s (matmuls only), {:.3}x baseline",
+                    p.name(),
+                    t * 1e3,
+                    n as f64 / t,
+                    base / t
+                );
+            }
         }
     }
 }
