@@ -95,3 +95,41 @@ def test_n_must_be_one(client, model):
         )
     assert info.value.status_code == 400
     assert "n must be 1" in info.value.message
+
+
+def test_logprobs_with_alternatives(client, model):
+    """Chat logprobs with top_logprobs and completions logprobs=N, as the
+    client parses them; greedy picks the likeliest alternative, and the
+    streamed answer carries the same numbers as the whole one."""
+    kwargs = dict(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 3
+        lps = [t.logprob for t in tok.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert tok.top_logprobs[0].logprob == tok.logprob
+        assert tok.top_logprobs[0].token == tok.token
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                streamed.extend(c.logprobs.content)
+    assert [(t.token, t.logprob, [a.logprob for a in t.top_logprobs]) for t in streamed] == [
+        (t.token, t.logprob, [a.logprob for a in t.top_logprobs]) for t in content
+    ]
+    c = client.completions.create(
+        model=model, prompt="The sky is", max_tokens=4, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)

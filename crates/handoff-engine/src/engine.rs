@@ -105,6 +105,13 @@ pub(crate) fn validate(
             "max_tokens must be at least 1".into(),
         ));
     }
+    if p.top_logprobs > handoff_model::sampling::MAX_TOP_LOGPROBS {
+        return Err(EngineError::InvalidParams(format!(
+            "top_logprobs must be at most {}, got {}",
+            handoff_model::sampling::MAX_TOP_LOGPROBS,
+            p.top_logprobs
+        )));
+    }
     if !p.temperature.is_finite() || p.temperature < 0.0 {
         return Err(EngineError::InvalidParams(format!(
             "temperature must be a finite number >= 0, got {}",

@@ -43,6 +43,10 @@ pub struct SamplingParams {
     /// With special tokens in the text, a space separates each from its
     /// neighbours (default true; vLLM's and HF's slow detokenizer rule).
     pub spaces_between_special_tokens: bool,
+    /// With each token, the log-probabilities of this many most likely
+    /// tokens at its position (0: none; at most
+    /// [`handoff_model::sampling::MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
@@ -61,6 +65,7 @@ impl Default for SamplingParams {
             min_new_tokens: 0,
             skip_special_tokens: true,
             spaces_between_special_tokens: true,
+            top_logprobs: 0,
         }
     }
 }
@@ -138,6 +143,9 @@ pub struct TokenOut {
     /// Natural log of the token's probability under the sampling distribution
     /// before temperature/top-k/top-p (the model's own log-softmax).
     pub logprob: f32,
+    /// The most likely tokens at this position with their log-probabilities
+    /// (as `logprob`), most likely first: `top_logprobs` of them, or none.
+    pub top: Vec<(u32, f32)>,
     /// Text this token adds to the output (may be empty while a multi-byte
     /// character or a possible stop string is incomplete; held-back text is
     /// released by a later token or dropped if a stop string matches).

@@ -80,6 +80,9 @@ pub(crate) struct Resumed {
     pub pages: SeqPages,
     /// The first token and its logprob, as the prefill sampled them.
     pub first: (u32, f32),
+    /// The first position's most likely tokens, as the prefill computed
+    /// them (`top_logprobs` of them, or none).
+    pub first_top: Vec<(u32, f32)>,
     /// Seed of the request's sampler (the prefill used the same one).
     pub seed: u64,
 }
@@ -321,7 +324,7 @@ impl Scheduler {
             tx: r.tx,
         });
         let i = self.active.len() - 1;
-        if let Some(last) = self.emit_token(i, r.first.0, r.first.1) {
+        if let Some(last) = self.emit_token(i, r.first.0, r.first.1, r.first_top) {
             self.finish(i, last);
         }
     }
@@ -420,11 +423,18 @@ impl Scheduler {
         let a = &mut self.active[i];
         let masked = a.sampling.masked(a.generated(), self.tokenizer.eog_ids());
         let (id, logprob) = a.sampler.sample_masked(logits, &masked);
-        self.emit_token(i, id, logprob)
+        let top = handoff_model::sampling::top_logprobs(logits, a.sampling.top_logprobs);
+        self.emit_token(i, id, logprob, top)
     }
 
     /// Append token `id` to request `i` and send it; see [`Self::emit`].
-    fn emit_token(&mut self, i: usize, id: u32, logprob: f32) -> Option<Option<StreamEvent>> {
+    fn emit_token(
+        &mut self,
+        i: usize,
+        id: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+    ) -> Option<Option<StreamEvent>> {
         let eos = self.tokenizer.eog_ids().to_vec();
         let a = &mut self.active[i];
         a.tokens.push(id);
@@ -459,7 +469,12 @@ impl Scheduler {
         ) {
             text.push_str(&a.text.flush());
         }
-        let sent = a.tx.token(TokenOut { id, logprob, text });
+        let sent = a.tx.token(TokenOut {
+            id,
+            logprob,
+            top,
+            text,
+        });
         if sent == Err(NotSent::Full) {
             // Steps skip a request without room, so this is a bug: fail the
             // request rather than lose a token.

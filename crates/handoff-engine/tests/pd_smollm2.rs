@@ -468,3 +468,104 @@ fn a_near_tie_prompt_answers_the_same_after_a_prefix_cache_hit() {
         assert_eq!(ids, want, "pass {pass} (cached {cached} tokens)");
     }
 }
+
+/// A token, its logprob and its alternatives.
+type Scored = (u32, f32, Vec<(u32, f32)>);
+/// The same as bits, for exact comparison.
+type ScoredBits = (u32, u32, Vec<(u32, u32)>);
+
+/// Every token of a stream with its alternatives.
+fn drain_top(mut s: RequestStream) -> Vec<Scored> {
+    let mut out = Vec::new();
+    loop {
+        match s.blocking_next() {
+            Some(StreamEvent::Token(t)) => out.push((t.id, t.logprob, t.top)),
+            Some(StreamEvent::Finished(_)) => return out,
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn top_logprobs_are_the_log_softmax_of_the_sampled_logits_and_pd_equals_colocated() {
+    let engine = colocated_engine(16);
+    let picked: Vec<Case> = cases(&engine)
+        .into_iter()
+        .filter(|c| c.name.contains("capital") || c.name.contains("raw fox"))
+        .map(|mut c| {
+            c.req.sampling.top_logprobs = 5;
+            c.req.sampling.max_new_tokens = 6;
+            c
+        })
+        .collect();
+    assert_eq!(picked.len(), 2);
+    // The reference forward, unpaged, in the prefill's weight format.
+    let (model, _) = handoff_model::Llama::load(&model_path(), engine_formats()).unwrap();
+    let want: Vec<_> = picked
+        .iter()
+        .map(|c| drain_top(engine.submit(c.req.clone()).unwrap()))
+        .collect();
+    for (c, toks) in picked.iter().zip(&want) {
+        assert_eq!(toks.len(), 6, "{}", c.name);
+        for (id, lp, top) in toks {
+            // Five alternatives, most likely first; greedy takes the first,
+            // with the same logprob bits.
+            assert_eq!(top.len(), 5, "{}", c.name);
+            assert!(top.windows(2).all(|w| w[0].1 >= w[1].1), "{top:?}");
+            assert_eq!((top[0].0, top[0].1.to_bits()), (*id, lp.to_bits()));
+            let mass: f32 = top.iter().map(|t| t.1.exp()).sum();
+            assert!(mass <= 1.0 + 1e-5, "{mass}");
+        }
+        // The first position's alternatives are the log-softmax of the
+        // prompt's last logits: the reference forward (f32 K/V), within
+        // float noise of an engine with f32 K/V (the default f16 K/V moves
+        // them by up to about 0.01).
+        let mut f32_cfg = config(16, COLOCATED_POOL_TOKENS.div_ceil(16));
+        f32_cfg.kv_dtype = handoff_kv::KvDtype::F32;
+        let exact = Engine::start(f32_cfg).unwrap();
+        let toks = &drain_top(exact.submit(c.req.clone()).unwrap());
+        let logits = model
+            .reference_logits(&c.req.prompt_ids, handoff_model::Phase::Prefill)
+            .unwrap();
+        let last = logits.last().unwrap();
+        let reference = handoff_model::sampling::top_logprobs(last, 5);
+        let (_, _, top) = &toks[0];
+        assert_eq!(
+            top.iter().map(|t| t.0).collect::<Vec<_>>(),
+            reference.iter().map(|t| t.0).collect::<Vec<_>>(),
+            "{}",
+            c.name
+        );
+        for (a, b) in top.iter().zip(&reference) {
+            assert!((a.1 - b.1).abs() < 1e-3, "{}: {a:?} vs {b:?}", c.name);
+        }
+    }
+    // Through PD (the first position's alternatives travel from the
+    // prefill in aux-top records), on both transports: the same bits.
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let pair = Pair::start(kind, 16, &picked);
+        for (c, w) in picked.iter().zip(&want) {
+            let (ticket, stream) = pair.submit(&c.req);
+            let got = drain_top(stream);
+            let done = ticket.blocking_wait().unwrap();
+            assert_eq!(done.top, w[0].2, "{kind:?} {}: prefill's first", c.name);
+            let bits = |v: &[Scored]| -> Vec<ScoredBits> {
+                v.iter()
+                    .map(|(i, l, t)| {
+                        (
+                            *i,
+                            l.to_bits(),
+                            t.iter().map(|(a, b)| (*a, b.to_bits())).collect(),
+                        )
+                    })
+                    .collect()
+            };
+            assert_eq!(bits(&got), bits(w), "{kind:?} {}", c.name);
+        }
+        pair.assert_idle(&format!("{kind:?} top logprobs"));
+    }
+}
+
+fn engine_formats() -> handoff_model::PhaseFormats {
+    config(16, 1).formats
+}

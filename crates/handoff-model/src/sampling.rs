@@ -130,6 +130,36 @@ pub fn logprob(logits: &[f32], i: usize) -> f32 {
     (logits[i] - max) - sum.ln() as f32
 }
 
+/// Most alternatives a request may ask for per position (OpenAI's
+/// `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The `n` most likely tokens under `log_softmax(logits)`, most likely
+/// first (the lower id first on equal logits), with their log-probabilities
+/// computed as [`logprob`] does (the same bits for the same token). Fewer
+/// when the vocabulary is smaller; NaN logits are never listed.
+pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 || logits.is_empty() {
+        return Vec::new();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&v| ((v - max) as f64).exp()).sum();
+    let ln_sum = sum.ln() as f32;
+    // One pass keeping the best `n` (n ≤ 20: insertion into a short list).
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    for (i, &v) in logits.iter().enumerate() {
+        if v.is_nan() || (best.len() == n && v <= best[n - 1].1) {
+            continue;
+        }
+        let at = best.partition_point(|&(_, b)| b >= v);
+        best.insert(at, (i as u32, v));
+        best.truncate(n);
+    }
+    best.into_iter()
+        .map(|(i, v)| (i, (v - max) - ln_sum))
+        .collect()
+}
+
 impl Sampler {
     /// A sampler with its own RNG seeded from `cfg.seed`.
     pub fn new(cfg: SamplerConfig) -> Self {
@@ -335,6 +365,24 @@ mod tests {
             let mut s = Sampler::new(cfg(t, 0, 1.0, 3));
             assert_eq!(s.sample(&logits).0, 1, "temperature {t}");
         }
+    }
+
+    #[test]
+    fn top_logprobs_are_the_most_likely_in_order_with_logprob_bits() {
+        let logits = [1.0f32, 3.0, -2.0, 3.0, f32::NAN, 0.5, 2.5];
+        let top = top_logprobs(&logits, 4);
+        let ids: Vec<u32> = top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 6, 0], "equal logits: lower id first; NaN never");
+        let clean = [1.0f32, 3.0, -2.0, 3.0, 0.5, 2.5];
+        let top = top_logprobs(&clean, 3);
+        for &(id, lp) in &top {
+            assert_eq!(lp.to_bits(), logprob(&clean, id as usize).to_bits());
+        }
+        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
+        assert_eq!(top_logprobs(&clean, 0), vec![]);
+        assert_eq!(top_logprobs(&clean, 50).len(), clean.len());
+        let total: f32 = top_logprobs(&clean, 50).iter().map(|t| t.1.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5, "{total}");
     }
 
     #[test]

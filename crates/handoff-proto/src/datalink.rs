@@ -122,6 +122,7 @@ const TAG_SEGMENT: u8 = 1;
 const TAG_AUX: u8 = 2;
 const TAG_END: u8 = 3;
 const TAG_ACK: u8 = 4;
+const TAG_AUX_TOP: u8 = 5;
 
 /// Header bytes of every prefill → decode record (tag + fields, padded).
 pub const RECORD_LEN: usize = 32;
@@ -240,6 +241,91 @@ pub struct AuxData {
     pub first_token: u32,
     /// Its log-probability.
     pub logprob: f32,
+    /// The first position's most likely tokens, when the request asked for
+    /// them: sent as [`Record::AuxTop`] records ahead of the aux record
+    /// (capability [`crate::handshake::Capabilities::AUX_TOP`]).
+    pub top: TopLogprobs,
+}
+
+/// Most alternatives [`TopLogprobs`] holds.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// Up to [`MAX_TOP_LOGPROBS`] (token, log-probability) pairs, most likely
+/// first; fixed size, so [`AuxData`] stays `Copy`.
+#[derive(Clone, Copy, PartialEq)]
+pub struct TopLogprobs {
+    len: u8,
+    items: [(u32, f32); MAX_TOP_LOGPROBS],
+}
+
+impl TopLogprobs {
+    /// None.
+    pub const NONE: TopLogprobs = TopLogprobs {
+        len: 0,
+        items: [(0, 0.0); MAX_TOP_LOGPROBS],
+    };
+
+    /// The first [`MAX_TOP_LOGPROBS`] pairs of `pairs`.
+    pub fn from_slice(pairs: &[(u32, f32)]) -> Self {
+        let mut t = TopLogprobs::NONE;
+        for &p in pairs.iter().take(MAX_TOP_LOGPROBS) {
+            t.push(p);
+        }
+        t
+    }
+
+    /// The pairs.
+    pub fn as_slice(&self) -> &[(u32, f32)] {
+        &self.items[..usize::from(self.len)]
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+
+    /// None held.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Append one; false when full.
+    pub fn push(&mut self, pair: (u32, f32)) -> bool {
+        if self.len() == MAX_TOP_LOGPROBS {
+            return false;
+        }
+        self.items[self.len()] = pair;
+        self.len += 1;
+        true
+    }
+
+    /// The [`Record::AuxTop`] records that carry these pairs, two per
+    /// record, in order.
+    pub fn records(&self, room: RoomId, aux_slot: u32) -> Vec<Record> {
+        self.as_slice()
+            .chunks(2)
+            .enumerate()
+            .map(|(i, c)| Record::AuxTop {
+                room,
+                aux_slot,
+                index: (2 * i) as u8,
+                pairs: [c[0], c.get(1).copied().unwrap_or((0, 0.0))],
+                count: c.len() as u8,
+            })
+            .collect()
+    }
+}
+
+impl Default for TopLogprobs {
+    fn default() -> Self {
+        TopLogprobs::NONE
+    }
+}
+
+impl std::fmt::Debug for TopLogprobs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.as_slice()).finish()
+    }
 }
 
 /// One prefill → decode record.
@@ -247,6 +333,20 @@ pub struct AuxData {
 pub enum Record {
     /// KV payload placement (tcp only; payload follows).
     Segment(SegmentHeader),
+    /// Part of the first position's most likely tokens of a room, ahead of
+    /// its aux record: pairs `index..index + count` (count 1 or 2).
+    AuxTop {
+        /// The room.
+        room: RoomId,
+        /// The aux slot decode named in its destination.
+        aux_slot: u32,
+        /// Position of the first pair in the list.
+        index: u8,
+        /// The pairs (the second unused when `count` is 1).
+        pairs: [(u32, f32); 2],
+        /// Pairs in this record: 1 or 2.
+        count: u8,
+    },
     /// Aux slot contents for a room, carrying the room id it was written for.
     Aux {
         /// The room.
@@ -310,6 +410,15 @@ pub enum RecordError {
         first: u32,
         /// Pages.
         count: u32,
+    },
+    /// An aux-top record holding other than 1 or 2 pairs, or pairs past
+    /// [`MAX_TOP_LOGPROBS`].
+    #[error("bad data-link record: top logprobs {index}+{count} (1 or 2 pairs, at most {MAX_TOP_LOGPROBS} in all)")]
+    AuxTop {
+        /// Position of its first pair.
+        index: u8,
+        /// Its pair count.
+        count: u8,
     },
     /// An end marker's cancelled flag is neither 0 nor 1.
     #[error("bad data-link record: end flag {0}")]
@@ -378,6 +487,23 @@ impl Record {
                 b[21..25].copy_from_slice(&aux.first_token.to_le_bytes());
                 b[25..29].copy_from_slice(&aux.logprob.to_bits().to_le_bytes());
             }
+            Record::AuxTop {
+                room,
+                aux_slot,
+                index,
+                pairs,
+                count,
+            } => {
+                b[0] = TAG_AUX_TOP;
+                b[1..9].copy_from_slice(&room.get().to_le_bytes());
+                b[9..13].copy_from_slice(&aux_slot.to_le_bytes());
+                b[13] = *index;
+                b[14] = *count;
+                for (k, (id, lp)) in pairs.iter().enumerate() {
+                    b[15 + 8 * k..19 + 8 * k].copy_from_slice(&id.to_le_bytes());
+                    b[19 + 8 * k..23 + 8 * k].copy_from_slice(&lp.to_bits().to_le_bytes());
+                }
+            }
             Record::End { room, cancelled } => {
                 b[0] = TAG_END;
                 b[1..9].copy_from_slice(&room.get().to_le_bytes());
@@ -426,8 +552,29 @@ impl Record {
                 aux: AuxData {
                     first_token: u32::from_le_bytes(arr(&b[21..25])),
                     logprob: f32::from_bits(u32::from_le_bytes(arr(&b[25..29]))),
+                    top: TopLogprobs::NONE,
                 },
             }),
+            TAG_AUX_TOP => {
+                let (index, count) = (b[13], b[14]);
+                if !(1..=2).contains(&count)
+                    || usize::from(index) + usize::from(count) > MAX_TOP_LOGPROBS
+                {
+                    return Err(RecordError::AuxTop { index, count });
+                }
+                let pair = |k: usize| {
+                    let id = u32::from_le_bytes(arr(&b[15 + 8 * k..]));
+                    let lp = f32::from_bits(u32::from_le_bytes(arr(&b[19 + 8 * k..])));
+                    (id, lp)
+                };
+                Ok(Record::AuxTop {
+                    room,
+                    aux_slot: u32::from_le_bytes(arr(&b[9..13])),
+                    index,
+                    pairs: [pair(0), if count == 2 { pair(1) } else { (0, 0.0) }],
+                    count,
+                })
+            }
             TAG_END => match b[9] {
                 0 | 1 => Ok(Record::End {
                     room,
@@ -521,7 +668,22 @@ mod tests {
                 aux: AuxData {
                     first_token: 42,
                     logprob: -0.5,
+                    top: TopLogprobs::NONE,
                 },
+            },
+            Record::AuxTop {
+                room,
+                aux_slot: 4,
+                index: 2,
+                pairs: [(7, -0.25), (9, -1.5)],
+                count: 2,
+            },
+            Record::AuxTop {
+                room,
+                aux_slot: 4,
+                index: 18,
+                pairs: [(3, -3.0), (0, 0.0)],
+                count: 1,
             },
             Record::End {
                 room,
@@ -575,6 +737,54 @@ mod tests {
         ] {
             assert_eq!(Record::decode(&b), Err(want), "{b:?}");
         }
+        // Aux-top records: 1 or 2 pairs, none past the 20th.
+        let top = |index: u8, count: u8| {
+            let mut b = Record::AuxTop {
+                room,
+                aux_slot: 1,
+                index: 0,
+                pairs: [(1, -1.0), (2, -2.0)],
+                count: 2,
+            }
+            .encode();
+            b[13] = index;
+            b[14] = count;
+            b
+        };
+        for (index, count) in [(0, 0), (0, 3), (19, 2), (20, 1), (255, 1)] {
+            assert_eq!(
+                Record::decode(&top(index, count)),
+                Err(RecordError::AuxTop { index, count }),
+                "{index}+{count}"
+            );
+        }
+        assert!(Record::decode(&top(18, 2)).is_ok());
+        // The pairs of a top list, two per record, in order.
+        let list: Vec<(u32, f32)> = (0..5).map(|i| (i * 10, -(i as f32))).collect();
+        let t = TopLogprobs::from_slice(&list);
+        let recs = t.records(room, 3);
+        assert_eq!(recs.len(), 3);
+        let mut back = TopLogprobs::NONE;
+        for r in &recs {
+            let Ok(Record::AuxTop {
+                index,
+                pairs,
+                count,
+                aux_slot: 3,
+                ..
+            }) = Record::decode(&r.encode())
+            else {
+                panic!("{r:?}");
+            };
+            assert_eq!(usize::from(index), back.len());
+            for &p in &pairs[..usize::from(count)] {
+                assert!(back.push(p));
+            }
+        }
+        assert_eq!(back.as_slice(), list.as_slice());
+        let many: Vec<(u32, f32)> = (0..30).map(|i| (i, 0.0)).collect();
+        assert_eq!(TopLogprobs::from_slice(&many).len(), MAX_TOP_LOGPROBS);
+        assert!(TopLogprobs::NONE.records(room, 3).is_empty());
         let a = Ack { room, ok: true };
         assert_eq!(Ack::decode(&a.encode()), Ok(a));
         assert_eq!(

@@ -485,9 +485,16 @@ pub fn data_link_seeds() -> Vec<(&'static str, Vec<u8>)> {
         aux: AuxData {
             first_token: 42,
             logprob: -0.5,
+            top: crate::datalink::TopLogprobs::NONE,
         },
     }
     .encode();
+    let aux_top: Vec<u8> =
+        crate::datalink::TopLogprobs::from_slice(&[(42, -0.5), (7, -1.25), (9, -3.0)])
+            .records(room, 4)
+            .iter()
+            .flat_map(|r| r.encode())
+            .collect();
     let end = Record::End {
         room,
         cancelled: false,
@@ -538,6 +545,7 @@ pub fn data_link_seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("aux_record", aux.to_vec()),
         ("end_record", end.to_vec()),
         ("records_in_a_row", [segment, aux, end].concat()),
+        ("aux_top_records", aux_top),
         ("ack", ack.to_vec()),
         ("stream_setup", setup.to_vec()),
         ("data_preface", encode_preface(PREFACE_DATA, 5, 6).to_vec()),

@@ -53,10 +53,14 @@ impl Capabilities {
     pub const AUTH: Capabilities = Capabilities(1 << 2);
     /// A `Status(Failed)` carries a rejection's API code ([`crate::RejectCode`]).
     pub const REJECT_CODE: Capabilities = Capabilities(1 << 3);
+    /// The prefill sends the first position's most likely tokens as
+    /// data-link `AuxTop` records ahead of the aux record, for requests
+    /// that ask for top logprobs.
+    pub const AUX_TOP: Capabilities = Capabilities(1 << 4);
     /// Everything protocol 1 knew.
     pub const V1: Capabilities = Capabilities::AUTH;
     /// Everything this build knows.
-    pub const ALL: Capabilities = Capabilities(0b1111);
+    pub const ALL: Capabilities = Capabilities(0b1_1111);
 
     /// From raw bits; unknown bits are kept (and then lost in intersection).
     pub const fn from_bits(bits: u64) -> Self {
@@ -97,6 +101,7 @@ impl fmt::Debug for Capabilities {
             (Capabilities::DESTINATION_PREFIX, "DESTINATION_PREFIX"),
             (Capabilities::AUTH, "AUTH"),
             (Capabilities::REJECT_CODE, "REJECT_CODE"),
+            (Capabilities::AUX_TOP, "AUX_TOP"),
         ] {
             if self.contains(bit) {
                 names.push(name);
@@ -631,6 +636,7 @@ mod tests {
             Capabilities::FAILURE_DETAIL
                 .union(Capabilities::DESTINATION_PREFIX)
                 .union(Capabilities::REJECT_CODE)
+                .union(Capabilities::AUX_TOP)
         );
         assert_eq!(n.peer_role, Role::Decode);
         assert_eq!(hd.negotiated().unwrap().peer_role, Role::Prefill);

@@ -695,6 +695,7 @@ impl<L, W> ReceiverEndpoint<L, W> {
                         let aux = aux.unwrap_or(AuxData {
                             first_token: 0,
                             logprob: 0.0,
+                            top: crate::datalink::TopLogprobs::NONE,
                         });
                         self.outcome(room, ReceiverPoll::Success { lease, aux }, now);
                     }
@@ -849,6 +850,7 @@ mod tests {
             let aux = AuxData {
                 first_token,
                 logprob: -0.25,
+                top: crate::datalink::TopLogprobs::NONE,
             };
             self.ep.handle_aux(room, written_room, aux);
             let status = Status {

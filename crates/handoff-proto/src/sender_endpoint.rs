@@ -932,6 +932,7 @@ mod tests {
             AuxData {
                 first_token: 7,
                 logprob: -1.0,
+                top: crate::datalink::TopLogprobs::NONE,
             },
             now,
         )

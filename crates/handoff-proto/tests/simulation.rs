@@ -556,6 +556,7 @@ impl Sim {
                 let aux = AuxData {
                     first_token: 1,
                     logprob: 0.0,
+                    top: handoff_proto::datalink::TopLogprobs::NONE,
                 };
                 n.ep.finish(r, aux, now).expect("writes started");
                 let expected = self.map.destination_ranks(RankId(p)).unwrap();
@@ -595,6 +596,7 @@ impl Sim {
                         let aux = AuxData {
                             first_token: 1,
                             logprob: 0.0,
+                            top: handoff_proto::datalink::TopLogprobs::NONE,
                         };
                         n.ep.handle_aux(r, r.get(), aux);
                     }

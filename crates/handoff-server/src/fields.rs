@@ -71,7 +71,8 @@ const STRUCTURED: &str =
 const TOOLS: &str =
     "tool calling is not implemented yet: describe the tools in the prompt and parse the text";
 const MEDIA: &str = "handoff serves text-only models: send text";
-const ALTERNATIVES: &str = "only the chosen tokens' log-probabilities are returned";
+const ALTERNATIVES: &str =
+    "log-probabilities are returned for generated tokens only (with their top alternatives), not for the prompt or chosen token lists";
 const ADAPTERS: &str = "handoff serves the one model it loaded, without adapters";
 const BEAM: &str = "handoff samples; beam search is not implemented";
 
@@ -300,10 +301,6 @@ const GENERATE: &[(&str, Support)] = &[
     (
         "logprob_start_len",
         Support::Refused(NoOp::Num(-1.0), ALTERNATIVES),
-    ),
-    (
-        "top_logprobs_num",
-        Support::Refused(NoOp::Num(0.0), ALTERNATIVES),
     ),
     (
         "token_ids_logprob",

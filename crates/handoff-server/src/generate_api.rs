@@ -132,6 +132,10 @@ pub struct GenerateBody {
     /// Add `output_token_logprobs` (`[logprob, id, null]` per token) to `meta_info`.
     #[serde(default)]
     pub return_logprob: Option<bool>,
+    /// With `return_logprob`, also `output_top_logprobs`: this many most
+    /// likely tokens per position (`[logprob, id, null]` each).
+    #[serde(default)]
+    pub top_logprobs_num: Option<i64>,
     /// PD bootstrap host (unused when colocated).
     #[serde(default)]
     pub bootstrap_host: Option<String>,
@@ -194,6 +198,7 @@ pub async fn generate(
         body.stream.unwrap_or(false),
         body.return_logprob.unwrap_or(false),
     );
+    let top_wanted = body.top_logprobs_num.is_some_and(|n| n > 0);
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare(&st, &body, arrived)).await;
     let (req, rid) = match prepared {
@@ -208,7 +213,7 @@ pub async fn generate(
     let gen = Generation::submit(&state, req, ENDPOINT, &pd, &rid).await?;
     if stream_it {
         return Ok(sse_response(move |tx| {
-            stream(gen, tx, rid, prompt_tokens, body_wants_logprobs)
+            stream(gen, tx, rid, prompt_tokens, body_wants_logprobs, top_wanted)
         }));
     }
     let c = gen.collect().await?;
@@ -231,6 +236,9 @@ pub async fn generate(
             .iter()
             .map(|t| json!([t.logprob, t.id, null]))
             .collect();
+        if top_wanted {
+            body["meta_info"]["output_top_logprobs"] = c.tokens.iter().map(top_entry).collect();
+        }
     }
     Ok(Json(body).into_response())
 }
@@ -270,7 +278,14 @@ fn prepare(
         skip_special_tokens: sp.skip_special_tokens,
         spaces_between_special_tokens: sp.spaces_between_special_tokens,
     };
-    let sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
+    let mut sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
+    sampling.top_logprobs = crate::params::top_logprobs("top_logprobs_num", body.top_logprobs_num)?;
+    if sampling.top_logprobs > 0 && body.return_logprob != Some(true) {
+        return Err(ApiError::invalid_param(
+            "top_logprobs_num",
+            "top_logprobs_num needs return_logprob: true",
+        ));
+    }
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let prompt_ids = prompt_ids(state, body)?;
     let rid = crate::app::request_id(body.rid.as_ref(), "gen")?;
@@ -292,10 +307,12 @@ async fn stream(
     rid: String,
     prompt_tokens: usize,
     logprobs: bool,
+    top_wanted: bool,
 ) -> Result<(), Disconnected> {
     let mut text = String::new();
     let mut ids: Vec<u32> = Vec::new();
     let mut lps: Vec<Value> = Vec::new();
+    let mut tops: Vec<Value> = Vec::new();
     while let Some(step) = tx.race(gen.next()).await? {
         match step {
             Step::Token(t) => {
@@ -315,6 +332,10 @@ async fn stream(
                 if logprobs {
                     lps.push(json!([t.logprob, t.id, null]));
                     chunk["meta_info"]["output_token_logprobs"] = Value::Array(lps.clone());
+                    if top_wanted {
+                        tops.push(top_entry(&t));
+                        chunk["meta_info"]["output_top_logprobs"] = Value::Array(tops.clone());
+                    }
                 }
                 tx.json(&chunk).await?;
             }
@@ -333,6 +354,9 @@ async fn stream(
                 });
                 if logprobs {
                     chunk["meta_info"]["output_token_logprobs"] = Value::Array(lps);
+                    if top_wanted {
+                        chunk["meta_info"]["output_top_logprobs"] = Value::Array(tops);
+                    }
                 }
                 tx.json(&chunk).await?;
                 return tx.done().await;
@@ -341,6 +365,15 @@ async fn stream(
         }
     }
     Ok(())
+}
+
+/// SGLang's `output_top_logprobs` entry of one position: `[logprob, id,
+/// null]` per alternative, most likely first.
+fn top_entry(t: &handoff_engine::request::TokenOut) -> Value {
+    t.top
+        .iter()
+        .map(|&(id, lp)| json!([lp, id, null]))
+        .collect()
 }
 
 #[cfg(test)]

@@ -62,6 +62,7 @@ impl Source {
                             StreamEvent::Token(TokenOut {
                                 id: d.first_token,
                                 logprob: d.logprob,
+                                top: d.top,
                                 text,
                             })
                         }

@@ -61,6 +61,8 @@ struct Answer {
     created: u64,
     model: String,
     logprobs: bool,
+    /// Alternatives per position with `logprobs` (0: none).
+    top_logprobs: usize,
     include_usage: bool,
     system_fingerprint: String,
 }
@@ -85,37 +87,62 @@ impl Answer {
         })
     }
 
-    fn logprobs_of(&self, state: &AppState, tokens: &[TokenOut]) -> Value {
+    /// The `logprobs` object of `tokens`, whose first token starts at
+    /// character `offset` of the answer's text; with the offset after them.
+    fn logprobs_of(&self, state: &AppState, tokens: &[TokenOut], offset: usize) -> (Value, usize) {
         if !self.logprobs {
-            return Value::Null;
+            return (Value::Null, offset);
         }
         let tok = state.engine.tokenizer();
-        let piece = |t: &TokenOut| -> (String, Vec<u8>) {
+        let piece = |id: u32| -> (String, Vec<u8>) {
             let bytes = tok
-                .token_bytes(t.id, false)
+                .token_bytes(id, false)
                 .map(<[u8]>::to_vec)
                 .unwrap_or_default();
             (String::from_utf8_lossy(&bytes).into_owned(), bytes)
         };
-        match self.kind {
+        let mut offsets = Vec::with_capacity(tokens.len());
+        let mut at = offset;
+        for t in tokens {
+            offsets.push(at);
+            at += piece(t.id).0.chars().count();
+        }
+        let v = match self.kind {
             Kind::Chat => json!({
                 "content": tokens.iter().map(|t| {
-                    let (text, bytes) = piece(t);
-                    json!({"token": text, "logprob": t.logprob, "bytes": bytes, "top_logprobs": []})
+                    let (text, bytes) = piece(t.id);
+                    let top: Vec<Value> = t.top.iter().map(|&(id, lp)| {
+                        let (text, bytes) = piece(id);
+                        json!({"token": text, "logprob": lp, "bytes": bytes})
+                    }).collect();
+                    json!({"token": text, "logprob": t.logprob, "bytes": bytes, "top_logprobs": top})
                 }).collect::<Vec<_>>()
             }),
             Kind::Completion => json!({
-                "tokens": tokens.iter().map(|t| piece(t).0).collect::<Vec<_>>(),
+                "tokens": tokens.iter().map(|t| piece(t.id).0).collect::<Vec<_>>(),
                 "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
-                "top_logprobs": Value::Null,
-                "text_offset": Value::Null,
+                // One object per position, token text to logprob (a text
+                // two alternatives share keeps the likelier, as OpenAI's).
+                "top_logprobs": if self.top_logprobs == 0 {
+                    Value::Null
+                } else {
+                    tokens.iter().map(|t| {
+                        let mut m = serde_json::Map::new();
+                        for &(id, lp) in &t.top {
+                            m.entry(piece(id).0).or_insert(json!(lp));
+                        }
+                        Value::Object(m)
+                    }).collect()
+                },
+                "text_offset": offsets,
             }),
-        }
+        };
+        (v, at)
     }
 
     fn whole(&self, state: &AppState, c: crate::generation::Collected) -> Value {
         let finish = c.finished.reason.openai();
-        let logprobs = self.logprobs_of(state, &c.tokens);
+        let (logprobs, _) = self.logprobs_of(state, &c.tokens, 0);
         let choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
@@ -135,8 +162,15 @@ impl Answer {
         body
     }
 
-    fn token_chunk(&self, state: &AppState, t: &TokenOut, first: bool) -> Value {
-        let logprobs = self.logprobs_of(state, std::slice::from_ref(t));
+    fn token_chunk(
+        &self,
+        state: &AppState,
+        t: &TokenOut,
+        first: bool,
+        offset: &mut usize,
+    ) -> Value {
+        let (logprobs, next) = self.logprobs_of(state, std::slice::from_ref(t), *offset);
+        *offset = next;
         let choice = match self.kind {
             Kind::Chat => {
                 let delta = if first {
@@ -178,13 +212,15 @@ impl Answer {
         tx: SseSender,
     ) -> Result<(), crate::sse::Disconnected> {
         let mut first = true;
+        let mut offset = 0;
         while let Some(step) = tx.race(gen.next()).await? {
             match step {
                 Step::Token(t) => {
                     if t.text.is_empty() && !self.logprobs && !first {
                         continue;
                     }
-                    tx.json(&self.token_chunk(&state, &t, first)).await?;
+                    tx.json(&self.token_chunk(&state, &t, first, &mut offset))
+                        .await?;
                     first = false;
                 }
                 Step::Finished(f) => {
@@ -254,14 +290,12 @@ fn prepare_chat(
 ) -> Result<Prepared, ApiError> {
     crate::fields::check(crate::fields::Endpoint::Chat, &req.extra)?;
     check_n(req.n, "n")?;
-    match req.top_logprobs {
-        None | Some(0) => {}
-        Some(_) => {
-            return Err(ApiError::invalid_param(
-                "top_logprobs",
-                "top_logprobs is not supported: set logprobs=true alone to get the chosen tokens' log-probabilities",
-            ))
-        }
+    let top_logprobs = crate::params::top_logprobs("top_logprobs", req.top_logprobs)?;
+    if top_logprobs > 0 && req.logprobs != Some(true) {
+        return Err(ApiError::invalid_param(
+            "top_logprobs",
+            "top_logprobs needs logprobs: true",
+        ));
     }
     let prompt_ids = prompt::chat_prompt(&state.engine, &req.messages)?;
     let info = state.engine.model();
@@ -269,7 +303,8 @@ fn prepare_chat(
     let default_max = DEFAULT_CHAT_MAX_TOKENS
         .min(info.context_length.saturating_sub(prompt_ids.len()))
         .min(pool_tokens.saturating_sub(prompt_ids.len()));
-    let sampling = req.sampling().into_params(default_max)?;
+    let mut sampling = req.sampling().into_params(default_max)?;
+    sampling.top_logprobs = top_logprobs;
     crate::params::check_token_ids(&sampling, info.vocab_size)?;
     let answer = Answer {
         kind: Kind::Chat,
@@ -278,6 +313,7 @@ fn prepare_chat(
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs: req.logprobs.unwrap_or(false),
+        top_logprobs,
         include_usage: req
             .stream_options
             .as_ref()
@@ -325,17 +361,12 @@ fn prepare_completion(
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
-    let logprobs = match req.logprobs {
-        None => false,
-        Some(0) => true,
-        Some(n) => {
-            return Err(ApiError::invalid_param(
-                "logprobs",
-                format!("logprobs={n} asks for alternatives, which are not supported: use logprobs=0 for the chosen tokens' log-probabilities"),
-            ))
-        }
-    };
-    let sampling = req.sampling().into_params(16)?;
+    // `logprobs: N`: the chosen tokens' log-probabilities and the N most
+    // likely at each position.
+    let logprobs = req.logprobs.is_some();
+    let top_logprobs = crate::params::top_logprobs("logprobs", req.logprobs)?;
+    let mut sampling = req.sampling().into_params(16)?;
+    sampling.top_logprobs = top_logprobs;
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = req
@@ -351,6 +382,7 @@ fn prepare_completion(
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs,
+        top_logprobs,
         include_usage,
     };
     Ok(Prepared {

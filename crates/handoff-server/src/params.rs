@@ -265,6 +265,7 @@ impl RawSampling {
             min_new_tokens,
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             spaces_between_special_tokens: self.spaces_between_special_tokens.unwrap_or(true),
+            top_logprobs: 0,
         })
     }
 }
@@ -335,6 +336,21 @@ fn parse_logit_bias(
     }
     out.sort_by_key(|&(id, _)| id);
     Ok(out)
+}
+
+/// A request's count of alternatives per position (`top_logprobs`,
+/// completions' `logprobs`, SGLang's `top_logprobs_num`): 0 to
+/// [`handoff_model::sampling::MAX_TOP_LOGPROBS`], else a 400 naming `field`.
+pub fn top_logprobs(field: &'static str, n: Option<i64>) -> Result<usize, ApiError> {
+    let max = handoff_model::sampling::MAX_TOP_LOGPROBS;
+    match n {
+        None => Ok(0),
+        Some(n) if (0..=max as i64).contains(&n) => Ok(n as usize),
+        Some(n) => Err(ApiError::invalid_param(
+            field,
+            format!("{field} must be between 0 and {max}, got {n}"),
+        )),
+    }
 }
 
 #[cfg(test)]

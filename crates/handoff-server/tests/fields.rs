@@ -206,7 +206,7 @@ fn chat_rows() -> Vec<Row> {
             "top_logprobs",
             |_| json!(2),
             json!({"logprobs": true}),
-            Refused,
+            Adds("/choices/0/logprobs/content/0/top_logprobs/1"),
         ),
         row(
             "stream",
@@ -283,7 +283,12 @@ fn completion_rows() -> Vec<Row> {
         presence(|_| json!(-2.0)),
         row("best_of", |_| json!(2), json!({}), Refused),
         row("echo", |_| json!(true), json!({}), Refused),
-        row("logprobs", |_| json!(2), json!({}), Refused),
+        row(
+            "logprobs",
+            |_| json!(2),
+            json!({}),
+            Adds("/choices/0/logprobs/top_logprobs/0"),
+        ),
         row("suffix", |_| json!("and then"), json!({}), Refused),
         row(
             "stream",
@@ -379,7 +384,7 @@ fn generate_rows() -> Vec<Row> {
             "top_logprobs_num",
             |_| json!(2),
             json!({"return_logprob": true}),
-            Refused,
+            Adds("/meta_info/output_top_logprobs/0/1"),
         ),
         row(
             "token_ids_logprob",

@@ -544,3 +544,79 @@ async fn bad_input_is_a_400_with_an_actionable_message() {
         "{text}"
     );
 }
+
+/// Alternatives per position: 0 to 20, only with logprobs on; anything
+/// else is a 400 naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_logprobs_limits_are_named() {
+    let chat = |extra: Value| {
+        let mut b = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    for (path, body, param, says) in [
+        (
+            "/v1/chat/completions",
+            chat(json!({"logprobs": true, "top_logprobs": 21})),
+            "top_logprobs",
+            "between 0 and 20",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_logprobs": 2})),
+            "top_logprobs",
+            "needs logprobs: true",
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 2, "logprobs": -1}),
+            "logprobs",
+            "between 0 and 20",
+        ),
+        (
+            "/generate",
+            json!({"text": "hi", "top_logprobs_num": 2}),
+            "top_logprobs_num",
+            "needs return_logprob: true",
+        ),
+        (
+            "/generate",
+            json!({"text": "hi", "return_logprob": true, "top_logprobs_num": 50}),
+            "top_logprobs_num",
+            "between 0 and 20",
+        ),
+    ] {
+        let (s, v) = post(path, &body).await;
+        assert_eq!(s, 400, "{path} {body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains(says), "{msg}");
+    }
+    // Streamed chat: each chunk carries its token's alternatives.
+    let (s, text) = common::post_raw(
+        "/v1/chat/completions",
+        &chat(json!({"logprobs": true, "top_logprobs": 4, "stream": true, "max_tokens": 3, "temperature": 0}))
+            .to_string(),
+    )
+    .await;
+    assert_eq!(s, 200, "{text}");
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .filter(|v: &Value| !v["choices"][0]["logprobs"].is_null())
+        .collect();
+    assert_eq!(chunks.len(), 3, "{text}");
+    for c in &chunks {
+        let entry = &c["choices"][0]["logprobs"]["content"][0];
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 4, "{c}");
+        assert_eq!(
+            top[0]["logprob"], entry["logprob"],
+            "greedy picks the likeliest"
+        );
+    }
+}

@@ -348,6 +348,7 @@ async fn pd_http_workers() {
         (&w.router_tcp, &w.router_small_tcp, &w.decode_tcp, "tcp"),
     ] {
         router_output_equals_colocated(w, router, label).await;
+        router_top_logprobs_equal_colocated(w, router, label).await;
         router_sixteen_concurrent_equal_colocated(w, router, label).await;
         router_invalid_request_keeps_its_400(w, router, decode).await;
         router_prefill_refusal_after_decode_reserved(w, small, decode, label).await;
@@ -368,6 +369,72 @@ async fn router_output_equals_colocated(w: &Workers, router: &str, label: &str) 
             assert_eq!(
                 output_text(path, stream, &routed),
                 output_text(path, stream, &colocated),
+                "{label} {path} stream={stream}"
+            );
+        }
+    }
+}
+
+/// The log-probabilities of a response (whole or SSE) of `path`: every
+/// logprobs object in order (for `/generate`, the last cumulative one).
+fn logprob_parts(path: &str, stream: bool, body: &str) -> Vec<Value> {
+    let pick = |v: &Value| -> Value {
+        match path {
+            "/generate" => json!([
+                v["meta_info"]["output_token_logprobs"],
+                v["meta_info"]["output_top_logprobs"]
+            ]),
+            _ => v["choices"][0]["logprobs"].clone(),
+        }
+    };
+    if !stream {
+        return vec![pick(&json_of(body))];
+    }
+    let events = sse_data(body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let values: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect();
+    if path == "/generate" {
+        values.last().map(pick).into_iter().collect()
+    } else {
+        values.iter().map(pick).filter(|v| !v.is_null()).collect()
+    }
+}
+
+/// Top logprobs through the router equal colocated ones, bit for bit (the
+/// first position's come from the prefill), on every endpoint, whole and
+/// streamed.
+async fn router_top_logprobs_equal_colocated(w: &Workers, router: &str, label: &str) {
+    for path in ["/generate", "/v1/completions", "/v1/chat/completions"] {
+        for stream in [false, true] {
+            let mut body = request(path, 1, stream);
+            match path {
+                "/generate" => {
+                    body["return_logprob"] = json!(true);
+                    body["top_logprobs_num"] = json!(3);
+                }
+                "/v1/completions" => body["logprobs"] = json!(3),
+                _ => {
+                    body["logprobs"] = json!(true);
+                    body["top_logprobs"] = json!(3);
+                }
+            }
+            let (cs, colocated) = post_text(&w.colocated.0, path, &body).await;
+            assert_eq!(cs, 200, "{colocated}");
+            let (rs, routed) = post_text(router, path, &body).await;
+            assert_eq!(rs, 200, "{label} {path}: {routed}");
+            let want = logprob_parts(path, stream, &colocated);
+            assert!(!want.is_empty(), "{colocated}");
+            let text = want[0].to_string();
+            assert!(
+                text.contains("top_logprobs") || path == "/generate",
+                "{text}"
+            );
+            assert_eq!(
+                logprob_parts(path, stream, &routed),
+                want,
                 "{label} {path} stream={stream}"
             );
         }

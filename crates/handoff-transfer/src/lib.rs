@@ -59,7 +59,7 @@
 //! for layer in 0..g.layers {
 //!     prefill.send(room, layer..layer + 1, 0..2, src.clone()).await?;
 //! }
-//! prefill.finish(room, AuxData { first_token: 42, logprob: -0.1 }).await?;
+//! prefill.finish(room, AuxData { first_token: 42, logprob: -0.1, top: handoff_proto::datalink::TopLogprobs::NONE }).await?;
 //! assert_eq!(prefill.wait(room).await?, SenderPoll::Success);
 //! let ReceiverPoll::Success { lease, aux } = decode.wait(room).await? else { panic!() };
 //! assert_eq!((lease.len(), aux.first_token), (2, 42)); // decode owns the pages now

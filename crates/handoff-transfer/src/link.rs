@@ -509,6 +509,7 @@ fn finish_records(room: RoomId, aux: Option<(u32, AuxData)>, cancel: &AtomicBool
     let cancelled = cancel.load(Ordering::Acquire);
     let mut recs = Vec::with_capacity(2);
     if let (false, Some((aux_slot, aux))) = (cancelled, aux) {
+        recs.extend(aux.top.records(room, aux_slot));
         recs.push(Record::Aux {
             room,
             aux_slot,
@@ -795,6 +796,9 @@ struct Slot {
     pages: Vec<u32>,
     aux_slot: u32,
     rejected: bool,
+    /// The first position's most likely tokens read so far (`AuxTop`
+    /// records, in order), joined to the aux record.
+    top: handoff_proto::datalink::TopLogprobs,
     /// Keeps the room's pages from the free list while this reader may
     /// write them (held for its drop).
     _guard: WriterGuard,
@@ -929,6 +933,7 @@ impl LinkReader {
                         pages,
                         aux_slot,
                         rejected: false,
+                        top: handoff_proto::datalink::TopLogprobs::NONE,
                         _guard: guard,
                     },
                 );
@@ -1173,13 +1178,35 @@ impl LinkReader {
                     };
                 }
             }
+            Record::AuxTop {
+                room,
+                aux_slot,
+                index,
+                pairs,
+                count,
+            } => match self.rooms.get_mut(&room) {
+                // In order, for the room's own slot; anything else fails
+                // the room (its end is acknowledged as failed).
+                Some(slot) if slot.aux_slot == aux_slot && usize::from(index) == slot.top.len() => {
+                    for &p in &pairs[..usize::from(count)] {
+                        slot.top.push(p);
+                    }
+                }
+                Some(slot) => slot.rejected = true,
+                None => {
+                    self.counters
+                        .rejected_segments
+                        .fetch_add(1, Ordering::Relaxed);
+                }
+            },
             Record::Aux {
                 room,
                 aux_slot,
                 written_room,
-                aux,
+                mut aux,
             } => match self.rooms.get_mut(&room) {
                 Some(slot) if slot.aux_slot == aux_slot => {
+                    aux.top = std::mem::take(&mut slot.top);
                     self.events.push(ReaderEvent::Aux {
                         room,
                         written_room,
@@ -1306,6 +1333,7 @@ mod tests {
     const AUX: AuxData = AuxData {
         first_token: 7,
         logprob: -0.5,
+        top: handoff_proto::datalink::TopLogprobs::NONE,
     };
 
     async fn run_jobs(jobs: Vec<LinkJob>, cancel_mid_write: bool) -> Vec<Call> {

@@ -407,6 +407,14 @@ impl KvReceiver {
         Ok(caps.is_some_and(|c| c.contains(Capabilities::DESTINATION_PREFIX)))
     }
 
+    /// Whether `peer`'s control connection negotiated `AUX_TOP`: its
+    /// prefill sends the first position's most likely tokens for a room
+    /// that asks. `false` while it has no connection.
+    pub async fn aux_top_capable(&self, peer: PeerId) -> Result<bool, TransportError> {
+        let caps = self.ask(|r| Cmd::Capabilities(peer, r)).await?;
+        Ok(caps.is_some_and(|c| c.contains(Capabilities::AUX_TOP)))
+    }
+
     /// Abort `room` (client gone, validation, shutdown): it fails now, every
     /// source is told, pages wait for the writers to drain.
     pub fn abort(&self, room: RoomId, error: TransferError) {

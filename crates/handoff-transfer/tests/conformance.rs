@@ -263,6 +263,7 @@ async fn a_decode_speaking_the_previous_version_completes_a_room(kind: Transport
     let aux = AuxData {
         first_token: 99,
         logprob: -1.5,
+        top: handoff_proto::datalink::TopLogprobs::NONE,
     };
     let (lease, got) = finish_and_commit(&p, r, aux).await;
     assert_eq!((lease.pages(), got.first_token), (&dst[..], 99));
@@ -289,13 +290,21 @@ async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
     p.tx.send(r, 0..1, 0..9, src.clone()).await.unwrap();
     p.tx.send(r, 1..2, 0..4, src.clone()).await.unwrap();
     p.tx.send(r, 1..2, 4..9, src.clone()).await.unwrap();
-    let aux = AuxData {
+    // With the first position's alternatives (an odd count: the last
+    // record holds one pair).
+    let top: Vec<(u32, f32)> = (0..5).map(|i| (4242 + i, -0.25 - i as f32)).collect();
+    let sent = AuxData {
         first_token: 4242,
         logprob: -0.25,
+        top: handoff_proto::datalink::TopLogprobs::from_slice(&top),
     };
-    let (lease, aux) = finish_and_commit(&p, r, aux).await;
+    let (lease, aux) = finish_and_commit(&p, r, sent).await;
     assert_eq!(lease.pages(), &dst[..]);
-    assert_eq!(aux.first_token, 4242);
+    assert_eq!(
+        aux, sent,
+        "first token, logprob and alternatives arrive whole"
+    );
+    assert_eq!(aux.top.as_slice(), top.as_slice());
     assert_eq!(aux.logprob, -0.25);
     assert_moved(&p, 2, &src, &dst);
     // Pages outside the room are untouched.
@@ -321,6 +330,7 @@ async fn room_handles_own_their_rooms(kind: TransportKind) {
     let aux = AuxData {
         first_token: 7,
         logprob: -0.5,
+        top: handoff_proto::datalink::TopLogprobs::NONE,
     };
     // 1. The whole room through the handles.
     let r = room(21);
@@ -487,6 +497,7 @@ async fn concurrent_rooms_over_a_link_of_several_tcp_streams_are_byte_exact() {
             AuxData {
                 first_token: r.get() as u32,
                 logprob: -1.0,
+                top: handoff_proto::datalink::TopLogprobs::NONE,
             },
         )
         .await
@@ -555,6 +566,7 @@ async fn bad_send_ranges_are_refused_and_the_room_carries_on() {
         AuxData {
             first_token: 1,
             logprob: 0.0,
+            top: handoff_proto::datalink::TopLogprobs::NONE,
         },
     )
     .await
@@ -868,7 +880,8 @@ async fn late_success_after_failure_stays_failed(kind: TransportKind) {
             r,
             AuxData {
                 first_token: 1,
-                logprob: 0.0
+                logprob: 0.0,
+                top: handoff_proto::datalink::TopLogprobs::NONE,
             }
         )
         .await
@@ -958,6 +971,7 @@ async fn bad_frames_are_counted_and_dropped(kind: TransportKind) {
         AuxData {
             first_token: 1,
             logprob: 0.0,
+            top: handoff_proto::datalink::TopLogprobs::NONE,
         },
     )
     .await
@@ -1773,6 +1787,7 @@ async fn one_room(
         AuxData {
             first_token: r.get() as u32,
             logprob: 0.0,
+            top: handoff_proto::datalink::TopLogprobs::NONE,
         },
     )
     .await
@@ -2178,6 +2193,7 @@ async fn teardown_tp(txs: &[KvSender], rxs: &[KvReceiver], d_pools: &[KvPool]) {
 const TP_AUX: AuxData = AuxData {
     first_token: 77,
     logprob: -1.5,
+    top: handoff_proto::datalink::TopLogprobs::NONE,
 };
 
 async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {

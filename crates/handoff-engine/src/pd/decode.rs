@@ -390,6 +390,7 @@ async fn decode_room(
         tx,
         pages: landed,
         first: (aux.first_token, aux.logprob),
+        first_top: aux.top.as_slice().to_vec(),
         seed,
     };
     drop(pending);
@@ -456,6 +457,11 @@ async fn joined(
     let page_size = ctx.shared.info.page_size;
     let prompt = &req.prompt_ids;
     let total = (prompt.len() + req.sampling.max_new_tokens).div_ceil(page_size);
+    if req.sampling.top_logprobs > 0 && !ctx.receiver.aux_top_capable(peer).await? {
+        return Err(EngineError::InvalidParams(
+            "top_logprobs: the prefill worker of this request is of an older handoff that does not send the first token's alternatives; upgrade it, or ask without top_logprobs".into(),
+        ));
+    }
     let delta = ctx.pages.cache.is_some() && ctx.receiver.delta_capable(peer).await?;
     let matchable = if delta { prompt.len() } else { 0 };
     let (prefix, lease) = lease_prompt_pages(&ctx.pages, prompt, matchable, total).await;

@@ -48,12 +48,15 @@ use crate::handle::{LoadSnapshot, ModelInfo};
 use crate::request::GenerateRequest;
 
 /// A prefill that completed: decode holds the prompt's KV and the first token.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PrefillDone {
     /// The first generated token.
     pub first_token: u32,
     /// Its log-probability.
     pub logprob: f32,
+    /// The first position's most likely tokens (as many as the request's
+    /// `top_logprobs`).
+    pub top: Vec<(u32, f32)>,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
     /// Prompt tokens whose KV came from the prefix cache.
@@ -376,6 +379,7 @@ async fn prefill_room(
             lease,
             sampler: s.sampler(s.seed.unwrap_or_else(rand::random)),
             masked: s.masked(0, &ctx.eog),
+            top_logprobs: s.top_logprobs,
             cancel: cancel.clone(),
             progress: progress_tx,
             reply,
@@ -420,7 +424,7 @@ async fn prefill_room(
             return Err(e);
         }
     };
-    let (first_token, logprob) = match result.and_then(|t| {
+    let (first_token, logprob, top) = match result.and_then(|t| {
         t.ok_or_else(|| EngineError::Model("prefill cancelled without a failure".into()))
     }) {
         Ok(t) => t,
@@ -452,6 +456,7 @@ async fn prefill_room(
             .finish(AuxData {
                 first_token,
                 logprob,
+                top: handoff_proto::datalink::TopLogprobs::from_slice(&top),
             })
             .await;
     }
@@ -484,6 +489,7 @@ async fn prefill_room(
     end.map(|()| PrefillDone {
         first_token,
         logprob,
+        top,
         prompt_tokens: req.prompt_ids.len(),
         cached_tokens,
         timings,
@@ -564,6 +570,8 @@ struct Job {
     /// Tokens the first token may not be (end of generation before
     /// `min_new_tokens`).
     masked: Vec<u32>,
+    /// How many of the first position's most likely tokens to report.
+    top_logprobs: usize,
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
     /// (chunk end, layer): that layer's K/V of every token before the
@@ -581,8 +589,9 @@ struct Compute {
     prefill_chunk: usize,
 }
 
-/// A sampled first token and its log-probability.
-type FirstToken = (u32, f32);
+/// A sampled first token, its log-probability and the position's most
+/// likely tokens.
+type FirstToken = (u32, f32, Vec<(u32, f32)>);
 
 /// A job the compute thread is prefilling: tokens before `cached` are in
 /// the pool.
@@ -673,7 +682,9 @@ impl Compute {
             .first()
             .ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
         let mut sampler = Sampler::for_prompt(r.job.sampler.clone(), &r.job.tokens);
-        Ok(Some(sampler.sample_masked(logits, &r.job.masked)))
+        let (id, logprob) = sampler.sample_masked(logits, &r.job.masked);
+        let top = handoff_model::sampling::top_logprobs(logits, r.job.top_logprobs);
+        Ok(Some((id, logprob, top)))
     }
 }
 

@@ -171,6 +171,7 @@ async fn pair(k: TransportKind) -> Result<(), handoff_transfer::TransportError> 
             AuxData {
                 first_token: 7,
                 logprob: 0.0,
+                top: handoff_proto::datalink::TopLogprobs::NONE,
             },
         )
         .await;

@@ -262,7 +262,8 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                             *room,
                             AuxData {
                                 first_token: 1,
-                                logprob: 0.0
+                                logprob: 0.0,
+                                top: handoff_proto::datalink::TopLogprobs::NONE,
                             }
                         )
                     );
@@ -545,7 +546,8 @@ async fn one_room(
             room,
             AuxData {
                 first_token: 1,
-                logprob: 0.0
+                logprob: 0.0,
+                top: handoff_proto::datalink::TopLogprobs::NONE,
             }
         ),
         tx.wait(room)
