@@ -251,6 +251,16 @@ fn json_of(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
 }
 
+/// The JSON events of an SSE body that ends with `[DONE]`.
+fn sse_values(body: &str) -> Vec<Value> {
+    let events = sse_data(body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    events[..events.len() - 1]
+        .iter()
+        .map(|e| json_of(e))
+        .collect()
+}
+
 /// The generated text of a response (whole or SSE) of `path`.
 fn output_text(path: &str, stream: bool, body: &str) -> String {
     let pick = |v: &Value| -> String {
@@ -273,12 +283,7 @@ fn output_text(path: &str, stream: bool, body: &str) -> String {
     if !stream {
         return pick(&json_of(body));
     }
-    let events = sse_data(body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
-    let values: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| json_of(e))
-        .collect();
+    let values = sse_values(body);
     for v in &values {
         assert!(v.get("error").is_none(), "error event: {v}");
     }
@@ -390,12 +395,7 @@ fn logprob_parts(path: &str, stream: bool, body: &str) -> Vec<Value> {
     if !stream {
         return vec![pick(&json_of(body))];
     }
-    let events = sse_data(body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
-    let values: Vec<Value> = events[..events.len() - 1]
-        .iter()
-        .map(|e| json_of(e))
-        .collect();
+    let values = sse_values(body);
     if path == "/generate" {
         values.last().map(pick).into_iter().collect()
     } else {

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 mod common;
-use common::workers;
+use common::{generate, workers};
 
 struct Proc {
     child: Child,
@@ -185,21 +185,6 @@ fn count(w: &[Value], role: &str, health: &str) -> usize {
     w.iter()
         .filter(|w| w["role"] == role && w["health"] == health)
         .count()
-}
-
-async fn generate(router: &str, prompt: u32) -> (u16, Value) {
-    let body = json!({
-        "input_ids": (0..40u32).map(|i| 30 + (i * 7 + prompt) % 150).collect::<Vec<_>>(),
-        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-    });
-    let r = reqwest::Client::new()
-        .post(format!("{router}/generate"))
-        .json(&body)
-        .send()
-        .await
-        .expect("router answers");
-    let s = r.status().as_u16();
-    (s, r.json::<Value>().await.unwrap_or(Value::Null))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

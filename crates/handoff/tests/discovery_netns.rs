@@ -14,10 +14,10 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 mod common;
-use common::workers;
+use common::{generate, workers};
 
 /// Namespaces `e` (etcd), `p` (prefill), `d` (decode) on a bridge in a hub
 /// namespace, which the test's namespace reaches over a veth pair of its
@@ -245,21 +245,6 @@ fn listening(p: &mut Proc) -> String {
     let line = p.wait_log("listening on http://", Duration::from_secs(120));
     let i = line.find("listening on http://").unwrap();
     format!("http://{}", line[i + "listening on http://".len()..].trim())
-}
-
-async fn generate(url: &str, prompt: u32) -> (u16, Value) {
-    let body = json!({
-        "input_ids": (0..40u32).map(|i| 30 + (i * 7 + prompt) % 150).collect::<Vec<_>>(),
-        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
-    });
-    let r = reqwest::Client::new()
-        .post(format!("{url}/generate"))
-        .json(&body)
-        .send()
-        .await
-        .expect("answers");
-    let s = r.status().as_u16();
-    (s, r.json::<Value>().await.unwrap_or(Value::Null))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

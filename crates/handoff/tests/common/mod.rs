@@ -4,6 +4,23 @@
 
 use serde_json::Value;
 
+/// A greedy `/generate` of 6 tokens after a 40-token prompt (one of many,
+/// by `prompt`) at `url`: its status and JSON body.
+pub async fn generate(url: &str, prompt: u32) -> (u16, Value) {
+    let body = serde_json::json!({
+        "input_ids": (0..40u32).map(|i| 30 + (i * 7 + prompt) % 150).collect::<Vec<_>>(),
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+    });
+    let r = reqwest::Client::new()
+        .post(format!("{url}/generate"))
+        .json(&body)
+        .send()
+        .await
+        .expect("answers");
+    let s = r.status().as_u16();
+    (s, r.json::<Value>().await.unwrap_or(Value::Null))
+}
+
 /// The router's `/workers` list at `url`.
 pub async fn workers(url: &str) -> Vec<Value> {
     reqwest::get(format!("{url}/workers"))
