@@ -50,6 +50,7 @@ per_transport!(
     prefill_prefix_cache_hits_keep_pd_output_equal_to_colocated,
     delta_transfer_moves_only_the_pages_decode_lacks,
     a_prefill_without_delta_transfer_still_serves_correctly,
+    top_logprobs_from_a_prefill_without_them_are_refused_by_name,
     decode_cache_eviction_under_pressure_never_touches_pages_in_use,
     a_prefill_that_never_answers_holds_up_no_other_request,
     a_prefill_behind_a_dropped_port_holds_up_no_other_request,
@@ -110,6 +111,8 @@ struct Opts {
     prefill_kv_dtype: Option<KvDtype>,
     /// The prefill offers delta transfer (decode always does).
     prefill_delta: bool,
+    /// The prefill offers the first position's alternatives.
+    prefill_aux_top: bool,
 }
 
 impl Default for Opts {
@@ -126,6 +129,7 @@ impl Default for Opts {
             kv_dtype: KvDtype::F16,
             prefill_kv_dtype: None,
             prefill_delta: true,
+            prefill_aux_top: true,
         }
     }
 }
@@ -166,6 +170,7 @@ fn setup(kind: TransportKind, o: Opts) -> Setup {
     pcfg.kv_dtype = o.prefill_kv_dtype.unwrap_or(o.kv_dtype);
     let mut ppd = pd_config_with(kind, timers);
     ppd.delta_transfer = o.prefill_delta;
+    ppd.aux_top = o.prefill_aux_top;
     let prefill = PrefillEngine::start(pcfg.clone(), ppd).unwrap();
     Setup {
         prefill,
@@ -468,6 +473,36 @@ fn a_prefill_without_delta_transfer_still_serves_correctly(kind: TransportKind) 
     assert_eq!(out, want);
     assert_eq!(again, cold);
     assert!(s.decode.load().pages_cached >= 20, "decode still caches");
+    assert_clean(&s);
+}
+
+fn top_logprobs_from_a_prefill_without_them_are_refused_by_name(kind: TransportKind) {
+    let s = setup(
+        kind,
+        Opts {
+            prefill_aux_top: false,
+            ..Opts::default()
+        },
+    );
+    let mut a = req(prompt(40, 5), 4);
+    a.sampling.top_logprobs = 3;
+    let (ticket, stream) = start(&s, &a);
+    let e = drain(stream).unwrap_err();
+    assert_eq!(e.http_status(), 400, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("top_logprobs") && msg.contains("older handoff"),
+        "{msg}"
+    );
+    assert!(
+        ticket.blocking_wait().is_err(),
+        "the prefill's room fails too"
+    );
+    // Without top logprobs the same pair serves, equal to colocated.
+    let b = req(prompt(40, 5), 4);
+    let (ticket, stream) = start(&s, &b);
+    assert_eq!(drain(stream).unwrap(), colocated(&s, &b));
+    ticket.blocking_wait().unwrap();
     assert_clean(&s);
 }
 

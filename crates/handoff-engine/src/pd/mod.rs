@@ -100,6 +100,10 @@ pub struct PdConfig {
     /// and receives only the pages past it. Both sides must offer it; off
     /// on either, every room moves its whole prompt.
     pub delta_transfer: bool,
+    /// Offer the first position's alternatives (the `AUX_TOP` capability):
+    /// off, this end behaves as a peer of the version before it, and
+    /// decode refuses requests that ask for top logprobs from it.
+    pub aux_top: bool,
 }
 
 impl PdConfig {
@@ -115,6 +119,7 @@ impl PdConfig {
             io_threads: 1,
             tcp_streams: 1,
             delta_transfer: true,
+            aux_top: true,
         }
     }
 }
@@ -296,6 +301,9 @@ fn handshake_config(role: Role, fp: Fingerprint, pd: &PdConfig) -> HandshakeConf
     hs.secret = pd.secret.clone();
     if !pd.delta_transfer {
         hs.capabilities = hs.capabilities.without(Capabilities::DESTINATION_PREFIX);
+    }
+    if !pd.aux_top {
+        hs.capabilities = hs.capabilities.without(Capabilities::AUX_TOP);
     }
     hs
 }
