@@ -133,3 +133,18 @@ def test_logprobs_with_alternatives(client, model):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
     assert all(1 <= len(t) <= 2 for t in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_completions_echo_scores_the_prompt(client, model):
+    """echo=True with logprobs, as loglikelihood harnesses ask: the prompt
+    comes back first, its first token unscored, every later one scored."""
+    c = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=1, temperature=0,
+        echo=True, logprobs=1,
+    )
+    choice = c.choices[0]
+    assert choice.text.startswith("The capital of France is")
+    lp = choice.logprobs
+    assert lp.token_logprobs[0] is None
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert len(lp.tokens) == c.usage.prompt_tokens + c.usage.completion_tokens

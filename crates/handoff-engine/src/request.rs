@@ -47,6 +47,11 @@ pub struct SamplingParams {
     /// tokens at its position (0: none; at most
     /// [`handoff_model::sampling::MAX_TOP_LOGPROBS`]).
     pub top_logprobs: usize,
+    /// Score the prompt: with the first token, the log-probability of each
+    /// prompt token after the ones before it (and `top_logprobs`
+    /// alternatives at each position). The whole prompt is computed (no
+    /// prefix-cache hit), since a cached prefix has no logits.
+    pub prompt_logprobs: bool,
 }
 
 impl Default for SamplingParams {
@@ -66,6 +71,7 @@ impl Default for SamplingParams {
             skip_special_tokens: true,
             spaces_between_special_tokens: true,
             top_logprobs: 0,
+            prompt_logprobs: false,
         }
     }
 }
@@ -146,10 +152,95 @@ pub struct TokenOut {
     /// The most likely tokens at this position with their log-probabilities
     /// (as `logprob`), most likely first: `top_logprobs` of them, or none.
     pub top: Vec<(u32, f32)>,
+    /// On the first token of a request with `prompt_logprobs`: one entry per
+    /// prompt token after the first. Empty otherwise.
+    pub prompt: Vec<PromptLogprob>,
     /// Text this token adds to the output (may be empty while a multi-byte
     /// character or a possible stop string is incomplete; held-back text is
     /// released by a later token or dropped if a stop string matches).
     pub text: String,
+}
+
+/// A prompt token scored by the model: its log-probability after the
+/// tokens before it, and the most likely tokens at its position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprob {
+    /// The prompt token.
+    pub id: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens at its position (`top_logprobs` of them).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl PromptLogprob {
+    /// The wire form of a prompt's scores: per scored token its own
+    /// (token, log-probability) pair, then exactly `top` alternatives
+    /// (padded with `(u32::MAX, -inf)` where the vocabulary had fewer).
+    pub fn flatten(scores: &[PromptLogprob], top: usize) -> Vec<(u32, f32)> {
+        let mut out = Vec::with_capacity(scores.len() * (1 + top));
+        for s in scores {
+            out.push((s.id, s.logprob));
+            out.extend(s.top.iter().copied().take(top));
+            out.extend(std::iter::repeat_n(
+                (u32::MAX, f32::NEG_INFINITY),
+                top.saturating_sub(s.top.len()),
+            ));
+        }
+        out
+    }
+
+    /// Back from [`Self::flatten`], checked against the prompt it scores:
+    /// one entry per token of `prompt[1..]`, each naming that token.
+    pub fn unflatten(
+        flat: &[(u32, f32)],
+        prompt: &[u32],
+        top: usize,
+    ) -> Result<Vec<PromptLogprob>, String> {
+        let want = prompt.len().saturating_sub(1) * (1 + top);
+        if flat.len() != want {
+            return Err(format!(
+                "prompt scores of {} pairs for a prompt of {} tokens with {top} alternatives ({want} expected)",
+                flat.len(),
+                prompt.len()
+            ));
+        }
+        flat.chunks(1 + top)
+            .zip(&prompt[1..])
+            .map(|(c, &token)| {
+                let (id, logprob) = c[0];
+                if id != token {
+                    return Err(format!(
+                        "prompt scores name token {id} where the prompt has {token}"
+                    ));
+                }
+                let top = c[1..].iter().copied().filter(|p| p.0 != u32::MAX).collect();
+                Ok(PromptLogprob { id, logprob, top })
+            })
+            .collect()
+    }
+
+    /// Score every token of `tokens[1..]` that the rows of `logits` predict:
+    /// row `r` holds the logits after token `start + r`, and predicts token
+    /// `start + r + 1` (rows past the prompt's end score nothing).
+    pub fn score(
+        tokens: &[u32],
+        start: usize,
+        logits: &[Vec<f32>],
+        top: usize,
+        out: &mut Vec<PromptLogprob>,
+    ) {
+        for (r, l) in logits.iter().enumerate() {
+            let Some(&id) = tokens.get(start + r + 1) else {
+                break;
+            };
+            out.push(PromptLogprob {
+                id,
+                logprob: handoff_model::sampling::logprob(l, id as usize),
+                top: handoff_model::sampling::top_logprobs(l, top),
+            });
+        }
+    }
 }
 
 /// The end of a request that completed normally.

@@ -83,6 +83,8 @@ pub(crate) struct Resumed {
     /// The first position's most likely tokens, as the prefill computed
     /// them (`top_logprobs` of them, or none).
     pub first_top: Vec<(u32, f32)>,
+    /// The prompt's scores, as the prefill computed them (`prompt_logprobs`).
+    pub prompt_scores: Vec<crate::request::PromptLogprob>,
     /// Seed of the request's sampler (the prefill used the same one).
     pub seed: u64,
 }
@@ -117,6 +119,9 @@ pub(crate) struct Active {
     ignore_eos: bool,
     /// Its parameters (the end-of-generation mask before `min_new_tokens`).
     sampling: crate::request::SamplingParams,
+    /// The prompt's scores so far (`prompt_logprobs`), sent with the first
+    /// token.
+    prompt_scores: Vec<crate::request::PromptLogprob>,
 }
 
 impl Active {
@@ -266,9 +271,11 @@ impl Scheduler {
         let page_size = self.pool.geometry().page_size;
         while self.active.len() < self.max_batch {
             let Some(w) = self.waiting.front() else { break };
+            // A scored prompt is computed whole: a cached prefix has no
+            // logits.
             let prefix = match &mut self.cache {
-                Some(c) => c.lookup(&w.req.prompt_ids),
-                None => PrefixLock::default(),
+                Some(c) if !w.req.sampling.prompt_logprobs => c.lookup(&w.req.prompt_ids),
+                _ => PrefixLock::default(),
             };
             let total =
                 (w.req.prompt_ids.len() + w.req.sampling.max_new_tokens).div_ceil(page_size);
@@ -297,6 +304,7 @@ impl Scheduler {
                 sampling: w.req.sampling.clone(),
                 tokens: w.req.prompt_ids,
                 tx: w.tx,
+                prompt_scores: Vec::new(),
             });
         }
     }
@@ -322,6 +330,7 @@ impl Scheduler {
             sampling: r.req.sampling.clone(),
             tokens: r.req.prompt_ids,
             tx: r.tx,
+            prompt_scores: r.prompt_scores,
         });
         let i = self.active.len() - 1;
         if let Some(last) = self.emit_token(i, r.first.0, r.first.1, r.first_top) {
@@ -344,11 +353,23 @@ impl Scheduler {
                 pages: &a.seq.pages,
             };
             let pool = &mut self.pool;
+            let every_row = a.sampling.prompt_logprobs;
             let logits = self
                 .threads
-                .install(|| model.forward(pool, &[chunk], Phase::Prefill))
+                .install(|| {
+                    model.forward_rows(pool, &[chunk], Phase::Prefill, &mut |_| {}, every_row)
+                })
                 .map_err(|e| EngineError::Model(e.to_string()))?;
             let a = &mut self.active[i];
+            if every_row {
+                crate::request::PromptLogprob::score(
+                    &a.tokens[..a.prompt_len],
+                    a.cached,
+                    &logits,
+                    a.sampling.top_logprobs,
+                    &mut a.prompt_scores,
+                );
+            }
             a.cached = end;
             if !a.prefilling() {
                 // The whole prompt's KV is in: its full pages join the cache
@@ -361,7 +382,7 @@ impl Scheduler {
                         &mut a.seq.prefix,
                     );
                 }
-                if let Some(l) = logits.first() {
+                if let Some(l) = logits.last() {
                     if let Some(last) = self.emit(i, l) {
                         self.finish(i, last);
                     }
@@ -473,6 +494,7 @@ impl Scheduler {
             id,
             logprob,
             top,
+            prompt: std::mem::take(&mut a.prompt_scores),
             text,
         });
         if sent == Err(NotSent::Full) {

@@ -569,3 +569,82 @@ fn top_logprobs_are_the_log_softmax_of_the_sampled_logits_and_pd_equals_colocate
 fn engine_formats() -> handoff_model::PhaseFormats {
     config(16, 1).formats
 }
+
+/// The prompt's scores a stream's first token brought.
+fn prompt_scores(mut s: RequestStream) -> Vec<handoff_engine::request::PromptLogprob> {
+    let mut first = None;
+    loop {
+        match s.blocking_next() {
+            Some(StreamEvent::Token(t)) => {
+                first.get_or_insert(t.prompt);
+            }
+            Some(StreamEvent::Finished(_)) => return first.unwrap_or_default(),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn prompt_logprobs_are_the_reference_log_softmax_and_pd_equals_colocated() {
+    let engine = colocated_engine(16);
+    let mut c = cases(&engine)
+        .into_iter()
+        .find(|c| c.name.contains("raw keeper"))
+        .unwrap();
+    c.req.sampling.prompt_logprobs = true;
+    c.req.sampling.top_logprobs = 2;
+    c.req.sampling.max_new_tokens = 2;
+    let prompt = c.req.prompt_ids.clone();
+    assert!(prompt.len() > 40, "{}", prompt.len());
+    // Twice: the second time the prompt's pages are cached, and the scores
+    // must still come (the prompt is computed whole for them).
+    let want = prompt_scores(engine.submit(c.req.clone()).unwrap());
+    assert_eq!(
+        prompt_scores(engine.submit(c.req.clone()).unwrap()),
+        want,
+        "after a cache hit"
+    );
+    assert_eq!(want.len(), prompt.len() - 1);
+    for (s, &id) in want.iter().zip(&prompt[1..]) {
+        assert_eq!(s.id, id);
+        assert_eq!(s.top.len(), 2);
+        assert!(s.logprob <= 0.0 && s.logprob.is_finite());
+        assert!(s.top[0].1 >= s.logprob, "{s:?}");
+    }
+    // Against the reference forward (f32 K/V, as above).
+    let mut f32_cfg = config(16, COLOCATED_POOL_TOKENS.div_ceil(16));
+    f32_cfg.kv_dtype = handoff_kv::KvDtype::F32;
+    let exact = Engine::start(f32_cfg).unwrap();
+    let got = prompt_scores(exact.submit(c.req.clone()).unwrap());
+    let (model, _) = handoff_model::Llama::load(&model_path(), engine_formats()).unwrap();
+    let logits = model
+        .reference_logits(&prompt, handoff_model::Phase::Prefill)
+        .unwrap();
+    for (p, s) in got.iter().enumerate() {
+        let reference = handoff_model::sampling::logprob(&logits[p], prompt[p + 1] as usize);
+        assert!(
+            (s.logprob - reference).abs() < 1e-3,
+            "position {}: {} vs {reference}",
+            p + 1,
+            s.logprob
+        );
+    }
+    // Through PD (the scores travel from the prefill in aux-prompt
+    // records): the same bits.
+    for kind in [TransportKind::Tcp, TransportKind::Shm] {
+        let pair = Pair::start(kind, 16, std::slice::from_ref(&c));
+        let (ticket, stream) = pair.submit(&c.req);
+        let got = prompt_scores(stream);
+        ticket.blocking_wait().unwrap();
+        let bits = |v: &[handoff_engine::request::PromptLogprob]| -> Vec<ScoredBits> {
+            v.iter()
+                .map(|s| {
+                    let top = s.top.iter().map(|(a, b)| (*a, b.to_bits())).collect();
+                    (s.id, s.logprob.to_bits(), top)
+                })
+                .collect()
+        };
+        assert_eq!(bits(&got), bits(&want), "{kind:?}");
+        pair.assert_idle(&format!("{kind:?} prompt logprobs"));
+    }
+}

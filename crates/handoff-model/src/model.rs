@@ -275,6 +275,22 @@ impl Llama {
         phase: Phase,
         kv_written: &mut dyn FnMut(usize),
     ) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.forward_rows(pool, seqs, phase, kv_written, false)
+    }
+
+    /// [`Self::forward_observed`]; with `every_row`, the logits of every
+    /// new token of every sequence (`[vocab]` per token, in order) rather
+    /// than each sequence's last: prompt log-probabilities. The LM head is
+    /// row-independent, so a sequence's last row gets the same bits either
+    /// way.
+    pub fn forward_rows(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqChunk<'_>],
+        phase: Phase,
+        kv_written: &mut dyn FnMut(usize),
+        every_row: bool,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.config;
         let (h, d) = (cfg.hidden, cfg.head_dim);
         let kvw = cfg.kv_heads * d;
@@ -394,14 +410,19 @@ impl Llama {
             let down = b.w_down.forward(&act, total, phase)?;
             add_assign(&mut hidden, &down);
         }
-        let mut last = Vec::with_capacity(seqs.len() * h);
-        let mut row = 0;
-        for s in seqs {
-            row += s.tokens.len();
-            last.extend_from_slice(&hidden[(row - 1) * h..row * h]);
-        }
+        let (last, rows) = if every_row {
+            (hidden, total)
+        } else {
+            let mut last = Vec::with_capacity(seqs.len() * h);
+            let mut row = 0;
+            for s in seqs {
+                row += s.tokens.len();
+                last.extend_from_slice(&hidden[(row - 1) * h..row * h]);
+            }
+            (last, seqs.len())
+        };
         let last = rms_norm(&last, &self.norm, cfg.rms_eps);
-        let logits = self.lm_head.forward(&last, seqs.len(), phase)?;
+        let logits = self.lm_head.forward(&last, rows, phase)?;
         let vocab = self.lm_head.out_dim();
         Ok(logits.chunks_exact(vocab).map(|c| c.to_vec()).collect())
     }

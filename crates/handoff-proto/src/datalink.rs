@@ -123,6 +123,7 @@ const TAG_AUX: u8 = 2;
 const TAG_END: u8 = 3;
 const TAG_ACK: u8 = 4;
 const TAG_AUX_TOP: u8 = 5;
+const TAG_AUX_PROMPT: u8 = 6;
 
 /// Header bytes of every prefill → decode record (tag + fields, padded).
 pub const RECORD_LEN: usize = 32;
@@ -316,6 +317,21 @@ impl TopLogprobs {
     }
 }
 
+/// The [`Record::AuxPrompt`] records that carry a flat list of prompt
+/// scores, two pairs per record, in order.
+pub fn prompt_records(room: RoomId, pairs: &[(u32, f32)]) -> Vec<Record> {
+    pairs
+        .chunks(2)
+        .enumerate()
+        .map(|(i, c)| Record::AuxPrompt {
+            room,
+            index: (2 * i) as u32,
+            pairs: [c[0], c.get(1).copied().unwrap_or((0, 0.0))],
+            count: c.len() as u8,
+        })
+        .collect()
+}
+
 impl Default for TopLogprobs {
     fn default() -> Self {
         TopLogprobs::NONE
@@ -342,6 +358,21 @@ pub enum Record {
         aux_slot: u32,
         /// Position of the first pair in the list.
         index: u8,
+        /// The pairs (the second unused when `count` is 1).
+        pairs: [(u32, f32); 2],
+        /// Pairs in this record: 1 or 2.
+        count: u8,
+    },
+    /// Part of a room's prompt scores, ahead of its aux record: entries
+    /// `index..index + count` (count 1 or 2) of a flat list of (token,
+    /// log-probability) pairs, for each scored prompt token its own pair
+    /// then its alternatives (capability
+    /// [`crate::handshake::Capabilities::AUX_TOP`]).
+    AuxPrompt {
+        /// The room.
+        room: RoomId,
+        /// Position of the first pair in the list.
+        index: u32,
         /// The pairs (the second unused when `count` is 1).
         pairs: [(u32, f32); 2],
         /// Pairs in this record: 1 or 2.
@@ -420,6 +451,9 @@ pub enum RecordError {
         /// Its pair count.
         count: u8,
     },
+    /// A prompt-scores record holding other than 1 or 2 pairs.
+    #[error("bad data-link record: prompt scores of {0} pairs (1 or 2)")]
+    AuxPrompt(u8),
     /// An end marker's cancelled flag is neither 0 nor 1.
     #[error("bad data-link record: end flag {0}")]
     EndFlag(u8),
@@ -504,6 +538,21 @@ impl Record {
                     b[19 + 8 * k..23 + 8 * k].copy_from_slice(&lp.to_bits().to_le_bytes());
                 }
             }
+            Record::AuxPrompt {
+                room,
+                index,
+                pairs,
+                count,
+            } => {
+                b[0] = TAG_AUX_PROMPT;
+                b[1..9].copy_from_slice(&room.get().to_le_bytes());
+                b[9..13].copy_from_slice(&index.to_le_bytes());
+                b[13] = *count;
+                for (k, (id, lp)) in pairs.iter().enumerate() {
+                    b[14 + 8 * k..18 + 8 * k].copy_from_slice(&id.to_le_bytes());
+                    b[18 + 8 * k..22 + 8 * k].copy_from_slice(&lp.to_bits().to_le_bytes());
+                }
+            }
             Record::End { room, cancelled } => {
                 b[0] = TAG_END;
                 b[1..9].copy_from_slice(&room.get().to_le_bytes());
@@ -571,6 +620,23 @@ impl Record {
                     room,
                     aux_slot: u32::from_le_bytes(arr(&b[9..13])),
                     index,
+                    pairs: [pair(0), if count == 2 { pair(1) } else { (0, 0.0) }],
+                    count,
+                })
+            }
+            TAG_AUX_PROMPT => {
+                let count = b[13];
+                if !(1..=2).contains(&count) {
+                    return Err(RecordError::AuxPrompt(count));
+                }
+                let pair = |k: usize| {
+                    let id = u32::from_le_bytes(arr(&b[14 + 8 * k..]));
+                    let lp = f32::from_bits(u32::from_le_bytes(arr(&b[18 + 8 * k..])));
+                    (id, lp)
+                };
+                Ok(Record::AuxPrompt {
+                    room,
+                    index: u32::from_le_bytes(arr(&b[9..13])),
                     pairs: [pair(0), if count == 2 { pair(1) } else { (0, 0.0) }],
                     count,
                 })
@@ -685,6 +751,12 @@ mod tests {
                 pairs: [(3, -3.0), (0, 0.0)],
                 count: 1,
             },
+            Record::AuxPrompt {
+                room,
+                index: 70_000,
+                pairs: [(5, -0.5), (6, -7.0)],
+                count: 2,
+            },
             Record::End {
                 room,
                 cancelled: true,
@@ -785,6 +857,26 @@ mod tests {
         let many: Vec<(u32, f32)> = (0..30).map(|i| (i, 0.0)).collect();
         assert_eq!(TopLogprobs::from_slice(&many).len(), MAX_TOP_LOGPROBS);
         assert!(TopLogprobs::NONE.records(room, 3).is_empty());
+        let mut p = Record::AuxPrompt {
+            room,
+            index: 0,
+            pairs: [(1, -1.0), (0, 0.0)],
+            count: 1,
+        }
+        .encode();
+        p[13] = 3;
+        assert_eq!(Record::decode(&p), Err(RecordError::AuxPrompt(3)));
+        let flat: Vec<(u32, f32)> = (0..5).map(|i| (i, -(i as f32))).collect();
+        let recs = prompt_records(room, &flat);
+        assert_eq!(recs.len(), 3);
+        assert!(matches!(
+            recs[2],
+            Record::AuxPrompt {
+                index: 4,
+                count: 1,
+                ..
+            }
+        ));
         let a = Ack { room, ok: true };
         assert_eq!(Ack::decode(&a.encode()), Ok(a));
         assert_eq!(

@@ -299,10 +299,6 @@ const GENERATE: &[(&str, Support)] = &[
     ("video_data", Support::Refused(NoOp::Null, MEDIA)),
     ("modalities", Support::Refused(NoOp::Null, MEDIA)),
     (
-        "logprob_start_len",
-        Support::Refused(NoOp::Num(-1.0), ALTERNATIVES),
-    ),
-    (
         "token_ids_logprob",
         Support::Refused(NoOp::Null, ALTERNATIVES),
     ),

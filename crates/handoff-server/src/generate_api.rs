@@ -136,6 +136,11 @@ pub struct GenerateBody {
     /// likely tokens per position (`[logprob, id, null]` each).
     #[serde(default)]
     pub top_logprobs_num: Option<i64>,
+    /// With `return_logprob`, also `input_token_logprobs` (and, with
+    /// `top_logprobs_num`, `input_top_logprobs`) from this prompt position
+    /// on; -1 (SGLang's default): none.
+    #[serde(default)]
+    pub logprob_start_len: Option<i64>,
     /// PD bootstrap host (unused when colocated).
     #[serde(default)]
     pub bootstrap_host: Option<String>,
@@ -199,6 +204,10 @@ pub async fn generate(
         body.return_logprob.unwrap_or(false),
     );
     let top_wanted = body.top_logprobs_num.is_some_and(|n| n > 0);
+    let input_from = body
+        .logprob_start_len
+        .filter(|&n| n >= 0 && body.return_logprob == Some(true))
+        .map(|n| n as usize);
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare(&st, &body, arrived)).await;
     let (req, rid) = match prepared {
@@ -210,10 +219,17 @@ pub async fn generate(
         }
     };
     let prompt_tokens = req.prompt_ids.len();
+    let prompt_ids = req.prompt_ids.clone();
     let gen = Generation::submit(&state, req, ENDPOINT, &pd, &rid).await?;
     if stream_it {
         return Ok(sse_response(move |tx| {
-            stream(gen, tx, rid, prompt_tokens, body_wants_logprobs, top_wanted)
+            let scored = ScoredStream {
+                logprobs: body_wants_logprobs,
+                top_wanted,
+                input_from,
+                prompt_ids,
+            };
+            stream(gen, tx, rid, prompt_tokens, scored)
         }));
     }
     let c = gen.collect().await?;
@@ -238,6 +254,13 @@ pub async fn generate(
             .collect();
         if top_wanted {
             body["meta_info"]["output_top_logprobs"] = c.tokens.iter().map(top_entry).collect();
+        }
+        if let (Some(start), Some(first)) = (input_from, c.tokens.first()) {
+            let (lps, tops) = input_logprobs(&prompt_ids, first, start);
+            body["meta_info"]["input_token_logprobs"] = lps;
+            if top_wanted {
+                body["meta_info"]["input_top_logprobs"] = tops;
+            }
         }
     }
     Ok(Json(body).into_response())
@@ -288,6 +311,27 @@ fn prepare(
     }
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let prompt_ids = prompt_ids(state, body)?;
+    match body.logprob_start_len {
+        None | Some(-1) => {}
+        Some(n) if body.return_logprob != Some(true) => {
+            return Err(ApiError::invalid_param(
+                "logprob_start_len",
+                format!("logprob_start_len {n} needs return_logprob: true"),
+            ))
+        }
+        Some(n) if n >= 0 && (n as u64) < prompt_ids.len() as u64 => {
+            sampling.prompt_logprobs = true;
+        }
+        Some(n) => {
+            return Err(ApiError::invalid_param(
+                "logprob_start_len",
+                format!(
+                    "logprob_start_len must be -1 or a prompt position (0 to {}), got {n}",
+                    prompt_ids.len() - 1
+                ),
+            ))
+        }
+    }
     let rid = crate::app::request_id(body.rid.as_ref(), "gen")?;
     Ok((
         GenerateRequest {
@@ -306,13 +350,20 @@ async fn stream(
     tx: SseSender,
     rid: String,
     prompt_tokens: usize,
-    logprobs: bool,
-    top_wanted: bool,
+    scored: ScoredStream,
 ) -> Result<(), Disconnected> {
+    let ScoredStream {
+        logprobs,
+        top_wanted,
+        input_from,
+        prompt_ids,
+    } = scored;
     let mut text = String::new();
     let mut ids: Vec<u32> = Vec::new();
     let mut lps: Vec<Value> = Vec::new();
     let mut tops: Vec<Value> = Vec::new();
+    // The prompt's scores, from the first token on.
+    let mut input: Option<(Value, Value)> = None;
     while let Some(step) = tx.race(gen.next()).await? {
         match step {
             Step::Token(t) => {
@@ -336,6 +387,10 @@ async fn stream(
                         tops.push(top_entry(&t));
                         chunk["meta_info"]["output_top_logprobs"] = Value::Array(tops.clone());
                     }
+                    if let (Some(start), None) = (input_from, &input) {
+                        input = Some(input_logprobs(&prompt_ids, &t, start));
+                    }
+                    add_input(&mut chunk, &input, top_wanted);
                 }
                 tx.json(&chunk).await?;
             }
@@ -357,6 +412,7 @@ async fn stream(
                     if top_wanted {
                         chunk["meta_info"]["output_top_logprobs"] = Value::Array(tops);
                     }
+                    add_input(&mut chunk, &input, top_wanted);
                 }
                 tx.json(&chunk).await?;
                 return tx.done().await;
@@ -365,6 +421,50 @@ async fn stream(
         }
     }
     Ok(())
+}
+
+/// What a streamed `/generate` reports beside the text.
+struct ScoredStream {
+    logprobs: bool,
+    top_wanted: bool,
+    /// `logprob_start_len`, when the prompt is scored.
+    input_from: Option<usize>,
+    prompt_ids: Vec<u32>,
+}
+
+/// SGLang's `input_token_logprobs` (`[logprob, id, null]`, the first
+/// prompt token's logprob null) and `input_top_logprobs` (null for the
+/// first) from prompt position `start`, from the scores `first` (the first
+/// generated token) brought.
+fn input_logprobs(
+    prompt: &[u32],
+    first: &handoff_engine::request::TokenOut,
+    start: usize,
+) -> (Value, Value) {
+    let mut lps = Vec::new();
+    let mut tops = Vec::new();
+    for (p, &id) in prompt.iter().enumerate().skip(start) {
+        match p.checked_sub(1).and_then(|i| first.prompt.get(i)) {
+            Some(s) => {
+                lps.push(json!([s.logprob, id, null]));
+                tops.push(s.top.iter().map(|&(t, lp)| json!([lp, t, null])).collect());
+            }
+            None => {
+                lps.push(json!([null, id, null]));
+                tops.push(Value::Null);
+            }
+        }
+    }
+    (Value::Array(lps), Value::Array(tops))
+}
+
+fn add_input(chunk: &mut Value, input: &Option<(Value, Value)>, top_wanted: bool) {
+    if let Some((lps, tops)) = input {
+        chunk["meta_info"]["input_token_logprobs"] = lps.clone();
+        if top_wanted {
+            chunk["meta_info"]["input_top_logprobs"] = tops.clone();
+        }
+    }
 }
 
 /// SGLang's `output_top_logprobs` entry of one position: `[logprob, id,

@@ -63,6 +63,7 @@ impl Source {
                                 id: d.first_token,
                                 logprob: d.logprob,
                                 top: d.top,
+                                prompt: Vec::new(),
                                 text,
                             })
                         }

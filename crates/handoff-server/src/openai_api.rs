@@ -63,6 +63,9 @@ struct Answer {
     logprobs: bool,
     /// Alternatives per position with `logprobs` (0: none).
     top_logprobs: usize,
+    /// Completions `echo`: the prompt's ids, returned (as text, and scored
+    /// with `logprobs`) ahead of the completion.
+    echo: Option<Vec<u32>>,
     include_usage: bool,
     system_fingerprint: String,
 }
@@ -87,12 +90,50 @@ impl Answer {
         })
     }
 
+    /// The echoed prompt's text (empty without `echo`).
+    fn echo_text(&self, state: &AppState) -> String {
+        match &self.echo {
+            Some(ids) => state
+                .engine
+                .tokenizer()
+                .decode(ids, true)
+                .unwrap_or_default(),
+            None => String::new(),
+        }
+    }
+
     /// The `logprobs` object of `tokens`, whose first token starts at
     /// character `offset` of the answer's text; with the offset after them.
+    /// With `echo`, the first token brings the prompt's scores: the prompt's
+    /// tokens come first (the first one with a null logprob).
     fn logprobs_of(&self, state: &AppState, tokens: &[TokenOut], offset: usize) -> (Value, usize) {
         if !self.logprobs {
             return (Value::Null, offset);
         }
+        let echoed: Vec<TokenOut>;
+        let tokens = match (&self.echo, tokens.first()) {
+            (Some(ids), Some(first)) if !first.prompt.is_empty() || ids.len() == 1 => {
+                let mut all = Vec::with_capacity(ids.len() + tokens.len());
+                all.push(TokenOut {
+                    id: ids[0],
+                    logprob: f32::NAN,
+                    top: Vec::new(),
+                    prompt: Vec::new(),
+                    text: String::new(),
+                });
+                all.extend(first.prompt.iter().map(|p| TokenOut {
+                    id: p.id,
+                    logprob: p.logprob,
+                    top: p.top.clone(),
+                    prompt: Vec::new(),
+                    text: String::new(),
+                }));
+                all.extend(tokens.iter().cloned());
+                echoed = all;
+                &echoed[..]
+            }
+            _ => tokens,
+        };
         let tok = state.engine.tokenizer();
         let piece = |id: u32| -> (String, Vec<u8>) {
             let bytes = tok
@@ -120,13 +161,17 @@ impl Answer {
             }),
             Kind::Completion => json!({
                 "tokens": tokens.iter().map(|t| piece(t.id).0).collect::<Vec<_>>(),
-                "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                // The echoed prompt's first token has no logprob (null).
+                "token_logprobs": tokens.iter().map(|t| (!t.logprob.is_nan()).then_some(t.logprob)).collect::<Vec<_>>(),
                 // One object per position, token text to logprob (a text
                 // two alternatives share keeps the likelier, as OpenAI's).
                 "top_logprobs": if self.top_logprobs == 0 {
                     Value::Null
                 } else {
                     tokens.iter().map(|t| {
+                        if t.logprob.is_nan() {
+                            return Value::Null;
+                        }
                         let mut m = serde_json::Map::new();
                         for &(id, lp) in &t.top {
                             m.entry(piece(id).0).or_insert(json!(lp));
@@ -152,7 +197,7 @@ impl Answer {
             }),
             Kind::Completion => json!({
                 "index": 0,
-                "text": c.text,
+                "text": self.echo_text(state) + &c.text,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
@@ -181,7 +226,13 @@ impl Answer {
                 json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": t.text, "logprobs": logprobs, "finish_reason": null})
+                // The echoed prompt rides on the first chunk.
+                let text = if first {
+                    self.echo_text(state) + &t.text
+                } else {
+                    t.text.clone()
+                };
+                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": null})
             }
         };
         self.envelope(true, json!([choice]))
@@ -314,6 +365,7 @@ fn prepare_chat(
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs: req.logprobs.unwrap_or(false),
         top_logprobs,
+        echo: None,
         include_usage: req
             .stream_options
             .as_ref()
@@ -352,12 +404,6 @@ fn prepare_completion(
     crate::fields::check(crate::fields::Endpoint::Completions, &req.extra)?;
     check_n(req.n, "n")?;
     check_n(req.best_of, "best_of")?;
-    if req.echo == Some(true) {
-        return Err(ApiError::invalid_param(
-            "echo",
-            "echo is not supported: the prompt is not returned",
-        ));
-    }
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
@@ -365,8 +411,11 @@ fn prepare_completion(
     // likely at each position.
     let logprobs = req.logprobs.is_some();
     let top_logprobs = crate::params::top_logprobs("logprobs", req.logprobs)?;
+    let echo = req.echo == Some(true);
     let mut sampling = req.sampling().into_params(16)?;
     sampling.top_logprobs = top_logprobs;
+    // Echo with logprobs scores the prompt too.
+    sampling.prompt_logprobs = echo && logprobs;
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = req
@@ -383,6 +432,7 @@ fn prepare_completion(
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs,
         top_logprobs,
+        echo: echo.then(|| prompt_ids.clone()),
         include_usage,
     };
     Ok(Prepared {

@@ -266,6 +266,7 @@ impl RawSampling {
             skip_special_tokens: self.skip_special_tokens.unwrap_or(true),
             spaces_between_special_tokens: self.spaces_between_special_tokens.unwrap_or(true),
             top_logprobs: 0,
+            prompt_logprobs: false,
         })
     }
 }

@@ -282,7 +282,9 @@ fn completion_rows() -> Vec<Row> {
         row("max_tokens", |_| json!(4), json!({}), Changes),
         presence(|_| json!(-2.0)),
         row("best_of", |_| json!(2), json!({}), Refused),
-        row("echo", |_| json!(true), json!({}), Refused),
+        // The prompt comes back ahead of the completion (and, with
+        // logprobs, scored: `http_api::completions_echo_scores_the_prompt`).
+        row("echo", |_| json!(true), json!({}), Changes),
         row(
             "logprobs",
             |_| json!(2),
@@ -378,7 +380,7 @@ fn generate_rows() -> Vec<Row> {
             "logprob_start_len",
             |_| json!(0),
             json!({"return_logprob": true}),
-            Refused,
+            Adds("/meta_info/input_token_logprobs/1/0"),
         ),
         row(
             "top_logprobs_num",

@@ -620,3 +620,86 @@ async fn top_logprobs_limits_are_named() {
         );
     }
 }
+
+/// `echo` returns the prompt ahead of the completion; with `logprobs` each
+/// prompt token after the first is scored (the first has a null logprob),
+/// and SGLang's `logprob_start_len` gives the same numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_echo_scores_the_prompt() {
+    let ids: Vec<u32> = (0..12).map(|i| 70 + i * 3).collect();
+    let (s, plain) = post(
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 2, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(s, 200, "{plain}");
+    let (s, v) = post(
+        "/v1/completions",
+        &json!({"prompt": ids, "max_tokens": 2, "temperature": 0, "echo": true, "logprobs": 1}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let choice = &v["choices"][0];
+    let text = choice["text"].as_str().unwrap();
+    let completion = plain["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        text.ends_with(completion) && text.len() > completion.len(),
+        "{v}"
+    );
+    let lp = &choice["logprobs"];
+    let n = ids.len() + 2;
+    for key in ["tokens", "token_logprobs", "top_logprobs", "text_offset"] {
+        assert_eq!(lp[key].as_array().unwrap().len(), n, "{key}: {lp}");
+    }
+    assert!(
+        lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null(),
+        "{lp}"
+    );
+    for i in 1..n {
+        let x = lp["token_logprobs"][i].as_f64().unwrap();
+        assert!(x <= 0.0, "{lp}");
+        assert_eq!(lp["top_logprobs"][i].as_object().unwrap().len(), 1, "{lp}");
+    }
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    // The same prompt through /generate from position 0.
+    let (s, g) = post(
+        "/generate",
+        &json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+                "return_logprob": true, "logprob_start_len": 0}),
+    )
+    .await;
+    assert_eq!(s, 200, "{g}");
+    let input = g["meta_info"]["input_token_logprobs"].as_array().unwrap();
+    assert_eq!(input.len(), ids.len());
+    assert!(input[0][0].is_null());
+    for (i, e) in input.iter().enumerate().skip(1) {
+        assert_eq!(e[1], json!(ids[i]));
+        assert_eq!(e[0], lp["token_logprobs"][i], "position {i}");
+    }
+    // Refusals name the field.
+    for (body, says) in [
+        (
+            json!({"input_ids": ids, "logprob_start_len": 0}),
+            "needs return_logprob",
+        ),
+        (
+            json!({"input_ids": ids, "return_logprob": true, "logprob_start_len": 12}),
+            "a prompt position (0 to 11)",
+        ),
+    ] {
+        let (s, e) = post("/generate", &body).await;
+        assert_eq!(s, 400, "{e}");
+        assert_eq!(e["error"]["param"], "logprob_start_len");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(says),
+            "{e}"
+        );
+    }
+}

@@ -387,8 +387,11 @@ fn logprob_parts(path: &str, stream: bool, body: &str) -> Vec<Value> {
         match path {
             "/generate" => json!([
                 v["meta_info"]["output_token_logprobs"],
-                v["meta_info"]["output_top_logprobs"]
+                v["meta_info"]["output_top_logprobs"],
+                v["meta_info"]["input_token_logprobs"],
+                v["meta_info"]["input_top_logprobs"]
             ]),
+            "/v1/completions" => json!([v["choices"][0]["logprobs"], v["choices"][0]["text"]]),
             _ => v["choices"][0]["logprobs"].clone(),
         }
     };
@@ -405,7 +408,8 @@ fn logprob_parts(path: &str, stream: bool, body: &str) -> Vec<Value> {
 
 /// Top logprobs through the router equal colocated ones, bit for bit (the
 /// first position's come from the prefill), on every endpoint, whole and
-/// streamed.
+/// streamed; so do the prompt's scores (`echo`, `logprob_start_len`),
+/// which the prefill computes.
 async fn router_top_logprobs_equal_colocated(w: &Workers, router: &str, label: &str) {
     for path in ["/generate", "/v1/completions", "/v1/chat/completions"] {
         for stream in [false, true] {
@@ -414,8 +418,12 @@ async fn router_top_logprobs_equal_colocated(w: &Workers, router: &str, label: &
                 "/generate" => {
                     body["return_logprob"] = json!(true);
                     body["top_logprobs_num"] = json!(3);
+                    body["logprob_start_len"] = json!(0);
                 }
-                "/v1/completions" => body["logprobs"] = json!(3),
+                "/v1/completions" => {
+                    body["logprobs"] = json!(3);
+                    body["echo"] = json!(true);
+                }
                 _ => {
                     body["logprobs"] = json!(true);
                     body["top_logprobs"] = json!(3);
@@ -432,6 +440,9 @@ async fn router_top_logprobs_equal_colocated(w: &Workers, router: &str, label: &
                 text.contains("top_logprobs") || path == "/generate",
                 "{text}"
             );
+            if path == "/generate" {
+                assert!(want[0][2].as_array().is_some_and(|a| a.len() > 2), "{text}");
+            }
             assert_eq!(
                 logprob_parts(path, stream, &routed),
                 want,

@@ -473,6 +473,8 @@ pub enum LinkJob {
         room: RoomId,
         /// Aux slot and data.
         aux: Option<(u32, AuxData)>,
+        /// The room's prompt scores (flat pairs), sent ahead of the aux.
+        prompt: Arc<[(u32, f32)]>,
         /// Set when the room's writes are cancelled.
         cancel: Arc<AtomicBool>,
     },
@@ -505,11 +507,17 @@ pub enum LinkEvent {
 const WRITER_BATCH: usize = 64;
 
 /// The aux (unless cancelled) and end records that close `room`.
-fn finish_records(room: RoomId, aux: Option<(u32, AuxData)>, cancel: &AtomicBool) -> Vec<Record> {
+fn finish_records(
+    room: RoomId,
+    aux: Option<(u32, AuxData)>,
+    prompt: &[(u32, f32)],
+    cancel: &AtomicBool,
+) -> Vec<Record> {
     let cancelled = cancel.load(Ordering::Acquire);
     let mut recs = Vec::with_capacity(2);
     if let (false, Some((aux_slot, aux))) = (cancelled, aux) {
         recs.extend(aux.top.records(room, aux_slot));
+        recs.extend(handoff_proto::datalink::prompt_records(room, prompt));
         recs.push(Record::Aux {
             room,
             aux_slot,
@@ -553,9 +561,12 @@ async fn run_writer<T: Transport>(
                     }
                     let trailer = match it.peek() {
                         Some(LinkJob::Finish { room: r, .. }) if *r == room => match it.next() {
-                            Some(LinkJob::Finish { aux, cancel, .. }) => {
-                                finish_records(room, aux, &cancel)
-                            }
+                            Some(LinkJob::Finish {
+                                aux,
+                                prompt,
+                                cancel,
+                                ..
+                            }) => finish_records(room, aux, &prompt, &cancel),
                             _ => Vec::new(),
                         },
                         _ => Vec::new(),
@@ -573,8 +584,14 @@ async fn run_writer<T: Transport>(
                         ended.notify_one();
                     }
                 }
-                LinkJob::Finish { room, aux, cancel } => {
-                    t.write_records(&finish_records(room, aux, &cancel)).await?;
+                LinkJob::Finish {
+                    room,
+                    aux,
+                    prompt,
+                    cancel,
+                } => {
+                    t.write_records(&finish_records(room, aux, &prompt, &cancel))
+                        .await?;
                     ended.notify_one();
                 }
             }
@@ -784,6 +801,8 @@ pub enum ReaderEvent {
         written_room: u64,
         /// The data.
         aux: AuxData,
+        /// The room's prompt scores (flat pairs; empty unless asked for).
+        prompt: Vec<(u32, f32)>,
     },
     /// The link closed.
     Closed {
@@ -799,6 +818,8 @@ struct Slot {
     /// The first position's most likely tokens read so far (`AuxTop`
     /// records, in order), joined to the aux record.
     top: handoff_proto::datalink::TopLogprobs,
+    /// The prompt scores read so far (`AuxPrompt` records, in order).
+    prompt: Vec<(u32, f32)>,
     /// Keeps the room's pages from the free list while this reader may
     /// write them (held for its drop).
     _guard: WriterGuard,
@@ -934,6 +955,7 @@ impl LinkReader {
                         aux_slot,
                         rejected: false,
                         top: handoff_proto::datalink::TopLogprobs::NONE,
+                        prompt: Vec::new(),
                         _guard: guard,
                     },
                 );
@@ -1199,6 +1221,32 @@ impl LinkReader {
                         .fetch_add(1, Ordering::Relaxed);
                 }
             },
+            Record::AuxPrompt {
+                room,
+                index,
+                pairs,
+                count,
+            } => {
+                // At most 21 pairs (a token and 20 alternatives) per token
+                // the whole pool holds: a peer cannot make this grow past
+                // that. (The room's own pages do not bound it: with a
+                // decode prefix-cache hit they hold only the prompt's tail.)
+                let cap = self.layout.num_pages * self.layout.geometry.page_size * 21;
+                match self.rooms.get_mut(&room) {
+                    Some(slot)
+                        if index as usize == slot.prompt.len()
+                            && slot.prompt.len() + usize::from(count) <= cap =>
+                    {
+                        slot.prompt.extend_from_slice(&pairs[..usize::from(count)]);
+                    }
+                    Some(slot) => slot.rejected = true,
+                    None => {
+                        self.counters
+                            .rejected_segments
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
             Record::Aux {
                 room,
                 aux_slot,
@@ -1211,6 +1259,7 @@ impl LinkReader {
                         room,
                         written_room,
                         aux,
+                        prompt: std::mem::take(&mut slot.prompt),
                     });
                 }
                 Some(slot) => slot.rejected = true,
@@ -1901,6 +1950,7 @@ mod tests {
         LinkJob::Finish {
             room,
             aux,
+            prompt: Arc::from([]),
             cancel: cancel.clone(),
         }
     }

@@ -88,6 +88,11 @@ struct Waiter {
 
 type Outcome = oneshot::Receiver<ReceiverPoll>;
 
+/// Prompt scores that arrived with a room's aux record, until the room's
+/// owner takes them ([`crate::ReceiverRoom::take_prompt_scores`]) or the
+/// room ends without them being taken.
+pub(crate) type PromptBoard = Arc<std::sync::Mutex<HashMap<RoomId, Vec<(u32, f32)>>>>;
+
 enum Cmd {
     Open(
         RoomId,
@@ -136,6 +141,7 @@ pub struct KvReceiver {
     conn_ids: Arc<std::sync::atomic::AtomicU64>,
     next_peer: Arc<std::sync::atomic::AtomicU32>,
     endpoint: u64,
+    pub(crate) prompts: PromptBoard,
 }
 
 impl std::fmt::Debug for KvReceiver {
@@ -152,6 +158,7 @@ impl KvReceiver {
     pub fn start(config: ReceiverConfig, pool: Arc<ShmRegion>, layout: KvLayout) -> KvReceiver {
         let (tx, rx) = mpsc::unbounded_channel();
         let tasks = TaskCounter::default();
+        let prompts = PromptBoard::default();
         let counters = Arc::new(LinkCounters::default());
         let driver = Driver {
             endpoint: ReceiverEndpoint::new(
@@ -168,6 +175,7 @@ impl KvReceiver {
             layout,
             next_link: 0,
             self_tx: tx.downgrade(),
+            prompts: prompts.clone(),
         };
         tasks.spawn(driver.run(rx));
         KvReceiver {
@@ -178,6 +186,7 @@ impl KvReceiver {
             conn_ids: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             next_peer: Arc::new(std::sync::atomic::AtomicU32::new(0)),
             endpoint: rand::random(),
+            prompts,
         }
     }
 
@@ -516,6 +525,14 @@ struct Driver {
     layout: KvLayout,
     next_link: u64,
     self_tx: mpsc::WeakUnboundedSender<Ev>,
+    prompts: PromptBoard,
+}
+
+/// The board, even after a panic elsewhere (it holds plain data).
+pub(crate) fn lock_board(
+    b: &PromptBoard,
+) -> std::sync::MutexGuard<'_, HashMap<RoomId, Vec<(u32, f32)>>> {
+    b.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn now() -> std::time::Instant {
@@ -585,7 +602,13 @@ impl Driver {
                 room,
                 written_room,
                 aux,
-            } => self.endpoint.handle_aux(room, written_room, aux),
+                prompt,
+            } => {
+                if !prompt.is_empty() {
+                    lock_board(&self.prompts).insert(room, prompt);
+                }
+                self.endpoint.handle_aux(room, written_room, aux)
+            }
             ReaderEvent::Closed { reason } => {
                 if self.links.get(&peer).is_some_and(|l| l.id == id) {
                     tracing::warn!(peer = peer.0, %reason, "data link closed");
@@ -755,12 +778,19 @@ impl Driver {
                 } => {
                     tracing::warn!(room = room.get(), "abort fence expired; pages released");
                 }
-                ReceiverEvent::Released { .. } => {}
+                ReceiverEvent::Released { room, .. } => {
+                    lock_board(&self.prompts).remove(&room);
+                }
                 ReceiverEvent::Outcome {
                     room,
                     waiter,
                     outcome,
-                } => outcomes.push((room, waiter, outcome)),
+                } => {
+                    if !matches!(outcome, ReceiverPoll::Success { .. }) {
+                        lock_board(&self.prompts).remove(&room);
+                    }
+                    outcomes.push((room, waiter, outcome))
+                }
             }
         }
         while let Some(tr) = self.endpoint.poll_transmit(t) {

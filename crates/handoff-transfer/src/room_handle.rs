@@ -143,6 +143,17 @@ impl SenderRoom {
         self.sender.finish(self.room, aux).await
     }
 
+    /// [`Self::finish`] with the room's prompt scores (flat (token,
+    /// log-probability) pairs: each scored prompt token, then its
+    /// alternatives), sent ahead of the aux record.
+    pub async fn finish_scored(
+        &self,
+        aux: AuxData,
+        prompt: Arc<[(u32, f32)]>,
+    ) -> Result<(), TransportError> {
+        self.sender.finish_scored(self.room, aux, prompt).await
+    }
+
     /// Fail the room (an engine error): every decode destination learns
     /// `error`. Its end still comes through [`Self::outcome`] once no write
     /// is in flight.
@@ -259,8 +270,20 @@ impl ReceiverRoom {
     }
 }
 
+impl ReceiverRoom {
+    /// The prompt scores that came with the room's aux record (flat (token,
+    /// log-probability) pairs; empty when none were sent). Take them after
+    /// [`Self::landed`].
+    pub fn take_prompt_scores(&self) -> Vec<(u32, f32)> {
+        crate::receiver::lock_board(&self.receiver.prompts)
+            .remove(&self.room)
+            .unwrap_or_default()
+    }
+}
+
 impl Drop for ReceiverRoom {
     fn drop(&mut self) {
+        crate::receiver::lock_board(&self.receiver.prompts).remove(&self.room);
         // An outcome not yet taken: the room is live (or its end is still in
         // the channel, and goes with it: a lease in it returns its pages).
         if self.outcome.is_some() {

@@ -102,7 +102,12 @@ enum Cmd {
         src: Arc<[PageIndex]>,
         reply: oneshot::Sender<Result<(), TransferError>>,
     },
-    Finish(RoomId, AuxData, oneshot::Sender<Result<(), TransferError>>),
+    Finish(
+        RoomId,
+        AuxData,
+        Arc<[(u32, f32)]>,
+        oneshot::Sender<Result<(), TransferError>>,
+    ),
     Poll(RoomId, oneshot::Sender<SenderPoll>),
     Wait(RoomId, oneshot::Sender<SenderPoll>),
     WaitInput(RoomId, oneshot::Sender<SenderPoll>),
@@ -172,6 +177,7 @@ impl KvSender {
             counters,
             tasks: tasks.clone(),
             next_link: 0,
+            finishing: None,
         };
         tasks.spawn(driver.run(rx, accept));
         Ok(KvSender { tx, addr, tasks })
@@ -244,7 +250,18 @@ impl KvSender {
     /// Every `send` of `room` is queued: write the aux record and end the
     /// room on every link. Success is reported once decode acknowledged.
     pub async fn finish(&self, room: RoomId, aux: AuxData) -> Result<(), TransportError> {
-        Ok(self.ask(|r| Cmd::Finish(room, aux, r)).await??)
+        self.finish_scored(room, aux, Arc::from([])).await
+    }
+
+    /// [`Self::finish`] with the room's prompt scores (flat (token,
+    /// log-probability) pairs), sent ahead of the aux record.
+    pub async fn finish_scored(
+        &self,
+        room: RoomId,
+        aux: AuxData,
+        prompt: Arc<[(u32, f32)]>,
+    ) -> Result<(), TransportError> {
+        Ok(self.ask(|r| Cmd::Finish(room, aux, prompt, r)).await??)
     }
 
     /// The room's state or outcome (an outcome is reported once).
@@ -482,6 +499,9 @@ impl Link {
 
 /// The prefill driver: the I/O shell around [`SenderEndpoint`], which owns
 /// every decision; this only holds the sockets' and tasks' handles.
+/// A room's prompt scores: flat (token, log-probability) pairs.
+type Scores = Arc<[(u32, f32)]>;
+
 struct Driver {
     config: SenderConfig,
     layout: KvLayout,
@@ -491,6 +511,9 @@ struct Driver {
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
+    /// The prompt scores of the room being finished, for its aux-bearing
+    /// finish job.
+    finishing: Option<(RoomId, Scores)>,
 }
 
 fn now() -> std::time::Instant {
@@ -647,11 +670,15 @@ impl Driver {
             } => {
                 let _ = reply.send(self.send(room, layers, pages, &src));
             }
-            Cmd::Finish(room, aux, reply) => {
+            Cmd::Finish(room, aux, prompt, reply) => {
+                // The endpoint emits the room's finish jobs at once: the
+                // one that carries the aux takes the prompt scores.
+                self.finishing = Some((room, prompt));
                 let r = self.endpoint.finish(room, aux, t).map_err(Into::into);
                 // The writers get the room's end before the caller hears back
                 // (waking the caller first delays the writer).
                 self.flush();
+                self.finishing = None;
                 let _ = reply.send(r);
             }
             Cmd::Poll(room, reply) => {
@@ -768,8 +795,17 @@ impl Driver {
                     aux,
                     cancel,
                 } => {
+                    let prompt = match (&aux, &self.finishing) {
+                        (Some(_), Some((r, p))) if *r == room => p.clone(),
+                        _ => Arc::from([]),
+                    };
                     if let Some(l) = self.links.get(&peer) {
-                        let _ = l.tx(room).send(LinkJob::Finish { room, aux, cancel });
+                        let _ = l.tx(room).send(LinkJob::Finish {
+                            room,
+                            aux,
+                            prompt,
+                            cancel,
+                        });
                     }
                 }
                 SenderEvent::Cancel { cancel, .. } => cancel.store(true, Ordering::Release),

@@ -36,7 +36,7 @@ use crate::engine::{load, Shared};
 use crate::error::EngineError;
 use crate::events::EventSender;
 use crate::handle::{LoadSnapshot, ModelInfo, RequestStream};
-use crate::request::{GenerateRequest, StreamEvent};
+use crate::request::{GenerateRequest, PromptLogprob, StreamEvent};
 use crate::scheduler::{Command, Resumed, SeqPages};
 
 /// Starts decode engines.
@@ -332,6 +332,10 @@ const MAX_PREFILL_PEERS: usize = 256;
 /// One prefill address's connection, once made.
 type PeerSlot = Arc<tokio::sync::Mutex<Option<PeerId>>>;
 
+/// What a room brought: the sequence's pages, the aux data, and the
+/// prompt's scores (when the request asked for them).
+type Landed = (SeqPages, AuxData, Vec<PromptLogprob>);
+
 /// One request, from submit until it joins the batch (or fails).
 async fn decode_room(
     ctx: &Arc<Ctx>,
@@ -345,7 +349,7 @@ async fn decode_room(
         r = transfer(ctx, &req, room, prefill) => Some(r),
         _ = tx.closed() => None,
     };
-    let (landed, aux) = match outcome {
+    let (landed, aux, prompt_scores) = match outcome {
         None => {
             // The client went away. A room this request owned was aborted
             // when `transfer` dropped its handle (or by the endpoint, for a
@@ -391,6 +395,7 @@ async fn decode_room(
         pages: landed,
         first: (aux.first_token, aux.logprob),
         first_top: aux.top.as_slice().to_vec(),
+        prompt_scores,
         seed,
     };
     drop(pending);
@@ -409,7 +414,7 @@ async fn transfer(
     req: &GenerateRequest,
     room: RoomId,
     prefill: SocketAddr,
-) -> Result<(SeqPages, AuxData), EngineError> {
+) -> Result<Landed, EngineError> {
     let peer = ctx.peer(prefill).await?;
     let r = joined(ctx, room, peer, req).await;
     if r.as_ref().is_err_and(connection_lost) {
@@ -451,16 +456,22 @@ async fn joined(
     room: RoomId,
     peer: PeerId,
     req: &GenerateRequest,
-) -> Result<(SeqPages, AuxData), EngineError> {
+) -> Result<Landed, EngineError> {
     let t_open = std::time::Instant::now();
     let mut handle = ctx.receiver.submit(room, sources(peer)).await?;
     let page_size = ctx.shared.info.page_size;
     let prompt = &req.prompt_ids;
     let total = (prompt.len() + req.sampling.max_new_tokens).div_ceil(page_size);
-    if req.sampling.top_logprobs > 0 && !ctx.receiver.aux_top_capable(peer).await? {
-        return Err(EngineError::InvalidParams(
-            "top_logprobs: the prefill worker of this request is of an older handoff that does not send the first token's alternatives; upgrade it, or ask without top_logprobs".into(),
-        ));
+    let scored = req.sampling.top_logprobs > 0 || req.sampling.prompt_logprobs;
+    if scored && !ctx.receiver.aux_top_capable(peer).await? {
+        let what = if req.sampling.prompt_logprobs {
+            "prompt_logprobs: the prefill worker of this request is of an older handoff that does not send prompt scores"
+        } else {
+            "top_logprobs: the prefill worker of this request is of an older handoff that does not send the first token's alternatives"
+        };
+        return Err(EngineError::InvalidParams(format!(
+            "{what}; upgrade it, or ask without them"
+        )));
     }
     let delta = ctx.pages.cache.is_some() && ctx.receiver.delta_capable(peer).await?;
     let matchable = if delta { prompt.len() } else { 0 };
@@ -476,6 +487,16 @@ async fn joined(
     let slot = AuxSlot(ctx.next_slot.fetch_add(1, Ordering::Relaxed));
     handle.reserve(lease, slot, prefix_tokens as u32).await?;
     let (lease, aux) = handle.landed().await?;
+    let prompt_scores = if req.sampling.prompt_logprobs {
+        let flat = handle.take_prompt_scores();
+        PromptLogprob::unflatten(&flat, prompt, req.sampling.top_logprobs).map_err(|reason| {
+            EngineError::from(TransferError::Internal {
+                reason: format!("the prefill's {reason}"),
+            })
+        })?
+    } else {
+        Vec::new()
+    };
     let mut seq = SeqPages::new(prefix, lease, page_size);
     ctx.pages
         .cache_prompt(prompt, &seq.pages, &mut seq.lease, &mut seq.prefix);
@@ -489,7 +510,7 @@ async fn joined(
         first_token = aux.first_token,
         "decode room: KV landed"
     );
-    Ok((seq, aux))
+    Ok((seq, aux, prompt_scores))
 }
 
 #[cfg(test)]

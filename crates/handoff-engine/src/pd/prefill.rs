@@ -45,7 +45,7 @@ use crate::config::EngineConfig;
 use crate::engine::{load, validate, Loaded};
 use crate::error::EngineError;
 use crate::handle::{LoadSnapshot, ModelInfo};
-use crate::request::GenerateRequest;
+use crate::request::{GenerateRequest, PromptLogprob};
 
 /// A prefill that completed: decode holds the prompt's KV and the first token.
 #[derive(Debug, Clone, PartialEq)]
@@ -350,8 +350,14 @@ async fn prefill_room(
     // The cached prefix, locked for as long as this room may read it, and
     // pages for the rest.
     let total = req.prompt_ids.len().div_ceil(ctx.page_size);
+    // A scored prompt is computed whole: a cached prefix has no logits.
+    let matchable = if req.sampling.prompt_logprobs {
+        0
+    } else {
+        req.prompt_ids.len() - 1
+    };
     let (mut prefix, mut lease) = tokio::select! {
-        l = lease_prompt_pages(&ctx.pages, &req.prompt_ids, req.prompt_ids.len() - 1, total) => l,
+        l = lease_prompt_pages(&ctx.pages, &req.prompt_ids, matchable, total) => l,
         end = handle.outcome() => return Err(end.err().map_or_else(before_compute, Into::into)),
     };
     let cached_tokens = prefix.tokens(ctx.page_size);
@@ -380,6 +386,7 @@ async fn prefill_room(
             sampler: s.sampler(s.seed.unwrap_or_else(rand::random)),
             masked: s.masked(0, &ctx.eog),
             top_logprobs: s.top_logprobs,
+            prompt_logprobs: s.prompt_logprobs,
             cancel: cancel.clone(),
             progress: progress_tx,
             reply,
@@ -424,7 +431,7 @@ async fn prefill_room(
             return Err(e);
         }
     };
-    let (first_token, logprob, top) = match result.and_then(|t| {
+    let (first_token, logprob, top, prompt_scores) = match result.and_then(|t| {
         t.ok_or_else(|| EngineError::Model("prefill cancelled without a failure".into()))
     }) {
         Ok(t) => t,
@@ -452,13 +459,13 @@ async fn prefill_room(
             .await;
     }
     if queued.is_ok() {
-        queued = handle
-            .finish(AuxData {
-                first_token,
-                logprob,
-                top: handoff_proto::datalink::TopLogprobs::from_slice(&top),
-            })
-            .await;
+        let aux = AuxData {
+            first_token,
+            logprob,
+            top: handoff_proto::datalink::TopLogprobs::from_slice(&top),
+        };
+        let scores = PromptLogprob::flatten(&prompt_scores, req.sampling.top_logprobs);
+        queued = handle.finish_scored(aux, scores.into()).await;
     }
     // The outcome comes once nothing is in flight: then the pages may go.
     let end = handle.outcome().await.map_err(EngineError::from);
@@ -572,6 +579,8 @@ struct Job {
     masked: Vec<u32>,
     /// How many of the first position's most likely tokens to report.
     top_logprobs: usize,
+    /// Score the prompt (every row's logits).
+    prompt_logprobs: bool,
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
     /// (chunk end, layer): that layer's K/V of every token before the
@@ -589,15 +598,17 @@ struct Compute {
     prefill_chunk: usize,
 }
 
-/// A sampled first token, its log-probability and the position's most
-/// likely tokens.
-type FirstToken = (u32, f32, Vec<(u32, f32)>);
+/// A sampled first token, its log-probability, the position's most likely
+/// tokens, and the prompt's scores (when asked).
+type FirstToken = (u32, f32, Vec<(u32, f32)>, Vec<PromptLogprob>);
 
 /// A job the compute thread is prefilling: tokens before `cached` are in
 /// the pool.
 struct Running {
     job: Job,
     cached: usize,
+    /// The prompt's scores so far (`prompt_logprobs`).
+    scores: Vec<PromptLogprob>,
 }
 
 impl Compute {
@@ -666,31 +677,51 @@ impl Compute {
         };
         let pool = &mut self.pool;
         let progress = &r.job.progress;
+        let every_row = r.job.prompt_logprobs;
         let logits = self
             .threads
             .install(|| {
-                model.forward_observed(pool, &[chunk], Phase::Prefill, &mut |layer| {
-                    let _ = progress.send((end, layer));
-                })
+                model.forward_rows(
+                    pool,
+                    &[chunk],
+                    Phase::Prefill,
+                    &mut |layer| {
+                        let _ = progress.send((end, layer));
+                    },
+                    every_row,
+                )
             })
             .map_err(|e| EngineError::Model(e.to_string()))?;
+        if every_row {
+            PromptLogprob::score(
+                &r.job.tokens,
+                r.cached,
+                &logits,
+                r.job.top_logprobs,
+                &mut r.scores,
+            );
+        }
         r.cached = end;
         if end < len {
             return Ok(None);
         }
         let logits = logits
-            .first()
+            .last()
             .ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
         let mut sampler = Sampler::for_prompt(r.job.sampler.clone(), &r.job.tokens);
         let (id, logprob) = sampler.sample_masked(logits, &r.job.masked);
         let top = handoff_model::sampling::top_logprobs(logits, r.job.top_logprobs);
-        Ok(Some((id, logprob, top)))
+        Ok(Some((id, logprob, top, std::mem::take(&mut r.scores))))
     }
 }
 
 impl Running {
     fn new(job: Job) -> Self {
         let cached = job.start;
-        Running { job, cached }
+        Running {
+            job,
+            cached,
+            scores: Vec::new(),
+        }
     }
 }
