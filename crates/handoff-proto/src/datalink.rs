@@ -482,6 +482,25 @@ fn room_at(b: &[u8]) -> Result<RoomId, RecordError> {
     RoomId::new(raw).ok_or(RecordError::ZeroRoom)
 }
 
+/// Two (token, log-probability) pairs into 16 bytes.
+fn put_pairs(b: &mut [u8], pairs: &[(u32, f32); 2]) {
+    for (k, (id, lp)) in pairs.iter().enumerate() {
+        b[8 * k..8 * k + 4].copy_from_slice(&id.to_le_bytes());
+        b[8 * k + 4..8 * k + 8].copy_from_slice(&lp.to_bits().to_le_bytes());
+    }
+}
+
+/// The first `count` (1 or 2) pairs of 16 bytes; an unused second is
+/// zero.
+fn pairs_at(b: &[u8], count: u8) -> [(u32, f32); 2] {
+    let pair = |k: usize| {
+        let id = u32::from_le_bytes(arr(&b[8 * k..]));
+        let lp = f32::from_bits(u32::from_le_bytes(arr(&b[8 * k + 4..])));
+        (id, lp)
+    };
+    [pair(0), if count == 2 { pair(1) } else { (0, 0.0) }]
+}
+
 fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
     let mut a = [0u8; N];
     a.copy_from_slice(&b[..N]);
@@ -533,10 +552,7 @@ impl Record {
                 b[9..13].copy_from_slice(&aux_slot.to_le_bytes());
                 b[13] = *index;
                 b[14] = *count;
-                for (k, (id, lp)) in pairs.iter().enumerate() {
-                    b[15 + 8 * k..19 + 8 * k].copy_from_slice(&id.to_le_bytes());
-                    b[19 + 8 * k..23 + 8 * k].copy_from_slice(&lp.to_bits().to_le_bytes());
-                }
+                put_pairs(&mut b[15..31], pairs);
             }
             Record::AuxPrompt {
                 room,
@@ -548,10 +564,7 @@ impl Record {
                 b[1..9].copy_from_slice(&room.get().to_le_bytes());
                 b[9..13].copy_from_slice(&index.to_le_bytes());
                 b[13] = *count;
-                for (k, (id, lp)) in pairs.iter().enumerate() {
-                    b[14 + 8 * k..18 + 8 * k].copy_from_slice(&id.to_le_bytes());
-                    b[18 + 8 * k..22 + 8 * k].copy_from_slice(&lp.to_bits().to_le_bytes());
-                }
+                put_pairs(&mut b[14..30], pairs);
             }
             Record::End { room, cancelled } => {
                 b[0] = TAG_END;
@@ -611,16 +624,11 @@ impl Record {
                 {
                     return Err(RecordError::AuxTop { index, count });
                 }
-                let pair = |k: usize| {
-                    let id = u32::from_le_bytes(arr(&b[15 + 8 * k..]));
-                    let lp = f32::from_bits(u32::from_le_bytes(arr(&b[19 + 8 * k..])));
-                    (id, lp)
-                };
                 Ok(Record::AuxTop {
                     room,
                     aux_slot: u32::from_le_bytes(arr(&b[9..13])),
                     index,
-                    pairs: [pair(0), if count == 2 { pair(1) } else { (0, 0.0) }],
+                    pairs: pairs_at(&b[15..31], count),
                     count,
                 })
             }
@@ -629,15 +637,10 @@ impl Record {
                 if !(1..=2).contains(&count) {
                     return Err(RecordError::AuxPrompt(count));
                 }
-                let pair = |k: usize| {
-                    let id = u32::from_le_bytes(arr(&b[14 + 8 * k..]));
-                    let lp = f32::from_bits(u32::from_le_bytes(arr(&b[18 + 8 * k..])));
-                    (id, lp)
-                };
                 Ok(Record::AuxPrompt {
                     room,
                     index: u32::from_le_bytes(arr(&b[9..13])),
-                    pairs: [pair(0), if count == 2 { pair(1) } else { (0, 0.0) }],
+                    pairs: pairs_at(&b[14..30], count),
                     count,
                 })
             }

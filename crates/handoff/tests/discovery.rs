@@ -67,16 +67,7 @@ fn free_port() -> u16 {
 
 /// A fresh single-member etcd on loopback, or `None` (skip) without one.
 async fn etcd() -> Option<Etcd> {
-    let found = Command::new("etcd")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var_os("HANDOFF_REQUIRE_ETCD").is_none(),
-            "HANDOFF_REQUIRE_ETCD is set but there is no etcd on PATH (apt-get install etcd-server)"
-        );
-        eprintln!("skipping: no etcd on PATH (apt-get install etcd-server)");
+    if !common::etcd_on_path() {
         return None;
     }
     let dir = tempdir::new("etcd");

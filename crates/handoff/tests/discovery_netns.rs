@@ -226,21 +226,6 @@ impl Proc {
     }
 }
 
-fn etcd_found() -> bool {
-    let found = Command::new("etcd")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found {
-        assert!(
-            std::env::var_os("HANDOFF_REQUIRE_ETCD").is_none(),
-            "HANDOFF_REQUIRE_ETCD is set but there is no etcd on PATH (apt-get install etcd-server)"
-        );
-        eprintln!("skipping: no etcd on PATH (apt-get install etcd-server)");
-    }
-    found
-}
-
 fn listening(p: &mut Proc) -> String {
     let line = p.wait_log("listening on http://", Duration::from_secs(120));
     let i = line.find("listening on http://").unwrap();
@@ -249,7 +234,7 @@ fn listening(p: &mut Proc) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_and_decode_on_two_hosts_find_each_other_in_etcd_on_a_third() {
-    if !etcd_found() {
+    if !common::etcd_on_path() {
         return;
     }
     let Some(net) = Net::new() else { return };

@@ -153,3 +153,20 @@ pub fn serve(model: &std::path::Path, args: &[&str], envs: &[(&str, &str)]) -> S
         workers,
     }
 }
+
+/// Whether `etcd` is on PATH; without it a test skips (saying so), unless
+/// `HANDOFF_REQUIRE_ETCD` is set, which makes its absence a failure.
+pub fn etcd_on_path() -> bool {
+    let found = std::process::Command::new("etcd")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(
+            std::env::var_os("HANDOFF_REQUIRE_ETCD").is_none(),
+            "HANDOFF_REQUIRE_ETCD is set but there is no etcd on PATH (apt-get install etcd-server)"
+        );
+        eprintln!("skipping: no etcd on PATH (apt-get install etcd-server)");
+    }
+    found
+}
