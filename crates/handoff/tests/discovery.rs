@@ -23,6 +23,8 @@ use common::{generate, workers};
 struct Proc {
     child: Child,
     http: String,
+    /// Every line of its log.
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 }
 
 impl Drop for Proc {
@@ -89,6 +91,7 @@ async fn etcd() -> Option<Etcd> {
     let p = Proc {
         child,
         http: client_url.clone(),
+        log: Default::default(),
     };
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -131,10 +134,11 @@ fn start(role: &str, args: &[&str]) -> Proc {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn handoff");
-    let http = common::listening_url(&mut child, |_| {});
+    let (http, log) = common::listening_url_logged(&mut child);
     Proc {
         child,
         http: http.unwrap_or_else(|| panic!("{role} never listened")),
+        log,
     }
 }
 
@@ -262,8 +266,9 @@ async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
     }
 
     // etcd frozen for 10 s (longer than the leases): the router keeps
-    // serving with the workers it knows; when etcd is back the expired
-    // leases' keys go, the workers register again, and all four are back.
+    // serving with the workers it knows and says discovery is stale; when
+    // etcd is back it catches up, the expired leases' keys go, the workers
+    // register again, and all four are back.
     let etcd_pid = etcd._proc.child.id().to_string();
     assert!(Command::new("kill")
         .args(["-STOP", &etcd_pid])
@@ -278,6 +283,12 @@ async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
         assert_eq!(Some(v["output_ids"].clone()), answers[(i % 3) as usize]);
         i += 1;
     }
+    // The router noticed (a frozen etcd keeps its watch open and silent).
+    let said = |what: &str| router.log.lock().unwrap().iter().any(|l| l.contains(what));
+    assert!(
+        said("discovery is stale"),
+        "the router never said discovery is stale"
+    );
     assert!(Command::new("kill")
         .args(["-CONT", &etcd_pid])
         .status()
@@ -294,6 +305,14 @@ async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
         |w| count(w, "prefill", "healthy") == 2 && count(w, "decode", "healthy") == 2,
     )
     .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !said("discovery caught up with etcd") {
+        assert!(
+            Instant::now() < deadline,
+            "the router never caught up with etcd"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // SIGKILL a decode: its lease (3 s) expires and the router drops it;
     // requests keep succeeding on the other.

@@ -211,6 +211,14 @@ impl Etcd {
         Ok(ttl > 0)
     }
 
+    /// Whether etcd answers at all (its maintenance status), within the
+    /// client's timeout.
+    pub async fn status(&self) -> Result<(), EtcdError> {
+        self.call("/v3/maintenance/status", json!({}))
+            .await
+            .map(drop)
+    }
+
     /// Revoke lease `id`: every key under it goes at once.
     pub async fn revoke(&self, id: i64) -> Result<(), EtcdError> {
         self.call("/v3/lease/revoke", json!({ "ID": id.to_string() }))

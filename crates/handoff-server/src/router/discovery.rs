@@ -105,6 +105,9 @@ impl Discovered {
     }
 }
 
+/// How often the router checks that etcd still answers while it watches.
+const ALIVE_EVERY: Duration = Duration::from_secs(2);
+
 /// Keep the router's worker set in step with `endpoint` until the task is
 /// dropped.
 pub async fn run(state: RouterState, endpoint: EtcdEndpoint) {
@@ -142,12 +145,27 @@ pub async fn run(state: RouterState, endpoint: EtcdEndpoint) {
                 for (k, v) in &kvs {
                     d.put(k, v);
                 }
-                if let Err(e) = etcd
-                    .watch_prefix(&prefix, revision + 1, |e| d.on_event(e))
-                    .await
-                {
-                    tracing::warn!(error = %e, "discovery watch broke: serving with the last known workers");
-                    stale = true;
+                // A frozen etcd keeps the watch open and silent: a status
+                // call beside it notices (then the loop ranges again until
+                // etcd answers, and catches up).
+                let watch = etcd.watch_prefix(&prefix, revision + 1, |e| d.on_event(e));
+                let alive = async {
+                    loop {
+                        tokio::time::sleep(ALIVE_EVERY).await;
+                        if let Err(e) = etcd.status().await {
+                            return e;
+                        }
+                    }
+                };
+                tokio::select! {
+                    r = watch => if let Err(e) = r {
+                        tracing::warn!(error = %e, "discovery watch broke: serving with the last known workers");
+                        stale = true;
+                    },
+                    e = alive => {
+                        tracing::warn!(error = %e, "discovery is stale: etcd does not answer; serving with the last known workers");
+                        stale = true;
+                    }
                 }
             }
             Err(e) => {

@@ -60,6 +60,37 @@ pub fn listening_url(
     url
 }
 
+/// [`listening_url`], keeping every line of the log (before and after).
+pub fn listening_url_logged(
+    child: &mut std::process::Child,
+) -> (
+    Option<String>,
+    std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+) {
+    use std::io::{BufRead, BufReader};
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut lines = BufReader::new(child.stderr.take().expect("stderr piped")).lines();
+    let mut url = None;
+    for line in lines.by_ref() {
+        let line = line.expect("log line");
+        log.lock().unwrap().push(line.clone());
+        if let Some(i) = line.find("listening on http://") {
+            url = Some(format!(
+                "http://{}",
+                line[i + "listening on http://".len()..].trim()
+            ));
+            break;
+        }
+    }
+    let l = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            l.lock().unwrap().push(line);
+        }
+    });
+    (url, log)
+}
+
 /// A `handoff serve` process, stopped with SIGTERM (then SIGKILL) on drop.
 pub struct Serve {
     pub child: std::process::Child,
