@@ -598,6 +598,10 @@ struct Compute {
     prefill_chunk: usize,
 }
 
+// The wire carries as many alternatives as a request may ask for.
+const _: () =
+    assert!(handoff_model::sampling::MAX_TOP_LOGPROBS == handoff_proto::datalink::MAX_TOP_LOGPROBS);
+
 /// A sampled first token, its log-probability, the position's most likely
 /// tokens, and the prompt's scores (when asked).
 type FirstToken = (u32, f32, Vec<(u32, f32)>, Vec<PromptLogprob>);

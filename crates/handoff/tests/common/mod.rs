@@ -34,20 +34,25 @@ pub async fn workers(url: &str) -> Vec<Value> {
         .unwrap_or_default()
 }
 
-/// Read `child`'s standard error (piped) until it logs the address it
-/// listens on; `each` sees every line up to that one. The rest of the log
-/// is drained on a thread so the child never blocks on a full pipe. `None`
-/// if it exited first.
-pub fn listening_url(
+/// Read `child`'s standard error (piped) until its own line (not a
+/// `[role]`-prefixed child's) says the address it listens on: `before` sees
+/// every line up to that one, then `after` every later line, on a thread
+/// that drains the log so the child never blocks on a full pipe. `None` if
+/// it exited first.
+pub fn follow_log(
     child: &mut std::process::Child,
-    mut each: impl FnMut(&str),
+    mut before: impl FnMut(&str),
+    mut after: impl FnMut(String) + Send + 'static,
 ) -> Option<String> {
     use std::io::{BufRead, BufReader};
     let mut lines = BufReader::new(child.stderr.take().expect("stderr piped")).lines();
     let mut url = None;
     for line in lines.by_ref() {
         let line = line.expect("log line");
-        each(&line);
+        before(&line);
+        if line.starts_with('[') {
+            continue;
+        }
         if let Some(i) = line.find("listening on http://") {
             url = Some(format!(
                 "http://{}",
@@ -56,38 +61,29 @@ pub fn listening_url(
             break;
         }
     }
-    std::thread::spawn(move || for _ in lines.by_ref() {});
+    std::thread::spawn(move || lines.map_while(Result::ok).for_each(&mut after));
     url
 }
 
-/// [`listening_url`], keeping every line of the log (before and after).
+/// [`follow_log`] seeing only the lines up to the listening one.
+pub fn listening_url(child: &mut std::process::Child, each: impl FnMut(&str)) -> Option<String> {
+    follow_log(child, each, drop)
+}
+
+/// [`follow_log`] keeping every line of the log (before and after).
 pub fn listening_url_logged(
     child: &mut std::process::Child,
 ) -> (
     Option<String>,
     std::sync::Arc<std::sync::Mutex<Vec<String>>>,
 ) {
-    use std::io::{BufRead, BufReader};
     let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut lines = BufReader::new(child.stderr.take().expect("stderr piped")).lines();
-    let mut url = None;
-    for line in lines.by_ref() {
-        let line = line.expect("log line");
-        log.lock().unwrap().push(line.clone());
-        if let Some(i) = line.find("listening on http://") {
-            url = Some(format!(
-                "http://{}",
-                line[i + "listening on http://".len()..].trim()
-            ));
-            break;
-        }
-    }
     let l = log.clone();
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            l.lock().unwrap().push(line);
-        }
-    });
+    let url = follow_log(
+        child,
+        |line| log.lock().unwrap().push(line.to_string()),
+        move |line| l.lock().unwrap().push(line),
+    );
     (url, log)
 }
 
@@ -134,7 +130,6 @@ pub fn log_field(line: &str, name: &str) -> Option<String> {
 /// `envs`, and wait until it listens; its worker starts are recorded all
 /// along.
 pub fn serve(model: &std::path::Path, args: &[&str], envs: &[(&str, &str)]) -> Serve {
-    use std::io::{BufRead, BufReader};
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_handoff"))
         .args(["serve", "--port", "0", "--kv-pages", "256"])
         .args(args)
@@ -146,9 +141,7 @@ pub fn serve(model: &std::path::Path, args: &[&str], envs: &[(&str, &str)]) -> S
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn handoff serve");
-    let mut lines = BufReader::new(child.stderr.take().expect("stderr")).lines();
     let workers = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let mut url = None;
     let record = |line: &str, workers: &std::sync::Mutex<Vec<(String, u32)>>| {
         if line.contains("worker process started") {
             if let (Some(role), Some(pid)) = (log_field(line, "role"), log_field(line, "pid")) {
@@ -159,25 +152,12 @@ pub fn serve(model: &std::path::Path, args: &[&str], envs: &[(&str, &str)]) -> S
             }
         }
     };
-    for line in lines.by_ref() {
-        let line = line.expect("log line");
-        record(&line, &workers);
-        if !line.starts_with('[') {
-            if let Some(i) = line.find("listening on http://") {
-                url = Some(format!(
-                    "http://{}",
-                    line[i + "listening on http://".len()..].trim()
-                ));
-                break;
-            }
-        }
-    }
     let w = workers.clone();
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            record(&line, &w);
-        }
-    });
+    let url = follow_log(
+        &mut child,
+        |line| record(line, &workers),
+        move |line| record(&line, &w),
+    );
     Serve {
         child,
         url: url.expect("serve never listened"),
