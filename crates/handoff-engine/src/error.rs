@@ -63,6 +63,10 @@ pub enum EngineError {
     /// The forward pass failed.
     #[error("model execution failed: {0}")]
     Model(String),
+    /// The request's grammar failed mid-generation (llguidance reported an
+    /// error, or it allowed no token at all).
+    #[error("structured output failed: {0}")]
+    Grammar(String),
     /// Disaggregated serving: the room failed (prefill rejected it, a peer
     /// died, a deadline passed, the client aborted, the peer reported a
     /// fault). The typed failure as the transfer layer reported it: status,
@@ -136,7 +140,7 @@ impl EngineError {
             EngineError::ShuttingDown
             | EngineError::Overloaded { .. }
             | EngineError::TooManyPrefillPeers { .. } => 503,
-            EngineError::Model(_) => 500,
+            EngineError::Model(_) | EngineError::Grammar(_) => 500,
             EngineError::Transfer(e) => e.http_status(),
             EngineError::Transport(t) => t.get().http_status(),
         }
@@ -193,6 +197,7 @@ impl EngineError {
             EngineError::Overloaded { .. } => "overloaded",
             EngineError::TooManyPrefillPeers { .. } => "too_many_prefill_peers",
             EngineError::Model(_) => "model_error",
+            EngineError::Grammar(_) => "grammar_error",
             EngineError::Transfer(e) => e.error_type(),
             EngineError::Transport(t) => transport_error_type(t.get()),
         }

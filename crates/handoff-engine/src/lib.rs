@@ -10,6 +10,8 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod events;
+mod gbnf;
+pub mod grammar;
 pub mod handle;
 pub mod pd;
 pub mod request;

@@ -52,6 +52,9 @@ pub struct SamplingParams {
     /// alternatives at each position). The whole prompt is computed (no
     /// prefix-cache hit), since a cached prefix has no logits.
     pub prompt_logprobs: bool,
+    /// What the output must match (structured output): its compiled
+    /// grammar, which masks every token sampled and tracks the output.
+    pub grammar: Option<crate::grammar::Grammar>,
 }
 
 impl Default for SamplingParams {
@@ -72,6 +75,7 @@ impl Default for SamplingParams {
             spaces_between_special_tokens: true,
             top_logprobs: 0,
             prompt_logprobs: false,
+            grammar: None,
         }
     }
 }
@@ -129,13 +133,18 @@ pub enum FinishReason {
     },
     /// `max_new_tokens` was reached, or the context is full.
     Length,
+    /// The output is a whole sentence of the request's grammar and nothing
+    /// may follow it (a JSON value's closing brace).
+    GrammarComplete,
 }
 
 impl FinishReason {
     /// The OpenAI `finish_reason` string: `"stop"` or `"length"`.
     pub fn openai(&self) -> &'static str {
         match self {
-            FinishReason::Eos { .. } | FinishReason::StopString { .. } => "stop",
+            FinishReason::Eos { .. }
+            | FinishReason::StopString { .. }
+            | FinishReason::GrammarComplete => "stop",
             FinishReason::Length => "length",
         }
     }

@@ -18,6 +18,7 @@ use handoff_model::{Llama, Phase, SeqChunk};
 use crate::engine::Counters;
 use crate::error::EngineError;
 use crate::events::{EventSender, NotSent};
+use crate::grammar::{Allowed, Grammar};
 use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
 use crate::stop::TextTracker;
 
@@ -443,7 +444,19 @@ impl Scheduler {
     fn emit(&mut self, i: usize, logits: &[f32]) -> Option<Option<StreamEvent>> {
         let a = &mut self.active[i];
         let masked = a.sampling.masked(a.generated(), self.tokenizer.eog_ids());
-        let (id, logprob) = a.sampler.sample_masked(logits, &masked);
+        let allowed = match a.sampling.grammar.as_mut().map(Grammar::allowed) {
+            None => None,
+            Some(Ok(m)) => Some(m),
+            Some(Err(e)) => return Some(Some(StreamEvent::Error(EngineError::Grammar(e.0)))),
+        };
+        let (id, logprob) =
+            a.sampler
+                .sample_allowed(logits, &masked, allowed.as_ref().map(Allowed::words));
+        if allowed.as_ref().is_some_and(|m| !m.contains(id)) {
+            return Some(Some(StreamEvent::Error(EngineError::Grammar(
+                "the grammar allows no token here".into(),
+            ))));
+        }
         let top = handoff_model::sampling::top_logprobs(logits, a.sampling.top_logprobs);
         self.emit_token(i, id, logprob, top)
     }
@@ -460,6 +473,15 @@ impl Scheduler {
         let a = &mut self.active[i];
         a.tokens.push(id);
         a.sampler.accept(id);
+        let mut grammar_done = false;
+        if let Some(g) = &mut a.sampling.grammar {
+            // A token sampled elsewhere (a prefill's first) was masked by the
+            // same grammar there; one that does not fit ends the request.
+            if let Err(e) = g.accept(id) {
+                return Some(Some(StreamEvent::Error(EngineError::Grammar(e.0))));
+            }
+            grammar_done = g.finished();
+        }
         // Nothing ends generation before `min_new_tokens` (the sampler
         // masks end-of-generation tokens; a token sampled elsewhere, a
         // prefill's first, was masked there).
@@ -481,12 +503,17 @@ impl Scheduler {
                 }
             }
         }
+        if reason.is_none() && grammar_done {
+            reason = Some(FinishReason::GrammarComplete);
+        }
         if reason.is_none() && a.generated() >= a.max_new {
             reason = Some(FinishReason::Length);
         }
         if matches!(
             reason,
-            Some(FinishReason::Eos { .. }) | Some(FinishReason::Length)
+            Some(FinishReason::Eos { .. })
+                | Some(FinishReason::Length)
+                | Some(FinishReason::GrammarComplete)
         ) {
             text.push_str(&a.text.flush());
         }

@@ -13,7 +13,9 @@
 //! - frequency and presence penalties over the output's tokens only:
 //!   `logit[t] -= frequency * count[t] + presence * (count[t] > 0)`
 //!   (OpenAI's formula, vLLM `apply_penalties`);
-//! - masked tokens (end of generation before `min_new_tokens`) get `-inf`;
+//! - tokens a request's grammar does not allow next get `-inf` (structured
+//!   output), then masked tokens (end of generation before
+//!   `min_new_tokens`), unless the grammar allows nothing else;
 //! - then temperature, top-k, top-p over the renormalised top-k, and min-p:
 //!   a token is kept only if its probability is at least `min_p` times the
 //!   most likely token's (SGLang `top_k_top_p_min_p_sampling_from_probs`).
@@ -209,9 +211,23 @@ impl Sampler {
     /// [`Self::sample`] with `masked` tokens never picked (end-of-generation
     /// tokens before `min_new_tokens`).
     pub fn sample_masked(&mut self, logits: &[f32], masked: &[u32]) -> (u32, f32) {
+        self.sample_allowed(logits, masked, None)
+    }
+
+    /// [`Self::sample_masked`] where, with `allowed`, only the tokens whose
+    /// bit is set may be picked (bit `i % 32` of word `i / 32` is token
+    /// `i`: a grammar's mask). The grammar comes first: when it allows
+    /// nothing but `masked` tokens (a whole JSON value before
+    /// `min_new_tokens`), those stay allowed.
+    pub fn sample_allowed(
+        &mut self,
+        logits: &[f32],
+        masked: &[u32],
+        allowed: Option<&[u32]>,
+    ) -> (u32, f32) {
         let adjusted;
-        let used = if self.cfg.penalties.any() || !masked.is_empty() {
-            adjusted = self.adjust(logits, masked);
+        let used = if self.cfg.penalties.any() || !masked.is_empty() || allowed.is_some() {
+            adjusted = self.adjust(logits, masked, allowed);
             &adjusted[..]
         } else {
             logits
@@ -226,8 +242,16 @@ impl Sampler {
     }
 
     /// The logits after bias, penalties and masks (the module's formulas).
-    fn adjust(&self, logits: &[f32], masked: &[u32]) -> Vec<f32> {
+    fn adjust(&self, logits: &[f32], masked: &[u32], allowed: Option<&[u32]>) -> Vec<f32> {
         let mut l = logits.to_vec();
+        if let Some(words) = allowed {
+            for (i, v) in l.iter_mut().enumerate() {
+                let bit = words.get(i / 32).is_some_and(|w| w >> (i % 32) & 1 == 1);
+                if !bit {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
         let p = &self.cfg.penalties;
         for &(id, bias) in &p.logit_bias {
             if let Some(v) = l.get_mut(id as usize) {
@@ -250,9 +274,16 @@ impl Sampler {
                 *v -= p.frequency * n as f32 + p.presence;
             }
         }
-        for &id in masked {
-            if let Some(v) = l.get_mut(id as usize) {
-                *v = f32::NEG_INFINITY;
+        let grammar_needs_masked = allowed.is_some()
+            && !l
+                .iter()
+                .enumerate()
+                .any(|(i, v)| *v > f32::NEG_INFINITY && !masked.contains(&(i as u32)));
+        if !grammar_needs_masked {
+            for &id in masked {
+                if let Some(v) = l.get_mut(id as usize) {
+                    *v = f32::NEG_INFINITY;
+                }
             }
         }
         l
@@ -494,7 +525,7 @@ mod tests {
             &[0, 1],
         );
         s.accept(2);
-        assert_eq!(s.adjust(&logits, &[]), vec![1.0, -2.0, 0.25, 3.0, 1.0]);
+        assert_eq!(s.adjust(&logits, &[], None), vec![1.0, -2.0, 0.25, 3.0, 1.0]);
         // Frequency 0.5 and presence 0.25 over the output only: token 3
         // twice, token 4 once; the prompt does not count.
         let mut s = Sampler::for_prompt(
@@ -509,7 +540,7 @@ mod tests {
             s.accept(id);
         }
         assert_eq!(
-            s.adjust(&logits, &[]),
+            s.adjust(&logits, &[], None),
             vec![2.0, -1.0, 0.5, 3.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25]
         );
         // Bias, then a mask.
@@ -517,7 +548,7 @@ mod tests {
             logit_bias: vec![(1, 10.0), (4, -0.5)],
             ..Penalties::default()
         }));
-        let got = s.adjust(&logits, &[0]);
+        let got = s.adjust(&logits, &[0], None);
         assert_eq!(got[1..], [9.0, 0.5, 3.0, 0.5]);
         assert_eq!(got[0], f32::NEG_INFINITY);
         // Greedy picks through them: the bias makes token 1 the best, the
@@ -616,5 +647,28 @@ mod tests {
             let again: Vec<u32> = (0..10).map(|_| resumed.sample(&logits).0).collect();
             assert_eq!(rest, again, "{c:?}");
         }
+    }
+
+    #[test]
+    fn only_allowed_tokens_are_picked_and_the_grammar_wins_over_min_tokens() {
+        // Token 3 is by far the most likely; the mask allows 1 and 4
+        // (bits 1 and 4 of word 0).
+        let logits = [0.0, 1.0, 0.5, 9.0, 0.8];
+        let allowed = [0b10010u32];
+        let mut greedy = Sampler::new(cfg(0.0, 0, 1.0, 1));
+        let (id, lp) = greedy.sample_allowed(&logits, &[], Some(&allowed));
+        // The logprob reported is the model's own.
+        assert_eq!((id, lp.to_bits()), (1, logprob(&logits, 1).to_bits()));
+        let mut hot = Sampler::new(cfg(5.0, 0, 1.0, 2));
+        for _ in 0..200 {
+            let id = hot.sample_allowed(&logits, &[], Some(&allowed)).0;
+            assert!(id == 1 || id == 4, "{id}");
+        }
+        // A masked (end-of-generation) token stays out while the grammar
+        // allows something else...
+        assert_eq!(greedy.sample_allowed(&logits, &[1], Some(&allowed)).0, 4);
+        // ...and is picked when the grammar allows nothing else.
+        assert_eq!(greedy.sample_allowed(&logits, &[1, 4], Some(&allowed)).0, 1);
+        assert_eq!(greedy.sample_allowed(&logits, &[1], Some(&[0b10])).0, 1);
     }
 }

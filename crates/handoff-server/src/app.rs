@@ -38,6 +38,9 @@ pub struct AppState {
     /// The prefill endpoints a decode worker dials ([`crate::trust`]):
     /// none until the embedder says which.
     pub bootstrap_trust: BootstrapTrust,
+    /// Compiles requests' structured-output grammars over the model's
+    /// vocabulary.
+    pub grammars: Arc<handoff_engine::grammar::Grammars>,
 }
 
 /// How long a generation may wait for its next token by default
@@ -62,6 +65,9 @@ impl AppState {
         let metrics = Arc::new(Metrics::new(&model.served_name, model.page_size));
         let started_unix = unix_now();
         let system_fingerprint = fingerprint(engine.model());
+        let grammars = Arc::new(handoff_engine::grammar::Grammars::new(
+            engine.tokenizer().clone(),
+        ));
         AppState {
             engine,
             metrics,
@@ -70,6 +76,7 @@ impl AppState {
             system_fingerprint,
             stall_timeout: Some(DEFAULT_STALL_TIMEOUT),
             bootstrap_trust: BootstrapTrust::default(),
+            grammars,
         }
     }
 

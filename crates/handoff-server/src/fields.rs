@@ -67,7 +67,9 @@ impl NoOp {
 }
 
 const STRUCTURED: &str =
-    "structured output (JSON schema, regex, grammar) is not implemented yet: validate the text yourself";
+    "structured output goes in `sampling_params` (`json_schema`, `regex`, `ebnf`)";
+const STRUCTURAL_TAG: &str =
+    "structural tags are not implemented: use `json_schema`, `regex` or `ebnf`";
 const TOOLS: &str =
     "tool calling is not implemented yet: describe the tools in the prompt and parse the text";
 const MEDIA: &str = "handoff serves text-only models: send text";
@@ -95,7 +97,9 @@ const COMMON: &[(&str, Support)] = &[
     ("routed_dp_rank", Support::NoEffect),
     ("data_parallel_rank", Support::NoEffect),
     ("disagg_prefill_dp_rank", Support::NoEffect),
-    // Structured output.
+    // Structured output: chat, completions and `sampling_params` read these
+    // ([`crate::structured`]) before this table is looked at; at
+    // `/generate`'s top level they belong in `sampling_params`.
     (
         "response_format",
         Support::Refused(NoOp::Type("text"), STRUCTURED),
@@ -103,14 +107,17 @@ const COMMON: &[(&str, Support)] = &[
     ("json_schema", Support::Refused(NoOp::Null, STRUCTURED)),
     ("regex", Support::Refused(NoOp::Null, STRUCTURED)),
     ("ebnf", Support::Refused(NoOp::Null, STRUCTURED)),
-    ("structural_tag", Support::Refused(NoOp::Null, STRUCTURED)),
+    (
+        "structural_tag",
+        Support::Refused(NoOp::Null, STRUCTURAL_TAG),
+    ),
     ("guided_json", Support::Refused(NoOp::Null, STRUCTURED)),
     ("guided_regex", Support::Refused(NoOp::Null, STRUCTURED)),
     ("guided_choice", Support::Refused(NoOp::Null, STRUCTURED)),
     ("guided_grammar", Support::Refused(NoOp::Null, STRUCTURED)),
     (
         "structured_outputs",
-        Support::Refused(NoOp::Null, STRUCTURED),
+        Support::Refused(NoOp::Null, STRUCTURAL_TAG),
     ),
     // Stopping and output shaping handoff does not do.
     (
@@ -407,8 +414,12 @@ mod tests {
             "{}",
             e.message
         );
-        let e = check(Endpoint::SamplingParams, &extra(json!({"regex": "a+"}))).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("sampling_params.regex"));
+        let e = check(
+            Endpoint::SamplingParams,
+            &extra(json!({"structural_tag": "{}"})),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("sampling_params.structural_tag"));
         for asks_nothing in [
             json!({"tools": []}),
             json!({"tool_choice": "none"}),

@@ -273,7 +273,9 @@ fn prepare(
     arrived: Instant,
 ) -> Result<(GenerateRequest, String), ApiError> {
     crate::fields::check(Endpoint::Generate, &body.extra)?;
-    let sp = body.sampling_params.clone().unwrap_or_default();
+    let mut sp = body.sampling_params.clone().unwrap_or_default();
+    let grammar =
+        crate::structured::take(Endpoint::SamplingParams, &mut sp.extra, &state.grammars)?;
     crate::fields::check(Endpoint::SamplingParams, &sp.extra)?;
     if let Some(n) = sp.n.filter(|&n| n != 1) {
         return Err(ApiError::invalid_param(
@@ -302,6 +304,7 @@ fn prepare(
         spaces_between_special_tokens: sp.spaces_between_special_tokens,
     };
     let mut sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
+    sampling.grammar = grammar;
     sampling.top_logprobs = crate::params::top_logprobs("top_logprobs_num", body.top_logprobs_num)?;
     if sampling.top_logprobs > 0 && body.return_logprob != Some(true) {
         return Err(ApiError::invalid_param(

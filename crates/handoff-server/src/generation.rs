@@ -282,5 +282,6 @@ pub fn sglang_finish_reason(reason: &FinishReason, completion_tokens: usize) -> 
             serde_json::json!({"type": "stop", "matched": matched})
         }
         FinishReason::Length => serde_json::json!({"type": "length", "length": completion_tokens}),
+        FinishReason::GrammarComplete => serde_json::json!({"type": "stop", "matched": null}),
     }
 }

@@ -27,6 +27,7 @@ pub mod params;
 pub mod prompt;
 pub mod router;
 pub mod sse;
+pub mod structured;
 pub mod token_api;
 pub mod trust;
 

@@ -336,9 +336,14 @@ pub async fn chat_completions(
 
 fn prepare_chat(
     state: &AppState,
-    req: ChatCompletionRequest,
+    mut req: ChatCompletionRequest,
     arrived: Instant,
 ) -> Result<Prepared, ApiError> {
+    let grammar = crate::structured::take(
+        crate::fields::Endpoint::Chat,
+        &mut req.extra,
+        &state.grammars,
+    )?;
     crate::fields::check(crate::fields::Endpoint::Chat, &req.extra)?;
     check_n(req.n, "n")?;
     let top_logprobs = crate::params::top_logprobs("top_logprobs", req.top_logprobs)?;
@@ -356,6 +361,7 @@ fn prepare_chat(
         .min(pool_tokens.saturating_sub(prompt_ids.len()));
     let mut sampling = req.sampling().into_params(default_max)?;
     sampling.top_logprobs = top_logprobs;
+    sampling.grammar = grammar;
     crate::params::check_token_ids(&sampling, info.vocab_size)?;
     let answer = Answer {
         kind: Kind::Chat,
@@ -398,9 +404,14 @@ pub async fn completions(
 
 fn prepare_completion(
     state: &AppState,
-    req: CompletionRequest,
+    mut req: CompletionRequest,
     arrived: Instant,
 ) -> Result<Prepared, ApiError> {
+    let grammar = crate::structured::take(
+        crate::fields::Endpoint::Completions,
+        &mut req.extra,
+        &state.grammars,
+    )?;
     crate::fields::check(crate::fields::Endpoint::Completions, &req.extra)?;
     check_n(req.n, "n")?;
     check_n(req.best_of, "best_of")?;
@@ -414,6 +425,7 @@ fn prepare_completion(
     let echo = req.echo == Some(true);
     let mut sampling = req.sampling().into_params(16)?;
     sampling.top_logprobs = top_logprobs;
+    sampling.grammar = grammar;
     // Echo with logprobs scores the prompt too.
     sampling.prompt_logprobs = echo && logprobs;
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;

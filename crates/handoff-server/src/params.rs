@@ -267,6 +267,7 @@ impl RawSampling {
             spaces_between_special_tokens: self.spaces_between_special_tokens.unwrap_or(true),
             top_logprobs: 0,
             prompt_logprobs: false,
+            grammar: None,
         })
     }
 }

@@ -385,6 +385,7 @@ async fn prefill_room(
             lease,
             sampler: s.sampler(s.seed.unwrap_or_else(rand::random)),
             masked: s.masked(0, &ctx.eog),
+            grammar: s.grammar.clone(),
             top_logprobs: s.top_logprobs,
             prompt_logprobs: s.prompt_logprobs,
             cancel: cancel.clone(),
@@ -577,6 +578,9 @@ struct Job {
     /// Tokens the first token may not be (end of generation before
     /// `min_new_tokens`).
     masked: Vec<u32>,
+    /// The request's grammar, at the start of the output: the first token
+    /// obeys it as decode's later ones do.
+    grammar: Option<crate::grammar::Grammar>,
     /// How many of the first position's most likely tokens to report.
     top_logprobs: usize,
     /// Score the prompt (every row's logits).
@@ -713,7 +717,18 @@ impl Compute {
             .last()
             .ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
         let mut sampler = Sampler::for_prompt(r.job.sampler.clone(), &r.job.tokens);
-        let (id, logprob) = sampler.sample_masked(logits, &r.job.masked);
+        let allowed = match r.job.grammar.as_mut().map(crate::grammar::Grammar::allowed) {
+            None => None,
+            Some(Ok(m)) => Some(m),
+            Some(Err(e)) => return Err(EngineError::Grammar(e.0)),
+        };
+        let words = allowed.as_ref().map(crate::grammar::Allowed::words);
+        let (id, logprob) = sampler.sample_allowed(logits, &r.job.masked, words);
+        if allowed.as_ref().is_some_and(|m| !m.contains(id)) {
+            return Err(EngineError::Grammar(
+                "the grammar allows no token here".into(),
+            ));
+        }
         let top = handoff_model::sampling::top_logprobs(logits, r.job.top_logprobs);
         Ok(Some((id, logprob, top, std::mem::take(&mut r.scores))))
     }
