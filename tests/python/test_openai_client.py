@@ -148,3 +148,48 @@ def test_completions_echo_scores_the_prompt(client, model):
     assert lp.token_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     assert len(lp.tokens) == c.usage.prompt_tokens + c.usage.completion_tokens
+
+
+def test_parse_with_a_pydantic_model_always_validates(client, model):
+    """`chat.completions.parse` sends the model's JSON schema (strict) and
+    validates each answer with pydantic: 20 seeds at temperature 1."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=20)
+        species: Literal["cat", "dog", "fish"]
+        age: int = Field(ge=0, le=30)
+        vaccinated: bool
+
+    seen = set()
+    for seed in range(20):
+        r = client.chat.completions.parse(
+            model=model,
+            messages=[{"role": "user", "content": f"Invent pet number {seed} as JSON."}],
+            response_format=Pet,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        pet = choice.message.parsed
+        assert isinstance(pet, Pet), choice.message.content
+        assert Pet.model_validate_json(choice.message.content) == pet
+        seen.add(choice.message.content)
+    assert len(seen) >= 10, seen
+
+
+def test_a_bad_schema_is_a_400_naming_the_field(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+            max_tokens=4,
+        )
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "response_format"
+    assert "nonsense" in e.value.body["message"]

@@ -18,7 +18,7 @@ use handoff_model::{Llama, Phase, SeqChunk};
 use crate::engine::Counters;
 use crate::error::EngineError;
 use crate::events::{EventSender, NotSent};
-use crate::grammar::{Allowed, Grammar};
+use crate::grammar::{Allowed, Grammar, GrammarError};
 use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
 use crate::stop::TextTracker;
 
@@ -384,7 +384,7 @@ impl Scheduler {
                     );
                 }
                 if let Some(l) = logits.last() {
-                    if let Some(last) = self.emit(i, l) {
+                    if let Some(last) = self.emit(i, l, None) {
                         self.finish(i, last);
                     }
                 }
@@ -398,6 +398,13 @@ impl Scheduler {
         if idx.is_empty() {
             return Ok(ran);
         }
+        // The grammar masks of this step depend only on the tokens so far:
+        // they compute beside the forward pass (a task the pool's idle
+        // thread takes), off the step's critical path.
+        let mut grammars: Vec<(usize, Grammar)> = idx
+            .iter()
+            .filter_map(|&i| self.active[i].sampling.grammar.take().map(|g| (i, g)))
+            .collect();
         let chunks: Vec<SeqChunk<'_>> = idx
             .iter()
             .map(|&i| {
@@ -411,14 +418,27 @@ impl Scheduler {
             })
             .collect();
         let pool = &mut self.pool;
-        let logits = self
-            .threads
-            .install(|| model.forward(pool, &chunks, Phase::Decode))
-            .map_err(|e| EngineError::Model(e.to_string()))?;
+        let (logits, mut masks) = self.threads.install(|| {
+            rayon::join(
+                || model.forward(pool, &chunks, Phase::Decode),
+                || {
+                    grammars
+                        .iter_mut()
+                        .map(|(_, g)| Some(g.allowed()))
+                        .collect::<Vec<_>>()
+                },
+            )
+        });
         drop(chunks);
+        let mut mask_of = vec![None; self.active.len()];
+        for ((i, g), m) in grammars.into_iter().zip(masks.iter_mut()) {
+            self.active[i].sampling.grammar = Some(g);
+            mask_of[i] = m.take();
+        }
+        let logits = logits.map_err(|e| EngineError::Model(e.to_string()))?;
         let mut finished = Vec::new();
         for (k, &i) in idx.iter().enumerate() {
-            if let Some(last) = self.emit(i, &logits[k]) {
+            if let Some(last) = self.emit(i, &logits[k], mask_of[i].take()) {
                 finished.push((i, last));
             }
         }
@@ -438,13 +458,20 @@ impl Scheduler {
         }
     }
 
-    /// Sample the next token of request `i` and send it. Returns `Some` when
-    /// the request is finished, with the final event to send once its pages
-    /// are released (`None` inside when the client is gone).
-    fn emit(&mut self, i: usize, logits: &[f32]) -> Option<Option<StreamEvent>> {
+    /// Sample the next token of request `i` and send it (`mask`: its
+    /// grammar's mask when computed already). Returns `Some` when the
+    /// request is finished, with the final event to send once its pages are
+    /// released (`None` inside when the client is gone).
+    fn emit(
+        &mut self,
+        i: usize,
+        logits: &[f32],
+        mask: Option<Result<Allowed, GrammarError>>,
+    ) -> Option<Option<StreamEvent>> {
         let a = &mut self.active[i];
         let masked = a.sampling.masked(a.generated(), self.tokenizer.eog_ids());
-        let allowed = match a.sampling.grammar.as_mut().map(Grammar::allowed) {
+        let mask = mask.or_else(|| a.sampling.grammar.as_mut().map(Grammar::allowed));
+        let allowed = match mask {
             None => None,
             Some(Ok(m)) => Some(m),
             Some(Err(e)) => return Some(Some(StreamEvent::Error(EngineError::Grammar(e.0)))),

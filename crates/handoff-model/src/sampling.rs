@@ -525,7 +525,10 @@ mod tests {
             &[0, 1],
         );
         s.accept(2);
-        assert_eq!(s.adjust(&logits, &[], None), vec![1.0, -2.0, 0.25, 3.0, 1.0]);
+        assert_eq!(
+            s.adjust(&logits, &[], None),
+            vec![1.0, -2.0, 0.25, 3.0, 1.0]
+        );
         // Frequency 0.5 and presence 0.25 over the output only: token 3
         // twice, token 4 once; the prompt does not count.
         let mut s = Sampler::for_prompt(
