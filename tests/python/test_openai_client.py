@@ -193,3 +193,95 @@ def test_a_bad_schema_is_a_400_naming_the_field(client, model):
     assert e.value.status_code == 400
     assert e.value.body["param"] == "response_format"
     assert "nonsense" in e.value.body["message"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_tool_calling_flow(client, model):
+    """Call → tool message → answer, as an agent framework drives it; the
+    named function's arguments always validate (10 seeds, temperature 1)."""
+    import json
+    from typing import Literal
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class WeatherArgs(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        city: str = Field(max_length=30)
+        unit: Literal["celsius", "fahrenheit"]
+
+    question = {"role": "user", "content": "What is the weather like in Paris today?"}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(10):
+        r = client.chat.completions.create(
+            model=model,
+            messages=[question],
+            tools=[WEATHER_TOOL],
+            tool_choice=named,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=80,
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name == "get_weather"
+        WeatherArgs.model_validate(json.loads(call.function.arguments))
+
+    # The last call's answer goes back; the model answers in text.
+    r2 = client.chat.completions.create(
+        model=model,
+        messages=[
+            question,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "22 degrees celsius and sunny"},
+        ],
+        tools=[WEATHER_TOOL],
+        temperature=0,
+        max_tokens=40,
+    )
+    answer = r2.choices[0]
+    assert answer.finish_reason in ("stop", "length", "tool_calls")
+    assert answer.message.content or answer.message.tool_calls
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+
+
+def test_streamed_tool_call(client, model):
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Weather in Rome?"}],
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=80,
+        stream=True,
+    )
+    calls, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            calls.extend(d.tool_calls or [])
+            finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    import json
+
+    assert set(json.loads(calls[0].function.arguments)) == {"city", "unit"}

@@ -38,6 +38,9 @@ pub enum GrammarSpec {
     Grammar(String),
     /// Exactly one of these strings (vLLM's `guided_choice`).
     Choice(Vec<String>),
+    /// A grammar in llguidance's Lark as is (built by handoff, e.g. for
+    /// tool calls: never read as GBNF).
+    Lark(String),
 }
 
 /// Why a spec could not be compiled, or a matcher failed.
@@ -82,6 +85,7 @@ impl GrammarSpec {
             }
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
             GrammarSpec::Grammar(g) => TopLevelGrammar::from_lark(lark_of(g)?),
+            GrammarSpec::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
             GrammarSpec::Choice(choices) => {
                 if choices.is_empty() {
                     return Err(GrammarError("a choice needs at least one string".into()));

@@ -71,7 +71,7 @@ const STRUCTURED: &str =
 const STRUCTURAL_TAG: &str =
     "structural tags are not implemented: use `json_schema`, `regex` or `ebnf`";
 const TOOLS: &str =
-    "tool calling is not implemented yet: describe the tools in the prompt and parse the text";
+    "the deprecated function-calling fields are not implemented: use `tools` and `tool_choice`";
 const MEDIA: &str = "handoff serves text-only models: send text";
 const ALTERNATIVES: &str =
     "log-probabilities are returned for generated tokens only (with their top alternatives), not for the prompt or chosen token lists";
@@ -224,9 +224,8 @@ const COMMON: &[(&str, Support)] = &[
 
 /// Fields only the chat endpoint's specs define.
 const CHAT: &[(&str, Support)] = &[
-    ("tools", Support::Refused(NoOp::Empty, TOOLS)),
-    ("tool_choice", Support::Refused(NoOp::Str("none"), TOOLS)),
-    ("parallel_tool_calls", Support::Refused(NoOp::Null, TOOLS)),
+    // `tools`, `tool_choice` and `parallel_tool_calls` are read
+    // ([`crate::tools`]) before this table is looked at.
     ("functions", Support::Refused(NoOp::Empty, TOOLS)),
     ("function_call", Support::Refused(NoOp::Str("none"), TOOLS)),
     ("audio", Support::Refused(NoOp::Null, MEDIA)),
@@ -401,16 +400,17 @@ mod tests {
     fn a_refused_field_is_named_unless_it_asks_for_nothing() {
         let e = check(
             Endpoint::Chat,
-            &extra(json!({"tools": [{"type": "function"}]})),
+            &extra(json!({"functions": [{"name": "f"}]})),
         )
         .unwrap_err();
         assert_eq!(
             (e.status, e.code, e.param.as_deref()),
-            (400, "unsupported_parameter", Some("tools"))
+            (400, "unsupported_parameter", Some("functions"))
         );
         assert!(
-            e.message
-                .contains("`tools` is not supported by handoff: tool calling"),
+            e.message.contains(
+                "`functions` is not supported by handoff: the deprecated function-calling fields"
+            ),
             "{}",
             e.message
         );
@@ -421,8 +421,8 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("sampling_params.structural_tag"));
         for asks_nothing in [
-            json!({"tools": []}),
-            json!({"tool_choice": "none"}),
+            json!({"functions": []}),
+            json!({"function_call": "none"}),
             json!({"response_format": {"type": "text"}}),
             json!({"regex": null}),
             json!({"no_stop_trim": false}),

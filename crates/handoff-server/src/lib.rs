@@ -29,6 +29,7 @@ pub mod router;
 pub mod sse;
 pub mod structured;
 pub mod token_api;
+pub mod tools;
 pub mod trust;
 
 pub use app::{app, app_with_state, AppState};

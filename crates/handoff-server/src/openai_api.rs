@@ -68,6 +68,46 @@ struct Answer {
     echo: Option<Vec<u32>>,
     include_usage: bool,
     system_fingerprint: String,
+    /// Chat with tools: calls are parsed out of the output.
+    tools: Option<crate::tools::Tools>,
+}
+
+/// A chat answer's content and tool calls, as the output splits into them.
+fn split_calls(tools: &crate::tools::Tools, text: &str) -> (String, Vec<Value>) {
+    let mut parser = crate::tools::Parser::new(tools);
+    let mut pieces = parser.push(text);
+    pieces.extend(parser.finish());
+    let mut content = String::new();
+    let mut calls = Vec::new();
+    for p in pieces {
+        match p {
+            crate::tools::Piece::Text(t) => content.push_str(&t),
+            crate::tools::Piece::Call(c) => calls.push(call_json(&c, None)),
+        }
+    }
+    (content, calls)
+}
+
+/// A tool call as `tool_calls` holds it (with `index` in a stream delta).
+fn call_json(c: &crate::tools::Call, index: Option<usize>) -> Value {
+    let mut v = json!({
+        "id": crate::tools::call_id(),
+        "type": "function",
+        "function": {"name": c.name, "arguments": c.arguments},
+    });
+    if let Some(i) = index {
+        v["index"] = json!(i);
+    }
+    v
+}
+
+/// The `finish_reason` of an answer that made `calls` tool calls.
+fn finish_with_calls(f: &Finished, calls: usize) -> &'static str {
+    if calls > 0 && f.reason != handoff_engine::FinishReason::Length {
+        "tool_calls"
+    } else {
+        f.reason.openai()
+    }
 }
 
 impl Answer {
@@ -188,14 +228,30 @@ impl Answer {
     fn whole(&self, state: &AppState, c: crate::generation::Collected) -> Value {
         let finish = c.finished.reason.openai();
         let (logprobs, _) = self.logprobs_of(state, &c.tokens, 0);
-        let choice = match self.kind {
-            Kind::Chat => json!({
+        let choice = match (self.kind, &self.tools) {
+            (Kind::Chat, Some(tools)) => {
+                let (content, calls) = split_calls(tools, &c.text);
+                let mut message = json!({"role": "assistant", "content": content});
+                if !calls.is_empty() {
+                    if content.trim().is_empty() {
+                        message["content"] = Value::Null;
+                    }
+                    message["tool_calls"] = json!(calls);
+                }
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_with_calls(&c.finished, calls.len()),
+                })
+            }
+            (Kind::Chat, None) => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
-            Kind::Completion => json!({
+            (Kind::Completion, _) => json!({
                 "index": 0,
                 "text": self.echo_text(state) + &c.text,
                 "logprobs": logprobs,
@@ -238,10 +294,18 @@ impl Answer {
         self.envelope(true, json!([choice]))
     }
 
-    fn final_chunk(&self, f: &Finished) -> Value {
+    /// A chat chunk whose delta is `delta`.
+    fn delta_chunk(&self, delta: Value, logprobs: Value) -> Value {
+        self.envelope(
+            true,
+            json!([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
+        )
+    }
+
+    fn final_chunk(&self, f: &Finished, calls: usize) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
-                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": f.reason.openai()})
+                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_with_calls(f, calls)})
             }
             Kind::Completion => {
                 json!({"index": 0, "text": "", "logprobs": null, "finish_reason": f.reason.openai()})
@@ -264,9 +328,22 @@ impl Answer {
     ) -> Result<(), crate::sse::Disconnected> {
         let mut first = true;
         let mut offset = 0;
+        // Chat with tools: text streams as content except what may still
+        // become a call, and each call comes whole in a `tool_calls` delta.
+        let mut parser = self.tools.as_ref().map(crate::tools::Parser::new);
+        let mut calls = 0;
         while let Some(step) = tx.race(gen.next()).await? {
             match step {
                 Step::Token(t) => {
+                    if let Some(p) = parser.as_mut() {
+                        let pieces = p.push(&t.text);
+                        let (logprobs, next) =
+                            self.logprobs_of(&state, std::slice::from_ref(&t), offset);
+                        offset = next;
+                        self.send_pieces(&tx, pieces, logprobs, &mut first, &mut calls)
+                            .await?;
+                        continue;
+                    }
                     if t.text.is_empty() && !self.logprobs && !first {
                         continue;
                     }
@@ -275,7 +352,12 @@ impl Answer {
                     first = false;
                 }
                 Step::Finished(f) => {
-                    tx.json(&self.final_chunk(&f)).await?;
+                    if let Some(p) = parser.as_mut() {
+                        let rest = p.finish();
+                        self.send_pieces(&tx, rest, Value::Null, &mut first, &mut calls)
+                            .await?;
+                    }
+                    tx.json(&self.final_chunk(&f, calls)).await?;
                     if self.include_usage {
                         tx.json(&self.usage_chunk(&f)).await?;
                     }
@@ -283,6 +365,44 @@ impl Answer {
                 }
                 Step::Error(e) => return tx.error(&e).await,
             }
+        }
+        Ok(())
+    }
+}
+
+impl Answer {
+    /// Send a token's pieces (content and whole calls) as chat deltas; its
+    /// `logprobs` ride on the first chunk, or on an empty one when the token
+    /// added nothing yet.
+    async fn send_pieces(
+        &self,
+        tx: &SseSender,
+        pieces: Vec<crate::tools::Piece>,
+        mut logprobs: Value,
+        first: &mut bool,
+        calls: &mut usize,
+    ) -> Result<(), crate::sse::Disconnected> {
+        let role = |first: &mut bool, mut delta: Value| {
+            if std::mem::take(first) {
+                delta["role"] = json!("assistant");
+            }
+            delta
+        };
+        if pieces.is_empty() && (!logprobs.is_null() || *first) {
+            let delta = role(first, json!({"content": ""}));
+            return tx.json(&self.delta_chunk(delta, logprobs)).await;
+        }
+        for p in pieces {
+            let delta = match p {
+                crate::tools::Piece::Text(t) => json!({"content": t}),
+                crate::tools::Piece::Call(c) => {
+                    *calls += 1;
+                    json!({"tool_calls": [call_json(&c, Some(*calls - 1))]})
+                }
+            };
+            let delta = role(first, delta);
+            tx.json(&self.delta_chunk(delta, std::mem::take(&mut logprobs)))
+                .await?;
         }
         Ok(())
     }
@@ -339,11 +459,28 @@ fn prepare_chat(
     mut req: ChatCompletionRequest,
     arrived: Instant,
 ) -> Result<Prepared, ApiError> {
-    let grammar = crate::structured::take(
+    let tools = crate::tools::Tools::take(&mut req.extra)?;
+    let mut grammar = crate::structured::take(
         crate::fields::Endpoint::Chat,
         &mut req.extra,
         &state.grammars,
     )?;
+    // `required` or a named function: the output is calls whose arguments
+    // follow the functions' schemas.
+    if let Some(spec) = tools.as_ref().and_then(crate::tools::Tools::grammar) {
+        if grammar.is_some() {
+            return Err(ApiError::invalid_param(
+                "tool_choice",
+                "tool_choice asks for a tool call, which cannot be combined with another output constraint (response_format, json_schema, regex, ebnf, guided_*)",
+            ));
+        }
+        grammar = Some(state.grammars.compile(spec).map_err(|e| {
+            ApiError::invalid_param(
+                "tools",
+                format!("the tools' parameters cannot be used: {e}"),
+            )
+        })?);
+    }
     crate::fields::check(crate::fields::Endpoint::Chat, &req.extra)?;
     check_n(req.n, "n")?;
     let top_logprobs = crate::params::top_logprobs("top_logprobs", req.top_logprobs)?;
@@ -353,7 +490,7 @@ fn prepare_chat(
             "top_logprobs needs logprobs: true",
         ));
     }
-    let prompt_ids = prompt::chat_prompt(&state.engine, &req.messages)?;
+    let prompt_ids = prompt::chat_prompt(&state.engine, &req.messages, tools.as_ref())?;
     let info = state.engine.model();
     let pool_tokens = state.engine.load().pages_total * info.page_size;
     let default_max = DEFAULT_CHAT_MAX_TOKENS
@@ -372,6 +509,7 @@ fn prepare_chat(
         logprobs: req.logprobs.unwrap_or(false),
         top_logprobs,
         echo: None,
+        tools,
         include_usage: req
             .stream_options
             .as_ref()
@@ -445,6 +583,7 @@ fn prepare_completion(
         logprobs,
         top_logprobs,
         echo: echo.then(|| prompt_ids.clone()),
+        tools: None,
         include_usage,
     };
     Ok(Prepared {

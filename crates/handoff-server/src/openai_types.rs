@@ -43,11 +43,38 @@ pub struct ContentPart {
 /// One message of `messages`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct MessageInput {
-    /// `system`, `developer`, `user` or `assistant`.
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// The message content (`null` is read as empty).
+    /// The message content: required, except on an assistant message that
+    /// carries `tool_calls`.
     #[serde(default)]
     pub content: Option<ContentInput>,
+    /// An assistant message's tool calls.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<ToolCallInput>>,
+    /// A tool message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+}
+
+/// A past tool call in an assistant message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallInput {
+    /// The call's id.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// The function called.
+    pub function: ToolCallFunction,
+}
+
+/// The function of a past tool call.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ToolCallFunction {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, as JSON text.
+    #[serde(default)]
+    pub arguments: String,
 }
 
 /// `POST /v1/chat/completions`.

@@ -14,9 +14,10 @@ use handoff_model::chat_template::ChatMessage;
 
 use crate::errors::ApiError;
 use crate::openai_types::{ContentInput, MessageInput, PromptInput};
+use crate::tools::Tools;
 
 /// Roles accepted in `messages` (`developer` is read as `system`).
-pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 /// Most messages one conversation may hold.
 pub const MAX_MESSAGES: usize = 4096;
 
@@ -55,7 +56,11 @@ fn check_fits(engine: &Backend, bytes: usize) -> Result<(), ApiError> {
 }
 
 /// Check the messages and render them with the chat template.
-pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u32>, ApiError> {
+pub fn chat_prompt(
+    engine: &Backend,
+    messages: &[MessageInput],
+    tools: Option<&Tools>,
+) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_param(
             "messages",
@@ -86,8 +91,21 @@ pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u3
                 ))
             }
         };
-        let content = match &m.content {
-            None => String::new(),
+        let calls = m.tool_calls.as_deref().unwrap_or_default();
+        if !calls.is_empty() && role != "assistant" {
+            return Err(ApiError::invalid_param(
+                &format!("messages[{i}].tool_calls"),
+                format!("messages[{i}] has tool_calls but role `{role}`: only assistant messages call tools"),
+            ));
+        }
+        let mut content = match &m.content {
+            None if !calls.is_empty() => String::new(),
+            None => {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].content"),
+                    format!("messages[{i}] ({role}) has no content"),
+                ))
+            }
             Some(ContentInput::Text(t)) => t.clone(),
             Some(ContentInput::Parts(parts)) => {
                 let mut s = String::new();
@@ -113,7 +131,33 @@ pub fn chat_prompt(engine: &Backend, messages: &[MessageInput]) -> Result<Vec<u3
                 s
             }
         };
-        conv.push(ChatMessage::new(role, content));
+        // Past calls and tools' answers in the Hermes format the tools
+        // are offered in ([`crate::tools`]).
+        for c in calls {
+            if !content.is_empty() {
+                content.push('\n');
+            }
+            content.push_str(&crate::tools::render_call(
+                &c.function.name,
+                &c.function.arguments,
+            ));
+        }
+        if role == "tool" {
+            conv.push(ChatMessage::new(
+                "user",
+                crate::tools::render_response(&content),
+            ));
+        } else {
+            conv.push(ChatMessage::new(role, content));
+        }
+    }
+    if let Some(t) = tools {
+        match conv.first_mut() {
+            Some(first) if first.role == "system" => {
+                first.content = format!("{}\n\n{}", first.content, t.system_text());
+            }
+            _ => conv.insert(0, ChatMessage::new("system", t.system_text())),
+        }
     }
     // The rendered prompt holds every message's text.
     check_fits(engine, conv.iter().map(|m| m.content.len()).sum())?;

@@ -127,7 +127,7 @@ fn tokenize_body(state: &AppState, body: TokenizeBody) -> Result<Value, ApiError
                     "a conversation is always rendered with the chat template's own tokens",
                 ));
             }
-            (vec![prompt::chat_prompt(engine, &messages)?], false)
+            (vec![prompt::chat_prompt(engine, &messages, None)?], false)
         }
     };
     let tok = engine.tokenizer();

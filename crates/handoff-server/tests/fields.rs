@@ -244,10 +244,20 @@ fn chat_rows() -> Vec<Row> {
             "tools",
             |_| json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]),
             json!({}),
-            Refused,
+            Changes,
         ),
-        row("tool_choice", |_| json!("required"), json!({}), Refused),
-        row("parallel_tool_calls", |_| json!(true), json!({}), Refused),
+        row(
+            "tool_choice",
+            |_| json!("required"),
+            json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "max_tokens": 64}),
+            Adds("/choices/0/message/tool_calls/0/function/arguments"),
+        ),
+        row(
+            "parallel_tool_calls",
+            |_| json!(false),
+            json!({}),
+            ShownBy("tools::parallel_tool_calls_decides_how_many_calls_come"),
+        ),
         row("functions", |_| json!([{"name": "f"}]), json!({}), Refused),
         row("function_call", |_| json!("auto"), json!({}), Refused),
         row(
