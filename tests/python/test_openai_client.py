@@ -88,13 +88,28 @@ def test_error_is_400_with_message(client, model):
     assert err.body["code"] == "invalid_value"
 
 
-def test_n_must_be_one(client, model):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2
+def test_n_choices(client, model):
+    """`n: 4` returns 4 choices; greedy ones equal a single greedy answer
+    (through PD each choice pairs its own room); seeded ones sample on
+    their own."""
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    one = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0)
+    four = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0, n=4)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert [c.message.content for c in four.choices] == [one.choices[0].message.content] * 4
+    assert four.usage.completion_tokens == 4 * one.usage.completion_tokens
+    hot = client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=10, temperature=1.0, seed=3, n=3
+    )
+    for i, c in enumerate(hot.choices):
+        alone = client.chat.completions.create(
+            model=model, messages=msgs, max_tokens=10, temperature=1.0, seed=3 + i
         )
+        assert c.message.content == alone.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=msgs, max_tokens=2, n=99)
     assert info.value.status_code == 400
-    assert "n must be 1" in info.value.message
+    assert "n must be between 1 and 16" in info.value.message
 
 
 def test_logprobs_with_alternatives(client, model):

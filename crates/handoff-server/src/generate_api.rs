@@ -210,7 +210,7 @@ pub async fn generate(
         .map(|n| n as usize);
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare(&st, &body, arrived)).await;
-    let (req, rid) = match prepared {
+    let (req, rid, n) = match prepared {
         Ok(x) => x,
         Err(e) => {
             // Refused before the engine saw it: the PD peer learns now.
@@ -220,8 +220,9 @@ pub async fn generate(
     };
     let prompt_tokens = req.prompt_ids.len();
     let prompt_ids = req.prompt_ids.clone();
-    let gen = Generation::submit(&state, req, ENDPOINT, &pd, &rid).await?;
+    let mut gens = crate::choices::submit(&state, req, n, ENDPOINT, &pd, &rid).await?;
     if stream_it {
+        let gen = gens.remove(0);
         return Ok(sse_response(move |tx| {
             let scored = ScoredStream {
                 logprobs: body_wants_logprobs,
@@ -232,38 +233,70 @@ pub async fn generate(
             stream(gen, tx, rid, prompt_tokens, scored)
         }));
     }
-    let c = gen.collect().await?;
-    let ids: Vec<u32> = c.tokens.iter().map(|t| t.id).collect();
-    let mut body = json!({
-        "text": c.text,
-        "output_ids": ids,
-        "meta_info": {
-            "id": rid,
-            "finish_reason": sglang_finish_reason(&c.finished.reason, c.finished.completion_tokens),
-            "prompt_tokens": c.finished.prompt_tokens,
-            "completion_tokens": c.finished.completion_tokens,
-            "cached_tokens": c.finished.cached_tokens,
-            "e2e_latency": arrived.elapsed().as_secs_f64(),
-        },
-    });
-    if body_wants_logprobs {
-        body["meta_info"]["output_token_logprobs"] = c
-            .tokens
-            .iter()
-            .map(|t| json!([t.logprob, t.id, null]))
-            .collect();
-        if top_wanted {
-            body["meta_info"]["output_top_logprobs"] = c.tokens.iter().map(top_entry).collect();
-        }
-        if let (Some(start), Some(first)) = (input_from, c.tokens.first()) {
-            let (lps, tops) = input_logprobs(&prompt_ids, first, start);
-            body["meta_info"]["input_token_logprobs"] = lps;
-            if top_wanted {
-                body["meta_info"]["input_top_logprobs"] = tops;
+    let all = crate::choices::collect(gens).await?;
+    let shape = Whole {
+        rid: &rid,
+        arrived,
+        logprobs: body_wants_logprobs,
+        top_wanted,
+        input_from,
+        prompt_ids: &prompt_ids,
+    };
+    // SGLang's shape: one object, or a list of them with `n` > 1.
+    let mut bodies: Vec<Value> = all.iter().map(|c| shape.body(c)).collect();
+    if bodies.len() == 1 {
+        return Ok(Json(bodies.remove(0)).into_response());
+    }
+    for (i, b) in bodies.iter_mut().enumerate() {
+        b["index"] = json!(i);
+    }
+    Ok(Json(Value::Array(bodies)).into_response())
+}
+
+/// How a whole `/generate` answer is shaped.
+struct Whole<'a> {
+    rid: &'a str,
+    arrived: Instant,
+    logprobs: bool,
+    top_wanted: bool,
+    input_from: Option<usize>,
+    prompt_ids: &'a [u32],
+}
+
+impl Whole<'_> {
+    fn body(&self, c: &crate::generation::Collected) -> Value {
+        let ids: Vec<u32> = c.tokens.iter().map(|t| t.id).collect();
+        let mut body = json!({
+            "text": c.text,
+            "output_ids": ids,
+            "meta_info": {
+                "id": self.rid,
+                "finish_reason": sglang_finish_reason(&c.finished.reason, c.finished.completion_tokens),
+                "prompt_tokens": c.finished.prompt_tokens,
+                "completion_tokens": c.finished.completion_tokens,
+                "cached_tokens": c.finished.cached_tokens,
+                "e2e_latency": self.arrived.elapsed().as_secs_f64(),
+            },
+        });
+        if self.logprobs {
+            body["meta_info"]["output_token_logprobs"] = c
+                .tokens
+                .iter()
+                .map(|t| json!([t.logprob, t.id, null]))
+                .collect();
+            if self.top_wanted {
+                body["meta_info"]["output_top_logprobs"] = c.tokens.iter().map(top_entry).collect();
+            }
+            if let (Some(start), Some(first)) = (self.input_from, c.tokens.first()) {
+                let (lps, tops) = input_logprobs(self.prompt_ids, first, start);
+                body["meta_info"]["input_token_logprobs"] = lps;
+                if self.top_wanted {
+                    body["meta_info"]["input_top_logprobs"] = tops;
+                }
             }
         }
+        body
     }
-    Ok(Json(body).into_response())
 }
 
 /// The engine request and the response id of a `/generate` body.
@@ -271,16 +304,17 @@ fn prepare(
     state: &AppState,
     body: &GenerateBody,
     arrived: Instant,
-) -> Result<(GenerateRequest, String), ApiError> {
+) -> Result<(GenerateRequest, String, usize), ApiError> {
     crate::fields::check(Endpoint::Generate, &body.extra)?;
     let mut sp = body.sampling_params.clone().unwrap_or_default();
     let grammar =
         crate::structured::take(Endpoint::SamplingParams, &mut sp.extra, &state.grammars)?;
     crate::fields::check(Endpoint::SamplingParams, &sp.extra)?;
-    if let Some(n) = sp.n.filter(|&n| n != 1) {
+    let (n, _) = crate::choices::count(sp.n, "sampling_params.n", None, 1)?;
+    if n > 1 && body.stream == Some(true) {
         return Err(ApiError::invalid_param(
             "sampling_params.n",
-            format!("sampling_params.n must be 1 (one output per request), got {n}"),
+            "sampling_params.n > 1 is answered whole on /generate: send stream false (or stream several choices from /v1/completions)",
         ));
     }
     let raw = RawSampling {
@@ -343,6 +377,7 @@ fn prepare(
             arrived,
         },
         rid,
+        n,
     ))
 }
 

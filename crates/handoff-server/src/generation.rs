@@ -87,6 +87,8 @@ pub struct Generation {
     ended: bool,
     abort: AbortWatch,
     stall_timeout: Option<std::time::Duration>,
+    /// A step read ahead by [`Generation::started`].
+    pending: Option<Step>,
 }
 
 /// What a whole (non-streamed) generation produced.
@@ -147,6 +149,7 @@ impl Generation {
             ended: false,
             abort,
             stall_timeout: state.stall_timeout,
+            pending: None,
         })
     }
 
@@ -157,6 +160,9 @@ impl Generation {
 
     /// The next step, or `None` once a `Finished`/`Error` step was returned.
     pub async fn next(&mut self) -> Option<Step> {
+        if let Some(step) = self.pending.take() {
+            return Some(step);
+        }
         if self.ended {
             return None;
         }
@@ -223,6 +229,19 @@ impl Generation {
             }
         };
         Some(step)
+    }
+
+    /// Wait for the first step (the first token: the prompt's KV is then
+    /// computed, and in the prefix cache) without consuming it; the error
+    /// when that step is one.
+    pub async fn started(&mut self) -> Result<(), ApiError> {
+        if self.pending.is_none() {
+            self.pending = self.next().await;
+        }
+        match &self.pending {
+            Some(Step::Error(e)) => Err(e.clone()),
+            _ => Ok(()),
+        }
     }
 
     /// Read every event and return the whole answer.

@@ -9,6 +9,7 @@ pub mod aborts;
 pub mod app;
 pub mod auth;
 pub mod backend;
+pub mod choices;
 pub mod cors;
 pub mod discovery;
 pub mod drain;

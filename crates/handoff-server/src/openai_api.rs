@@ -6,6 +6,7 @@ use std::time::Instant;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures_util::StreamExt;
 use handoff_engine::request::{Finished, GenerateRequest, TokenOut};
 use serde_json::{json, Value};
 
@@ -27,22 +28,17 @@ const CHAT_ENDPOINT: &str = "/v1/chat/completions";
 pub const DEFAULT_CHAT_MAX_TOKENS: usize = 1024;
 const COMPLETIONS_ENDPOINT: &str = "/v1/completions";
 
-fn check_n(n: Option<i64>, field: &str) -> Result<(), ApiError> {
-    match n {
-        None | Some(1) => Ok(()),
-        Some(v) => Err(ApiError::invalid_param(
-            field,
-            format!("{field} must be 1 (handoff returns one choice per request), got {v}"),
-        )),
-    }
-}
-
-fn usage(f: &Finished) -> Value {
+/// The usage of sequences of one prompt: the prompt counted once, every
+/// sequence's output.
+fn usage_of(finished: &[&Finished]) -> Value {
+    let prompt = finished.first().map_or(0, |f| f.prompt_tokens);
+    let cached = finished.first().map_or(0, |f| f.cached_tokens);
+    let completion: usize = finished.iter().map(|f| f.completion_tokens).sum();
     json!({
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-        "prompt_tokens_details": { "cached_tokens": f.cached_tokens },
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": { "cached_tokens": cached },
     })
 }
 
@@ -225,10 +221,28 @@ impl Answer {
         (v, at)
     }
 
-    fn whole(&self, state: &AppState, c: crate::generation::Collected) -> Value {
+    /// The whole answer: one choice per sequence, in order.
+    fn whole(&self, state: &AppState, all: Vec<crate::generation::Collected>) -> Value {
+        let choices: Vec<Value> = all
+            .iter()
+            .enumerate()
+            .map(|(index, c)| self.whole_choice(state, c, index))
+            .collect();
+        let mut body = self.envelope(false, json!(choices));
+        let finished: Vec<&Finished> = all.iter().map(|c| &c.finished).collect();
+        body["usage"] = usage_of(&finished);
+        body
+    }
+
+    fn whole_choice(
+        &self,
+        state: &AppState,
+        c: &crate::generation::Collected,
+        index: usize,
+    ) -> Value {
         let finish = c.finished.reason.openai();
         let (logprobs, _) = self.logprobs_of(state, &c.tokens, 0);
-        let choice = match (self.kind, &self.tools) {
+        match (self.kind, &self.tools) {
             (Kind::Chat, Some(tools)) => {
                 let (content, calls) = split_calls(tools, &c.text);
                 let mut message = json!({"role": "assistant", "content": content});
@@ -239,39 +253,31 @@ impl Answer {
                     message["tool_calls"] = json!(calls);
                 }
                 json!({
-                    "index": 0,
+                    "index": index,
                     "message": message,
                     "logprobs": logprobs,
                     "finish_reason": finish_with_calls(&c.finished, calls.len()),
                 })
             }
             (Kind::Chat, None) => json!({
-                "index": 0,
+                "index": index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
             (Kind::Completion, _) => json!({
-                "index": 0,
+                "index": index,
                 "text": self.echo_text(state) + &c.text,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
-        };
-        let mut body = self.envelope(false, json!([choice]));
-        body["usage"] = usage(&c.finished);
-        body
+        }
     }
 
-    fn token_chunk(
-        &self,
-        state: &AppState,
-        t: &TokenOut,
-        first: bool,
-        offset: &mut usize,
-    ) -> Value {
-        let (logprobs, next) = self.logprobs_of(state, std::slice::from_ref(t), *offset);
-        *offset = next;
+    fn token_chunk(&self, state: &AppState, t: &TokenOut, c: &mut ChoiceStream) -> Value {
+        let (logprobs, next) = self.logprobs_of(state, std::slice::from_ref(t), c.offset);
+        c.offset = next;
+        let first = std::mem::take(&mut c.first);
         let choice = match self.kind {
             Kind::Chat => {
                 let delta = if first {
@@ -279,7 +285,7 @@ impl Answer {
                 } else {
                     json!({"content": t.text})
                 };
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null})
+                json!({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": null})
             }
             Kind::Completion => {
                 // The echoed prompt rides on the first chunk.
@@ -288,89 +294,96 @@ impl Answer {
                 } else {
                     t.text.clone()
                 };
-                json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": null})
+                json!({"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": null})
             }
         };
         self.envelope(true, json!([choice]))
     }
 
-    /// A chat chunk whose delta is `delta`.
-    fn delta_chunk(&self, delta: Value, logprobs: Value) -> Value {
+    /// A chat chunk of choice `index` whose delta is `delta`.
+    fn delta_chunk(&self, index: usize, delta: Value, logprobs: Value) -> Value {
         self.envelope(
             true,
-            json!([{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
+            json!([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": null}]),
         )
     }
 
-    fn final_chunk(&self, f: &Finished, calls: usize) -> Value {
+    fn final_chunk(&self, f: &Finished, c: &ChoiceStream) -> Value {
         let choice = match self.kind {
             Kind::Chat => {
-                json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish_with_calls(f, calls)})
+                json!({"index": c.index, "delta": {}, "logprobs": null, "finish_reason": finish_with_calls(f, c.calls)})
             }
             Kind::Completion => {
-                json!({"index": 0, "text": "", "logprobs": null, "finish_reason": f.reason.openai()})
+                json!({"index": c.index, "text": "", "logprobs": null, "finish_reason": f.reason.openai()})
             }
         };
         self.envelope(true, json!([choice]))
     }
 
-    fn usage_chunk(&self, f: &Finished) -> Value {
+    fn usage_chunk(&self, finished: &[&Finished]) -> Value {
         let mut body = self.envelope(true, json!([]));
-        body["usage"] = usage(f);
+        body["usage"] = usage_of(finished);
         body
     }
 
+    /// Stream every sequence's chunks as they come, each under its choice's
+    /// index; `[DONE]` once all finished.
     async fn stream(
         self,
         state: AppState,
-        mut gen: Generation,
+        gens: Vec<Generation>,
         tx: SseSender,
     ) -> Result<(), crate::sse::Disconnected> {
-        let mut first = true;
-        let mut offset = 0;
-        // Chat with tools: text streams as content except what may still
-        // become a call, and each call comes whole in a `tool_calls` delta.
-        let mut parser = self.tools.as_ref().map(crate::tools::Parser::new);
-        let mut calls = 0;
-        while let Some(step) = tx.race(gen.next()).await? {
+        let mut choices: Vec<ChoiceStream> = (0..gens.len())
+            .map(|index| ChoiceStream {
+                index,
+                first: true,
+                offset: 0,
+                // Chat with tools: text streams as content except what may
+                // still become a call; each call comes whole in a
+                // `tool_calls` delta.
+                parser: self.tools.as_ref().map(crate::tools::Parser::new),
+                calls: 0,
+                finished: None,
+            })
+            .collect();
+        let mut steps = crate::choices::merged(gens);
+        while let Some((i, step)) = tx.race(steps.next()).await? {
+            let c = &mut choices[i];
             match step {
                 Step::Token(t) => {
-                    if let Some(p) = parser.as_mut() {
+                    if let Some(p) = c.parser.as_mut() {
                         let pieces = p.push(&t.text);
                         let (logprobs, next) =
-                            self.logprobs_of(&state, std::slice::from_ref(&t), offset);
-                        offset = next;
-                        self.send_pieces(&tx, pieces, logprobs, &mut first, &mut calls)
-                            .await?;
+                            self.logprobs_of(&state, std::slice::from_ref(&t), c.offset);
+                        c.offset = next;
+                        self.send_pieces(&tx, pieces, logprobs, c).await?;
                         continue;
                     }
-                    if t.text.is_empty() && !self.logprobs && !first {
+                    if t.text.is_empty() && !self.logprobs && !c.first {
                         continue;
                     }
-                    tx.json(&self.token_chunk(&state, &t, first, &mut offset))
-                        .await?;
-                    first = false;
+                    tx.json(&self.token_chunk(&state, &t, c)).await?;
                 }
                 Step::Finished(f) => {
-                    if let Some(p) = parser.as_mut() {
+                    if let Some(p) = c.parser.as_mut() {
                         let rest = p.finish();
-                        self.send_pieces(&tx, rest, Value::Null, &mut first, &mut calls)
-                            .await?;
+                        self.send_pieces(&tx, rest, Value::Null, c).await?;
                     }
-                    tx.json(&self.final_chunk(&f, calls)).await?;
-                    if self.include_usage {
-                        tx.json(&self.usage_chunk(&f)).await?;
-                    }
-                    return tx.done().await;
+                    tx.json(&self.final_chunk(&f, c)).await?;
+                    c.finished = Some(f);
                 }
                 Step::Error(e) => return tx.error(&e).await,
             }
         }
-        Ok(())
+        if self.include_usage {
+            let finished: Vec<&Finished> =
+                choices.iter().filter_map(|c| c.finished.as_ref()).collect();
+            tx.json(&self.usage_chunk(&finished)).await?;
+        }
+        tx.done().await
     }
-}
 
-impl Answer {
     /// Send a token's pieces (content and whole calls) as chat deltas; its
     /// `logprobs` ride on the first chunk, or on an empty one when the token
     /// added nothing yet.
@@ -379,8 +392,7 @@ impl Answer {
         tx: &SseSender,
         pieces: Vec<crate::tools::Piece>,
         mut logprobs: Value,
-        first: &mut bool,
-        calls: &mut usize,
+        c: &mut ChoiceStream,
     ) -> Result<(), crate::sse::Disconnected> {
         let role = |first: &mut bool, mut delta: Value| {
             if std::mem::take(first) {
@@ -388,24 +400,37 @@ impl Answer {
             }
             delta
         };
-        if pieces.is_empty() && (!logprobs.is_null() || *first) {
-            let delta = role(first, json!({"content": ""}));
-            return tx.json(&self.delta_chunk(delta, logprobs)).await;
+        if pieces.is_empty() && (!logprobs.is_null() || c.first) {
+            let delta = role(&mut c.first, json!({"content": ""}));
+            return tx.json(&self.delta_chunk(c.index, delta, logprobs)).await;
         }
         for p in pieces {
             let delta = match p {
                 crate::tools::Piece::Text(t) => json!({"content": t}),
-                crate::tools::Piece::Call(c) => {
-                    *calls += 1;
-                    json!({"tool_calls": [call_json(&c, Some(*calls - 1))]})
+                crate::tools::Piece::Call(call) => {
+                    c.calls += 1;
+                    json!({"tool_calls": [call_json(&call, Some(c.calls - 1))]})
                 }
             };
-            let delta = role(first, delta);
-            tx.json(&self.delta_chunk(delta, std::mem::take(&mut logprobs)))
+            let delta = role(&mut c.first, delta);
+            tx.json(&self.delta_chunk(c.index, delta, std::mem::take(&mut logprobs)))
                 .await?;
         }
         Ok(())
     }
+}
+
+/// Where one choice's stream stands.
+struct ChoiceStream {
+    index: usize,
+    /// No chunk sent yet (the first carries the role, or the echo).
+    first: bool,
+    /// Text offset of the next token (completions logprobs).
+    offset: usize,
+    parser: Option<crate::tools::Parser>,
+    /// Tool calls sent.
+    calls: usize,
+    finished: Option<Finished>,
 }
 
 /// What a handler prepared before submitting.
@@ -413,6 +438,10 @@ struct Prepared {
     answer: Answer,
     req: GenerateRequest,
     stream: bool,
+    /// Choices returned.
+    n: usize,
+    /// Sequences run (`best_of`, at least `n`).
+    runs: usize,
 }
 
 async fn run(
@@ -425,6 +454,8 @@ async fn run(
         answer,
         req,
         stream,
+        n,
+        runs,
     } = match prepared {
         Ok(p) => p,
         Err(e) => {
@@ -433,12 +464,15 @@ async fn run(
             return Err(e);
         }
     };
-    let gen = Generation::submit(&state, req, endpoint, &pd, &answer.id).await?;
+    let gens = crate::choices::submit(&state, req, runs, endpoint, &pd, &answer.id).await?;
     if stream {
-        return Ok(sse_response(move |tx| answer.stream(state, gen, tx)));
+        return Ok(sse_response(move |tx| answer.stream(state, gens, tx)));
     }
-    let collected = gen.collect().await?;
-    Ok(Json(answer.whole(&state, collected)).into_response())
+    let mut all = crate::choices::collect(gens).await?;
+    if runs > n {
+        all = crate::choices::best(all, n);
+    }
+    Ok(Json(answer.whole(&state, all)).into_response())
 }
 
 /// `POST /v1/chat/completions`.
@@ -482,7 +516,7 @@ fn prepare_chat(
         })?);
     }
     crate::fields::check(crate::fields::Endpoint::Chat, &req.extra)?;
-    check_n(req.n, "n")?;
+    let (n, runs) = crate::choices::count(req.n, "n", None, 1)?;
     let top_logprobs = crate::params::top_logprobs("top_logprobs", req.top_logprobs)?;
     if top_logprobs > 0 && req.logprobs != Some(true) {
         return Err(ApiError::invalid_param(
@@ -524,6 +558,8 @@ fn prepare_chat(
             arrived,
         },
         stream: req.stream.unwrap_or(false),
+        n,
+        runs,
     })
 }
 
@@ -551,8 +587,13 @@ fn prepare_completion(
         &state.grammars,
     )?;
     crate::fields::check(crate::fields::Endpoint::Completions, &req.extra)?;
-    check_n(req.n, "n")?;
-    check_n(req.best_of, "best_of")?;
+    let (n, runs) = crate::choices::count(req.n, "n", req.best_of, 1)?;
+    if runs > n && req.stream == Some(true) {
+        return Err(ApiError::invalid_param(
+            "best_of",
+            "best_of picks among whole answers: it cannot be streamed",
+        ));
+    }
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
     }
@@ -594,5 +635,7 @@ fn prepare_completion(
             arrived,
         },
         stream,
+        n,
+        runs,
     })
 }
