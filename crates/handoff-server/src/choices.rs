@@ -99,15 +99,19 @@ pub fn count(
 
 /// Submit `count` sequences of `req`: the first alone, the others once it
 /// has its first token (see the module's note).
+/// Sequence `i` pairs (in PD) under the room of index `rooms_from + i`.
 pub async fn submit(
     state: &AppState,
     req: GenerateRequest,
     count: usize,
+    rooms_from: usize,
     endpoint: &'static str,
     pd: &Bootstrap,
     rid: &str,
 ) -> Result<Vec<Generation>, ApiError> {
-    let mut first = Generation::submit(state, sub_request(&req, 0), endpoint, pd, rid).await?;
+    let first = sub_request(&req, 0);
+    let mut first =
+        Generation::submit(state, first, endpoint, &sub_bootstrap(pd, rooms_from), rid).await?;
     if count == 1 {
         return Ok(vec![first]);
     }
@@ -115,7 +119,8 @@ pub async fn submit(
     let mut gens = vec![first];
     for i in 1..count {
         let sub = sub_request(&req, i);
-        gens.push(Generation::submit(state, sub, endpoint, &sub_bootstrap(pd, i), rid).await?);
+        let pd = sub_bootstrap(pd, rooms_from + i);
+        gens.push(Generation::submit(state, sub, endpoint, &pd, rid).await?);
     }
     Ok(gens)
 }

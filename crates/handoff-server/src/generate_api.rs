@@ -161,13 +161,45 @@ pub struct GenerateBody {
     pub extra: serde_json::Map<String, Value>,
 }
 
-fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<Vec<u32>, ApiError> {
-    let batch = || {
-        ApiError::bad_request(
-            "batch_not_supported",
-            "batched /generate requests are not supported: send one prompt per request",
-        )
+/// The prompts of a body: one, or a batch (a list of texts or id lists).
+fn prompts(state: &AppState, body: &GenerateBody) -> Result<(Vec<Vec<u32>>, bool), ApiError> {
+    let size = |n: usize, field: &str| {
+        if n == 0 || n > crate::choices::MAX_CHOICES {
+            return Err(ApiError::invalid_param(
+                field,
+                format!(
+                    "a batch holds 1 to {} prompts, got {n}",
+                    crate::choices::MAX_CHOICES
+                ),
+            ));
+        }
+        Ok(())
     };
+    match (&body.text, &body.input_ids) {
+        (None, Some(IdsInput::Batch(b))) => {
+            size(b.len(), "input_ids")?;
+            let ids = b
+                .iter()
+                .enumerate()
+                .map(|(i, ids)| {
+                    prompt::id_prompt(&state.engine, ids.clone(), &format!("input_ids[{i}]"))
+                })
+                .collect::<Result<_, _>>()?;
+            Ok((ids, true))
+        }
+        (Some(TextInput::Batch(b)), None) => {
+            size(b.len(), "text")?;
+            let ids = b
+                .iter()
+                .map(|t| prompt::text_prompt(&state.engine, t))
+                .collect::<Result<_, _>>()?;
+            Ok((ids, true))
+        }
+        _ => Ok((vec![prompt_ids(state, body)?], false)),
+    }
+}
+
+fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<Vec<u32>, ApiError> {
     match (&body.text, &body.input_ids) {
         (Some(_), Some(_)) => Err(ApiError::bad_request(
             "invalid_value",
@@ -181,7 +213,11 @@ fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<Vec<u32>, ApiErro
         (None, Some(IdsInput::One(ids))) => {
             prompt::id_prompt(&state.engine, ids.clone(), "input_ids")
         }
-        _ => Err(batch()),
+        // Batches are read by `prompts`, which never passes one here.
+        _ => Err(ApiError::bad_request(
+            "invalid_value",
+            "a batch of prompts is a list of texts or of id lists",
+        )),
     }
 }
 
@@ -210,7 +246,12 @@ pub async fn generate(
         .map(|n| n as usize);
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare(&st, &body, arrived)).await;
-    let (req, rid, n) = match prepared {
+    let Prepared {
+        mut reqs,
+        rid,
+        n,
+        batch,
+    } = match prepared {
         Ok(x) => x,
         Err(e) => {
             // Refused before the engine saw it: the PD peer learns now.
@@ -218,11 +259,11 @@ pub async fn generate(
             return Err(e);
         }
     };
-    let prompt_tokens = req.prompt_ids.len();
-    let prompt_ids = req.prompt_ids.clone();
-    let mut gens = crate::choices::submit(&state, req, n, ENDPOINT, &pd, &rid).await?;
     if stream_it {
-        let gen = gens.remove(0);
+        let req = reqs.remove(0);
+        let prompt_tokens = req.prompt_ids.len();
+        let prompt_ids = req.prompt_ids.clone();
+        let gen = Generation::submit(&state, req, ENDPOINT, &pd, &rid).await?;
         return Ok(sse_response(move |tx| {
             let scored = ScoredStream {
                 logprobs: body_wants_logprobs,
@@ -233,18 +274,31 @@ pub async fn generate(
             stream(gen, tx, rid, prompt_tokens, scored)
         }));
     }
-    let all = crate::choices::collect(gens).await?;
-    let shape = Whole {
-        rid: &rid,
-        arrived,
-        logprobs: body_wants_logprobs,
-        top_wanted,
-        input_from,
-        prompt_ids: &prompt_ids,
-    };
-    // SGLang's shape: one object, or a list of them with `n` > 1.
-    let mut bodies: Vec<Value> = all.iter().map(|c| shape.body(c)).collect();
-    if bodies.len() == 1 {
+    // Every prompt's sequences, side by side; prompt `p`'s sequence `j`
+    // pairs (in PD) under the room of index `p * n + j`.
+    let prompt_ids: Vec<Vec<u32>> = reqs.iter().map(|r| r.prompt_ids.clone()).collect();
+    let submitted = futures_util::future::join_all(
+        reqs.into_iter()
+            .enumerate()
+            .map(|(p, req)| crate::choices::submit(&state, req, n, p * n, ENDPOINT, &pd, &rid)),
+    )
+    .await;
+    let mut bodies: Vec<Value> = Vec::new();
+    for (p, gens) in submitted.into_iter().enumerate() {
+        let shape = Whole {
+            rid: &rid,
+            arrived,
+            logprobs: body_wants_logprobs,
+            top_wanted,
+            input_from,
+            prompt_ids: &prompt_ids[p],
+        };
+        for c in crate::choices::collect(gens?).await? {
+            bodies.push(shape.body(&c));
+        }
+    }
+    // SGLang's shape: one object, or a list of them (a batch, or `n` > 1).
+    if bodies.len() == 1 && !batch {
         return Ok(Json(bodies.remove(0)).into_response());
     }
     for (i, b) in bodies.iter_mut().enumerate() {
@@ -300,21 +354,22 @@ impl Whole<'_> {
 }
 
 /// The engine request and the response id of a `/generate` body.
-fn prepare(
-    state: &AppState,
-    body: &GenerateBody,
-    arrived: Instant,
-) -> Result<(GenerateRequest, String, usize), ApiError> {
+fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Prepared, ApiError> {
     crate::fields::check(Endpoint::Generate, &body.extra)?;
     let mut sp = body.sampling_params.clone().unwrap_or_default();
     let grammar =
         crate::structured::take(Endpoint::SamplingParams, &mut sp.extra, &state.grammars)?;
     crate::fields::check(Endpoint::SamplingParams, &sp.extra)?;
-    let (n, _) = crate::choices::count(sp.n, "sampling_params.n", None, 1)?;
-    if n > 1 && body.stream == Some(true) {
+    let (prompts, batch) = prompts(state, body)?;
+    let (n, _) = crate::choices::count(sp.n, "sampling_params.n", None, prompts.len())?;
+    if (n > 1 || batch) && body.stream == Some(true) {
         return Err(ApiError::invalid_param(
-            "sampling_params.n",
-            "sampling_params.n > 1 is answered whole on /generate: send stream false (or stream several choices from /v1/completions)",
+            match (batch, body.input_ids.is_some()) {
+                (true, true) => "input_ids",
+                (true, false) => "text",
+                _ => "sampling_params.n",
+            },
+            "a batch or sampling_params.n > 1 is answered whole on /generate: send stream false (or stream several choices from /v1/completions)",
         ));
     }
     let raw = RawSampling {
@@ -347,7 +402,7 @@ fn prepare(
         ));
     }
     crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
-    let prompt_ids = prompt_ids(state, body)?;
+    let shortest = prompts.iter().map(Vec::len).min().unwrap_or(0);
     match body.logprob_start_len {
         None | Some(-1) => {}
         Some(n) if body.return_logprob != Some(true) => {
@@ -356,7 +411,7 @@ fn prepare(
                 format!("logprob_start_len {n} needs return_logprob: true"),
             ))
         }
-        Some(n) if n >= 0 && (n as u64) < prompt_ids.len() as u64 => {
+        Some(n) if n >= 0 && (n as u64) < shortest as u64 => {
             sampling.prompt_logprobs = true;
         }
         Some(n) => {
@@ -364,21 +419,36 @@ fn prepare(
                 "logprob_start_len",
                 format!(
                     "logprob_start_len must be -1 or a prompt position (0 to {}), got {n}",
-                    prompt_ids.len() - 1
+                    shortest.saturating_sub(1)
                 ),
             ))
         }
     }
     let rid = crate::app::request_id(body.rid.as_ref(), "gen")?;
-    Ok((
-        GenerateRequest {
-            prompt_ids,
-            sampling,
-            arrived,
-        },
+    Ok(Prepared {
+        reqs: prompts
+            .into_iter()
+            .map(|prompt_ids| GenerateRequest {
+                prompt_ids,
+                sampling: sampling.clone(),
+                arrived,
+            })
+            .collect(),
         rid,
         n,
-    ))
+        batch,
+    })
+}
+
+/// A `/generate` body, ready to submit.
+struct Prepared {
+    /// One request per prompt.
+    reqs: Vec<GenerateRequest>,
+    rid: String,
+    /// Sequences per prompt.
+    n: usize,
+    /// The prompts came as a list (the answer is a list).
+    batch: bool,
 }
 
 /// Streams cumulative objects, as SGLang does; with `return_logprob`, each

@@ -28,11 +28,12 @@ const CHAT_ENDPOINT: &str = "/v1/chat/completions";
 pub const DEFAULT_CHAT_MAX_TOKENS: usize = 1024;
 const COMPLETIONS_ENDPOINT: &str = "/v1/completions";
 
-/// The usage of sequences of one prompt: the prompt counted once, every
-/// sequence's output.
-fn usage_of(finished: &[&Finished]) -> Value {
-    let prompt = finished.first().map_or(0, |f| f.prompt_tokens);
-    let cached = finished.first().map_or(0, |f| f.cached_tokens);
+/// The usage of sequences whose every `n` in a row answer one prompt:
+/// each prompt counted once, every sequence's output.
+fn usage_of(finished: &[&Finished], n: usize) -> Value {
+    let firsts = finished.iter().step_by(n.max(1));
+    let prompt: usize = firsts.clone().map(|f| f.prompt_tokens).sum();
+    let cached: usize = firsts.map(|f| f.cached_tokens).sum();
     let completion: usize = finished.iter().map(|f| f.completion_tokens).sum();
     json!({
         "prompt_tokens": prompt,
@@ -59,9 +60,11 @@ struct Answer {
     logprobs: bool,
     /// Alternatives per position with `logprobs` (0: none).
     top_logprobs: usize,
-    /// Completions `echo`: the prompt's ids, returned (as text, and scored
-    /// with `logprobs`) ahead of the completion.
-    echo: Option<Vec<u32>>,
+    /// Completions `echo`: each prompt's ids, returned (as text, and scored
+    /// with `logprobs`) ahead of its completions.
+    echo: Option<Vec<Vec<u32>>>,
+    /// Choices per prompt (choice `i` answers prompt `i / n`).
+    n: usize,
     include_usage: bool,
     system_fingerprint: String,
     /// Chat with tools: calls are parsed out of the output.
@@ -126,9 +129,16 @@ impl Answer {
         })
     }
 
-    /// The echoed prompt's text (empty without `echo`).
-    fn echo_text(&self, state: &AppState) -> String {
-        match &self.echo {
+    /// The prompt choice `index` echoes, with `echo`.
+    fn echoed(&self, index: usize) -> Option<&Vec<u32>> {
+        self.echo
+            .as_ref()
+            .and_then(|e| e.get(index / self.n.max(1)))
+    }
+
+    /// The echoed prompt's text of choice `index` (empty without `echo`).
+    fn echo_text(&self, state: &AppState, index: usize) -> String {
+        match self.echoed(index) {
             Some(ids) => state
                 .engine
                 .tokenizer()
@@ -142,12 +152,18 @@ impl Answer {
     /// character `offset` of the answer's text; with the offset after them.
     /// With `echo`, the first token brings the prompt's scores: the prompt's
     /// tokens come first (the first one with a null logprob).
-    fn logprobs_of(&self, state: &AppState, tokens: &[TokenOut], offset: usize) -> (Value, usize) {
+    fn logprobs_of(
+        &self,
+        state: &AppState,
+        tokens: &[TokenOut],
+        offset: usize,
+        index: usize,
+    ) -> (Value, usize) {
         if !self.logprobs {
             return (Value::Null, offset);
         }
         let echoed: Vec<TokenOut>;
-        let tokens = match (&self.echo, tokens.first()) {
+        let tokens = match (self.echoed(index), tokens.first()) {
             (Some(ids), Some(first)) if !first.prompt.is_empty() || ids.len() == 1 => {
                 let mut all = Vec::with_capacity(ids.len() + tokens.len());
                 all.push(TokenOut {
@@ -230,7 +246,7 @@ impl Answer {
             .collect();
         let mut body = self.envelope(false, json!(choices));
         let finished: Vec<&Finished> = all.iter().map(|c| &c.finished).collect();
-        body["usage"] = usage_of(&finished);
+        body["usage"] = usage_of(&finished, self.n);
         body
     }
 
@@ -241,7 +257,7 @@ impl Answer {
         index: usize,
     ) -> Value {
         let finish = c.finished.reason.openai();
-        let (logprobs, _) = self.logprobs_of(state, &c.tokens, 0);
+        let (logprobs, _) = self.logprobs_of(state, &c.tokens, 0, index);
         match (self.kind, &self.tools) {
             (Kind::Chat, Some(tools)) => {
                 let (content, calls) = split_calls(tools, &c.text);
@@ -267,7 +283,7 @@ impl Answer {
             }),
             (Kind::Completion, _) => json!({
                 "index": index,
-                "text": self.echo_text(state) + &c.text,
+                "text": self.echo_text(state, index) + &c.text,
                 "logprobs": logprobs,
                 "finish_reason": finish,
             }),
@@ -275,7 +291,7 @@ impl Answer {
     }
 
     fn token_chunk(&self, state: &AppState, t: &TokenOut, c: &mut ChoiceStream) -> Value {
-        let (logprobs, next) = self.logprobs_of(state, std::slice::from_ref(t), c.offset);
+        let (logprobs, next) = self.logprobs_of(state, std::slice::from_ref(t), c.offset, c.index);
         c.offset = next;
         let first = std::mem::take(&mut c.first);
         let choice = match self.kind {
@@ -290,7 +306,7 @@ impl Answer {
             Kind::Completion => {
                 // The echoed prompt rides on the first chunk.
                 let text = if first {
-                    self.echo_text(state) + &t.text
+                    self.echo_text(state, c.index) + &t.text
                 } else {
                     t.text.clone()
                 };
@@ -322,7 +338,7 @@ impl Answer {
 
     fn usage_chunk(&self, finished: &[&Finished]) -> Value {
         let mut body = self.envelope(true, json!([]));
-        body["usage"] = usage_of(finished);
+        body["usage"] = usage_of(finished, self.n);
         body
     }
 
@@ -355,7 +371,7 @@ impl Answer {
                     if let Some(p) = c.parser.as_mut() {
                         let pieces = p.push(&t.text);
                         let (logprobs, next) =
-                            self.logprobs_of(&state, std::slice::from_ref(&t), c.offset);
+                            self.logprobs_of(&state, std::slice::from_ref(&t), c.offset, c.index);
                         c.offset = next;
                         self.send_pieces(&tx, pieces, logprobs, c).await?;
                         continue;
@@ -436,7 +452,8 @@ struct ChoiceStream {
 /// What a handler prepared before submitting.
 struct Prepared {
     answer: Answer,
-    req: GenerateRequest,
+    /// One request per prompt.
+    reqs: Vec<GenerateRequest>,
     stream: bool,
     /// Choices returned.
     n: usize,
@@ -452,7 +469,7 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let Prepared {
         answer,
-        req,
+        reqs,
         stream,
         n,
         runs,
@@ -464,13 +481,27 @@ async fn run(
             return Err(e);
         }
     };
-    let gens = crate::choices::submit(&state, req, runs, endpoint, &pd, &answer.id).await?;
+    // Every prompt's sequences, the prompts side by side; prompt `p`'s
+    // sequence `j` pairs (in PD) under the room of index `p * runs + j`.
+    let submitted = futures_util::future::join_all(reqs.into_iter().enumerate().map(|(p, req)| {
+        crate::choices::submit(&state, req, runs, p * runs, endpoint, &pd, &answer.id)
+    }))
+    .await;
+    let mut per_prompt = Vec::with_capacity(submitted.len());
+    for s in submitted {
+        per_prompt.push(s?);
+    }
     if stream {
+        let gens = per_prompt.into_iter().flatten().collect();
         return Ok(sse_response(move |tx| answer.stream(state, gens, tx)));
     }
-    let mut all = crate::choices::collect(gens).await?;
-    if runs > n {
-        all = crate::choices::best(all, n);
+    let mut all = Vec::new();
+    for gens in per_prompt {
+        let mut answers = crate::choices::collect(gens).await?;
+        if runs > n {
+            answers = crate::choices::best(answers, n);
+        }
+        all.extend(answers);
     }
     Ok(Json(answer.whole(&state, all)).into_response())
 }
@@ -543,6 +574,7 @@ fn prepare_chat(
         logprobs: req.logprobs.unwrap_or(false),
         top_logprobs,
         echo: None,
+        n,
         tools,
         include_usage: req
             .stream_options
@@ -552,11 +584,11 @@ fn prepare_chat(
     };
     Ok(Prepared {
         answer,
-        req: GenerateRequest {
+        reqs: vec![GenerateRequest {
             prompt_ids,
             sampling,
             arrived,
-        },
+        }],
         stream: req.stream.unwrap_or(false),
         n,
         runs,
@@ -587,7 +619,8 @@ fn prepare_completion(
         &state.grammars,
     )?;
     crate::fields::check(crate::fields::Endpoint::Completions, &req.extra)?;
-    let (n, runs) = crate::choices::count(req.n, "n", req.best_of, 1)?;
+    let prompts = prompt::completion_prompts(&state.engine, req.prompt.clone())?;
+    let (n, runs) = crate::choices::count(req.n, "n", req.best_of, prompts.len())?;
     if runs > n && req.stream == Some(true) {
         return Err(ApiError::invalid_param(
             "best_of",
@@ -614,7 +647,6 @@ fn prepare_completion(
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    let prompt_ids = prompt::completion_prompt(&state.engine, req.prompt)?;
     let answer = Answer {
         kind: Kind::Completion,
         id: crate::app::request_id(req.rid.as_ref(), "cmpl")?,
@@ -623,17 +655,21 @@ fn prepare_completion(
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs,
         top_logprobs,
-        echo: echo.then(|| prompt_ids.clone()),
+        echo: echo.then(|| prompts.clone()),
+        n,
         tools: None,
         include_usage,
     };
     Ok(Prepared {
         answer,
-        req: GenerateRequest {
-            prompt_ids,
-            sampling,
-            arrived,
-        },
+        reqs: prompts
+            .into_iter()
+            .map(|prompt_ids| GenerateRequest {
+                prompt_ids,
+                sampling: sampling.clone(),
+                arrived,
+            })
+            .collect(),
         stream,
         n,
         runs,

@@ -231,28 +231,43 @@ pub fn id_prompt(engine: &Backend, ids: Vec<u32>, field: &str) -> Result<Vec<u32
     Ok(ids)
 }
 
-/// The prompt of `/v1/completions`.
-pub fn completion_prompt(engine: &Backend, prompt: PromptInput) -> Result<Vec<u32>, ApiError> {
-    let one = |n: usize| {
-        if n == 1 {
-            Ok(())
-        } else {
+/// The prompts of `/v1/completions`: one text or id list, or a list of
+/// them (each answered by its own choices).
+pub fn completion_prompts(
+    engine: &Backend,
+    prompt: PromptInput,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let some = |n: usize| {
+        if n == 0 {
             Err(ApiError::invalid_param(
                 "prompt",
-                format!("prompt holds {n} prompts: send exactly one prompt per request"),
+                "prompt is an empty list: send at least one prompt",
             ))
+        } else if n > crate::choices::MAX_CHOICES {
+            Err(ApiError::invalid_param(
+                "prompt",
+                format!(
+                    "prompt holds {n} prompts: at most {} per request",
+                    crate::choices::MAX_CHOICES
+                ),
+            ))
+        } else {
+            Ok(())
         }
     };
     match prompt {
-        PromptInput::Text(t) => text_prompt(engine, &t),
-        PromptInput::Ids(ids) => id_prompt(engine, ids, "prompt"),
-        PromptInput::Texts(mut v) => {
-            one(v.len())?;
-            text_prompt(engine, &v.remove(0))
+        PromptInput::Text(t) => Ok(vec![text_prompt(engine, &t)?]),
+        PromptInput::Ids(ids) => Ok(vec![id_prompt(engine, ids, "prompt")?]),
+        PromptInput::Texts(v) => {
+            some(v.len())?;
+            v.iter().map(|t| text_prompt(engine, t)).collect()
         }
-        PromptInput::IdLists(mut v) => {
-            one(v.len())?;
-            id_prompt(engine, v.remove(0), "prompt")
+        PromptInput::IdLists(v) => {
+            some(v.len())?;
+            v.into_iter()
+                .enumerate()
+                .map(|(i, ids)| id_prompt(engine, ids, &format!("prompt[{i}]")))
+                .collect()
         }
     }
 }

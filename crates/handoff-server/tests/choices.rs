@@ -222,4 +222,68 @@ async fn best_of_returns_the_likeliest_and_generate_lists_n() {
     )
     .await;
     assert_error(s, &v, 400, "invalid_value", "answered whole on /generate");
+
+    // Several prompts: each answered by its own n choices, in order, each
+    // equal to that prompt sent alone.
+    let (s, v) = post(
+        "/v1/completions",
+        &json!({"prompt": ["first prompt", "second one", "third"], "n": 2, "max_tokens": 5,
+                "temperature": 0, "ignore_eos": true, "echo": true}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 6);
+    let mut prompt_tokens = 0;
+    for (p, prompt) in ["first prompt", "second one", "third"].iter().enumerate() {
+        let (_, alone) = post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": true, "echo": true}),
+        )
+        .await;
+        prompt_tokens += alone["usage"]["prompt_tokens"].as_u64().unwrap();
+        for j in 0..2 {
+            let c = &choices[p * 2 + j];
+            assert_eq!(c["index"], p * 2 + j);
+            assert_eq!(
+                c["text"], alone["choices"][0]["text"],
+                "prompt {p} choice {j}"
+            );
+            assert!(c["text"].as_str().unwrap().starts_with(prompt));
+        }
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 30);
+
+    // A /generate batch: one object per prompt (and per choice), in order.
+    let (s, v) = post(
+        "/generate",
+        &json!({"text": ["first prompt", "third"], "sampling_params": {"n": 2, "max_new_tokens": 5, "temperature": 0, "ignore_eos": true}}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    let list = v.as_array().expect("a batch answers a list");
+    assert_eq!(list.len(), 4);
+    for (p, prompt) in ["first prompt", "third"].iter().enumerate() {
+        let (_, alone) = post(
+            "/generate",
+            &json!({"text": prompt, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": true}}),
+        )
+        .await;
+        for j in 0..2 {
+            assert_eq!(
+                list[p * 2 + j]["output_ids"],
+                alone["output_ids"],
+                "prompt {p}"
+            );
+            assert_eq!(list[p * 2 + j]["index"], p * 2 + j);
+        }
+    }
+    let (s, v) = post(
+        "/generate",
+        &json!({"input_ids": [[5, 6], [7]], "stream": true}),
+    )
+    .await;
+    assert_error(s, &v, 400, "invalid_value", "answered whole on /generate");
+    assert_eq!(v["error"]["param"], "input_ids");
 }

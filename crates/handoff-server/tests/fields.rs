@@ -114,7 +114,6 @@ fn sampling_rows() -> Vec<Row> {
             json!({"logit_bias": {IM_END: 100}, "skip_special_tokens": false}),
             Changes,
         ),
-        row("n", |_| json!(2), json!({}), Refused),
     ]
 }
 
@@ -136,6 +135,7 @@ fn openai_rows() -> Vec<Row> {
             json!({"ignore_eos": false, "logit_bias": {IM_END: 100}}),
             Changes,
         ),
+        row("n", |_| json!(2), json!({}), Adds("/choices/1/index")),
         row("model", |_| json!("any-name"), json!({}), NoEffect),
         row("user", |_| json!("u-1"), json!({}), NoEffect),
         row("metadata", |_| json!({"k": "v"}), json!({}), NoEffect),
@@ -311,7 +311,12 @@ fn completion_rows() -> Vec<Row> {
         ),
         row("max_tokens", |_| json!(4), json!({}), Changes),
         presence(|_| json!(-2.0)),
-        row("best_of", |_| json!(2), json!({}), Refused),
+        row(
+            "best_of",
+            |_| json!(2),
+            json!({}),
+            ShownBy("choices::best_of_returns_the_likeliest_and_generate_lists_n"),
+        ),
         // The prompt comes back ahead of the completion (and, with
         // logprobs, scored: `http_api::completions_echo_scores_the_prompt`).
         row("echo", |_| json!(true), json!({}), Changes),
@@ -358,6 +363,7 @@ fn sampling_params_rows() -> Vec<Row> {
             Changes,
         ),
         row("stream_interval", |_| json!(4), json!({}), NoEffect),
+        row("n", |_| json!(2), json!({}), Adds("/1/index")),
         row(
             "json_schema",
             |_| json!("{\"type\": \"object\"}"),
