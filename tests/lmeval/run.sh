@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# EleutherAI's lm-eval (`local-completions`, PyPI lm-eval[api]) scores the
+# multiple-choice task in this directory through `handoff serve`'s
+# /v1/completions (echo + logprobs, batched prompts); check.py then
+# recomputes every loglikelihood and greedy flag through handoff's own
+# /generate (input_token_logprobs) and requires them equal, and the
+# accuracy above chance. Extra arguments go to `handoff serve`.
+#   HANDOFF_BIN    the binary (default: target/release/handoff, built if missing)
+#   HANDOFF_MODEL  the GGUF (default: models/SmolLM2-135M-Instruct.Q4_1.gguf)
+#   LMEVAL_VENV    a venv with requirements.txt (default: .venv-lmeval, made if missing)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+BIN="${HANDOFF_BIN:-${CARGO_TARGET_DIR:-$ROOT/target}/release/handoff}"
+[ -x "$BIN" ] || cargo build --release -p handoff
+MODEL="${HANDOFF_MODEL:-$ROOT/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
+VENV="${LMEVAL_VENV:-$ROOT/.venv-lmeval}"
+if [ ! -x "$VENV/bin/lm_eval" ]; then
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q -r tests/lmeval/requirements.txt
+fi
+WORK="$(mktemp -d)"
+# lm-eval counts tokens with a Hugging Face tokenizer: the model's own,
+# written from the GGUF by handoff's tokenizer (no download).
+cargo run -q -p handoff-model --example tokenizer_json -- "$MODEL" "$WORK/tokenizer"
+PORT="$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+URL="http://127.0.0.1:$PORT"
+"$BIN" serve --port "$PORT" --model "$MODEL" "$@" &
+PID=$!
+trap 'kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; rm -rf "$WORK"' EXIT
+for _ in $(seq 1 600); do
+    if "$VENV/bin/python" -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=1)" 2>/dev/null; then
+        break
+    fi
+    kill -0 "$PID" 2>/dev/null || { echo "handoff serve exited before becoming healthy" >&2; exit 1; }
+    sleep 0.5
+done
+HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$VENV/bin/lm_eval" \
+    --model local-completions \
+    --model_args "model=handoff,base_url=$URL/v1/completions,tokenizer=$WORK/tokenizer,tokenizer_backend=huggingface,num_concurrent=2,max_retries=1" \
+    --tasks handoff_mc --include_path tests/lmeval \
+    --batch_size 4 --log_samples --output_path "$WORK/out"
+"$VENV/bin/python" tests/lmeval/check.py "$URL" "$WORK/out"
