@@ -308,10 +308,6 @@ const GENERATE: &[(&str, Support)] = &[
         "token_ids_logprob",
         Support::Refused(NoOp::Null, ALTERNATIVES),
     ),
-    (
-        "return_text_in_logprobs",
-        Support::Refused(NoOp::False, "log-probabilities come with token ids only"),
-    ),
 ];
 
 /// SGLang's `sampling_params` fields besides those read.

@@ -141,6 +141,10 @@ pub struct GenerateBody {
     /// on; -1 (SGLang's default): none.
     #[serde(default)]
     pub logprob_start_len: Option<i64>,
+    /// With `return_logprob`, each `[logprob, id, text]` entry carries the
+    /// token's text (null otherwise).
+    #[serde(default)]
+    pub return_text_in_logprobs: Option<bool>,
     /// PD bootstrap host (unused when colocated).
     #[serde(default)]
     pub bootstrap_host: Option<String>,
@@ -240,6 +244,8 @@ pub async fn generate(
         body.return_logprob.unwrap_or(false),
     );
     let top_wanted = body.top_logprobs_num.is_some_and(|n| n > 0);
+    let texts =
+        (body.return_text_in_logprobs == Some(true)).then(|| state.engine.tokenizer().clone());
     let input_from = body
         .logprob_start_len
         .filter(|&n| n >= 0 && body.return_logprob == Some(true))
@@ -266,6 +272,7 @@ pub async fn generate(
         let gen = Generation::submit(&state, req, ENDPOINT, &pd, &rid).await?;
         return Ok(sse_response(move |tx| {
             let scored = ScoredStream {
+                texts: texts.clone(),
                 logprobs: body_wants_logprobs,
                 top_wanted,
                 input_from,
@@ -286,6 +293,7 @@ pub async fn generate(
     let mut bodies: Vec<Value> = Vec::new();
     for (p, gens) in submitted.into_iter().enumerate() {
         let shape = Whole {
+            texts: texts.as_deref(),
             rid: &rid,
             arrived,
             logprobs: body_wants_logprobs,
@@ -309,6 +317,8 @@ pub async fn generate(
 
 /// How a whole `/generate` answer is shaped.
 struct Whole<'a> {
+    /// `return_text_in_logprobs`: the tokenizer that spells the entries.
+    texts: Option<&'a handoff_model::tokenizer::Tokenizer>,
     rid: &'a str,
     arrived: Instant,
     logprobs: bool,
@@ -347,6 +357,9 @@ impl Whole<'_> {
                 if self.top_wanted {
                     body["meta_info"]["input_top_logprobs"] = tops;
                 }
+            }
+            if let Some(tok) = self.texts {
+                spell_logprobs(&mut body, tok);
             }
         }
         body
@@ -461,6 +474,7 @@ async fn stream(
     scored: ScoredStream,
 ) -> Result<(), Disconnected> {
     let ScoredStream {
+        texts,
         logprobs,
         top_wanted,
         input_from,
@@ -499,6 +513,9 @@ async fn stream(
                         input = Some(input_logprobs(&prompt_ids, &t, start));
                     }
                     add_input(&mut chunk, &input, top_wanted);
+                    if let Some(tok) = &texts {
+                        spell_logprobs(&mut chunk, tok);
+                    }
                 }
                 tx.json(&chunk).await?;
             }
@@ -521,6 +538,9 @@ async fn stream(
                         chunk["meta_info"]["output_top_logprobs"] = Value::Array(tops);
                     }
                     add_input(&mut chunk, &input, top_wanted);
+                    if let Some(tok) = &texts {
+                        spell_logprobs(&mut chunk, tok);
+                    }
                 }
                 tx.json(&chunk).await?;
                 return tx.done().await;
@@ -533,6 +553,8 @@ async fn stream(
 
 /// What a streamed `/generate` reports beside the text.
 struct ScoredStream {
+    /// `return_text_in_logprobs`: the tokenizer that spells the entries.
+    texts: Option<std::sync::Arc<handoff_model::tokenizer::Tokenizer>>,
     logprobs: bool,
     top_wanted: bool,
     /// `logprob_start_len`, when the prompt is scored.
@@ -564,6 +586,32 @@ fn input_logprobs(
         }
     }
     (Value::Array(lps), Value::Array(tops))
+}
+
+/// `return_text_in_logprobs`: put each `[logprob, id, null]` entry's token
+/// text in its third slot, in every list of `body`'s `meta_info`.
+fn spell_logprobs(body: &mut Value, tok: &handoff_model::tokenizer::Tokenizer) {
+    fn spell(entry: &mut Value, tok: &handoff_model::tokenizer::Tokenizer) {
+        match entry {
+            Value::Array(a) if a.len() == 3 && a[1].is_u64() => {
+                let id = a[1].as_u64().unwrap_or(0) as u32;
+                let bytes = tok.token_bytes(id, false).unwrap_or_default();
+                a[2] = json!(String::from_utf8_lossy(bytes));
+            }
+            Value::Array(a) => a.iter_mut().for_each(|e| spell(e, tok)),
+            _ => {}
+        }
+    }
+    for key in [
+        "output_token_logprobs",
+        "output_top_logprobs",
+        "input_token_logprobs",
+        "input_top_logprobs",
+    ] {
+        if let Some(v) = body["meta_info"].get_mut(key) {
+            spell(v, tok);
+        }
+    }
 }
 
 fn add_input(chunk: &mut Value, input: &Option<(Value, Value)>, top_wanted: bool) {

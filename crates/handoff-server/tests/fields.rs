@@ -434,7 +434,7 @@ fn generate_rows() -> Vec<Row> {
             "return_text_in_logprobs",
             |_| json!(true),
             json!({"return_logprob": true}),
-            Refused,
+            Adds("/meta_info/output_token_logprobs/0/2"),
         ),
         row(
             "image_data",

@@ -305,7 +305,36 @@ async fn generate_whole_streamed_and_ids() {
     for (lp, id) in lps.iter().zip(ids.iter()) {
         assert!(lp[0].as_f64().unwrap() <= 0.0);
         assert_eq!(&lp[1], id);
+        assert_eq!(lp[2], Value::Null);
     }
+
+    // `return_text_in_logprobs`: each entry spells its token, whole and
+    // streamed, output and prompt, chosen and alternatives alike; the
+    // texts join into the output's text.
+    let mut tbody = ibody.clone();
+    tbody["return_text_in_logprobs"] = json!(true);
+    tbody["top_logprobs_num"] = json!(2);
+    tbody["logprob_start_len"] = json!(0);
+    let (s, v) = post("/generate", &tbody).await;
+    assert_eq!(s, 200, "{v}");
+    let meta = &v["meta_info"];
+    let spelled: String = meta["output_token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e[2].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(spelled, v["text"].as_str().unwrap());
+    assert!(meta["output_top_logprobs"][0][1][2].is_string(), "{meta}");
+    assert_eq!(meta["input_token_logprobs"][1][2], "n", "{meta}");
+    tbody["stream"] = json!(true);
+    let (s, events) = post_sse("/generate", &tbody).await;
+    assert_eq!(s, 200);
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(
+        last["meta_info"]["output_token_logprobs"], meta["output_token_logprobs"],
+        "streamed equals whole"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
