@@ -125,6 +125,43 @@ pub async fn submit(
     Ok(gens)
 }
 
+/// One request per prompt, each with the same sampling parameters.
+pub fn requests(
+    prompts: Vec<Vec<u32>>,
+    sampling: &handoff_engine::SamplingParams,
+    arrived: std::time::Instant,
+) -> Vec<GenerateRequest> {
+    prompts
+        .into_iter()
+        .map(|prompt_ids| GenerateRequest {
+            prompt_ids,
+            sampling: sampling.clone(),
+            arrived,
+        })
+        .collect()
+}
+
+/// [`submit`] `runs` sequences of every prompt's request, the prompts side
+/// by side; prompt `p`'s sequence `j` pairs (in PD) under the room of index
+/// `p * runs + j`.
+pub async fn submit_prompts(
+    state: &AppState,
+    reqs: Vec<GenerateRequest>,
+    runs: usize,
+    endpoint: &'static str,
+    pd: &Bootstrap,
+    rid: &str,
+) -> Result<Vec<Vec<Generation>>, ApiError> {
+    futures_util::future::join_all(
+        reqs.into_iter()
+            .enumerate()
+            .map(|(p, req)| submit(state, req, runs, p * runs, endpoint, pd, rid)),
+    )
+    .await
+    .into_iter()
+    .collect()
+}
+
 /// Every sequence's whole answer, read together; the first error ends it.
 pub async fn collect(gens: Vec<Generation>) -> Result<Vec<Collected>, ApiError> {
     futures_util::future::join_all(gens.into_iter().map(Generation::collect))

@@ -281,15 +281,8 @@ pub async fn generate(
             stream(gen, tx, rid, prompt_tokens, scored)
         }));
     }
-    // Every prompt's sequences, side by side; prompt `p`'s sequence `j`
-    // pairs (in PD) under the room of index `p * n + j`.
     let prompt_ids: Vec<Vec<u32>> = reqs.iter().map(|r| r.prompt_ids.clone()).collect();
-    let submitted = futures_util::future::join_all(
-        reqs.into_iter()
-            .enumerate()
-            .map(|(p, req)| crate::choices::submit(&state, req, n, p * n, ENDPOINT, &pd, &rid)),
-    )
-    .await;
+    let submitted = crate::choices::submit_prompts(&state, reqs, n, ENDPOINT, &pd, &rid).await?;
     let mut bodies: Vec<Value> = Vec::new();
     for (p, gens) in submitted.into_iter().enumerate() {
         let shape = Whole {
@@ -301,7 +294,7 @@ pub async fn generate(
             input_from,
             prompt_ids: &prompt_ids[p],
         };
-        for c in crate::choices::collect(gens?).await? {
+        for c in crate::choices::collect(gens).await? {
             bodies.push(shape.body(&c));
         }
     }
@@ -439,14 +432,7 @@ fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Pr
     }
     let rid = crate::app::request_id(body.rid.as_ref(), "gen")?;
     Ok(Prepared {
-        reqs: prompts
-            .into_iter()
-            .map(|prompt_ids| GenerateRequest {
-                prompt_ids,
-                sampling: sampling.clone(),
-                arrived,
-            })
-            .collect(),
+        reqs: crate::choices::requests(prompts, &sampling, arrived),
         rid,
         n,
         batch,

@@ -481,16 +481,8 @@ async fn run(
             return Err(e);
         }
     };
-    // Every prompt's sequences, the prompts side by side; prompt `p`'s
-    // sequence `j` pairs (in PD) under the room of index `p * runs + j`.
-    let submitted = futures_util::future::join_all(reqs.into_iter().enumerate().map(|(p, req)| {
-        crate::choices::submit(&state, req, runs, p * runs, endpoint, &pd, &answer.id)
-    }))
-    .await;
-    let mut per_prompt = Vec::with_capacity(submitted.len());
-    for s in submitted {
-        per_prompt.push(s?);
-    }
+    let per_prompt =
+        crate::choices::submit_prompts(&state, reqs, runs, endpoint, &pd, &answer.id).await?;
     if stream {
         let gens = per_prompt.into_iter().flatten().collect();
         return Ok(sse_response(move |tx| answer.stream(state, gens, tx)));
@@ -662,14 +654,7 @@ fn prepare_completion(
     };
     Ok(Prepared {
         answer,
-        reqs: prompts
-            .into_iter()
-            .map(|prompt_ids| GenerateRequest {
-                prompt_ids,
-                sampling: sampling.clone(),
-                arrived,
-            })
-            .collect(),
+        reqs: crate::choices::requests(prompts, &sampling, arrived),
         stream,
         n,
         runs,
