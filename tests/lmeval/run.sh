@@ -21,8 +21,11 @@ if [ ! -x "$VENV/bin/lm_eval" ]; then
 fi
 WORK="$(mktemp -d)"
 # lm-eval counts tokens with a Hugging Face tokenizer: the model's own,
-# written from the GGUF by handoff's tokenizer (no download).
-cargo run -q -p handoff-model --example tokenizer_json -- "$MODEL" "$WORK/tokenizer"
+# written from the GGUF by handoff's tokenizer (no download). Built as
+# `cargo test --workspace` builds it (the same features: nothing rebuilt
+# after the test step).
+cargo build -q --workspace --examples
+"${CARGO_TARGET_DIR:-$ROOT/target}/debug/examples/tokenizer_json" "$MODEL" "$WORK/tokenizer"
 PORT="$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 URL="http://127.0.0.1:$PORT"
 "$BIN" serve --port "$PORT" --model "$MODEL" "$@" &

@@ -33,6 +33,11 @@ pub enum WeightFormat {
     Q8_0Vnni,
     /// Dequantize to f32 and use a dense f32 GEMM.
     F32,
+    /// Q8_0 through handoff's own kernel (`q8_matmul`) in every phase,
+    /// prefill too: each row is computed on its own, the same bits whatever
+    /// the batch's row count (what f32 GEMM and candle's kernels do not
+    /// promise), so a prompt's KV would not depend on how it is chunked.
+    Q8_0Rows,
 }
 
 impl std::str::FromStr for WeightFormat {
@@ -44,8 +49,9 @@ impl std::str::FromStr for WeightFormat {
             "q8_0-vnni" => Ok(Self::Q8_0Vnni),
             "q8_0-candle" => Ok(Self::Q8_0Candle),
             "f32" => Ok(Self::F32),
+            "q8_0-rows" => Ok(Self::Q8_0Rows),
             other => Err(format!(
-                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni, q8_0-candle or f32"
+                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni, q8_0-candle, q8_0-rows or f32"
             )),
         }
     }
@@ -59,6 +65,7 @@ impl std::fmt::Display for WeightFormat {
             Self::Q8_0Vnni => "q8_0-vnni",
             Self::Q8_0Candle => "q8_0-candle",
             Self::F32 => "f32",
+            Self::Q8_0Rows => "q8_0-rows",
         })
     }
 }
@@ -106,7 +113,9 @@ impl Mat {
     fn build(q: &QTensor, format: WeightFormat, small_batch: bool) -> Result<Self, ModelError> {
         let dev = Device::Cpu;
         let float = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-        if small_batch && format == WeightFormat::Q8_0 && !float {
+        let own_kernel =
+            format == WeightFormat::Q8_0Rows || small_batch && format == WeightFormat::Q8_0;
+        if own_kernel && !float {
             let (out, in_dim) = q.shape().dims2()?;
             let owned;
             let q8 = if q.dtype() == GgmlDType::Q8_0 {
@@ -137,7 +146,13 @@ impl Mat {
             // candle's AVX-512 VNNI kernel for Q8_0 needs the inner
             // dimension to be a multiple of 256: zero-pad the columns (zeros
             // quantize exactly) to get it.
-            (WeightFormat::Q8_0 | WeightFormat::Q8_0Candle | WeightFormat::Q8_0Vnni, _) => {
+            (
+                WeightFormat::Q8_0
+                | WeightFormat::Q8_0Candle
+                | WeightFormat::Q8_0Vnni
+                | WeightFormat::Q8_0Rows,
+                _,
+            ) => {
                 let t = q.dequantize(&dev)?;
                 let (out, in_dim) = t.dims2()?;
                 let padded = match format {

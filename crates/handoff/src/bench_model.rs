@@ -22,7 +22,7 @@ pub struct BenchModelArgs {
     /// Timed repetitions per case (median reported).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
     reps: u16,
-    /// Weight format for prefill (f32, q8_0, as-loaded).
+    /// Weight format for prefill (f32, q8_0, q8_0-rows, as-loaded).
     #[arg(long, default_value = "f32")]
     prefill_format: WeightFormat,
     /// Weight format for decode (f32, q8_0, as-loaded).

@@ -60,7 +60,8 @@ pub struct EngineArgs {
     /// prompt. The cache is on by default in colocated serving.
     #[arg(long)]
     pub(crate) disable_radix_cache: bool,
-    /// Weight format for prefill: f32, q8_0, q8_0-vnni or as-loaded (BENCHMARKS.md).
+    /// Weight format for prefill: f32, q8_0, q8_0-vnni, q8_0-rows (handoff's
+    /// row-invariant kernel) or as-loaded (BENCHMARKS.md).
     #[arg(long, default_value = "f32")]
     pub(crate) prefill_format: WeightFormat,
     /// Weight format for decode: q8_0, q8_0-vnni (faster on AVX-512 VNNI CPUs,
