@@ -26,18 +26,9 @@ WORK="$(mktemp -d)"
 # after the test step).
 cargo build -q --workspace --examples
 "${CARGO_TARGET_DIR:-$ROOT/target}/debug/examples/tokenizer_json" "$MODEL" "$WORK/tokenizer"
-PORT="$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-URL="http://127.0.0.1:$PORT"
-"$BIN" serve --port "$PORT" --model "$MODEL" "$@" &
-PID=$!
-trap 'kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true; rm -rf "$WORK"' EXIT
-for _ in $(seq 1 600); do
-    if "$VENV/bin/python" -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=1)" 2>/dev/null; then
-        break
-    fi
-    kill -0 "$PID" 2>/dev/null || { echo "handoff serve exited before becoming healthy" >&2; exit 1; }
-    sleep 0.5
-done
+ON_EXIT='rm -rf "$WORK"'
+. tests/serve_on_free_port.sh
+serve_on_free_port "$BIN" "$VENV/bin/python" --model "$MODEL" "$@"
 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 "$VENV/bin/lm_eval" \
     --model local-completions \
     --model_args "model=handoff,base_url=$URL/v1/completions,tokenizer=$WORK/tokenizer,tokenizer_backend=huggingface,num_concurrent=2,max_retries=1" \

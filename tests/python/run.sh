@@ -17,16 +17,6 @@ if [ ! -x "$PY" ]; then
     "$ROOT/.venv/bin/pip" install -q -r tests/python/requirements.txt
     PY="$ROOT/.venv/bin/python"
 fi
-PORT="${HANDOFF_TEST_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
-URL="http://127.0.0.1:$PORT"
-"$BIN" serve --port "$PORT" "$@" &
-PID=$!
-trap 'kill "$PID" 2>/dev/null || true; wait "$PID" 2>/dev/null || true' EXIT
-for _ in $(seq 1 600); do
-    if "$PY" -c "import urllib.request; urllib.request.urlopen('$URL/health', timeout=1)" 2>/dev/null; then
-        break
-    fi
-    kill -0 "$PID" 2>/dev/null || { echo "handoff serve exited before becoming healthy" >&2; exit 1; }
-    sleep 0.5
-done
+. tests/serve_on_free_port.sh
+serve_on_free_port "$BIN" "$PY" "$@"
 HANDOFF_URL="$URL" "$PY" -m pytest -q tests/python
