@@ -181,6 +181,7 @@ impl Grammars {
         Ok(Grammar {
             spec: Arc::new(spec),
             matcher,
+            eos: factory.tok_env().tok_trie().eos_token(),
             extra_eos: self.tokenizer.eog_ids().to_vec(),
         })
     }
@@ -223,6 +224,8 @@ fn build_factory(tokenizer: &Arc<Tokenizer>) -> Result<ParserFactory, GrammarErr
 pub struct Grammar {
     spec: Arc<GrammarSpec>,
     matcher: Matcher,
+    /// The end-of-sequence token the matcher's mask carries.
+    eos: u32,
     /// Every end-of-generation token: allowed wherever the grammar allows
     /// its end-of-sequence token.
     extra_eos: Vec<u32>,
@@ -233,6 +236,7 @@ impl Clone for Grammar {
         Self {
             spec: self.spec.clone(),
             matcher: self.matcher.deep_clone(),
+            eos: self.eos,
             extra_eos: self.extra_eos.clone(),
         }
     }
@@ -281,8 +285,7 @@ impl Grammar {
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| GrammarError(format!("the grammar failed: {e}")))?;
-        let eos = m.is_allowed(self.matcher_eos());
-        if eos {
+        if m.is_allowed(self.eos) {
             for &id in &self.extra_eos {
                 if (id as usize) < m.len() {
                     m.allow_token(id);
@@ -290,13 +293,6 @@ impl Grammar {
             }
         }
         Ok(Allowed(m))
-    }
-
-    fn matcher_eos(&self) -> u32 {
-        self.matcher
-            .tok_env()
-            .map(|e| e.tok_trie().eos_token())
-            .unwrap_or(u32::MAX)
     }
 
     /// Append token `id` to the output. An end-of-generation token ends it

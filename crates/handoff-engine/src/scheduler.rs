@@ -418,17 +418,20 @@ impl Scheduler {
             })
             .collect();
         let pool = &mut self.pool;
-        let (logits, mut masks) = self.threads.install(|| {
-            rayon::join(
-                || model.forward(pool, &chunks, Phase::Decode),
-                || {
+        let forward = || model.forward(pool, &chunks, Phase::Decode);
+        // No grammar this step (the usual case): no task beside the pass.
+        let (logits, mut masks) = if grammars.is_empty() {
+            (self.threads.install(forward), Vec::new())
+        } else {
+            self.threads.install(|| {
+                rayon::join(forward, || {
                     grammars
                         .iter_mut()
                         .map(|(_, g)| Some(g.allowed()))
                         .collect::<Vec<_>>()
-                },
-            )
-        });
+                })
+            })
+        };
         drop(chunks);
         let mut mask_of = vec![None; self.active.len()];
         for ((i, g), m) in grammars.into_iter().zip(masks.iter_mut()) {

@@ -79,10 +79,6 @@ struct FunctionInput {
     parameters: Option<Value>,
 }
 
-fn invalid(param: &str, message: String) -> ApiError {
-    ApiError::invalid_param(param, message)
-}
-
 impl Tools {
     /// Read `tools`, `tool_choice` and `parallel_tool_calls` out of `extra`;
     /// `None` when no tool is offered (or the choice is `none`).
@@ -93,23 +89,23 @@ impl Tools {
             None | Some(Value::Null) => true,
             Some(Value::Bool(b)) => b,
             Some(_) => {
-                return Err(invalid(
+                return Err(ApiError::invalid_param(
                     "parallel_tool_calls",
-                    "parallel_tool_calls must be a boolean".into(),
+                    "parallel_tool_calls must be a boolean",
                 ))
             }
         };
         let inputs: Vec<ToolInput> = match tools {
             Value::Null => Vec::new(),
             v => serde_json::from_value(v).map_err(|e| {
-                invalid(
+                ApiError::invalid_param(
                     "tools",
                     format!("tools must be a list of {{\"type\": \"function\", \"function\": {{\"name\", \"description\", \"parameters\"}}}}: {e}"),
                 )
             })?,
         };
         if inputs.len() > MAX_TOOLS {
-            return Err(invalid(
+            return Err(ApiError::invalid_param(
                 "tools",
                 format!(
                     "tools holds {} tools: at most {MAX_TOOLS} are accepted",
@@ -121,13 +117,13 @@ impl Tools {
         for (i, t) in inputs.into_iter().enumerate() {
             let param = format!("tools[{i}]");
             if t.kind != "function" {
-                return Err(invalid(
+                return Err(ApiError::invalid_param(
                     &format!("{param}.type"),
                     format!("{param} has type `{}`: only `function` tools exist", t.kind),
                 ));
             }
             let f = t.function.ok_or_else(|| {
-                invalid(
+                ApiError::invalid_param(
                     &format!("{param}.function"),
                     format!("{param} has no `function`"),
                 )
@@ -139,7 +135,7 @@ impl Tools {
                     .bytes()
                     .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
             {
-                return Err(invalid(
+                return Err(ApiError::invalid_param(
                     &format!("{param}.function.name"),
                     format!(
                         "{param}.function.name `{}` must be 1 to 64 letters, digits, `_` or `-`",
@@ -148,7 +144,7 @@ impl Tools {
                 ));
             }
             if functions.iter().any(|g: &Function| g.name == f.name) {
-                return Err(invalid(
+                return Err(ApiError::invalid_param(
                     &format!("{param}.function.name"),
                     format!("two tools are named `{}`", f.name),
                 ));
@@ -157,7 +153,7 @@ impl Tools {
                 None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
                 Some(p @ Value::Object(_)) => p,
                 Some(_) => {
-                    return Err(invalid(
+                    return Err(ApiError::invalid_param(
                         &format!("{param}.function.parameters"),
                         format!("{param}.function.parameters must be a JSON schema object"),
                     ))
@@ -176,7 +172,7 @@ impl Tools {
                 "auto" => Choice::Auto,
                 "required" => Choice::Required,
                 other => {
-                    return Err(invalid(
+                    return Err(ApiError::invalid_param(
                         "tool_choice",
                         format!("tool_choice `{other}` is not one of none, auto, required, or a named function"),
                     ))
@@ -189,13 +185,13 @@ impl Tools {
                     .and_then(Value::as_str)
                     .filter(|_| o.get("type").and_then(Value::as_str) == Some("function"))
                     .ok_or_else(|| {
-                        invalid(
+                        ApiError::invalid_param(
                             "tool_choice",
-                            "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}".into(),
+                            "a named tool_choice is {\"type\": \"function\", \"function\": {\"name\": ...}}",
                         )
                     })?;
                 if !functions.iter().any(|f| f.name == name) {
-                    return Err(invalid(
+                    return Err(ApiError::invalid_param(
                         "tool_choice",
                         format!("tool_choice names `{name}`, which is not among tools"),
                     ));
@@ -203,18 +199,18 @@ impl Tools {
                 Choice::Named(name.to_string())
             }
             _ => {
-                return Err(invalid(
+                return Err(ApiError::invalid_param(
                     "tool_choice",
-                    "tool_choice must be a string or an object".into(),
+                    "tool_choice must be a string or an object",
                 ))
             }
         };
         if functions.is_empty() {
             return match choice {
                 Choice::None | Choice::Auto => Ok(None),
-                _ => Err(invalid(
+                _ => Err(ApiError::invalid_param(
                     "tool_choice",
-                    "tool_choice asks for a tool call but no tools are given".into(),
+                    "tool_choice asks for a tool call but no tools are given",
                 )),
             };
         }
