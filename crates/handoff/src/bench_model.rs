@@ -23,7 +23,7 @@ pub struct BenchModelArgs {
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
     reps: u16,
     /// Weight format for prefill (f32, q8_0, q8_0-rows, as-loaded).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "q8_0-rows")]
     prefill_format: WeightFormat,
     /// Weight format for decode (f32, q8_0, as-loaded).
     #[arg(long, default_value = "q8_0")]

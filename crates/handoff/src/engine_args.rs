@@ -60,9 +60,10 @@ pub struct EngineArgs {
     /// prompt. The cache is on by default in colocated serving.
     #[arg(long)]
     pub(crate) disable_radix_cache: bool,
-    /// Weight format for prefill: f32, q8_0, q8_0-vnni, q8_0-rows (handoff's
-    /// row-invariant kernel) or as-loaded (BENCHMARKS.md).
-    #[arg(long, default_value = "f32")]
+    /// Weight format for prefill: q8_0-rows (handoff's row-invariant Q8_0
+    /// kernel, one copy shared with q8_0 decode), f32, q8_0 (candle's
+    /// kernel), q8_0-vnni or as-loaded (BENCHMARKS.md).
+    #[arg(long, default_value = "q8_0-rows")]
     pub(crate) prefill_format: WeightFormat,
     /// Weight format for decode: q8_0, q8_0-vnni (faster on AVX-512 VNNI CPUs,
     /// coarser activation rounding), q8_0-candle (candle's Q8_0 kernel, for

@@ -5,18 +5,19 @@
 //! (`only_simd_may_use_unsafe`) checks that no other file allows it.
 //!
 //! Each kernel here computes exactly what the safe baseline in
-//! `q8_matmul.rs` computes, bit for bit: the same 8 i32 lanes per block
-//! (lane `j` = the sum of the products of elements `4j..4j+3`), converted to
-//! f32 and accumulated with one fused multiply-add by the block's scale
-//! product. `q8_matmul::tests::every_path_gives_the_same_bits` runs every
-//! path this CPU has on the same inputs and requires identical output.
+//! `q8_matmul.rs` computes, bit for bit: per output element and block the
+//! exact i32 dot product of 32 quant pairs, converted to f32 and
+//! accumulated with one fused multiply-add by the block's scale product.
+//! `q8_matmul::tests::every_path_gives_the_same_bits` runs every path this
+//! CPU has on the same inputs and requires identical output.
 //!
-//! The VNNI kernels replace the baseline's `vpmaddubsw` + `vpmaddwd` (pairs
-//! to i16, saturating, then pairs of those to i32) by one `vpdpbusd` (groups
-//! of 4 to i32, not saturating). The two agree whenever the baseline does
-//! not saturate, that is whenever no weight quant is -128, which Q8_0 made
-//! by quantization never holds (`|round(x·127/amax)| ≤ 127`; see
-//! `q8_matmul.rs`).
+//! The VNNI kernels replace the baseline's sign, `vpmaddubsw`, `vpmaddwd`
+//! and add (pairs to i16, saturating, then pairs of those to i32) by one
+//! `vpdpbusd` (unsigned × signed, groups of 4 added to i32, not
+//! saturating) on weights stored offset to unsigned. The two agree whenever
+//! the baseline does not saturate, that is whenever no weight quant is
+//! -128, which Q8_0 made by quantization never holds
+//! (`|round(x·127/amax)| ≤ 127`; see `q8_matmul.rs`).
 
 use std::sync::OnceLock;
 
@@ -95,7 +96,7 @@ impl Q8Path {
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-pub(crate) use vnni::block_products;
+pub(crate) use vnni::group_products;
 
 #[cfg(all(
     target_arch = "x86_64",
@@ -104,48 +105,93 @@ pub(crate) use vnni::block_products;
 ))]
 mod vnni {
     use core::arch::x86_64::{
-        __m256, __m256i, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_set1_ps, _mm256_setzero_ps,
-        _mm256_setzero_si256, _mm256_sign_epi8,
+        __m256, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_epi32,
+        _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
     };
-    use safe_arch::m256i;
+    use safe_arch::{m256, m256i};
 
     use super::Q8Path;
+    use crate::q8_matmul::{GROUP, WORDS};
 
-    /// One kernel per instruction set: `TILE` weight rows against `C`
-    /// activation rows over `blocks` blocks; the 8 f32 lanes of each
-    /// output. Every slice holds at least `blocks` elements (indexing is
-    /// checked).
+    /// One kernel per instruction set: `G` groups of 8 weight rows against
+    /// `C` activation rows over `blocks` blocks; `[G][C][8]` results. Every
+    /// slice holds at least `blocks` elements (indexing is checked).
     macro_rules! kernel {
         ($name:ident, $features:literal, $dot:path) => {
             #[target_feature(enable = $features)]
-            fn $name<const C: usize, const TILE: usize>(
-                w: &[[m256i; TILE]],
-                xs: [&[m256i]; C],
-                ax: [&[m256i]; C],
-                ds: [&[[f32; TILE]]; C],
+            fn $name<const G: usize, const C: usize>(
+                w: [&[[m256i; WORDS]]; G],
+                wd: [&[[f32; GROUP]]; G],
+                x: [&[[i32; WORDS]]; C],
+                corr: [&[i32]; C],
+                xd: [&[f32]; C],
                 blocks: usize,
-            ) -> [[[f32; 8]; C]; TILE] {
-                let mut acc: [[__m256; C]; TILE] = [[_mm256_setzero_ps(); C]; TILE];
-                let w = &w[..blocks];
+            ) -> [[[f32; GROUP]; C]; G] {
+                // Every index below is `b < blocks` into these slices:
+                // checked once here.
+                for g in 0..G {
+                    assert!(w[g].len() >= blocks && wd[g].len() >= blocks);
+                }
+                for k in 0..C {
+                    assert!(
+                        x[k].len() >= blocks && corr[k].len() >= blocks && xd[k].len() >= blocks
+                    );
+                }
+                let mut acc: [[__m256; C]; G] = [[_mm256_setzero_ps(); C]; G];
                 for b in 0..blocks {
-                    let x: [__m256i; C] = std::array::from_fn(|k| xs[k][b].0);
-                    let a: [__m256i; C] = std::array::from_fn(|k| ax[k][b].0);
-                    for (r, acc) in acc.iter_mut().enumerate() {
-                        let wr = w[b][r].0;
+                    // SAFETY: `b < blocks`, and every slice indexed by `b`
+                    // holds at least `blocks` elements (asserted above);
+                    // the other indices are into arrays of constant size.
+                    // Checked indexing here cost about 50 compare-and-branch
+                    // pairs per block, against 8·G·C dot instructions.
+                    let (wb, wdb, xb, cb, xdb) = unsafe {
+                        (
+                            w.map(|s| s.get_unchecked(b)),
+                            wd.map(|s| s.get_unchecked(b)),
+                            x.map(|s| s.get_unchecked(b)),
+                            corr.map(|s| *s.get_unchecked(b)),
+                            xd.map(|s| *s.get_unchecked(b)),
+                        )
+                    };
+                    // Weights are stored as q + 128 (unsigned, as the
+                    // instruction wants them): starting from -128·Σx makes
+                    // the sum the exact dot product.
+                    let mut init = [_mm256_setzero_si256(); C];
+                    for k in 0..C {
+                        init[k] = _mm256_set1_epi32(cb[k]);
+                    }
+                    let mut dot = [init; G];
+                    for j in 0..WORDS {
+                        let mut bx = [_mm256_setzero_si256(); C];
                         for k in 0..C {
-                            // w·sign(x), then |x|·that in groups of 4 to
-                            // i32: lane j sums elements 4j..4j+3 of w·x.
-                            let sw = _mm256_sign_epi8(wr, x[k]);
-                            let lanes = $dot(_mm256_setzero_si256(), a[k], sw);
-                            acc[k] = _mm256_fmadd_ps(
-                                _mm256_cvtepi32_ps(lanes),
-                                _mm256_set1_ps(ds[k][b][r]),
-                                acc[k],
+                            bx[k] = _mm256_set1_epi32(xb[k][j]);
+                        }
+                        for g in 0..G {
+                            let wv = wb[g][j].0;
+                            for k in 0..C {
+                                // Lane r adds 4 products of row r.
+                                dot[g][k] = $dot(dot[g][k], wv, bx[k]);
+                            }
+                        }
+                    }
+                    for g in 0..G {
+                        let dw = m256::from(*wdb[g]).0;
+                        for k in 0..C {
+                            acc[g][k] = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(dot[g][k]),
+                                _mm256_mul_ps(dw, _mm256_set1_ps(xdb[k])),
+                                acc[g][k],
                             );
                         }
                     }
                 }
-                acc.map(|row| row.map(|v| safe_arch::m256(v).into()))
+                let mut out = [[[0f32; GROUP]; C]; G];
+                for g in 0..G {
+                    for k in 0..C {
+                        out[g][k] = m256(acc[g][k]).into();
+                    }
+                }
+                out
             }
         };
     }
@@ -161,16 +207,17 @@ mod vnni {
         core::arch::x86_64::_mm256_dpbusd_avx_epi32
     );
 
-    /// The lanes of [`kernel!`] by `path`; `None` for the baseline (the
+    /// The results of [`kernel!`] by `path`; `None` for the baseline (the
     /// caller runs its own) or a path this CPU lacks.
-    pub(crate) fn block_products<const C: usize, const TILE: usize>(
+    pub(crate) fn group_products<const G: usize, const C: usize>(
         path: Q8Path,
-        w: &[[m256i; TILE]],
-        xs: [&[m256i]; C],
-        ax: [&[m256i]; C],
-        ds: [&[[f32; TILE]]; C],
+        w: [&[[m256i; WORDS]]; G],
+        wd: [&[[f32; GROUP]]; G],
+        x: [&[[i32; WORDS]]; C],
+        corr: [&[i32]; C],
+        xd: [&[f32]; C],
         blocks: usize,
-    ) -> Option<[[[f32; 8]; C]; TILE]> {
+    ) -> Option<[[[f32; GROUP]; C]; G]> {
         match path {
             Q8Path::Baseline => None,
             Q8Path::Avx512Vnni => {
@@ -181,14 +228,14 @@ mod vnni {
                 // AVX-512VL and AVX-512 VNNI, and the CPU was just checked
                 // to have all of them (the build's baseline guarantees AVX2
                 // and FMA). It reads its arguments through references only.
-                ok.then(|| unsafe { products_avx512_vnni::<C, TILE>(w, xs, ax, ds, blocks) })
+                ok.then(|| unsafe { products_avx512_vnni::<G, C>(w, wd, x, corr, xd, blocks) })
             }
             Q8Path::AvxVnni => {
                 let ok = std::arch::is_x86_feature_detected!("avxvnni");
                 // SAFETY: compiled for AVX2, FMA and AVX-VNNI; the CPU was
                 // just checked for AVX-VNNI, and the build's baseline
                 // guarantees AVX2 and FMA. References only, as above.
-                ok.then(|| unsafe { products_avx_vnni::<C, TILE>(w, xs, ax, ds, blocks) })
+                ok.then(|| unsafe { products_avx_vnni::<G, C>(w, wd, x, corr, xd, blocks) })
             }
         }
     }
