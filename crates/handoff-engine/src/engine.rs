@@ -71,6 +71,7 @@ impl Shared {
             pages_total: pages.total,
             pages_used: pages.leased.saturating_sub(evictable),
             pages_cached: self.counters.cache_pages.load(Ordering::Acquire),
+            ..LoadSnapshot::default()
         }
     }
 }

@@ -55,6 +55,7 @@ per_transport!(
     a_prefill_that_never_answers_holds_up_no_other_request,
     a_prefill_behind_a_dropped_port_holds_up_no_other_request,
     a_short_prompt_is_not_stuck_behind_a_long_prefill,
+    prompts_sharing_a_prefill_pass_keep_their_bits,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
     sampling_controls_are_colocated_controls,
@@ -741,6 +742,67 @@ fn a_short_prompt_is_not_stuck_behind_a_long_prefill(kind: TransportKind) {
     );
     assert_eq!(drain(short_stream).unwrap(), want_short);
     assert_eq!(drain(long_stream).unwrap().0.len(), 2);
+    assert_clean(&s);
+}
+
+/// Token ids and the bits of their log-probabilities.
+fn id_bits(mut s: RequestStream) -> Vec<(u32, u32)> {
+    let mut out = Vec::new();
+    loop {
+        match s.blocking_next() {
+            Some(StreamEvent::Token(t)) => out.push((t.id, t.logprob.to_bits())),
+            Some(StreamEvent::Finished(_)) => return out,
+            Some(StreamEvent::Error(e)) => panic!("{e}"),
+            None => panic!("stream ended without Finished or Error"),
+        }
+    }
+}
+
+/// Prompts that arrive while another prefills share its forward passes
+/// (up to `prefill_chunk` tokens a pass, all prompts together), and each
+/// keeps the bits it has alone: every token and the bits of its
+/// log-probability equal colocated, which computes each prompt by itself
+/// in chunks cut elsewhere.
+fn prompts_sharing_a_prefill_pass_keep_their_bits(kind: TransportKind) {
+    // Passes of 4 tokens: the long prompt takes 250 of them, so the short
+    // ones arrive while it runs (as in the test above), and their odd
+    // lengths leave passes part-filled for the next prompt in turn.
+    let s = setup(
+        kind,
+        Opts {
+            kv_pages: 1024,
+            prefill_chunk: 4,
+            ..Opts::default()
+        },
+    );
+    let long = req(prompt(1000, 5), 3);
+    let shorts: Vec<GenerateRequest> = (0..4)
+        .map(|i| req(prompt(13 + 7 * i, 20 + i as u32), 4))
+        .collect();
+    let alone = |r: &GenerateRequest| id_bits(s.colocated.submit(r.clone()).unwrap());
+    let want: Vec<_> = shorts.iter().map(alone).collect();
+    let want_long = alone(&long);
+    let before = s.prefill.load();
+    let (long_ticket, long_stream) = start(&s, &long);
+    eventually("the long prefill runs", Duration::from_secs(5), || {
+        s.prefill.load().running == 1
+    });
+    let started: Vec<_> = shorts.iter().map(|r| start(&s, r)).collect();
+    for (i, ((ticket, stream), want)) in started.into_iter().zip(&want).enumerate() {
+        ticket.blocking_wait().unwrap();
+        assert_eq!(&id_bits(stream), want, "short prompt {i}");
+    }
+    long_ticket.blocking_wait().unwrap();
+    assert_eq!(id_bits(long_stream), want_long, "the long prompt");
+    let after = s.prefill.load();
+    let passes = after.prefill_passes - before.prefill_passes;
+    let sequences = after.prefill_pass_sequences - before.prefill_pass_sequences;
+    // 1000 + 13 + 20 + 27 + 34 tokens in passes of at most 4.
+    assert!(passes >= 1094 / 4, "{passes} passes");
+    assert!(
+        sequences > passes,
+        "{sequences} sequences in {passes} passes: no pass held two prompts"
+    );
     assert_clean(&s);
 }
 

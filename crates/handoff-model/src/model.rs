@@ -238,6 +238,21 @@ impl Llama {
         self.formats
     }
 
+    /// Whether a prefill forward computes every token's row on its own:
+    /// every matrix runs handoff's row-invariant kernel (`q8_0-rows`; a
+    /// float tensor of the GGUF stays a dense GEMM). Then a sequence's
+    /// results are the same bits whatever other rows, of its own prompt
+    /// or of other sequences, share the pass (the norms, RoPE and
+    /// attention are per row or per sequence already).
+    pub fn prefill_rows_independent(&self) -> bool {
+        self.lm_head.prefill_rows_independent()
+            && self.blocks.iter().all(|b| {
+                [&b.wqkv, &b.wo, &b.w_gate_up, &b.w_down]
+                    .iter()
+                    .all(|l| l.prefill_rows_independent())
+            })
+    }
+
     /// The KV geometry this model needs for a page size and element type.
     pub fn kv_geometry(&self, page_size: usize, dtype: KvDtype) -> KvGeometry {
         self.config.kv_geometry(page_size, dtype)

@@ -1,9 +1,10 @@
-//! `q8_0-rows` (handoff's own Q8_0 kernel in prefill too) computes each row
-//! on its own: a prompt's logits and KV are the same bits however it is
-//! chunked. The f32 GEMM of the default prefill format does not promise
-//! that (its summation order follows the row count), which is why prefill
-//! runs one sequence per pass and a prompt's chunks are fixed; this test
-//! shows both on SmolLM2-135M-Instruct Q4_1 (`HANDOFF_MODEL`, else
+//! `q8_0-rows` (handoff's own Q8_0 kernel in prefill too, the default)
+//! computes each row on its own: a prompt's logits and KV are the same bits
+//! however it is chunked, which is what lets a prefill worker batch several
+//! prompts into one pass. The f32 GEMM (`--prefill-format f32`) does not
+//! promise that (its summation order follows the row count), so with it
+//! prefill runs one sequence per pass and a prompt's chunks are fixed; this
+//! test shows both on SmolLM2-135M-Instruct Q4_1 (`HANDOFF_MODEL`, else
 //! `models/`; run scripts/fetch-model.sh first).
 
 use std::path::PathBuf;
@@ -60,6 +61,9 @@ fn q8_0_rows_prefill_gives_the_same_bits_however_the_prompt_is_chunked() {
         .0
     };
     let rows = load(WeightFormat::Q8_0Rows);
+    // Every matrix, the LM head too, runs the row-invariant kernel: a
+    // prefill worker may batch several prompts into a pass.
+    assert!(rows.prefill_rows_independent());
     let whole = chunked(&rows, &tokens, chunkings[0]);
     for lens in &chunkings[1..] {
         assert!(
@@ -69,6 +73,7 @@ fn q8_0_rows_prefill_gives_the_same_bits_however_the_prompt_is_chunked() {
     }
     // The contrast: the f32 GEMM's bits follow the chunking.
     let f32 = load(WeightFormat::F32);
+    assert!(!f32.prefill_rows_independent());
     let whole = chunked(&f32, &tokens, chunkings[0]);
     let differ = chunkings[1..]
         .iter()

@@ -51,6 +51,8 @@ pub struct Metrics {
     pages_used: Gauge,
     pages_cached: Gauge,
     kv_bytes_sent: Counter,
+    prefill_passes: Counter,
+    prefill_pass_sequences: Counter,
     live_rooms: Gauge,
     stalled: Counter,
     prefill_stages: Family<StageLabels, Histogram>,
@@ -153,6 +155,18 @@ impl Metrics {
             "Prefill worker: KV bytes sent to decode workers (delta transfer sends only the pages a decode lacks)",
             kv_bytes_sent.clone(),
         );
+        let prefill_passes = Counter::default();
+        registry.register(
+            "prefill_passes",
+            "Prefill worker: forward passes run",
+            prefill_passes.clone(),
+        );
+        let prefill_pass_sequences = Counter::default();
+        registry.register(
+            "prefill_pass_sequences",
+            "Prefill worker: sequences in its forward passes, all together (over prefill_passes: prompts batched per pass)",
+            prefill_pass_sequences.clone(),
+        );
         registry.register(
             "transfer_live_rooms",
             "PD worker: rooms its transfer endpoint holds (0 once idle: anything else is a leak)",
@@ -176,6 +190,8 @@ impl Metrics {
             page_size: page_size.max(1),
             pages_cached,
             kv_bytes_sent,
+            prefill_passes,
+            prefill_pass_sequences,
             live_rooms,
             stalled,
             prefill_stages,
@@ -285,6 +301,14 @@ impl Metrics {
         self.kv_bytes_sent
             .inner()
             .fetch_max(transfer.kv_bytes_sent, std::sync::atomic::Ordering::Relaxed);
+        for (counter, total) in [
+            (&self.prefill_passes, load.prefill_passes),
+            (&self.prefill_pass_sequences, load.prefill_pass_sequences),
+        ] {
+            counter
+                .inner()
+                .fetch_max(total, std::sync::atomic::Ordering::Relaxed);
+        }
         self.live_rooms.set(as_i64(transfer.live_rooms));
         self.running.set(as_i64(load.running));
         self.waiting.set(as_i64(load.waiting));
@@ -339,6 +363,8 @@ mod tests {
                 pages_total: 10,
                 pages_used: 3,
                 pages_cached: 4,
+                prefill_passes: 6,
+                prefill_pass_sequences: 9,
             },
             TransferSnapshot {
                 kv_bytes_sent: 4096,
@@ -356,6 +382,8 @@ mod tests {
             "handoff_kv_pages_used 3",
             "handoff_kv_pages_cached 4",
             "handoff_kv_transfer_bytes_total 4096",
+            "handoff_prefill_passes_total 6",
+            "handoff_prefill_pass_sequences_total 9",
             "handoff_transfer_live_rooms 5",
             // SGLang's names, in tokens, labelled with the model.
             "sglang:num_running_reqs{model_name=\"smol\"} 2",

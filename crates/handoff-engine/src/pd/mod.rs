@@ -372,6 +372,7 @@ impl PageQueue {
             pages_total: pages.total,
             pages_used: pages.leased.saturating_sub(cache.evictable),
             pages_cached: cache.pages,
+            ..LoadSnapshot::default()
         }
     }
 }

@@ -24,8 +24,9 @@
 //! them locked until its room ends, so nothing evicts a page a transfer may
 //! still read.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
@@ -147,12 +148,15 @@ impl PrefillEngine {
             running: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             eog: tokenizer.eog_ids().to_vec(),
+            passes: Arc::default(),
         });
         let compute = Compute {
+            rows_independent: model.prefill_rows_independent(),
             model,
             pool,
             threads,
             prefill_chunk: config.prefill_chunk,
+            passes: ctx.passes.clone(),
         };
         std::thread::Builder::new()
             .name("handoff-prefill".into())
@@ -280,11 +284,15 @@ impl PrefillHandle {
     /// `waiting` those waiting for decode's destination or for pages.
     pub fn load(&self) -> LoadSnapshot {
         let ctx = &self.inner.ctx;
-        ctx.pages.load(
-            ctx.running.load(Ordering::Acquire),
-            ctx.waiting.load(Ordering::Acquire),
-            0,
-        )
+        LoadSnapshot {
+            prefill_passes: ctx.passes.passes.load(Ordering::Relaxed),
+            prefill_pass_sequences: ctx.passes.sequences.load(Ordering::Relaxed),
+            ..ctx.pages.load(
+                ctx.running.load(Ordering::Acquire),
+                ctx.waiting.load(Ordering::Acquire),
+                0,
+            )
+        }
     }
 
     /// Empty the prefix cache of every page no room reads; returns how many
@@ -327,6 +335,7 @@ struct Ctx {
     waiting: AtomicUsize,
     /// The model's end-of-generation tokens (masked before `min_new_tokens`).
     eog: Vec<u32>,
+    passes: Arc<PassCounts>,
 }
 
 /// One request, from open to the room's outcome. The request task owns the
@@ -599,7 +608,21 @@ struct Compute {
     model: Arc<Llama>,
     pool: KvPool,
     threads: rayon::ThreadPool,
+    /// Tokens per forward pass, all jobs together.
     prefill_chunk: usize,
+    /// Whether several jobs may share a pass (the model's prefill rows are
+    /// computed independently).
+    rows_independent: bool,
+    passes: Arc<PassCounts>,
+}
+
+/// Forward passes the compute thread ran, and the sequences in them, since
+/// start (`handoff_prefill_passes_total`,
+/// `handoff_prefill_pass_sequences_total`).
+#[derive(Debug, Default)]
+struct PassCounts {
+    passes: AtomicU64,
+    sequences: AtomicU64,
 }
 
 // The wire carries as many alternatives as a request may ask for.
@@ -620,87 +643,127 @@ struct Running {
 }
 
 impl Compute {
-    /// Prefill every job that arrived, interleaved: each step computes the
-    /// next chunk of one running job, the jobs taking turns (round robin),
-    /// so a short prompt waits for at most one chunk of each prompt ahead of
-    /// it, never for a long prompt's whole prefill. Chunks are the colocated
-    /// engine's (`prefill_chunk` tokens from the end of the cached prefix,
-    /// one sequence per forward pass), so a request's KV is the same bits
-    /// whatever else runs beside it: batching several sequences' rows into
-    /// one pass changes the matmul's summation order, and with it greedy
-    /// output on SmolLM2.
+    /// Prefill every job that arrived, interleaved (round robin): each
+    /// forward pass takes the next chunks of the running jobs in turn, up
+    /// to `prefill_chunk` tokens in all, so a short prompt waits for at
+    /// most one pass, never for a long prompt's whole prefill.
+    ///
+    /// Several jobs share a pass only when the model's prefill rows are
+    /// computed independently (the `q8_0-rows` format, the default): then a
+    /// request's KV is the same bits whatever else runs beside it and
+    /// however its prompt is cut into chunks. Another format (the f32 GEMM)
+    /// sums rows in an order that depends on the pass, so there a pass
+    /// holds one job's chunk, `prefill_chunk` tokens from the end of its
+    /// cached prefix, as the colocated engine cuts it. A job that scores
+    /// its prompt (`prompt_logprobs`: logits of every row) runs alone.
     fn run(mut self, jobs: std_mpsc::Receiver<Job>) {
-        let mut running: Vec<Running> = Vec::new();
-        let mut turn = 0;
+        // Served from the front; a job with more to do goes to the back.
+        let mut running: VecDeque<Running> = VecDeque::new();
         loop {
             if running.is_empty() {
                 match jobs.recv() {
-                    Ok(job) => running.push(Running::new(job)),
+                    Ok(job) => running.push_back(Running::new(job)),
                     Err(_) => return,
                 }
             }
             running.extend(jobs.try_iter().map(Running::new));
-            // A cancelled job stops here, between chunks.
-            let mut i = 0;
-            while i < running.len() {
-                if running[i].job.cancel.load(Ordering::Acquire) {
-                    let r = running.remove(i);
+            // A cancelled job stops here, between passes.
+            for r in std::mem::take(&mut running) {
+                if r.job.cancel.load(Ordering::Acquire) {
                     let _ = r.job.reply.send((Ok(None), r.job.lease));
-                    if i < turn {
-                        turn -= 1;
-                    }
                 } else {
-                    i += 1;
+                    running.push_back(r);
                 }
             }
             if running.is_empty() {
                 continue;
             }
-            turn %= running.len();
-            match self.chunk(&mut running[turn]) {
-                Ok(None) => turn += 1,
-                Ok(Some(first)) => {
-                    let r = running.remove(turn);
-                    let _ = r.job.reply.send((Ok(Some(first)), r.job.lease));
-                }
-                Err(e) => {
-                    let r = running.remove(turn);
-                    let _ = r.job.reply.send((Err(e), r.job.lease));
+            let pack = self.pack(&running);
+            let mut served: Vec<Running> = running.drain(..pack.len()).collect();
+            let results = self.pass(&mut served, &pack);
+            for (r, result) in served.into_iter().zip(results) {
+                match result {
+                    Ok(None) => running.push_back(r),
+                    done => {
+                        let _ = r.job.reply.send((done, r.job.lease));
+                    }
                 }
             }
         }
     }
 
-    /// The next chunk of `r`: `prefill_chunk` tokens (fewer at the end),
-    /// its progress reported per layer. Returns the first token once the
-    /// prompt is complete.
-    fn chunk(&mut self, r: &mut Running) -> Result<Option<FirstToken>, EngineError> {
+    /// How many tokens each of the first jobs of `running` computes in the
+    /// next pass: the front job's next chunk, then, where rows are
+    /// independent, the next jobs' while the budget lasts.
+    fn pack(&self, running: &VecDeque<Running>) -> Vec<usize> {
+        let budget = self.prefill_chunk;
+        let mut pack = Vec::new();
+        let mut used = 0;
+        for r in running {
+            let take = (r.job.tokens.len() - r.cached).min(budget - used);
+            let alone = r.job.prompt_logprobs || !self.rows_independent;
+            if !pack.is_empty() && (alone || take == 0) {
+                break;
+            }
+            pack.push(take);
+            used += take;
+            if alone || used == budget {
+                break;
+            }
+        }
+        pack
+    }
+
+    /// One forward pass over `take[i]` tokens of each of `served`, its
+    /// progress reported per layer to each job. Returns each job's first
+    /// token once its prompt is complete (`None` before).
+    fn pass(
+        &mut self,
+        served: &mut [Running],
+        take: &[usize],
+    ) -> Vec<Result<Option<FirstToken>, EngineError>> {
         let model = self.model.clone();
-        let len = r.job.tokens.len();
-        let end = (r.cached + self.prefill_chunk).min(len);
-        let chunk = SeqChunk {
-            tokens: &r.job.tokens[r.cached..end],
-            start_pos: r.cached,
-            pages: &r.job.pages,
-        };
-        let pool = &mut self.pool;
-        let progress = &r.job.progress;
-        let every_row = r.job.prompt_logprobs;
-        let logits = self
-            .threads
-            .install(|| {
-                model.forward_rows(
-                    pool,
-                    &[chunk],
-                    Phase::Prefill,
-                    &mut |layer| {
-                        let _ = progress.send((end, layer));
-                    },
-                    every_row,
-                )
+        let ends: Vec<usize> = served.iter().zip(take).map(|(r, t)| r.cached + t).collect();
+        let chunks: Vec<SeqChunk<'_>> = served
+            .iter()
+            .zip(&ends)
+            .map(|(r, &end)| SeqChunk {
+                tokens: &r.job.tokens[r.cached..end],
+                start_pos: r.cached,
+                pages: &r.job.pages,
             })
-            .map_err(|e| EngineError::Model(e.to_string()))?;
+            .collect();
+        let every_row = served.len() == 1 && served[0].job.prompt_logprobs;
+        let pool = &mut self.pool;
+        let progress: Vec<_> = served.iter().map(|r| &r.job.progress).collect();
+        self.passes.passes.fetch_add(1, Ordering::Relaxed);
+        self.passes
+            .sequences
+            .fetch_add(served.len() as u64, Ordering::Relaxed);
+        let logits = self.threads.install(|| {
+            model.forward_rows(
+                pool,
+                &chunks,
+                Phase::Prefill,
+                &mut |layer| {
+                    for (p, &end) in progress.iter().zip(&ends) {
+                        let _ = p.send((end, layer));
+                    }
+                },
+                every_row,
+            )
+        });
+        let logits = match logits {
+            Ok(l) => l,
+            Err(e) => {
+                return served
+                    .iter()
+                    .map(|_| Err(EngineError::Model(e.to_string())))
+                    .collect();
+            }
+        };
         if every_row {
+            let r = &mut served[0];
             PromptLogprob::score(
                 &r.job.tokens,
                 r.cached,
@@ -708,33 +771,56 @@ impl Compute {
                 r.job.top_logprobs,
                 &mut r.scores,
             );
+            r.cached = ends[0];
+            let last = logits.last();
+            return vec![r.first_token(last)];
         }
-        r.cached = end;
-        if end < len {
+        served
+            .iter_mut()
+            .zip(ends)
+            .zip(&logits)
+            .map(|((r, end), logits)| {
+                r.cached = end;
+                r.first_token(Some(logits))
+            })
+            .collect()
+    }
+}
+
+impl Running {
+    /// The first token if the prompt is complete (`logits`: its last
+    /// row's), `None` if more of it is to compute.
+    fn first_token(
+        &mut self,
+        logits: Option<&Vec<f32>>,
+    ) -> Result<Option<FirstToken>, EngineError> {
+        if self.cached < self.job.tokens.len() {
             return Ok(None);
         }
-        let logits = logits
-            .last()
-            .ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
-        let mut sampler = Sampler::for_prompt(r.job.sampler.clone(), &r.job.tokens);
-        let allowed = match r.job.grammar.as_mut().map(crate::grammar::Grammar::allowed) {
+        let logits =
+            logits.ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
+        let mut sampler = Sampler::for_prompt(self.job.sampler.clone(), &self.job.tokens);
+        let allowed = match self
+            .job
+            .grammar
+            .as_mut()
+            .map(crate::grammar::Grammar::allowed)
+        {
             None => None,
             Some(Ok(m)) => Some(m),
             Some(Err(e)) => return Err(EngineError::Grammar(e.0)),
         };
         let words = allowed.as_ref().map(crate::grammar::Allowed::words);
-        let (id, logprob) = sampler.sample_allowed(logits, &r.job.masked, words);
+        let (id, logprob) = sampler.sample_allowed(logits, &self.job.masked, words);
         if allowed.as_ref().is_some_and(|m| !m.contains(id)) {
             return Err(EngineError::Grammar(
                 "the grammar allows no token here".into(),
             ));
         }
-        let top = handoff_model::sampling::top_logprobs(logits, r.job.top_logprobs);
-        Ok(Some((id, logprob, top, std::mem::take(&mut r.scores))))
+        let top = handoff_model::sampling::top_logprobs(logits, self.job.top_logprobs);
+        Ok(Some((id, logprob, top, std::mem::take(&mut self.scores))))
     }
-}
 
-impl Running {
     fn new(job: Job) -> Self {
         let cached = job.start;
         Running {
