@@ -1,7 +1,7 @@
 //! Starting the engine: load the model, build the KV pool, spawn the
 //! scheduler thread that owns them.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 
 use handoff_kv::{KvPool, PageAllocator, PrefixCache};
@@ -39,6 +39,9 @@ pub(crate) struct Counters {
     /// Pages the prefix cache holds, and of those the evictable ones.
     pub cache_pages: AtomicUsize,
     pub cache_evictable: AtomicUsize,
+    /// Prefill passes run, and the sequences in them, since start.
+    pub prefill_passes: AtomicU64,
+    pub prefill_pass_sequences: AtomicU64,
 }
 
 impl Shared {
@@ -71,7 +74,8 @@ impl Shared {
             pages_total: pages.total,
             pages_used: pages.leased.saturating_sub(evictable),
             pages_cached: self.counters.cache_pages.load(Ordering::Acquire),
-            ..LoadSnapshot::default()
+            prefill_passes: self.counters.prefill_passes.load(Ordering::Relaxed),
+            prefill_pass_sequences: self.counters.prefill_pass_sequences.load(Ordering::Relaxed),
         }
     }
 }

@@ -46,10 +46,11 @@ pub struct LoadSnapshot {
     pub pages_used: usize,
     /// Pages the prefix cache holds (some of them also in `pages_used`).
     pub pages_cached: usize,
-    /// Prefill worker: forward passes run since start (0 elsewhere).
+    /// Prefill forward passes run since start (a colocated engine or a
+    /// prefill worker; 0 on a decode worker).
     pub prefill_passes: u64,
-    /// Prefill worker: sequences in those passes, all together (several
-    /// per pass when prompts are batched).
+    /// Sequences in those passes, all together (several per pass when
+    /// prompts are batched).
     pub prefill_pass_sequences: u64,
 }
 

@@ -339,57 +339,10 @@ impl Scheduler {
         }
     }
 
-    /// One prefill chunk and one decode step; whether it ran anything.
+    /// One prefill pass and one decode step; whether it ran anything.
     fn step(&mut self) -> Result<bool, EngineError> {
         let model = self.model.clone();
-        let mut ran = false;
-        // One prefill chunk: the oldest request still prefilling.
-        if let Some(i) = self.active.iter().position(Active::prefilling) {
-            ran = true;
-            let a = &self.active[i];
-            let end = (a.cached + self.prefill_chunk).min(a.prompt_len);
-            let chunk = SeqChunk {
-                tokens: &a.tokens[a.cached..end],
-                start_pos: a.cached,
-                pages: &a.seq.pages,
-            };
-            let pool = &mut self.pool;
-            let every_row = a.sampling.prompt_logprobs;
-            let logits = self
-                .threads
-                .install(|| {
-                    model.forward_rows(pool, &[chunk], Phase::Prefill, &mut |_| {}, every_row)
-                })
-                .map_err(|e| EngineError::Model(e.to_string()))?;
-            let a = &mut self.active[i];
-            if every_row {
-                crate::request::PromptLogprob::score(
-                    &a.tokens[..a.prompt_len],
-                    a.cached,
-                    &logits,
-                    a.sampling.top_logprobs,
-                    &mut a.prompt_scores,
-                );
-            }
-            a.cached = end;
-            if !a.prefilling() {
-                // The whole prompt's KV is in: its full pages join the cache
-                // (this request keeps reading them, locked).
-                if let Some(c) = &mut self.cache {
-                    c.insert(
-                        &a.tokens[..a.prompt_len],
-                        &a.seq.pages,
-                        &mut a.seq.lease,
-                        &mut a.seq.prefix,
-                    );
-                }
-                if let Some(l) = logits.last() {
-                    if let Some(last) = self.emit(i, l, None) {
-                        self.finish(i, last);
-                    }
-                }
-            }
-        }
+        let ran = self.prefill_pass(&model)?;
         // One decode step for every request past prefill whose reader has
         // room for its next token; the others are paused until it catches up.
         let idx: Vec<usize> = (0..self.active.len())
@@ -453,6 +406,97 @@ impl Scheduler {
 
     /// Remove request `i`, returning its pages, then send its last event: a
     /// client that sees the end of its stream never sees its pages still held.
+    /// One prefill pass: the next chunks of the requests still prefilling,
+    /// oldest first, up to `prefill_chunk` tokens together. Several
+    /// requests share the pass only when the model computes each row on
+    /// its own (`Llama::prefill_rows_independent`, the default `q8_0-rows`
+    /// format), so a request's KV and logits are the same bits whatever
+    /// shares its pass; otherwise, and for a request scoring its prompt
+    /// (logits of every row), a pass holds one request's chunk. Whether it
+    /// ran anything.
+    fn prefill_pass(&mut self, model: &Llama) -> Result<bool, EngineError> {
+        let independent = model.prefill_rows_independent();
+        // (request, end of its chunk), in index order.
+        let mut pack: Vec<(usize, usize)> = Vec::new();
+        let mut used = 0;
+        for (i, a) in self.active.iter().enumerate() {
+            if !a.prefilling() {
+                continue;
+            }
+            let alone = a.sampling.prompt_logprobs || !independent;
+            if !pack.is_empty() && alone {
+                break;
+            }
+            let take = (a.prompt_len - a.cached).min(self.prefill_chunk - used);
+            pack.push((i, a.cached + take));
+            used += take;
+            if alone || used == self.prefill_chunk {
+                break;
+            }
+        }
+        if pack.is_empty() {
+            return Ok(false);
+        }
+        let chunks: Vec<SeqChunk<'_>> = pack
+            .iter()
+            .map(|&(i, end)| {
+                let a = &self.active[i];
+                SeqChunk {
+                    tokens: &a.tokens[a.cached..end],
+                    start_pos: a.cached,
+                    pages: &a.seq.pages,
+                }
+            })
+            .collect();
+        let every_row = pack.len() == 1 && self.active[pack[0].0].sampling.prompt_logprobs;
+        self.counters.prefill_passes.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .prefill_pass_sequences
+            .fetch_add(pack.len() as u64, Ordering::Relaxed);
+        let pool = &mut self.pool;
+        let logits = self
+            .threads
+            .install(|| model.forward_rows(pool, &chunks, Phase::Prefill, &mut |_| {}, every_row))
+            .map_err(|e| EngineError::Model(e.to_string()))?;
+        // Highest index first: finishing a request moves the last one into
+        // its place, never one still to handle here.
+        for (k, &(i, end)) in pack.iter().enumerate().rev() {
+            let a = &mut self.active[i];
+            let last = if every_row {
+                crate::request::PromptLogprob::score(
+                    &a.tokens[..a.prompt_len],
+                    a.cached,
+                    &logits,
+                    a.sampling.top_logprobs,
+                    &mut a.prompt_scores,
+                );
+                logits.last()
+            } else {
+                logits.get(k)
+            };
+            a.cached = end;
+            if a.prefilling() {
+                continue;
+            }
+            // The whole prompt's KV is in: its full pages join the cache
+            // (this request keeps reading them, locked).
+            if let Some(c) = &mut self.cache {
+                c.insert(
+                    &a.tokens[..a.prompt_len],
+                    &a.seq.pages,
+                    &mut a.seq.lease,
+                    &mut a.seq.prefix,
+                );
+            }
+            if let Some(l) = last {
+                if let Some(done) = self.emit(i, l, None) {
+                    self.finish(i, done);
+                }
+            }
+        }
+        Ok(true)
+    }
+
     fn finish(&mut self, i: usize, last: Option<StreamEvent>) {
         let tx = self.active.swap_remove(i).into_sender();
         self.publish_cache();

@@ -108,6 +108,7 @@ fn concurrent_requests_get_their_solo_outputs_and_pages_return() {
         assert_eq!(*reason, FinishReason::Length);
     }
     assert_eq!(h.load().pages_used, 0);
+    let before = h.load();
     // All 16 at once, from 16 threads.
     let together: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = reqs
@@ -123,6 +124,15 @@ fn concurrent_requests_get_their_solo_outputs_and_pages_return() {
         );
         assert_eq!(a.1, b.1);
     }
+    // Prompts that wait together share prefill passes (the default format
+    // computes rows on their own), and keep their solo outputs above.
+    let after = h.load();
+    let passes = after.prefill_passes - before.prefill_passes;
+    let sequences = after.prefill_pass_sequences - before.prefill_pass_sequences;
+    assert!(
+        sequences > passes,
+        "{sequences} sequences in {passes} passes: no pass held two prompts"
+    );
     wait_for_pages_free(&h);
 }
 

@@ -158,13 +158,13 @@ impl Metrics {
         let prefill_passes = Counter::default();
         registry.register(
             "prefill_passes",
-            "Prefill worker: forward passes run",
+            "Prefill forward passes run (colocated engine or prefill worker)",
             prefill_passes.clone(),
         );
         let prefill_pass_sequences = Counter::default();
         registry.register(
             "prefill_pass_sequences",
-            "Prefill worker: sequences in its forward passes, all together (over prefill_passes: prompts batched per pass)",
+            "Sequences in the prefill forward passes, all together (over prefill_passes: prompts batched per pass)",
             prefill_pass_sequences.clone(),
         );
         registry.register(

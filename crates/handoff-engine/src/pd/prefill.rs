@@ -755,12 +755,15 @@ impl Compute {
         });
         let logits = match logits {
             Ok(l) => l,
-            Err(e) => {
-                return served
-                    .iter()
-                    .map(|_| Err(EngineError::Model(e.to_string())))
+            // The forward checks every chunk before it computes anything:
+            // run the jobs one by one, so that only the one at fault fails
+            // and the others of the pass go on intact.
+            Err(_) if served.len() > 1 => {
+                return (0..served.len())
+                    .flat_map(|i| self.pass(&mut served[i..=i], &take[i..=i]))
                     .collect();
             }
+            Err(e) => return vec![Err(EngineError::Model(e.to_string()))],
         };
         if every_row {
             let r = &mut served[0];
