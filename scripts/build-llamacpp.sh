@@ -60,13 +60,21 @@ if [ "${LLAMACPP_FETCH_ONLY:-0}" = 1 ]; then
     exit 0
 fi
 
-# 3. configure (once per build dir; again if an older run built no server)
+# 3. configure (once per build dir; again if an older run built no server or
+# kept AMX). AMX is compiled out: at this pin, with -march=native on a CPU
+# that has it (Sapphire Rapids), llama-server dies of SIGILL on `tilezero`
+# in an OpenMP worker (tinygemm_kernel_amx) during its warm-up, though the
+# process holds the AMX permission. -U drops the macros -march=native
+# defines, which is what turns ggml's AMX kernels on.
+NO_AMX="-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
 if [ ! -f "$BUILD/CMakeCache.txt" ] \
-   || ! grep -q '^LLAMA_BUILD_SERVER:BOOL=ON' "$BUILD/CMakeCache.txt"; then
+   || ! grep -q '^LLAMA_BUILD_SERVER:BOOL=ON' "$BUILD/CMakeCache.txt" \
+   || ! grep -qxF "CMAKE_CXX_FLAGS:STRING=$NO_AMX" "$BUILD/CMakeCache.txt"; then
     log "configuring in $BUILD"
     cmake -S "$SRC" -B "$BUILD" \
         -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=ON \
+        -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX" \
         -DLLAMA_CURL=OFF \
         -DLLAMA_OPENSSL=OFF \
         -DBUILD_SHARED_LIBS=OFF \
