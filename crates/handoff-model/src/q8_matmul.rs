@@ -70,7 +70,7 @@ mod lanes {
         sign_apply_i8_m256i, zeroed_m256, zeroed_m256i,
     };
 
-    use super::{GROUP, WORDS};
+    use super::{Tile, GROUP, WORDS};
 
     /// 32 bytes, 32-byte aligned: 4 quants of each of 8 rows.
     pub type Quants = m256i;
@@ -90,14 +90,16 @@ mod lanes {
     /// The safe kernel: `G` groups of 8 weight rows against `C` activation
     /// rows; the f32 results, `[G][C][8]`.
     #[inline(always)]
-    pub fn kernel<const G: usize, const C: usize>(
-        w: [&[[Quants; WORDS]]; G],
-        wd: [&[[f32; GROUP]]; G],
-        x: [&[[i32; WORDS]]; C],
-        ax: [&[[i32; WORDS]]; C],
-        xd: [&[f32]; C],
-        blocks: usize,
-    ) -> [[[f32; GROUP]; C]; G] {
+    pub fn kernel<const G: usize, const C: usize>(t: &Tile<'_, G, C>) -> [[[f32; GROUP]; C]; G] {
+        let Tile {
+            w,
+            wd,
+            x,
+            ax,
+            xd,
+            blocks,
+            ..
+        } = *t;
         let flip = set_splat_i8_m256i(-128);
         let ones = set_splat_i16_m256i(1);
         let mut acc = [[zeroed_m256(); C]; G];
@@ -139,7 +141,7 @@ mod lanes {
     target_feature = "fma"
 )))]
 mod lanes {
-    use super::{GROUP, WORDS};
+    use super::{Tile, GROUP, WORDS};
 
     /// 32 bytes: 4 quants of each of 8 rows.
     #[derive(Clone, Copy, Default)]
@@ -158,14 +160,15 @@ mod lanes {
     }
 
     /// The portable kernel (see the x86 one).
-    pub fn kernel<const G: usize, const C: usize>(
-        w: [&[[Quants; WORDS]]; G],
-        wd: [&[[f32; GROUP]]; G],
-        x: [&[[i32; WORDS]]; C],
-        _ax: [&[[i32; WORDS]]; C],
-        xd: [&[f32]; C],
-        blocks: usize,
-    ) -> [[[f32; GROUP]; C]; G] {
+    pub fn kernel<const G: usize, const C: usize>(t: &Tile<'_, G, C>) -> [[[f32; GROUP]; C]; G] {
+        let Tile {
+            w,
+            wd,
+            x,
+            xd,
+            blocks,
+            ..
+        } = *t;
         let mut acc = [[[0f32; GROUP]; C]; G];
         for b in 0..blocks {
             for g in 0..G {
@@ -363,12 +366,16 @@ impl Q8Matrix {
         let wd: [&[[f32; GROUP]]; G] =
             std::array::from_fn(|k| &self.d[(g0 + i + k) * blocks..][..blocks]);
         let row = |v: usize| (c + v) * blocks..(c + v + 1) * blocks;
-        let x: [&[[i32; WORDS]]; C] = std::array::from_fn(|k| &acts.x[row(k)]);
-        let ax: [&[[i32; WORDS]]; C] = std::array::from_fn(|k| &acts.ax[row(k)]);
-        let corr: [&[i32]; C] = std::array::from_fn(|k| &acts.corr[row(k)]);
-        let xd: [&[f32]; C] = std::array::from_fn(|k| &acts.d[row(k)]);
-        let res = faster::<G, C>(path, w, wd, x, corr, xd, blocks)
-            .unwrap_or_else(|| lanes::kernel::<G, C>(w, wd, x, ax, xd, blocks));
+        let t = Tile {
+            w,
+            wd,
+            x: std::array::from_fn(|k| &acts.x[row(k)]),
+            ax: std::array::from_fn(|k| &acts.ax[row(k)]),
+            corr: std::array::from_fn(|k| &acts.corr[row(k)]),
+            xd: std::array::from_fn(|k| &acts.d[row(k)]),
+            blocks,
+        };
+        let res = faster::<G, C>(path, &t).unwrap_or_else(|| lanes::kernel::<G, C>(&t));
         for (gg, res) in res.iter().enumerate() {
             for (k, v) in res.iter().enumerate() {
                 out[((i + gg) * n + c + k) * GROUP..][..GROUP].copy_from_slice(v);
@@ -389,42 +396,49 @@ fn tile_groups(path: crate::simd::Q8Path) -> usize {
     }
 }
 
-/// The results of a run-time chosen SIMD kernel (`None`: run the baseline).
-#[cfg(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-))]
+/// What a register tile reads: `G` groups of 8 weight rows and `C`
+/// activation rows, `blocks` blocks each (every slice holds at least that
+/// many).
+#[derive(Clone, Copy)]
+pub(crate) struct Tile<'a, const G: usize, const C: usize> {
+    /// Weight quants, `q + 128`, `[block]` per group.
+    pub w: [&'a [[Quants; WORDS]]; G],
+    /// Weight scales, `[block][row]` per group.
+    pub wd: [&'a [[f32; GROUP]]; G],
+    /// Activation quants as words of 4, `[block]` per row.
+    pub x: [&'a [[i32; WORDS]]; C],
+    /// Their absolute values, laid out the same way.
+    pub ax: [&'a [[i32; WORDS]]; C],
+    /// `-128 · Σ quants` per block.
+    pub corr: [&'a [i32]; C],
+    /// Activation scales per block.
+    pub xd: [&'a [f32]; C],
+    /// Blocks per row.
+    pub blocks: usize,
+}
+
+/// The results of a run-time chosen SIMD kernel (`None`: run the
+/// baseline, the only kernel outside x86-64 with AVX2).
 #[inline(always)]
 fn faster<const G: usize, const C: usize>(
     path: crate::simd::Q8Path,
-    w: [&[[Quants; WORDS]]; G],
-    wd: [&[[f32; GROUP]]; G],
-    x: [&[[i32; WORDS]]; C],
-    corr: [&[i32]; C],
-    xd: [&[f32]; C],
-    blocks: usize,
+    t: &Tile<'_, G, C>,
 ) -> Option<[[[f32; GROUP]; C]; G]> {
-    crate::simd::group_products::<G, C>(path, w, wd, x, corr, xd, blocks)
-}
-
-/// No faster kernel outside x86-64 with AVX2: the baseline runs.
-#[cfg(not(all(
-    target_arch = "x86_64",
-    target_feature = "avx2",
-    target_feature = "fma"
-)))]
-#[inline(always)]
-fn faster<const G: usize, const C: usize>(
-    _path: crate::simd::Q8Path,
-    _w: [&[[Quants; WORDS]]; G],
-    _wd: [&[[f32; GROUP]]; G],
-    _x: [&[[i32; WORDS]]; C],
-    _corr: [&[i32]; C],
-    _xd: [&[f32]; C],
-    _blocks: usize,
-) -> Option<[[[f32; GROUP]; C]; G]> {
-    None
+    #[cfg(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))]
+    return crate::simd::group_products::<G, C>(path, t);
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    {
+        let _ = (path, t);
+        None
+    }
 }
 
 /// Activation rows quantized to Q8_0, `[n][blocks]` each.

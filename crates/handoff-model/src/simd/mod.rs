@@ -108,25 +108,26 @@ mod vnni {
         __m256, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_epi32,
         _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
     };
-    use safe_arch::{m256, m256i};
+    use safe_arch::m256;
 
     use super::Q8Path;
-    use crate::q8_matmul::{GROUP, WORDS};
+    use crate::q8_matmul::{Tile, GROUP, WORDS};
 
     /// One kernel per instruction set: `G` groups of 8 weight rows against
-    /// `C` activation rows over `blocks` blocks; `[G][C][8]` results. Every
-    /// slice holds at least `blocks` elements (indexing is checked).
+    /// `C` activation rows over `blocks` blocks; `[G][C][8]` results.
     macro_rules! kernel {
         ($name:ident, $features:literal, $dot:path) => {
             #[target_feature(enable = $features)]
-            fn $name<const G: usize, const C: usize>(
-                w: [&[[m256i; WORDS]]; G],
-                wd: [&[[f32; GROUP]]; G],
-                x: [&[[i32; WORDS]]; C],
-                corr: [&[i32]; C],
-                xd: [&[f32]; C],
-                blocks: usize,
-            ) -> [[[f32; GROUP]; C]; G] {
+            fn $name<const G: usize, const C: usize>(t: &Tile<'_, G, C>) -> [[[f32; GROUP]; C]; G] {
+                let Tile {
+                    w,
+                    wd,
+                    x,
+                    corr,
+                    xd,
+                    blocks,
+                    ..
+                } = *t;
                 // Every index below is `b < blocks` into these slices:
                 // checked once here.
                 for g in 0..G {
@@ -211,12 +212,7 @@ mod vnni {
     /// caller runs its own) or a path this CPU lacks.
     pub(crate) fn group_products<const G: usize, const C: usize>(
         path: Q8Path,
-        w: [&[[m256i; WORDS]]; G],
-        wd: [&[[f32; GROUP]]; G],
-        x: [&[[i32; WORDS]]; C],
-        corr: [&[i32]; C],
-        xd: [&[f32]; C],
-        blocks: usize,
+        t: &Tile<'_, G, C>,
     ) -> Option<[[[f32; GROUP]; C]; G]> {
         match path {
             Q8Path::Baseline => None,
@@ -228,14 +224,14 @@ mod vnni {
                 // AVX-512VL and AVX-512 VNNI, and the CPU was just checked
                 // to have all of them (the build's baseline guarantees AVX2
                 // and FMA). It reads its arguments through references only.
-                ok.then(|| unsafe { products_avx512_vnni::<G, C>(w, wd, x, corr, xd, blocks) })
+                ok.then(|| unsafe { products_avx512_vnni::<G, C>(t) })
             }
             Q8Path::AvxVnni => {
                 let ok = std::arch::is_x86_feature_detected!("avxvnni");
                 // SAFETY: compiled for AVX2, FMA and AVX-VNNI; the CPU was
                 // just checked for AVX-VNNI, and the build's baseline
                 // guarantees AVX2 and FMA. References only, as above.
-                ok.then(|| unsafe { products_avx_vnni::<G, C>(w, wd, x, corr, xd, blocks) })
+                ok.then(|| unsafe { products_avx_vnni::<G, C>(t) })
             }
         }
     }
