@@ -24,8 +24,7 @@ pub enum WeightFormat {
     /// Q8_0 kernel.
     Q8_0,
     /// Q8_0 through candle's kernels in every phase (what `q8_0` was before
-    /// `q8_matmul`; same arithmetic where candle takes its generic AVX2
-    /// path), kept for comparison.
+    /// `q8_matmul`; within float rounding of it), kept for comparison.
     Q8_0Candle,
     /// Q8_0 with the inner dimension zero-padded to a multiple of 256 so that
     /// candle's AVX-512 VNNI kernel runs (3-4x faster on CPUs that have it);
@@ -34,9 +33,10 @@ pub enum WeightFormat {
     /// Dequantize to f32 and use a dense f32 GEMM.
     F32,
     /// Q8_0 through handoff's own kernel (`q8_matmul`) in every phase,
-    /// prefill too: each row is computed on its own, the same bits whatever
-    /// the batch's row count (what f32 GEMM and candle's kernels do not
-    /// promise), so a prompt's KV would not depend on how it is chunked.
+    /// prefill too (the prefill default): each row is computed on its own,
+    /// the same bits whatever the batch's row count (what f32 GEMM and
+    /// candle's kernels do not promise), so a prompt's KV depends neither
+    /// on how it is chunked nor on the other prompts of its pass.
     Q8_0Rows,
 }
 

@@ -45,8 +45,9 @@ pub struct EngineArgs {
     /// Most requests waiting for admission; more are refused with 503.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) max_waiting: u32,
-    /// Most prompt tokens computed per request per step (chunked prefill;
-    /// SGLang's `--chunked-prefill-size`).
+    /// Most prompt tokens computed per prefill pass, all prompts together
+    /// (chunked prefill; SGLang's `--chunked-prefill-size`): several
+    /// prompts share a pass under the default `q8_0-rows` prefill format.
     #[arg(long, visible_alias = "chunked-prefill-size", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) prefill_chunk: u32,
     /// Context length limit [default: the model's] (vLLM's
