@@ -404,8 +404,6 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// Remove request `i`, returning its pages, then send its last event: a
-    /// client that sees the end of its stream never sees its pages still held.
     /// One prefill pass: the next chunks of the requests still prefilling,
     /// oldest first, up to `prefill_chunk` tokens together. Several
     /// requests share the pass only when the model computes each row on
@@ -497,6 +495,8 @@ impl Scheduler {
         Ok(true)
     }
 
+    /// Remove request `i`, returning its pages, then send its last event: a
+    /// client that sees the end of its stream never sees its pages still held.
     fn finish(&mut self, i: usize, last: Option<StreamEvent>) {
         let tx = self.active.swap_remove(i).into_sender();
         self.publish_cache();
