@@ -38,71 +38,79 @@ pub struct SeqAttn<'a> {
     pub n: usize,
 }
 
-/// Scratch of one decode task: scores, and the f32 view of an f16 block.
+/// One KV head's keys and values of positions `0..len` as f32, in
+/// position order (`[len][head_dim]` each).
 #[derive(Default)]
-struct Scratch {
-    scores: Vec<f32>,
-    block: Vec<f32>,
+struct HeadKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
 }
 
-/// Attention for one token of one sequence, one query head, reading keys and
-/// values in place (an f16 pool's run of a page is converted once into
-/// scratch). `q` is the head's query; writes `[head_dim]` into `out`.
-#[allow(clippy::too_many_arguments)]
+impl HeadKv {
+    /// Read (converting an f16 pool's elements) positions `0..len` of KV
+    /// head `kvh` from the sequence's pages.
+    fn load(&mut self, pool: &KvPool, layer: usize, pages: &[PageIndex], kvh: usize, len: usize) {
+        let g = *pool.geometry();
+        let base = pool.layout().slot_offset(kvh, 0);
+        self.k.clear();
+        self.v.clear();
+        let mut left = len;
+        for &page in pages {
+            if left == 0 {
+                break;
+            }
+            let n = left.min(g.page_size);
+            let span = base..base + n * g.head_dim;
+            pool.block(layer, page, KvPart::K)
+                .slice(span.clone())
+                .extend_f32(&mut self.k);
+            pool.block(layer, page, KvPart::V)
+                .slice(span)
+                .extend_f32(&mut self.v);
+            left -= n;
+        }
+    }
+}
+
+/// Attention for the token at position `len - 1`, one query head `q`,
+/// against the first `len` positions of `kv`; writes `[head_dim]` into
+/// `out`. Scores and values are taken a page (`page_size` positions) at a
+/// time, as the pages lie in the pool.
 fn attend_one(
-    pool: &KvPool,
-    layer: usize,
-    seq: &SeqAttn<'_>,
-    kvh: usize,
+    kv: &HeadKv,
+    len: usize,
+    page_size: usize,
     q: &[f32],
     scale: f32,
-    scratch: &mut Scratch,
+    scores: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let Scratch { scores, block } = scratch;
-    let g = *pool.geometry();
-    let pos = seq.start;
-    let len = pos + 1;
+    let d = q.len();
     scores.clear();
-    let base = pool.layout().slot_offset(kvh, 0);
-    let mut left = len;
-    for &page in seq.pages {
-        if left == 0 {
-            break;
-        }
-        let n = left.min(g.page_size);
-        let kb = pool
-            .block(layer, page, KvPart::K)
-            .slice(base..base + n * g.head_dim)
-            .to_f32(block);
-        let from = scores.len();
-        dots(q, kb, scores);
-        for s in &mut scores[from..] {
+    for from in (0..len).step_by(page_size) {
+        let n = (len - from).min(page_size);
+        let at = scores.len();
+        dots(q, &kv.k[from * d..(from + n) * d], scores);
+        for s in &mut scores[at..] {
             *s *= scale;
         }
-        left -= n;
     }
     softmax(scores);
     out.fill(0.0);
-    let mut i = 0;
-    for &page in seq.pages {
-        if i == len {
-            break;
-        }
-        let n = (len - i).min(g.page_size);
-        let vb = pool
-            .block(layer, page, KvPart::V)
-            .slice(base..base + n * g.head_dim)
-            .to_f32(block);
-        axpy_rows(out, &scores[i..i + n], vb);
-        i += n;
+    for from in (0..len).step_by(page_size) {
+        let n = (len - from).min(page_size);
+        axpy_rows(
+            out,
+            &scores[from..from + n],
+            &kv.v[from * d..(from + n) * d],
+        );
     }
 }
 
 /// Decode path: each sequence has exactly one new token. `q` is
 /// `[seqs][heads*head_dim]`; returns the same shape. One task per
-/// (sequence, KV head) computes that KV head's group of query heads, which
-/// read the same keys and values.
+/// (sequence, KV head) reads that KV head's keys and values once and
+/// computes its group of query heads.
 pub fn attend_decode(
     pool: &KvPool,
     layer: usize,
@@ -114,16 +122,19 @@ pub fn attend_decode(
     let group = shape.group();
     let width = shape.heads * d;
     let scale = 1.0 / (d as f32).sqrt();
+    let page_size = pool.geometry().page_size;
     let mut out = vec![0.0f32; seqs.len() * width];
     out.par_chunks_mut(group * d).enumerate().for_each_init(
-        Scratch::default,
-        |scratch, (idx, o)| {
+        || (HeadKv::default(), Vec::new()),
+        |(kv, scores), (idx, o)| {
             let (s, kvh) = (idx / shape.kv_heads, idx % shape.kv_heads);
             let seq = &seqs[s];
+            let len = seq.start + 1;
+            kv.load(pool, layer, seq.pages, kvh, len);
             for (g, o) in o.chunks_exact_mut(d).enumerate() {
                 let h = kvh * group + g;
                 let qh = &q[s * width + h * d..s * width + (h + 1) * d];
-                attend_one(pool, layer, seq, kvh, qh, scale, scratch, o);
+                attend_one(kv, len, page_size, qh, scale, scores, o);
             }
         },
     );
@@ -138,7 +149,8 @@ pub fn attend_decode(
 /// it. So a prompt computed whole, in other chunks, or after a prefix-cache
 /// hit gives the same bits (batched GEMMs over the chunk, used before, sum
 /// in an order that depends on the chunk's length, and that moved greedy
-/// near-ties: a cached prompt answered differently).
+/// near-ties: a cached prompt answered differently). Each KV head's keys
+/// and values are read (converted from f16) once for all the tokens.
 pub fn attend_prefill(
     pool: &KvPool,
     layer: usize,
@@ -149,23 +161,28 @@ pub fn attend_prefill(
     let (d, n, group) = (shape.head_dim, seq.n, shape.group());
     let width = shape.heads * d;
     let scale = 1.0 / (d as f32).sqrt();
+    let page_size = pool.geometry().page_size;
+    let end = seq.start + n;
+    let heads: Vec<HeadKv> = (0..shape.kv_heads)
+        .into_par_iter()
+        .map(|kvh| {
+            let mut kv = HeadKv::default();
+            kv.load(pool, layer, seq.pages, kvh, end);
+            kv
+        })
+        .collect();
     let mut out = vec![0.0f32; n * width];
-    out.par_chunks_mut(group * d).enumerate().for_each_init(
-        Scratch::default,
-        |scratch, (idx, o)| {
+    out.par_chunks_mut(group * d)
+        .enumerate()
+        .for_each_init(Vec::new, |scores, (idx, o)| {
             let (t, kvh) = (idx / shape.kv_heads, idx % shape.kv_heads);
-            let one = SeqAttn {
-                pages: seq.pages,
-                start: seq.start + t,
-                n: 1,
-            };
+            let len = seq.start + t + 1;
             for (g, o) in o.chunks_exact_mut(d).enumerate() {
                 let h = kvh * group + g;
                 let qh = &q[t * width + h * d..t * width + (h + 1) * d];
-                attend_one(pool, layer, &one, kvh, qh, scale, scratch, o);
+                attend_one(&heads[kvh], len, page_size, qh, scale, scores, o);
             }
-        },
-    );
+        });
     Ok(out)
 }
 
