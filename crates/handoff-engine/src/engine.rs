@@ -1,10 +1,12 @@
 //! Starting the engine: load the model, build the KV pool, spawn the
 //! scheduler thread that owns them.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 
 use handoff_kv::{KvPool, PageAllocator, PrefixCache};
+
+use crate::prefill_pass::PassCounts;
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::Llama;
@@ -40,8 +42,7 @@ pub(crate) struct Counters {
     pub cache_pages: AtomicUsize,
     pub cache_evictable: AtomicUsize,
     /// Prefill passes run, and the sequences in them, since start.
-    pub prefill_passes: AtomicU64,
-    pub prefill_pass_sequences: AtomicU64,
+    pub prefill: PassCounts,
 }
 
 impl Shared {
@@ -67,6 +68,7 @@ impl Shared {
     pub fn load(&self) -> LoadSnapshot {
         let pages = self.allocator.stats();
         let evictable = self.counters.cache_evictable.load(Ordering::Acquire);
+        let (prefill_passes, prefill_pass_sequences) = self.counters.prefill.totals();
         LoadSnapshot {
             running: self.counters.running.load(Ordering::Acquire),
             waiting: self.counters.waiting.load(Ordering::Acquire),
@@ -74,8 +76,8 @@ impl Shared {
             pages_total: pages.total,
             pages_used: pages.leased.saturating_sub(evictable),
             pages_cached: self.counters.cache_pages.load(Ordering::Acquire),
-            prefill_passes: self.counters.prefill_passes.load(Ordering::Relaxed),
-            prefill_pass_sequences: self.counters.prefill_pass_sequences.load(Ordering::Relaxed),
+            prefill_passes,
+            prefill_pass_sequences,
         }
     }
 }
@@ -228,6 +230,7 @@ impl Loaded {
             max_waiting: config.max_waiting,
         };
         let scheduler = Scheduler {
+            rows_independent: self.model.prefill_rows_independent(),
             model: self.model,
             pool: self.pool,
             tokenizer: shared.tokenizer.clone(),

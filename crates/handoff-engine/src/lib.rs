@@ -14,6 +14,7 @@ mod gbnf;
 pub mod grammar;
 pub mod handle;
 pub mod pd;
+mod prefill_pass;
 pub mod request;
 mod scheduler;
 mod stop;

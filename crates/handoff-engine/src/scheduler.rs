@@ -19,6 +19,7 @@ use crate::engine::Counters;
 use crate::error::EngineError;
 use crate::events::{EventSender, NotSent};
 use crate::grammar::{Allowed, Grammar, GrammarError};
+use crate::prefill_pass::pack;
 use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
 use crate::stop::TextTracker;
 
@@ -148,6 +149,9 @@ pub(crate) struct Scheduler {
     pub threads: rayon::ThreadPool,
     pub max_batch: usize,
     pub prefill_chunk: usize,
+    /// Whether several requests may share a prefill pass
+    /// (`Llama::prefill_rows_independent`, read once at start).
+    pub rows_independent: bool,
     pub waiting: VecDeque<Waiting>,
     pub active: Vec<Active>,
     /// Requests prefilled elsewhere, waiting for a batch slot (their pages
@@ -413,25 +417,23 @@ impl Scheduler {
     /// (logits of every row), a pass holds one request's chunk. Whether it
     /// ran anything.
     fn prefill_pass(&mut self, model: &Llama) -> Result<bool, EngineError> {
-        let independent = model.prefill_rows_independent();
         // (request, end of its chunk), in index order.
-        let mut pack: Vec<(usize, usize)> = Vec::new();
-        let mut used = 0;
-        for (i, a) in self.active.iter().enumerate() {
-            if !a.prefilling() {
-                continue;
-            }
-            let alone = a.sampling.prompt_logprobs || !independent;
-            if !pack.is_empty() && alone {
-                break;
-            }
-            let take = (a.prompt_len - a.cached).min(self.prefill_chunk - used);
-            pack.push((i, a.cached + take));
-            used += take;
-            if alone || used == self.prefill_chunk {
-                break;
-            }
-        }
+        let prefilling: Vec<usize> = (0..self.active.len())
+            .filter(|&i| self.active[i].prefilling())
+            .collect();
+        let takes = pack(
+            prefilling.iter().map(|&i| {
+                let a = &self.active[i];
+                (a.prompt_len - a.cached, a.sampling.prompt_logprobs)
+            }),
+            self.prefill_chunk,
+            self.rows_independent,
+        );
+        let pack: Vec<(usize, usize)> = prefilling
+            .iter()
+            .zip(takes)
+            .map(|(&i, take)| (i, self.active[i].cached + take))
+            .collect();
         if pack.is_empty() {
             return Ok(false);
         }
@@ -447,10 +449,7 @@ impl Scheduler {
             })
             .collect();
         let every_row = pack.len() == 1 && self.active[pack[0].0].sampling.prompt_logprobs;
-        self.counters.prefill_passes.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .prefill_pass_sequences
-            .fetch_add(pack.len() as u64, Ordering::Relaxed);
+        self.counters.prefill.record(pack.len());
         let pool = &mut self.pool;
         let logits = self
             .threads

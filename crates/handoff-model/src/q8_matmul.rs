@@ -400,6 +400,16 @@ fn tile_groups(path: crate::simd::Q8Path) -> usize {
 /// activation rows, `blocks` blocks each (every slice holds at least that
 /// many).
 #[derive(Clone, Copy)]
+// The portable kernel reads neither `ax` (the AVX2 baseline's) nor `corr`
+// (the VNNI kernels').
+#[cfg_attr(
+    not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )),
+    allow(dead_code)
+)]
 pub(crate) struct Tile<'a, const G: usize, const C: usize> {
     /// Weight quants, `q + 128`, `[block]` per group.
     pub w: [&'a [[Quants; WORDS]]; G],

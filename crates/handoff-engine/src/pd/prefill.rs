@@ -26,7 +26,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc};
 use std::time::Duration;
 
@@ -46,6 +46,7 @@ use crate::config::EngineConfig;
 use crate::engine::{load, validate, Loaded};
 use crate::error::EngineError;
 use crate::handle::{LoadSnapshot, ModelInfo};
+use crate::prefill_pass::{pack, PassCounts};
 use crate::request::{GenerateRequest, PromptLogprob};
 
 /// A prefill that completed: decode holds the prompt's KV and the first token.
@@ -284,9 +285,10 @@ impl PrefillHandle {
     /// `waiting` those waiting for decode's destination or for pages.
     pub fn load(&self) -> LoadSnapshot {
         let ctx = &self.inner.ctx;
+        let (prefill_passes, prefill_pass_sequences) = ctx.passes.totals();
         LoadSnapshot {
-            prefill_passes: ctx.passes.passes.load(Ordering::Relaxed),
-            prefill_pass_sequences: ctx.passes.sequences.load(Ordering::Relaxed),
+            prefill_passes,
+            prefill_pass_sequences,
             ..ctx.pages.load(
                 ctx.running.load(Ordering::Acquire),
                 ctx.waiting.load(Ordering::Acquire),
@@ -616,15 +618,6 @@ struct Compute {
     passes: Arc<PassCounts>,
 }
 
-/// Forward passes the compute thread ran, and the sequences in them, since
-/// start (`handoff_prefill_passes_total`,
-/// `handoff_prefill_pass_sequences_total`).
-#[derive(Debug, Default)]
-struct PassCounts {
-    passes: AtomicU64,
-    sequences: AtomicU64,
-}
-
 // The wire carries as many alternatives as a request may ask for.
 const _: () =
     assert!(handoff_model::sampling::MAX_TOP_LOGPROBS == handoff_proto::datalink::MAX_TOP_LOGPROBS);
@@ -678,7 +671,13 @@ impl Compute {
             if running.is_empty() {
                 continue;
             }
-            let pack = self.pack(&running);
+            let pack = pack(
+                running
+                    .iter()
+                    .map(|r| (r.job.tokens.len() - r.cached, r.job.prompt_logprobs)),
+                self.prefill_chunk,
+                self.rows_independent,
+            );
             let mut served: Vec<Running> = running.drain(..pack.len()).collect();
             let results = self.pass(&mut served, &pack);
             for (r, result) in served.into_iter().zip(results) {
@@ -690,28 +689,6 @@ impl Compute {
                 }
             }
         }
-    }
-
-    /// How many tokens each of the first jobs of `running` computes in the
-    /// next pass: the front job's next chunk, then, where rows are
-    /// independent, the next jobs' while the budget lasts.
-    fn pack(&self, running: &VecDeque<Running>) -> Vec<usize> {
-        let budget = self.prefill_chunk;
-        let mut pack = Vec::new();
-        let mut used = 0;
-        for r in running {
-            let take = (r.job.tokens.len() - r.cached).min(budget - used);
-            let alone = r.job.prompt_logprobs || !self.rows_independent;
-            if !pack.is_empty() && (alone || take == 0) {
-                break;
-            }
-            pack.push(take);
-            used += take;
-            if alone || used == budget {
-                break;
-            }
-        }
-        pack
     }
 
     /// One forward pass over `take[i]` tokens of each of `served`, its
@@ -736,10 +713,7 @@ impl Compute {
         let every_row = served.len() == 1 && served[0].job.prompt_logprobs;
         let pool = &mut self.pool;
         let progress: Vec<_> = served.iter().map(|r| &r.job.progress).collect();
-        self.passes.passes.fetch_add(1, Ordering::Relaxed);
-        self.passes
-            .sequences
-            .fetch_add(served.len() as u64, Ordering::Relaxed);
+        self.passes.record(served.len());
         let logits = self.threads.install(|| {
             model.forward_rows(
                 pool,
@@ -775,8 +749,7 @@ impl Compute {
                 &mut r.scores,
             );
             r.cached = ends[0];
-            let last = logits.last();
-            return vec![r.first_token(last)];
+            return vec![r.first_token(logits.last().map(Vec::as_slice))];
         }
         served
             .iter_mut()
@@ -784,7 +757,7 @@ impl Compute {
             .zip(&logits)
             .map(|((r, end), logits)| {
                 r.cached = end;
-                r.first_token(Some(logits))
+                r.first_token(Some(logits.as_slice()))
             })
             .collect()
     }
@@ -793,10 +766,7 @@ impl Compute {
 impl Running {
     /// The first token if the prompt is complete (`logits`: its last
     /// row's), `None` if more of it is to compute.
-    fn first_token(
-        &mut self,
-        logits: Option<&Vec<f32>>,
-    ) -> Result<Option<FirstToken>, EngineError> {
+    fn first_token(&mut self, logits: Option<&[f32]>) -> Result<Option<FirstToken>, EngineError> {
         if self.cached < self.job.tokens.len() {
             return Ok(None);
         }
