@@ -37,7 +37,9 @@ def main():
     ap.add_argument("--llama-cpp-python", required=True)
     ap.add_argument("--greedy", nargs=3, action="append", default=[],
                     metavar=("RAW_IN", "OUT", "CMD"), help="raw generate output, file to write, its command")
-    ap.add_argument("--tokenize", nargs=3, metavar=("RAW_IN", "OUT", "CMD"), required=True)
+    ap.add_argument("--tokenize", nargs=3, metavar=("RAW_IN", "OUT", "CMD"))
+    ap.add_argument("--regenerate", default="scripts/gen-llamacpp-refs.sh",
+                    help="the script that regenerates the files (recorded as provenance)")
     a = ap.parse_args()
 
     provenance = {
@@ -48,12 +50,14 @@ def main():
             "llama_cpp_python_version": a.llama_cpp_python,
         },
         "model": {"file": a.model, "sha256": a.sha256},
-        "regenerate": "scripts/gen-llamacpp-refs.sh",
+        "regenerate": a.regenerate,
     }
 
     for greedy_in, greedy_out, gen_cmd in a.greedy:
         write_greedy(provenance, greedy_in, greedy_out, gen_cmd)
 
+    if a.tokenize is None:
+        return
     tok_in, tok_out, tok_cmd = a.tokenize
     t = json.load(open(tok_in, encoding="utf-8"))
     out = dict(provenance)

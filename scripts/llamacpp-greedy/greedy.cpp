@@ -11,6 +11,14 @@
 //
 // Input: JSON lines, one object per line: {"name": "...", "prompt": "..."}
 // (tokenize mode also accepts {"text": "..."}; "name" is optional there).
+// generate also reads an optional per-line "add_special" (default true): false
+// for prompts that already start with the BOS text (e.g. a chat template that
+// renders `<bos>` itself, on a GGUF with add_bos_token=true), so that BOS is
+// not doubled. The value used is echoed per case.
+// generate also accepts an optional per-line "prompt_ids" (array of token
+// ids): then those ids are the prompt as they are (no tokenization, nothing
+// added) and "prompt" may be left out (e.g. random-token prompts for the
+// seeded test models of crates/handoff-testmodels).
 // Output: one JSON document on stdout; logs go to stderr.
 //
 // generate: for every prompt, tokenizes it with
@@ -288,8 +296,20 @@ int main(int argc, char ** argv) {
         json cases = json::array();
         for (const auto & in : inputs) {
             const std::string name   = in.value("name", "");
-            const std::string prompt = in["prompt"].get<std::string>();
-            std::vector<llama_token> prompt_ids = tokenize(vocab, prompt, true, true);
+            const std::string prompt = in.value("prompt", std::string());
+            const bool add_special   = in.value("add_special", true);
+            std::vector<llama_token> prompt_ids;
+            if (in.contains("prompt_ids")) {
+                prompt_ids = in["prompt_ids"].get<std::vector<llama_token>>();
+                for (llama_token t : prompt_ids) {
+                    if (t < 0 || t >= n_vocab) {
+                        fprintf(stderr, "error: prompt '%s': token id %d out of range\n", name.c_str(), t);
+                        return 1;
+                    }
+                }
+            } else {
+                prompt_ids = tokenize(vocab, prompt, add_special, true);
+            }
             if (prompt_ids.empty() || (int) prompt_ids.size() + n_predict > n_ctx) {
                 fprintf(stderr, "error: prompt '%s' has %zu tokens\n", name.c_str(), prompt_ids.size());
                 return 1;
@@ -340,7 +360,8 @@ int main(int argc, char ** argv) {
             c["name"] = name;
             if (in.contains("kind")) c["kind"] = in["kind"];
             if (in.contains("messages")) c["messages"] = in["messages"];
-            c["prompt"] = prompt;
+            if (in.contains("prompt") || !in.contains("prompt_ids")) c["prompt"] = prompt;
+            if (in.contains("add_special")) c["add_special"] = add_special;
             c["prompt_ids"] = prompt_ids;
             c["n_prompt_tokens"] = prompt_ids.size();
             c["output_ids"] = output_ids;

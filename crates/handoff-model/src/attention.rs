@@ -20,11 +20,21 @@ pub struct AttnShape {
     pub kv_heads: usize,
     /// Elements per head.
     pub head_dim: usize,
+    /// Scale of the query·key product (usually `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Sliding window: a token sees itself and the `window - 1` positions
+    /// before it (llama.cpp's standard SWA); `None` sees every position.
+    pub window: Option<usize>,
 }
 
 impl AttnShape {
     fn group(&self) -> usize {
         self.heads / self.kv_heads
+    }
+
+    /// First position that a token at position `len - 1` attends to.
+    fn first(&self, len: usize) -> usize {
+        self.window.map_or(0, |w| len.saturating_sub(w))
     }
 }
 
@@ -38,46 +48,61 @@ pub struct SeqAttn<'a> {
     pub n: usize,
 }
 
-/// One KV head's keys and values of positions `0..len` as f32, in
-/// position order (`[len][head_dim]` each).
+/// One KV head's keys and values of positions `first..len` as f32, in
+/// position order (`[len - first][head_dim]` each).
 #[derive(Default)]
 struct HeadKv {
+    first: usize,
     k: Vec<f32>,
     v: Vec<f32>,
 }
 
 impl HeadKv {
-    /// Read (converting an f16 pool's elements) positions `0..len` of KV
-    /// head `kvh` from the sequence's pages.
-    fn load(&mut self, pool: &KvPool, layer: usize, pages: &[PageIndex], kvh: usize, len: usize) {
+    /// Read (converting an f16 pool's elements) positions `first..len` of
+    /// KV head `kvh` from the sequence's pages.
+    fn load(
+        &mut self,
+        pool: &KvPool,
+        layer: usize,
+        pages: &[PageIndex],
+        kvh: usize,
+        first: usize,
+        len: usize,
+    ) {
         let g = *pool.geometry();
-        let base = pool.layout().slot_offset(kvh, 0);
+        self.first = first;
         self.k.clear();
         self.v.clear();
-        let mut left = len;
-        for &page in pages {
-            if left == 0 {
-                break;
-            }
-            let n = left.min(g.page_size);
+        let mut pos = first;
+        while pos < len {
+            let (page, slot) = (pos / g.page_size, pos % g.page_size);
+            let n = (len - pos).min(g.page_size - slot);
+            let base = pool.layout().slot_offset(kvh, slot);
             let span = base..base + n * g.head_dim;
-            pool.block(layer, page, KvPart::K)
+            pool.block(layer, pages[page], KvPart::K)
                 .slice(span.clone())
                 .extend_f32(&mut self.k);
-            pool.block(layer, page, KvPart::V)
+            pool.block(layer, pages[page], KvPart::V)
                 .slice(span)
                 .extend_f32(&mut self.v);
-            left -= n;
+            pos += n;
         }
+    }
+
+    /// Keys or values of positions `from..from + n`.
+    fn rows<'a>(&self, x: &'a [f32], from: usize, n: usize, d: usize) -> &'a [f32] {
+        &x[(from - self.first) * d..(from - self.first + n) * d]
     }
 }
 
 /// Attention for the token at position `len - 1`, one query head `q`,
-/// against the first `len` positions of `kv`; writes `[head_dim]` into
+/// against positions `first..len` of `kv`; writes `[head_dim]` into
 /// `out`. Scores and values are taken a page (`page_size` positions) at a
 /// time, as the pages lie in the pool.
+#[allow(clippy::too_many_arguments)]
 fn attend_one(
     kv: &HeadKv,
+    first: usize,
     len: usize,
     page_size: usize,
     q: &[f32],
@@ -86,23 +111,32 @@ fn attend_one(
     out: &mut [f32],
 ) {
     let d = q.len();
+    // Page-aligned stretches of `first..len`.
+    let stretches = || {
+        let mut from = first;
+        std::iter::from_fn(move || {
+            (from < len).then(|| {
+                let n = (len - from).min(page_size - from % page_size);
+                from += n;
+                (from - n, n)
+            })
+        })
+    };
     scores.clear();
-    for from in (0..len).step_by(page_size) {
-        let n = (len - from).min(page_size);
+    for (from, n) in stretches() {
         let at = scores.len();
-        dots(q, &kv.k[from * d..(from + n) * d], scores);
+        dots(q, kv.rows(&kv.k, from, n, d), scores);
         for s in &mut scores[at..] {
             *s *= scale;
         }
     }
     softmax(scores);
     out.fill(0.0);
-    for from in (0..len).step_by(page_size) {
-        let n = (len - from).min(page_size);
+    for (from, n) in stretches() {
         axpy_rows(
             out,
-            &scores[from..from + n],
-            &kv.v[from * d..(from + n) * d],
+            &scores[from - first..from - first + n],
+            kv.rows(&kv.v, from, n, d),
         );
     }
 }
@@ -121,7 +155,6 @@ pub fn attend_decode(
     let d = shape.head_dim;
     let group = shape.group();
     let width = shape.heads * d;
-    let scale = 1.0 / (d as f32).sqrt();
     let page_size = pool.geometry().page_size;
     let mut out = vec![0.0f32; seqs.len() * width];
     out.par_chunks_mut(group * d).enumerate().for_each_init(
@@ -130,11 +163,12 @@ pub fn attend_decode(
             let (s, kvh) = (idx / shape.kv_heads, idx % shape.kv_heads);
             let seq = &seqs[s];
             let len = seq.start + 1;
-            kv.load(pool, layer, seq.pages, kvh, len);
+            let first = shape.first(len);
+            kv.load(pool, layer, seq.pages, kvh, first, len);
             for (g, o) in o.chunks_exact_mut(d).enumerate() {
                 let h = kvh * group + g;
                 let qh = &q[s * width + h * d..s * width + (h + 1) * d];
-                attend_one(kv, len, page_size, qh, scale, scores, o);
+                attend_one(kv, first, len, page_size, qh, shape.scale, scores, o);
             }
         },
     );
@@ -160,14 +194,14 @@ pub fn attend_prefill(
 ) -> Result<Vec<f32>, ModelError> {
     let (d, n, group) = (shape.head_dim, seq.n, shape.group());
     let width = shape.heads * d;
-    let scale = 1.0 / (d as f32).sqrt();
     let page_size = pool.geometry().page_size;
     let end = seq.start + n;
+    let lowest = shape.first(seq.start + 1);
     let heads: Vec<HeadKv> = (0..shape.kv_heads)
         .into_par_iter()
         .map(|kvh| {
             let mut kv = HeadKv::default();
-            kv.load(pool, layer, seq.pages, kvh, end);
+            kv.load(pool, layer, seq.pages, kvh, lowest, end);
             kv
         })
         .collect();
@@ -177,10 +211,20 @@ pub fn attend_prefill(
         .for_each_init(Vec::new, |scores, (idx, o)| {
             let (t, kvh) = (idx / shape.kv_heads, idx % shape.kv_heads);
             let len = seq.start + t + 1;
+            let first = shape.first(len);
             for (g, o) in o.chunks_exact_mut(d).enumerate() {
                 let h = kvh * group + g;
                 let qh = &q[t * width + h * d..t * width + (h + 1) * d];
-                attend_one(&heads[kvh], len, page_size, qh, scale, scores, o);
+                attend_one(
+                    &heads[kvh],
+                    first,
+                    len,
+                    page_size,
+                    qh,
+                    shape.scale,
+                    scores,
+                    o,
+                );
             }
         });
     Ok(out)
@@ -198,10 +242,18 @@ mod tests {
     /// bits, which is what moved SmolLM2's greedy output after a cache hit.
     #[test]
     fn prefill_tokens_match_decode_steps_and_later_chunks_bit_for_bit() {
+        for window in [None, Some(5)] {
+            check_prefill_equals_decode(window);
+        }
+    }
+
+    fn check_prefill_equals_decode(window: Option<usize>) {
         let shape = AttnShape {
             heads: 6,
             kv_heads: 2,
             head_dim: 16,
+            scale: 0.25,
+            window,
         };
         for dtype in [KvDtype::F32, KvDtype::F16] {
             let g = KvGeometry {

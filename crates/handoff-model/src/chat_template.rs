@@ -229,10 +229,16 @@ impl ChatTemplate {
     /// The GGUF's chat template, or `None` if it has none. `bos_token` and
     /// `eos_token` are the texts of the GGUF's BOS/EOS tokens.
     pub fn from_gguf(content: &Content) -> Result<Option<ChatTemplate>, ChatTemplateError> {
-        let Some(v) = content.metadata.get("tokenizer.chat_template") else {
-            return Ok(None);
+        let source = match content.metadata.get("tokenizer.chat_template") {
+            Some(v) => v
+                .to_string()
+                .map_err(|_| ChatTemplateError::NotAString)?
+                .clone(),
+            None => match builtin_template(content) {
+                Some(t) => t.to_string(),
+                None => return Ok(None),
+            },
         };
-        let source = v.to_string().map_err(|_| ChatTemplateError::NotAString)?;
         let bos = token_text(content, "tokenizer.ggml.bos_token_id");
         let eos = token_text(content, "tokenizer.ggml.eos_token_id");
         Self::new(source, bos, eos).map(Some)
@@ -357,6 +363,26 @@ impl ChatTemplate {
                 ChatTemplateError::Render(e.to_string())
             }
         })
+    }
+}
+
+/// Gemma 3's published chat template (`tokenizer_config.json` of
+/// google/gemma-3-*-it), for a `gemma3` GGUF that carries none: such files
+/// exist (the converter drops it for base checkpoints), and Gemma's turn
+/// markup is the only one its instruction-tuned weights know.
+const GEMMA3_TEMPLATE: &str = include_str!("templates/gemma3.jinja");
+
+/// A built-in template for an architecture whose file has none.
+fn builtin_template(content: &Content) -> Option<&'static str> {
+    match content
+        .metadata
+        .get("general.architecture")?
+        .to_string()
+        .ok()?
+        .as_str()
+    {
+        "gemma3" => Some(GEMMA3_TEMPLATE),
+        _ => None,
     }
 }
 

@@ -21,8 +21,13 @@ pub enum ModelError {
         reason: String,
     },
     /// The GGUF's `general.architecture` is not one handoff runs.
-    #[error("unsupported model architecture {0:?}: handoff runs Llama-family GGUFs (llama, qwen2, mistral)")]
+    #[error("unsupported model architecture {0:?}: handoff runs llama, mistral, qwen2, qwen3 and gemma3")]
     UnsupportedArchitecture(String),
+    /// The file asks for something handoff does not implement (a metadata
+    /// key, a tensor, a rope scaling type, experts): refused rather than
+    /// ignored, since ignoring it would change the model's output.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
     /// A required metadata key or tensor is missing or has the wrong type/shape.
     #[error("malformed model: {0}")]
     Malformed(String),

@@ -22,7 +22,7 @@ pub mod simd;
 pub mod tiny;
 pub mod tokenizer;
 
-pub use config::LlamaConfig;
+pub use config::{Arch, LlamaConfig, SamplingDefaults};
 pub use error::ModelError;
 pub use linear::{Phase, PhaseFormats, WeightFormat};
-pub use model::{Llama, SeqChunk};
+pub use model::{check_gguf, Llama, SeqChunk};

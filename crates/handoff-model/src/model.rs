@@ -2,6 +2,7 @@
 //! weights, RMSNorm, RoPE with the GGUF's parameters, GQA, SwiGLU, K/V read
 //! and written through [`KvPool`] pages.
 
+use std::collections::BTreeSet;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::Content;
@@ -10,11 +11,13 @@ use candle_core::Device;
 use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
 
 use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
-use crate::config::LlamaConfig;
+use crate::config::{Activation, Arch, LlamaConfig, RopeScaling};
 use crate::error::ModelError;
 use crate::linear::{Linear, Phase, PhaseFormats};
-use crate::ops::{add_assign, add_bias, rms_norm, silu_mul};
-use crate::rope::{Rope, RopeMode};
+use crate::ops::{
+    add_assign, add_bias, gelu_mul, rms_norm, rms_norm_heads, scale, silu_mul, softcap,
+};
+use crate::rope::{Rope, RopeMode, RopeParams};
 use candle_core::quantized::QStorage;
 
 pub(crate) struct Block {
@@ -24,11 +27,20 @@ pub(crate) struct Block {
     pub(crate) bq: Option<Vec<f32>>,
     pub(crate) bk: Option<Vec<f32>>,
     pub(crate) bv: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of Q and K (Qwen 3, Gemma 3).
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
     pub(crate) wo: Linear,
+    /// RMSNorm of the attention output before the residual (Gemma 3).
+    pub(crate) post_attn_norm: Option<Vec<f32>>,
     pub(crate) ffn_norm: Vec<f32>,
     /// Gate and up projections stacked: one matmul per layer.
     pub(crate) w_gate_up: Linear,
     pub(crate) w_down: Linear,
+    /// RMSNorm of the FFN output before the residual (Gemma 3).
+    pub(crate) post_ffn_norm: Option<Vec<f32>>,
+    /// A sliding-window layer.
+    pub(crate) swa: bool,
 }
 
 /// A loaded model, immutable and shareable across threads.
@@ -39,7 +51,10 @@ pub struct Llama {
     pub(crate) blocks: Vec<Block>,
     pub(crate) norm: Vec<f32>,
     pub(crate) lm_head: Linear,
+    /// RoPE of the global layers.
     pub(crate) rope: Rope,
+    /// RoPE of the sliding-window layers where it differs (Gemma 3).
+    pub(crate) rope_swa: Option<Rope>,
 }
 
 /// The new tokens of one sequence in a forward step.
@@ -56,6 +71,7 @@ pub struct SeqChunk<'a> {
 struct Loader<'a, R> {
     content: &'a Content,
     reader: &'a mut R,
+    used: BTreeSet<String>,
 }
 
 impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
@@ -63,6 +79,7 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         if !self.content.tensor_infos.contains_key(name) {
             return Err(ModelError::Malformed(format!("missing tensor {name}")));
         }
+        self.used.insert(name.to_string());
         self.content
             .tensor(self.reader, name, &Device::Cpu)
             .map_err(|e| ModelError::Malformed(format!("tensor {name}: {e}")))
@@ -70,6 +87,14 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
 
     fn has(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
+    }
+
+    fn optional_vector(&mut self, name: &str, len: usize) -> Result<Option<Vec<f32>>, ModelError> {
+        if self.has(name) {
+            self.vector(name, len).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
@@ -143,8 +168,18 @@ impl Llama {
         formats: PhaseFormats,
     ) -> Result<Self, ModelError> {
         let config = LlamaConfig::from_gguf(content)?;
-        let mut ld = Loader { content, reader };
-        let (h, kvw) = (config.hidden, config.kv_heads * config.head_dim);
+        check_tensor_names(&config, content)?;
+        let mut ld = Loader {
+            content,
+            reader,
+            used: BTreeSet::new(),
+        };
+        let (h, qw, kvw, d) = (
+            config.hidden,
+            config.q_width(),
+            config.kv_width(),
+            config.head_dim,
+        );
         let embed_q = ld.tensor("token_embd.weight")?;
         let embed = embed_q
             .dequantize(&Device::Cpu)?
@@ -164,35 +199,45 @@ impl Llama {
             Linear::new_small_batch(&embed_q, formats.decode)?
         };
         drop(embed_q);
+        let gemma = config.arch == Arch::Gemma3;
         let mut blocks = Vec::with_capacity(config.layers);
         for i in 0..config.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
-            let bias = |ld: &mut Loader<'_, R>,
-                        s: &str,
-                        len: usize|
-             -> Result<Option<Vec<f32>>, ModelError> {
-                let name = n(s);
-                if ld.has(&name) {
-                    ld.vector(&name, len).map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
+            let qk_norms = matches!(config.arch, Arch::Qwen3 | Arch::Gemma3);
+            let head_norm =
+                |ld: &mut Loader<'_, R>, s: &str| -> Result<Option<Vec<f32>>, ModelError> {
+                    if qk_norms {
+                        ld.vector(&n(s), d).map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                };
+            let post_norm =
+                |ld: &mut Loader<'_, R>, s: &str| -> Result<Option<Vec<f32>>, ModelError> {
+                    if gemma {
+                        ld.vector(&n(s), h).map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                };
             blocks.push(Block {
                 attn_norm: ld.vector(&n("attn_norm.weight"), h)?,
                 wqkv: ld.stacked(
                     &[
-                        (n("attn_q.weight"), h),
+                        (n("attn_q.weight"), qw),
                         (n("attn_k.weight"), kvw),
                         (n("attn_v.weight"), kvw),
                     ],
                     h,
                     formats,
                 )?,
-                bq: bias(&mut ld, "attn_q.bias", h)?,
-                bk: bias(&mut ld, "attn_k.bias", kvw)?,
-                bv: bias(&mut ld, "attn_v.bias", kvw)?,
-                wo: ld.linear(&n("attn_output.weight"), h, h, formats)?,
+                bq: ld.optional_vector(&n("attn_q.bias"), qw)?,
+                bk: ld.optional_vector(&n("attn_k.bias"), kvw)?,
+                bv: ld.optional_vector(&n("attn_v.bias"), kvw)?,
+                q_norm: head_norm(&mut ld, "attn_q_norm.weight")?,
+                k_norm: head_norm(&mut ld, "attn_k_norm.weight")?,
+                wo: ld.linear(&n("attn_output.weight"), h, qw, formats)?,
+                post_attn_norm: post_norm(&mut ld, "post_attention_norm.weight")?,
                 ffn_norm: ld.vector(&n("ffn_norm.weight"), h)?,
                 w_gate_up: ld.stacked(
                     &[
@@ -203,20 +248,55 @@ impl Llama {
                     formats,
                 )?,
                 w_down: ld.linear(&n("ffn_down.weight"), h, config.ffn_hidden, formats)?,
+                post_ffn_norm: post_norm(&mut ld, "post_ffw_norm.weight")?,
+                swa: config.swa_layers[i],
             });
         }
         let norm = ld.vector("output_norm.weight", h)?;
-        let mode = if config.architecture == "qwen2" {
-            RopeMode::Halves
+        // Llama 3's rope scaling: one divisor per rotated pair.
+        let freq_factors = if config.arch == Arch::Llama && ld.has(ROPE_FREQS) {
+            let f = ld.vector(ROPE_FREQS, config.rope_dims / 2)?;
+            if f.iter().any(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(ModelError::Malformed(format!(
+                    "{ROPE_FREQS} holds a value that is not a positive number"
+                )));
+            }
+            Some(f)
         } else {
-            RopeMode::Interleaved
+            None
         };
-        let rope = Rope::new(
-            mode,
-            config.rope_dims,
-            config.rope_theta,
-            config.context_length,
+        // Every tensor of the file is used, or the load failed above.
+        debug_assert_eq!(
+            ld.used,
+            content
+                .tensor_infos
+                .keys()
+                .cloned()
+                .collect::<BTreeSet<_>>()
         );
+        let mode = match config.arch {
+            Arch::Llama => RopeMode::Interleaved,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeMode::Halves,
+        };
+        let params = RopeParams {
+            mode,
+            dims: config.rope_dims,
+            theta: config.rope_theta,
+            scaling: config.rope_scaling,
+            freq_factors,
+            attn_factor: config.rope_attn_factor,
+        };
+        let rope = Rope::new(&params, config.context_length);
+        // Gemma 3's sliding-window layers: their own base, never scaled.
+        let rope_swa = (gemma && config.sliding_window.is_some()).then(|| {
+            let swa = RopeParams {
+                theta: config.rope_theta_swa,
+                scaling: RopeScaling::None,
+                freq_factors: None,
+                ..params
+            };
+            Rope::new(&swa, config.context_length)
+        });
         Ok(Self {
             config,
             formats,
@@ -225,6 +305,7 @@ impl Llama {
             norm,
             lm_head,
             rope,
+            rope_swa,
         })
     }
 
@@ -258,12 +339,113 @@ impl Llama {
         self.config.kv_geometry(page_size, dtype)
     }
 
-    fn attn_shape(&self) -> AttnShape {
+    /// Attention shape of block `b`.
+    pub(crate) fn attn_shape(&self, b: &Block) -> AttnShape {
         AttnShape {
             heads: self.config.heads,
             kv_heads: self.config.kv_heads,
             head_dim: self.config.head_dim,
+            scale: self.config.attn_scale,
+            window: if b.swa {
+                self.config.sliding_window
+            } else {
+                None
+            },
         }
+    }
+
+    /// The RoPE tables of block `b`.
+    pub(crate) fn rope_of(&self, b: &Block) -> &Rope {
+        match (&self.rope_swa, b.swa) {
+            (Some(r), true) => r,
+            _ => &self.rope,
+        }
+    }
+
+    /// The token embeddings of `tokens` (`[n][hidden]`), scaled where the
+    /// architecture scales them.
+    pub(crate) fn embed_tokens<'t>(&self, tokens: impl Iterator<Item = &'t u32>) -> Vec<f32> {
+        let h = self.config.hidden;
+        let mut hidden = Vec::new();
+        for &t in tokens {
+            hidden.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
+        }
+        if let Some(s) = self.config.embed_scale {
+            scale(&mut hidden, s);
+        }
+        hidden
+    }
+
+    /// Block `b`'s queries, keys and values of `n` rows of `hidden`
+    /// (biases and per-head norms applied, RoPE not yet).
+    pub(crate) fn qkv(
+        &self,
+        b: &Block,
+        hidden: &[f32],
+        n: usize,
+        phase: Phase,
+    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError> {
+        let cfg = &self.config;
+        let xn = rms_norm(hidden, &b.attn_norm, cfg.rms_eps);
+        let (mut q, mut k, mut v) = split_qkv(
+            &b.wqkv.forward(&xn, n, phase)?,
+            cfg.q_width(),
+            cfg.kv_width(),
+        );
+        for (x, bias) in [(&mut q, &b.bq), (&mut k, &b.bk), (&mut v, &b.bv)] {
+            if let Some(bias) = bias {
+                add_bias(x, bias);
+            }
+        }
+        for (x, norm) in [(&mut q, &b.q_norm), (&mut k, &b.k_norm)] {
+            if let Some(w) = norm {
+                rms_norm_heads(x, w, cfg.rms_eps);
+            }
+        }
+        Ok((q, k, v))
+    }
+
+    /// The rest of block `b` after attention: output projection, the
+    /// residual, the FFN and its residual, applied to `hidden` in place.
+    pub(crate) fn finish_block(
+        &self,
+        b: &Block,
+        hidden: &mut [f32],
+        attn: &[f32],
+        n: usize,
+        phase: Phase,
+    ) -> Result<(), ModelError> {
+        let cfg = &self.config;
+        let mut o = b.wo.forward(attn, n, phase)?;
+        if let Some(w) = &b.post_attn_norm {
+            o = rms_norm(&o, w, cfg.rms_eps);
+        }
+        add_assign(hidden, &o);
+        let xn = rms_norm(hidden, &b.ffn_norm, cfg.rms_eps);
+        let gate_up = b.w_gate_up.forward(&xn, n, phase)?;
+        let act = glu_stacked(&gate_up, cfg.ffn_hidden, cfg.activation);
+        let mut down = b.w_down.forward(&act, n, phase)?;
+        if let Some(w) = &b.post_ffn_norm {
+            down = rms_norm(&down, w, cfg.rms_eps);
+        }
+        add_assign(hidden, &down);
+        Ok(())
+    }
+
+    /// Logits of `rows` final hidden states.
+    pub(crate) fn logits(
+        &self,
+        hidden: &[f32],
+        rows: usize,
+        phase: Phase,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let last = rms_norm(hidden, &self.norm, self.config.rms_eps);
+        let mut logits = self.lm_head.forward(&last, rows, phase)?;
+        if let Some(c) = self.config.final_softcap {
+            softcap(&mut logits, c);
+        }
+        let vocab = self.lm_head.out_dim();
+        Ok(logits.chunks_exact(vocab).map(|c| c.to_vec()).collect())
     }
 
     /// Run the new tokens of each sequence through the model, writing their
@@ -308,7 +490,7 @@ impl Llama {
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.config;
         let (h, d) = (cfg.hidden, cfg.head_dim);
-        let kvw = cfg.kv_heads * d;
+        let (qw, kvw) = (cfg.q_width(), cfg.kv_width());
         let pg = *pool.geometry();
         let page_size = pg.page_size;
         if pg != self.kv_geometry(page_size, pg.dtype) {
@@ -350,40 +532,29 @@ impl Llama {
         if total == 0 {
             return Ok(Vec::new());
         }
-        let mut hidden = Vec::with_capacity(total * h);
-        for s in seqs {
-            for &t in s.tokens {
-                hidden.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
-            }
-        }
-        let shape = self.attn_shape();
+        let mut hidden = self.embed_tokens(seqs.iter().flat_map(|s| s.tokens.iter()));
         for (layer, b) in self.blocks.iter().enumerate() {
-            let xn = rms_norm(&hidden, &b.attn_norm, cfg.rms_eps);
-            let (mut q, mut k, mut v) = split_qkv(&b.wqkv.forward(&xn, total, phase)?, h, kvw);
-            for (x, bias) in [(&mut q, &b.bq), (&mut k, &b.bk), (&mut v, &b.bv)] {
-                if let Some(bias) = bias {
-                    add_bias(x, bias);
-                }
-            }
+            let (mut q, mut k, v) = self.qkv(b, &hidden, total, phase)?;
+            let rope = self.rope_of(b);
             let mut row = 0;
             for s in seqs {
                 for i in 0..s.tokens.len() {
                     let pos = s.start_pos + i;
-                    self.rope
-                        .apply(&mut q[(row + i) * h..(row + i + 1) * h], d, pos);
-                    self.rope
-                        .apply(&mut k[(row + i) * kvw..(row + i + 1) * kvw], d, pos);
+                    let r = row + i;
+                    rope.apply(&mut q[r * qw..(r + 1) * qw], d, pos);
+                    rope.apply(&mut k[r * kvw..(r + 1) * kvw], d, pos);
                     pool.write_token(
                         layer,
                         s.pages,
                         pos,
-                        &k[(row + i) * kvw..(row + i + 1) * kvw],
-                        &v[(row + i) * kvw..(row + i + 1) * kvw],
+                        &k[r * kvw..(r + 1) * kvw],
+                        &v[r * kvw..(r + 1) * kvw],
                     )?;
                 }
                 row += s.tokens.len();
             }
             kv_written(layer);
+            let shape = self.attn_shape(b);
             let attn = match phase {
                 Phase::Decode => {
                     let sa: Vec<SeqAttn<'_>> = seqs
@@ -397,7 +568,7 @@ impl Llama {
                     attend_decode(pool, layer, &sa, &q, shape)
                 }
                 Phase::Prefill => {
-                    let mut out = Vec::with_capacity(total * h);
+                    let mut out = Vec::with_capacity(total * qw);
                     let mut row = 0;
                     for s in seqs {
                         let n = s.tokens.len();
@@ -410,7 +581,7 @@ impl Llama {
                             pool,
                             layer,
                             &sa,
-                            &q[row * h..(row + n) * h],
+                            &q[row * qw..(row + n) * qw],
                             shape,
                         )?);
                         row += n;
@@ -418,12 +589,7 @@ impl Llama {
                     out
                 }
             };
-            let o = b.wo.forward(&attn, total, phase)?;
-            add_assign(&mut hidden, &o);
-            let xn = rms_norm(&hidden, &b.ffn_norm, cfg.rms_eps);
-            let act = silu_mul_stacked(&b.w_gate_up.forward(&xn, total, phase)?, cfg.ffn_hidden);
-            let down = b.w_down.forward(&act, total, phase)?;
-            add_assign(&mut hidden, &down);
+            self.finish_block(b, &mut hidden, &attn, total, phase)?;
         }
         let (last, rows) = if every_row {
             (hidden, total)
@@ -436,11 +602,90 @@ impl Llama {
             }
             (last, seqs.len())
         };
-        let last = rms_norm(&last, &self.norm, cfg.rms_eps);
-        let logits = self.lm_head.forward(&last, rows, phase)?;
-        let vocab = self.lm_head.out_dim();
-        Ok(logits.chunks_exact(vocab).map(|c| c.to_vec()).collect())
+        self.logits(&last, rows, phase)
     }
+}
+
+/// Name of Llama 3's rope frequency factors tensor.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// The tensors a model of `cfg` reads from `c`: the required ones, and the
+/// optional ones the file has. Anything else in the file is refused by
+/// [`check_tensor_names`].
+pub(crate) fn expected_tensors(cfg: &LlamaConfig, c: &Content) -> BTreeSet<String> {
+    let has = |n: &str| c.tensor_infos.contains_key(n);
+    let mut names: BTreeSet<String> = ["token_embd.weight", "output_norm.weight"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    let mut optional = vec!["output.weight".to_string()];
+    if cfg.arch == Arch::Llama {
+        optional.push(ROPE_FREQS.into());
+    }
+    for i in 0..cfg.layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        for s in [
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ] {
+            names.insert(n(s));
+        }
+        if matches!(cfg.arch, Arch::Qwen3 | Arch::Gemma3) {
+            names.insert(n("attn_q_norm.weight"));
+            names.insert(n("attn_k_norm.weight"));
+        }
+        if cfg.arch == Arch::Gemma3 {
+            names.insert(n("post_attention_norm.weight"));
+            names.insert(n("post_ffw_norm.weight"));
+        }
+        for s in ["attn_q.bias", "attn_k.bias", "attn_v.bias"] {
+            optional.push(n(s));
+        }
+    }
+    names.extend(optional.into_iter().filter(|n| has(n)));
+    names
+}
+
+/// Refuse a file with a tensor this implementation would not use: it was
+/// put there to change the output, and ignoring it would serve other
+/// logits than the model's authors trained (a Llama 3 file whose
+/// `rope_freqs.weight` is dropped answers differently, with no error).
+pub fn check_tensor_names(cfg: &LlamaConfig, c: &Content) -> Result<(), ModelError> {
+    let expected = expected_tensors(cfg, c);
+    let mut extra: Vec<&String> = c
+        .tensor_infos
+        .keys()
+        .filter(|n| !expected.contains(*n))
+        .collect();
+    if extra.is_empty() {
+        return Ok(());
+    }
+    extra.sort();
+    let shown: Vec<&str> = extra.iter().take(5).map(|s| s.as_str()).collect();
+    let more = match extra.len() {
+        n if n > 5 => format!(" and {} more", n - 5),
+        _ => String::new(),
+    };
+    Err(ModelError::Unsupported(format!(
+        "tensor {}{more} is not used by handoff's {} implementation",
+        shown.join(", "),
+        cfg.architecture
+    )))
+}
+
+/// Check a GGUF header without loading any weight: its architecture, its
+/// metadata keys and its tensor names, as [`Llama::load`] would.
+pub fn check_gguf(c: &Content) -> Result<LlamaConfig, ModelError> {
+    let cfg = LlamaConfig::from_gguf(c)?;
+    check_tensor_names(&cfg, c)?;
+    Ok(cfg)
 }
 
 /// Stack `[out_i, in]` quantized matrices into one `[sum out_i, in]` of the
@@ -490,14 +735,20 @@ pub(crate) fn split_qkv(qkv: &[f32], h: usize, kvw: usize) -> (Vec<f32>, Vec<f32
     (q, k, v)
 }
 
-/// `silu(gate) * up` for rows of `[n, 2*ffn]` holding gate then up.
-pub(crate) fn silu_mul_stacked(gate_up: &[f32], ffn: usize) -> Vec<f32> {
+/// `act(gate) * up` for rows of `[n, 2*ffn]` holding gate then up.
+pub(crate) fn glu_stacked(gate_up: &[f32], ffn: usize, act: Activation) -> Vec<f32> {
     use rayon::prelude::*;
     let mut out = vec![0.0f32; gate_up.len() / 2];
     // One row per task: `exp` dominates, and at batch 8 the rows are worth
     // spreading over the compute threads.
     out.par_chunks_mut(ffn)
         .zip(gate_up.par_chunks_exact(2 * ffn))
-        .for_each(|(o, row)| o.copy_from_slice(&silu_mul(&row[..ffn], &row[ffn..])));
+        .for_each(|(o, row)| {
+            let (g, u) = row.split_at(ffn);
+            o.copy_from_slice(&match act {
+                Activation::Silu => silu_mul(g, u),
+                Activation::GeluTanh => gelu_mul(g, u),
+            })
+        });
     out
 }

@@ -15,6 +15,65 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
     out
 }
 
+/// RMSNorm of every `weight.len()`-element head of `x`, in place (Qwen 3
+/// and Gemma 3 normalise each query and key head).
+pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
+    let dim = weight.len();
+    for head in x.chunks_exact_mut(dim) {
+        let sum: f64 = head.iter().map(|&v| (v as f64) * (v as f64)).sum();
+        let mean = (sum / dim as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for (v, &w) in head.iter_mut().zip(weight) {
+            *v = *v * scale * w;
+        }
+    }
+}
+
+/// GELU with the tanh approximation, as ggml's CPU backend computes it
+/// (`GGML_GELU_FP16`): the input rounded to f16, looked up in a table of
+/// f16 results, outside [-10, 10] zero or the input itself.
+pub fn gelu(x: f32) -> f32 {
+    use std::sync::OnceLock;
+    static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
+    if x <= -10.0 {
+        return 0.0;
+    }
+    if x >= 10.0 {
+        return x;
+    }
+    let table = TABLE.get_or_init(|| {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        const COEF_A: f32 = 0.044715;
+        (0..=u16::MAX)
+            .map(|bits| {
+                let f = half::f16::from_bits(bits).to_f32();
+                let g = 0.5 * f * (1.0 + (SQRT_2_OVER_PI * f * (1.0 + COEF_A * f * f)).tanh());
+                half::f16::from_f32(g).to_f32()
+            })
+            .collect()
+    });
+    table[half::f16::from_f32(x).to_bits() as usize]
+}
+
+/// `gelu(gate) * up`, element-wise (GeGLU).
+pub fn gelu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    gate.iter().zip(up).map(|(&g, &u)| gelu(g) * u).collect()
+}
+
+/// `c * tanh(x / c)` for every element (final logit soft-capping).
+pub fn softcap(x: &mut [f32], c: f32) {
+    for v in x {
+        *v = (*v / c).tanh() * c;
+    }
+}
+
+/// Multiply every element by `s`.
+pub fn scale(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
 /// `silu(gate) * up`, element-wise.
 pub fn silu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
     gate.iter()

@@ -1,11 +1,13 @@
 //! An unpaged reference forward: the whole sequence at once, K/V in plain
-//! contiguous vectors, textbook attention. Tests compare the paged forward
-//! against it (same weights, same phase format).
+//! contiguous vectors, textbook attention (with the sliding window as a
+//! plain mask). Tests compare the paged forward against it (same weights,
+//! same phase format); the projections, norms and FFN are the paged
+//! forward's own (`Llama::qkv`, `Llama::finish_block`).
 
 use crate::error::ModelError;
 use crate::linear::Phase;
-use crate::model::{silu_mul_stacked, split_qkv, Llama};
-use crate::ops::{add_assign, add_bias, dot, rms_norm, softmax};
+use crate::model::Llama;
+use crate::ops::{dot, softmax};
 
 impl Llama {
     /// Logits at every position of `tokens` (`[len][vocab]`), computed
@@ -16,54 +18,42 @@ impl Llama {
         phase: Phase,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let cfg = &self.config;
-        let (h, d, n) = (cfg.hidden, cfg.head_dim, tokens.len());
-        let kvw = cfg.kv_heads * d;
+        let (d, n) = (cfg.head_dim, tokens.len());
+        let (qw, kvw) = (cfg.q_width(), cfg.kv_width());
         let group = cfg.heads / cfg.kv_heads;
-        let mut hidden = Vec::with_capacity(n * h);
-        for &t in tokens {
-            hidden.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
-        }
+        let mut hidden = self.embed_tokens(tokens.iter());
         for b in &self.blocks {
-            let xn = rms_norm(&hidden, &b.attn_norm, cfg.rms_eps);
-            let (mut q, mut k, mut v) = split_qkv(&b.wqkv.forward(&xn, n, phase)?, h, kvw);
-            for (x, bias) in [(&mut q, &b.bq), (&mut k, &b.bk), (&mut v, &b.bv)] {
-                if let Some(bias) = bias {
-                    add_bias(x, bias);
-                }
-            }
+            let (mut q, mut k, v) = self.qkv(b, &hidden, n, phase)?;
+            let rope = self.rope_of(b);
             for t in 0..n {
-                self.rope.apply(&mut q[t * h..(t + 1) * h], d, t);
-                self.rope.apply(&mut k[t * kvw..(t + 1) * kvw], d, t);
+                rope.apply(&mut q[t * qw..(t + 1) * qw], d, t);
+                rope.apply(&mut k[t * kvw..(t + 1) * kvw], d, t);
             }
-            let mut attn = vec![0.0f32; n * h];
-            let scale = 1.0 / (d as f32).sqrt();
+            let shape = self.attn_shape(b);
+            let mut attn = vec![0.0f32; n * qw];
             for t in 0..n {
+                // Positions a sliding-window layer masks out.
+                let first = shape.window.map_or(0, |w| (t + 1).saturating_sub(w));
                 for head in 0..cfg.heads {
                     let kvh = head / group;
-                    let qh = &q[t * h + head * d..t * h + (head + 1) * d];
-                    let mut scores: Vec<f32> = (0..=t)
-                        .map(|s| dot(qh, &k[s * kvw + kvh * d..s * kvw + (kvh + 1) * d]) * scale)
+                    let qh = &q[t * qw + head * d..t * qw + (head + 1) * d];
+                    let mut scores: Vec<f32> = (first..=t)
+                        .map(|s| {
+                            dot(qh, &k[s * kvw + kvh * d..s * kvw + (kvh + 1) * d]) * shape.scale
+                        })
                         .collect();
                     softmax(&mut scores);
-                    let out = &mut attn[t * h + head * d..t * h + (head + 1) * d];
-                    for (s, p) in scores.iter().enumerate() {
+                    let out = &mut attn[t * qw + head * d..t * qw + (head + 1) * d];
+                    for (i, p) in scores.iter().enumerate() {
+                        let s = first + i;
                         for j in 0..d {
                             out[j] += p * v[s * kvw + kvh * d + j];
                         }
                     }
                 }
             }
-            let o = b.wo.forward(&attn, n, phase)?;
-            add_assign(&mut hidden, &o);
-            let xn = rms_norm(&hidden, &b.ffn_norm, cfg.rms_eps);
-            let act = silu_mul_stacked(&b.w_gate_up.forward(&xn, n, phase)?, cfg.ffn_hidden);
-            add_assign(&mut hidden, &b.w_down.forward(&act, n, phase)?);
+            self.finish_block(b, &mut hidden, &attn, n, phase)?;
         }
-        let last = rms_norm(&hidden, &self.norm, cfg.rms_eps);
-        let logits = self.lm_head.forward(&last, n, phase)?;
-        Ok(logits
-            .chunks_exact(self.lm_head.out_dim())
-            .map(|c| c.to_vec())
-            .collect())
+        self.logits(&hidden, n, phase)
     }
 }

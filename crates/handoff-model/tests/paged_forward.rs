@@ -203,7 +203,7 @@ fn unsupported_architectures_are_named_in_the_error() {
     let err = Llama::load(&path, PhaseFormats::default()).err().unwrap();
     assert_eq!(
         err.to_string(),
-        "unsupported model architecture \"gpt2\": handoff runs Llama-family GGUFs (llama, qwen2, mistral)"
+        "unsupported model architecture \"gpt2\": handoff runs llama, mistral, qwen2, qwen3 and gemma3"
     );
     let garbage = dir.join("garbage.gguf");
     std::fs::write(&garbage, b"not a gguf file at all").unwrap();
