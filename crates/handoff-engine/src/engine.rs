@@ -266,11 +266,10 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
         ));
     }
     let (model, content) = Llama::load(&config.model_path, config.formats)
-        .map_err(|e| EngineError::Model(e.to_string()))?;
-    let tokenizer =
-        Tokenizer::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
+        .map_err(|e| EngineError::Load(e.to_string()))?;
+    let tokenizer = Tokenizer::from_gguf(&content).map_err(|e| EngineError::Load(e.to_string()))?;
     let chat_template =
-        ChatTemplate::from_gguf(&content).map_err(|e| EngineError::Model(e.to_string()))?;
+        ChatTemplate::from_gguf(&content).map_err(|e| EngineError::Load(e.to_string()))?;
     let model_ctx = model.config().context_length;
     let context_length = match config.max_context {
         Some(c) if c == 0 || c > model_ctx => {
@@ -302,6 +301,7 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
         vocab_size: model.config().vocab_size,
         page_size: config.page_size,
         architecture: model.config().architecture.clone(),
+        sampling_defaults: model.config().sampling,
     };
     let threads = rayon::ThreadPoolBuilder::new()
         .num_threads(config.threads)

@@ -63,6 +63,11 @@ pub enum EngineError {
     /// The forward pass failed.
     #[error("model execution failed: {0}")]
     Model(String),
+    /// The model file could not be loaded (unreadable, malformed, or
+    /// asking for something handoff does not implement: the reason names
+    /// it).
+    #[error("cannot load the model: {0}")]
+    Load(String),
     /// The request's grammar failed mid-generation (llguidance reported an
     /// error, or it allowed no token at all).
     #[error("structured output failed: {0}")]
@@ -140,7 +145,7 @@ impl EngineError {
             EngineError::ShuttingDown
             | EngineError::Overloaded { .. }
             | EngineError::TooManyPrefillPeers { .. } => 503,
-            EngineError::Model(_) | EngineError::Grammar(_) => 500,
+            EngineError::Model(_) | EngineError::Load(_) | EngineError::Grammar(_) => 500,
             EngineError::Transfer(e) => e.http_status(),
             EngineError::Transport(t) => t.get().http_status(),
         }
@@ -197,6 +202,7 @@ impl EngineError {
             EngineError::Overloaded { .. } => "overloaded",
             EngineError::TooManyPrefillPeers { .. } => "too_many_prefill_peers",
             EngineError::Model(_) => "model_error",
+            EngineError::Load(_) => "model_load_error",
             EngineError::Grammar(_) => "grammar_error",
             EngineError::Transfer(e) => e.error_type(),
             EngineError::Transport(t) => transport_error_type(t.get()),

@@ -24,8 +24,11 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// KV page size in tokens.
     pub page_size: usize,
-    /// The GGUF's `general.architecture` (llama, mistral, qwen2).
+    /// The GGUF's `general.architecture` (llama, mistral, qwen2, qwen3,
+    /// gemma3).
     pub architecture: String,
+    /// The file's recommended sampling (`general.sampling.*`).
+    pub sampling_defaults: handoff_model::SamplingDefaults,
 }
 
 /// A point-in-time view of the engine's load (for `/get_load`, `/metrics`).

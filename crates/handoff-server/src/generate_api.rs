@@ -398,7 +398,10 @@ fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Pr
         skip_special_tokens: sp.skip_special_tokens,
         spaces_between_special_tokens: sp.spaces_between_special_tokens,
     };
-    let mut sampling = raw.into_params(DEFAULT_MAX_NEW_TOKENS)?;
+    let mut sampling = raw.into_params(
+        DEFAULT_MAX_NEW_TOKENS,
+        &crate::openai_api::sampling_defaults(&state.engine),
+    )?;
     sampling.grammar = grammar;
     sampling.top_logprobs = crate::params::top_logprobs("top_logprobs_num", body.top_logprobs_num)?;
     if sampling.top_logprobs > 0 && body.return_logprob != Some(true) {

@@ -97,9 +97,56 @@ pub const MAX_STOP_BYTES: usize = 256;
 /// Most stop token ids one request may give.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
+/// The sampling a request gets for the fields it leaves unset: the
+/// model file's own recommendation (`general.sampling.*`) where it has one,
+/// else llama.cpp's defaults (temperature 0.8, top_k 40, top_p 0.95,
+/// min_p 0.05), which is what a user of `llama-server` expects of the same
+/// file. Sent explicitly, a field is always the client's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Defaults {
+    /// Temperature (0 is greedy).
+    pub temperature: f32,
+    /// Top-k (0 is off).
+    pub top_k: usize,
+    /// Top-p.
+    pub top_p: f32,
+    /// Min-p.
+    pub min_p: f32,
+    /// Repetition penalty (1 is off).
+    pub repetition_penalty: f32,
+}
+
+impl Defaults {
+    /// llama.cpp's sampler defaults (`common/common.h`).
+    pub const LLAMA_CPP: Defaults = Defaults {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.05,
+        repetition_penalty: 1.0,
+    };
+
+    /// The file's values over llama.cpp's.
+    pub fn of(file: &handoff_model::SamplingDefaults) -> Defaults {
+        let d = Self::LLAMA_CPP;
+        Defaults {
+            temperature: file.temperature.unwrap_or(d.temperature),
+            top_k: file.top_k.map_or(d.top_k, |k| k as usize),
+            top_p: file.top_p.unwrap_or(d.top_p),
+            min_p: file.min_p.unwrap_or(d.min_p),
+            repetition_penalty: file.repetition_penalty.unwrap_or(d.repetition_penalty),
+        }
+    }
+}
+
 impl RawSampling {
-    /// Validate and convert. `default_max` is used when no limit was given.
-    pub fn into_params(self, default_max: usize) -> Result<SamplingParams, ApiError> {
+    /// Validate and convert. `default_max` is used when no limit was given;
+    /// `defaults` ([`Defaults::of`]) for the sampling fields left unset.
+    pub fn into_params(
+        self,
+        default_max: usize,
+        defaults: &Defaults,
+    ) -> Result<SamplingParams, ApiError> {
         let field = if self.max_tokens_field.is_empty() {
             "max_tokens"
         } else {
@@ -118,7 +165,7 @@ impl RawSampling {
             })?,
         };
         let temperature = match self.temperature {
-            None => 1.0,
+            None => defaults.temperature,
             Some(t) if t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t) => t as f32,
             Some(t) => {
                 return Err(ApiError::invalid_param(
@@ -130,7 +177,7 @@ impl RawSampling {
             }
         };
         let top_p = match self.top_p {
-            None => 1.0,
+            None => defaults.top_p,
             Some(p) if p.is_finite() && p > 0.0 && p <= 1.0 => p as f32,
             Some(p) => {
                 return Err(ApiError::invalid_param(
@@ -140,7 +187,8 @@ impl RawSampling {
             }
         };
         let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => 0,
+            None => defaults.top_k,
+            Some(-1) | Some(0) => 0,
             Some(k) if k > 0 => usize::try_from(k).unwrap_or(usize::MAX),
             Some(k) => {
                 return Err(ApiError::invalid_param(
@@ -198,7 +246,7 @@ impl RawSampling {
                 ),
             ));
         }
-        let min_p = in_range("min_p", self.min_p, 0.0, 0.0..=1.0, "in [0, 1]")?;
+        let min_p = in_range("min_p", self.min_p, defaults.min_p, 0.0..=1.0, "in [0, 1]")?;
         let presence = in_range(
             "presence_penalty",
             self.presence_penalty,
@@ -223,7 +271,7 @@ impl RawSampling {
             r => in_range(
                 "repetition_penalty",
                 r,
-                1.0,
+                defaults.repetition_penalty,
                 0.0..=2.0,
                 "in (0, 2] (1 is off)",
             )?,
@@ -361,16 +409,41 @@ mod tests {
 
     #[test]
     fn defaults() {
-        let p = RawSampling::default().into_params(16).unwrap();
+        let p = RawSampling::default()
+            .into_params(16, &Defaults::LLAMA_CPP)
+            .unwrap();
         assert_eq!(p.max_new_tokens, 16);
-        assert_eq!(p.temperature, 1.0);
-        assert_eq!((p.top_k, p.top_p, p.seed), (0, 1.0, None));
+        assert_eq!(p.temperature, 0.8);
+        assert_eq!((p.top_k, p.top_p, p.min_p, p.seed), (40, 0.95, 0.05, None));
+        // The file's recommendation wins over llama.cpp's; the request's
+        // own fields over both.
+        let file = handoff_model::SamplingDefaults {
+            temperature: Some(1.0),
+            top_k: Some(64),
+            top_p: None,
+            min_p: Some(0.0),
+            repetition_penalty: None,
+        };
+        let p = RawSampling::default()
+            .into_params(16, &Defaults::of(&file))
+            .unwrap();
+        assert_eq!(
+            (p.temperature, p.top_k, p.top_p, p.min_p),
+            (1.0, 64, 0.95, 0.0)
+        );
+        let asked = RawSampling {
+            temperature: Some(0.0),
+            top_k: Some(-1),
+            ..Default::default()
+        };
+        let p = asked.into_params(16, &Defaults::of(&file)).unwrap();
+        assert_eq!((p.temperature, p.top_k), (0.0, 0));
     }
 
     #[test]
     fn rejects_out_of_range_values_by_name() {
         let bad = |r: RawSampling, needle: &str| {
-            let e = r.into_params(16).unwrap_err();
+            let e = r.into_params(16, &Defaults::LLAMA_CPP).unwrap_err();
             assert_eq!(e.status, 400);
             assert!(e.message.contains(needle), "{}", e.message);
         };
@@ -421,7 +494,7 @@ mod tests {
 
     #[test]
     fn request_shape_limits_name_their_field() {
-        let refused = |r: RawSampling| r.into_params(16).unwrap_err();
+        let refused = |r: RawSampling| r.into_params(16, &Defaults::LLAMA_CPP).unwrap_err();
         let many = refused(RawSampling {
             stop: Some(StopInput::Many(vec!["x".into(); MAX_STOP_STRINGS + 1])),
             ..Default::default()
@@ -458,6 +531,9 @@ mod tests {
             stop_token_ids: Some(vec![7; MAX_STOP_TOKEN_IDS]),
             ..Default::default()
         };
-        assert_eq!(ok.into_params(16).unwrap().stop.len(), MAX_STOP_STRINGS);
+        assert_eq!(
+            ok.into_params(16, &Defaults::LLAMA_CPP).unwrap().stop.len(),
+            MAX_STOP_STRINGS
+        );
     }
 }

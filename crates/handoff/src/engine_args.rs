@@ -121,18 +121,23 @@ pub(crate) fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
 }
 
 /// The model path to load: `--model`, else the default model from the
-/// per-user cache (fetched there if missing; [`crate::model_fetch`]).
+/// per-user cache (fetched there if missing; [`crate::model_fetch`]),
+/// checked to be a model handoff serves ([`crate::model_check`]).
 fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    if let Some(path) = arg {
-        if !path.is_file() {
-            bail!(
-                "model file {} does not exist (omit --model to use the default SmolLM2 model)",
-                path.display()
-            );
+    let path = match arg {
+        Some(path) => {
+            if !path.is_file() {
+                bail!(
+                    "model file {} does not exist (omit --model to use the default SmolLM2 model)",
+                    path.display()
+                );
+            }
+            path
         }
-        return Ok(path);
-    }
-    crate::model_fetch::default_model()
+        None => crate::model_fetch::default_model()?,
+    };
+    crate::model_check::check(&path)?;
+    Ok(path)
 }
 
 /// KV pages that fit in `mb` MiB for this model (K and V, every layer).

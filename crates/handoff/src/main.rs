@@ -11,6 +11,7 @@ mod bench_transfer;
 mod engine_args;
 mod fleet;
 mod local_pd;
+mod model_check;
 mod model_fetch;
 mod router_cmd;
 mod serve;
@@ -88,7 +89,18 @@ fn set_compute_threads(threads: u16) {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One line for a refused model (`{:#}` joins the causes).
+            eprintln!("Error: {e:#}");
+            std::process::ExitCode::from(model_check::exit_status(&e))
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let Some(level) = cli.log_level {

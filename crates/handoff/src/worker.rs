@@ -211,6 +211,8 @@ pub fn start_backend(
 /// `--exit-with-parent`, until standard input closes).
 pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
     let api_key = args.http.limits.api_key()?;
+    // A model handoff cannot serve is refused before anything else is said.
+    args.engine.model_path()?;
     // A decode worker dials what a router holding the transfer secret
     // signed, and the endpoints --prefill-allow names.
     let secret = transfer_secret(args.pd.transfer_secret_file.as_deref())?;

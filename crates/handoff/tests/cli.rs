@@ -672,3 +672,67 @@ fn a_prefill_reachable_from_other_hosts_needs_a_transfer_secret() {
     let _ = child.wait();
     assert!(started, "the prefill did not start with a secret");
 }
+
+/// A model file asking for something handoff does not implement is
+/// refused before any worker starts: one line naming what, exit status 3
+/// (not "model execution failed" after "starting the engine"), for every
+/// command that loads a model.
+#[test]
+fn an_unsupported_model_is_refused_in_one_line_with_exit_status_3() {
+    let dir = std::env::temp_dir().join(format!("handoff-refuse-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        (
+            "llama-extra-tensor",
+            format!(
+                "tensor {} is not used by handoff's llama implementation",
+                handoff_testmodels::EXTRA_TENSOR_NAME
+            ),
+        ),
+        (
+            "llama-bad-rope-scaling",
+            format!(
+                "rope scaling type {:?}",
+                handoff_testmodels::BAD_ROPE_SCALING_TYPE
+            ),
+        ),
+    ];
+    for (preset, needle) in cases {
+        let path = dir.join(format!("{preset}.gguf"));
+        handoff_testmodels::write_preset(&path, preset).unwrap();
+        let model = path.to_str().unwrap();
+        for cmd in [
+            vec!["serve", "--model", model, "--port", "0"],
+            vec!["serve", "--colocated", "--model", model, "--port", "0"],
+            vec!["decode", "--model", model, "--port", "0"],
+        ] {
+            let out = handoff()
+                .args(&cmd)
+                .stdin(Stdio::null())
+                .output()
+                .expect("run handoff");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(3), "{cmd:?}: {stderr}");
+            let lines: Vec<&str> = stderr.lines().collect();
+            assert_eq!(lines.len(), 1, "{cmd:?}: one line, got:\n{stderr}");
+            assert!(
+                lines[0].starts_with(&format!("Error: cannot serve {model}: unsupported model: ")),
+                "{cmd:?}: {stderr}"
+            );
+            assert!(
+                lines[0].contains(&needle),
+                "{cmd:?}: lacks {needle:?}: {stderr}"
+            );
+        }
+    }
+    // A file that is no GGUF at all is refused the same way.
+    let junk = dir.join("junk.gguf");
+    std::fs::write(&junk, b"not a model").unwrap();
+    let out = handoff()
+        .args(["serve", "--model", junk.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not a readable GGUF file"));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -1,0 +1,57 @@
+//! The model file is checked before any worker starts: a file handoff
+//! cannot serve as its authors meant it (an architecture, tensor, metadata
+//! key or tokenizer it does not implement) is refused in one line naming
+//! what, with its own exit status, rather than after "starting the engine"
+//! as a "model execution failed".
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Content;
+use handoff_model::ModelError;
+
+/// Exit status of a command refused because of its model file.
+pub const EXIT_UNSUPPORTED_MODEL: u8 = 3;
+
+/// A model file handoff refuses to serve; the message names the file and
+/// what is unsupported.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot serve {path}: {reason}")]
+pub struct UnsupportedModel {
+    path: String,
+    reason: String,
+}
+
+/// Read the GGUF header of `path` and check that handoff implements all of
+/// it (architecture, metadata keys, tensors, tokenizer, chat template)
+/// without loading a weight.
+pub fn check(path: &Path) -> anyhow::Result<()> {
+    let refuse = |reason: String| UnsupportedModel {
+        path: path.display().to_string(),
+        reason,
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| refuse(format!("cannot open it: {e}")))?;
+    let content =
+        Content::read(&mut f).map_err(|e| refuse(format!("not a readable GGUF file: {e}")))?;
+    match handoff_model::check_gguf(&content) {
+        Ok(_) => {}
+        Err(e @ (ModelError::Unsupported(_) | ModelError::UnsupportedArchitecture(_))) => {
+            return Err(refuse(e.to_string()).into())
+        }
+        Err(e) => return Err(refuse(format!("malformed model: {e}")).into()),
+    }
+    handoff_model::tokenizer::Tokenizer::from_gguf(&content)
+        .map_err(|e| refuse(format!("tokenizer: {e}")))?;
+    handoff_model::chat_template::ChatTemplate::from_gguf(&content)
+        .map_err(|e| refuse(format!("chat template: {e}")))?;
+    Ok(())
+}
+
+/// The exit status for an error a command ended with: 3 when the model was
+/// refused, 1 otherwise.
+pub fn exit_status(e: &anyhow::Error) -> u8 {
+    if e.chain().any(|c| c.is::<UnsupportedModel>()) {
+        EXIT_UNSUPPORTED_MODEL
+    } else {
+        1
+    }
+}
