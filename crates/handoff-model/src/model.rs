@@ -57,6 +57,10 @@ pub struct Llama {
     pub(crate) rope_swa: Option<Rope>,
 }
 
+/// Queries, keys and values of a block's rows (`[n][q_width]`,
+/// `[n][kv_width]` twice).
+pub(crate) type Qkv = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// The new tokens of one sequence in a forward step.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqChunk<'a> {
@@ -384,7 +388,7 @@ impl Llama {
         hidden: &[f32],
         n: usize,
         phase: Phase,
-    ) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), ModelError> {
+    ) -> Result<Qkv, ModelError> {
         let cfg = &self.config;
         let xn = rms_norm(hidden, &b.attn_norm, cfg.rms_eps);
         let (mut q, mut k, mut v) = split_qkv(
