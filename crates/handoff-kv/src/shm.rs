@@ -117,10 +117,35 @@ impl ShmRegion {
                 "a shared region needs at least one byte".into(),
             ));
         }
-        let fd: OwnedFd = rustix::fs::memfd_create(name, rustix::fs::MemfdFlags::CLOEXEC)
-            .map_err(|e| io_err("memfd_create", e))?;
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let fd: OwnedFd =
+            rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+                .map_err(|e| io_err("memfd_create", e))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(|e| io_err("ftruncate", e))?;
+        // Its size is fixed for good: a peer that maps it can never take a
+        // SIGBUS from a shrink, and nobody can remove the seals.
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| io_err("sealing the region's size", e))?;
         Self::map(File::from(fd), len, true, true)
+    }
+
+    /// A peer's region is mapped only if its size is sealed: reading a page
+    /// of a memfd its owner shrank kills the reader with SIGBUS, so an
+    /// unsealed (hostile or foreign) region is refused here, before any
+    /// page of it is touched.
+    fn check_sealed(file: &File, what: &str) -> Result<(), KvError> {
+        use rustix::fs::SealFlags;
+        let seals = rustix::fs::fcntl_get_seals(file).map_err(|e| {
+            KvError::Shm(format!(
+                "{what} is not a sealable memory file ({e}): refused, a shrink of it would crash this process"
+            ))
+        })?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(KvError::Shm(format!(
+                "{what} is not sealed against shrinking: refused, a shrink of it would crash this process"
+            )));
+        }
+        Ok(())
     }
 
     /// Map the region another process described in `handle`, through
@@ -143,6 +168,7 @@ impl ShmRegion {
             .write(writable)
             .open(&path)
             .map_err(|e| io_err(&format!("open {path}"), e))?;
+        Self::check_sealed(&file, &path)?;
         let len = usize::try_from(handle.len)
             .map_err(|_| KvError::Shm(format!("region of {} bytes", handle.len)))?;
         Self::map(file, len, false, writable)
@@ -150,7 +176,9 @@ impl ShmRegion {
 
     /// Map a region from a descriptor received from another process.
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<Self, KvError> {
-        Self::map(File::from(fd), len, false, true)
+        let file = File::from(fd);
+        Self::check_sealed(&file, "the received region")?;
+        Self::map(file, len, false, true)
     }
 
     fn map(file: File, len: usize, populate: bool, writable: bool) -> Result<Self, KvError> {
@@ -484,6 +512,33 @@ impl PageGenerations {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A region's size is sealed: its owner cannot shrink it (what would
+    /// SIGBUS a peer reading a page past the new end), and a peer refuses to
+    /// map a region that is not sealed.
+    #[test]
+    fn regions_are_sealed_and_unsealed_ones_are_refused() {
+        let r = ShmRegion::create("handoff-seal-test", 1 << 16).unwrap();
+        let err = rustix::fs::ftruncate(&r.file, 4096).unwrap_err();
+        assert_eq!(err, rustix::io::Errno::PERM);
+        assert!(ShmRegion::open_read_only(&r.handle()).is_ok());
+        // A memory file without seals, as a hostile peer might offer.
+        let fd =
+            rustix::fs::memfd_create("handoff-kv-pool", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 1 << 16).unwrap();
+        let file = File::from(fd);
+        let handle = ShmRegionHandle {
+            pid: std::process::id(),
+            fd: file.as_raw_fd(),
+            len: 1 << 16,
+        };
+        let err = ShmRegion::open_read_only(&handle).unwrap_err().to_string();
+        assert!(err.contains("not sealed against shrinking"), "{err}");
+        let err = ShmRegion::from_fd(file.into(), 1 << 16)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not sealed against shrinking"), "{err}");
+    }
 
     #[test]
     fn a_second_mapping_sees_writes_and_bounds_are_checked() {

@@ -215,10 +215,37 @@ pub struct SourcePool {
     region: Arc<ShmRegion>,
     /// End of its KV bytes (pulls never read past it).
     kv_end: usize,
+    /// Its pages.
+    pages: usize,
     gens: PageGenerations,
 }
 
 impl SourcePool {
+    /// The bytes of `layer`'s blocks of pages `first..first + n` (the
+    /// pool is layer-major, then page, K before V, so they are one run),
+    /// or `None` if the pages or the layer are outside the pool.
+    fn pages_range(
+        &self,
+        layers: u32,
+        layer: u32,
+        first: u32,
+        n: u32,
+    ) -> Option<std::ops::Range<usize>> {
+        let (layers, layer) = (layers as usize, layer as usize);
+        let end_page = (first as usize).checked_add(n as usize)?;
+        if layer >= layers || end_page > self.pages || layers * self.pages == 0 {
+            return None;
+        }
+        // Bytes of one (layer, page): K and V blocks, at the prefill's own
+        // head count (which a TP prefill's differs from ours).
+        let per = self.kv_end / (layers * self.pages);
+        if (per * layers * self.pages).next_multiple_of(8) != self.kv_end {
+            return None;
+        }
+        let at = |page: usize| (layer * self.pages + page) * per;
+        Some(at(first as usize)..at(end_page))
+    }
+
     /// Map the pool prefill described in its shm setup reply: read-only,
     /// and only if it is a handoff KV pool with its generations table
     /// inside the region.
@@ -248,6 +275,7 @@ impl SourcePool {
         Ok(Self {
             region,
             kv_end: gens_at,
+            pages,
             gens,
         })
     }
@@ -836,6 +864,9 @@ enum ReadState {
     /// Over shm: a segment header was read, its [`PullRef`] comes next.
     Pull {
         room: RoomId,
+        /// The segment's layer (its source bytes must lie in that layer's
+        /// blocks of the pages its pull names).
+        layer: u32,
         /// Where the bytes go, `None` when the segment was refused (or its
         /// room forgotten since).
         dst: Option<std::ops::Range<usize>>,
@@ -965,7 +996,7 @@ impl LinkReader {
                 // from here on: no byte lands after the guard is gone.
                 match &mut self.state {
                     ReadState::Payload { room: r, keep, .. } if *r == room => *keep = false,
-                    ReadState::Pull { room: r, dst } if *r == room => *dst = None,
+                    ReadState::Pull { room: r, dst, .. } if *r == room => *dst = None,
                     _ => {}
                 }
                 self.rooms.remove(&room);
@@ -1135,18 +1166,18 @@ impl LinkReader {
                     let rec = Record::decode(&h)?;
                     self.record(rec)?;
                 }
-                ReadState::Pull { room, dst } => {
+                ReadState::Pull { room, layer, dst } => {
                     if self.len - self.pos < PullRef::LEN {
                         return Ok(());
                     }
-                    let (room, dst) = (*room, dst.clone());
+                    let (room, layer, dst) = (*room, *layer, dst.clone());
                     let mut b = [0u8; PullRef::LEN];
                     b.copy_from_slice(&self.buf[self.pos..self.pos + PullRef::LEN]);
                     self.pos += PullRef::LEN;
                     self.state = ReadState::Header;
                     let pull = PullRef::decode(&b)?;
                     if let Some(dst) = dst {
-                        self.pull(room, dst, pull);
+                        self.pull(room, layer, dst, pull);
                     }
                 }
                 ReadState::Payload {
@@ -1182,6 +1213,7 @@ impl LinkReader {
                     self.last_payload = PullRef::LEN;
                     self.state = ReadState::Pull {
                         room: h.room,
+                        layer: h.layer,
                         dst: place,
                     };
                     return Ok(());
@@ -1288,12 +1320,19 @@ impl LinkReader {
     /// handed out again since the segment was built; a source range outside
     /// the prefill's KV bytes or a page changed under the copy rejects the
     /// room (its end is then acknowledged as failed).
-    fn pull(&mut self, room: RoomId, dst: std::ops::Range<usize>, r: PullRef) {
+    fn pull(&mut self, room: RoomId, layer: u32, dst: std::ops::Range<usize>, r: PullRef) {
+        let layers = self.layout.page_layout().layers;
         let good = self.source.as_ref().is_some_and(|src| {
             let len = dst.len();
-            let in_kv = usize::try_from(r.src_offset)
-                .ok()
-                .filter(|o| o.checked_add(len).is_some_and(|end| end <= src.kv_end));
+            // The bytes must lie in this layer's blocks of the pages whose
+            // generations are checked below: a pull naming one page and
+            // reading another could copy a page reused under it.
+            let allowed = src.pages_range(layers, layer, r.src_page, r.src_pages);
+            let in_kv = usize::try_from(r.src_offset).ok().filter(|o| {
+                o.checked_add(len)
+                    .zip(allowed.as_ref())
+                    .is_some_and(|(end, a)| a.start <= *o && end <= a.end)
+            });
             in_kv.is_some_and(|o| {
                 self.pool.copy_from(dst.start, &src.region, o, len).is_ok()
                     && src.gens.unchanged_since(r.pages(), r.epoch) == Some(true)
@@ -1658,10 +1697,10 @@ mod tests {
             src.write_at(at, &vec![0x50 + i as u8; span]).unwrap();
         }
         let epoch = prefill_pool.generations().unwrap().epoch();
-        let dst_lease = decode_pool.allocator().lease(5).unwrap();
+        let dst_lease = decode_pool.allocator().lease(6).unwrap();
         let d: Vec<u32> = dst_lease.pages().iter().map(|p| p.0).collect();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-        let rooms: Vec<RoomId> = (31..=35).map(room).collect();
+        let rooms: Vec<RoomId> = (31..=36).map(room).collect();
         for (r, page) in rooms.iter().zip(&d) {
             cmd_tx
                 .send(ReaderCmd::Register {
@@ -1712,7 +1751,17 @@ mod tests {
             span_offset(&layout, 8, 0, again.pages()[0].0 as usize),
             epoch,
         ));
-        for r in &rooms[..4] {
+        // 36: names page s0 (unchanged) but points at the other computed
+        // page's bytes: its generation is not the one checked.
+        let s1 = src_lease.pages()[1].0;
+        wire.extend(pull(
+            rooms[5],
+            d[5],
+            s0,
+            span_offset(&layout, 8, 0, s1 as usize),
+            epoch,
+        ));
+        for r in rooms[..4].iter().chain(&rooms[5..6]) {
             wire.extend(
                 Record::End {
                     room: *r,
@@ -1722,7 +1771,7 @@ mod tests {
             );
         }
         prefill.write_all(&wire).await.unwrap();
-        let mut acks = [0u8; 4 * ACK_LEN];
+        let mut acks = [0u8; 5 * ACK_LEN];
         tokio::time::timeout(Duration::from_secs(5), prefill.read_exact(&mut acks))
             .await
             .expect("no acks")
@@ -1731,7 +1780,7 @@ mod tests {
             .chunks(ACK_LEN)
             .map(|a| Ack::decode(a.try_into().unwrap()).unwrap().ok)
             .collect();
-        assert_eq!(oks, [true, false, false, false]);
+        assert_eq!(oks, [true, false, false, false, false]);
         let dregion = decode_pool.shared_region().unwrap();
         let page = |p: u32| {
             let mut got = vec![0u8; span];
@@ -1742,7 +1791,12 @@ mod tests {
         };
         assert_eq!(page(d[0]), vec![0x50; span], "the good pull landed");
         assert_eq!(page(d[2]), vec![0; span], "nothing from past the KV bytes");
-        assert_eq!(counters.rejected_segments.load(Ordering::Relaxed), 3);
+        assert_eq!(
+            page(d[5]),
+            vec![0; span],
+            "nothing from another page's bytes"
+        );
+        assert_eq!(counters.rejected_segments.load(Ordering::Relaxed), 4);
         // 35: forgotten between its record and its pull reference.
         let rec = pull(rooms[4], d[4], s0, at0, epoch);
         prefill.write_all(&rec[..RECORD_LEN]).await.unwrap();

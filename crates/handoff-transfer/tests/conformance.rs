@@ -2453,12 +2453,24 @@ async fn send_segment(
     match kind {
         TransportKind::Tcp => data.write_all(&vec![fill; len]).await.unwrap(),
         TransportKind::Shm => {
+            // The bytes at the start of the segment's layer's blocks of
+            // source page 0, which the pull names (decode refuses a pull
+            // whose bytes lie outside the pages it names).
+            let layer = match h {
+                handoff_proto::datalink::Record::Segment(s) => s.layer,
+                _ => 0,
+            };
+            let at = src
+                .layout()
+                .page_layout()
+                .block_offset(layer, PageIndex(0), handoff_proto::layout::KvPart::K)
+                .unwrap_or(0);
             src.shared_region()
                 .unwrap()
-                .write_at(0, &vec![fill; len])
+                .write_at(at, &vec![fill; len])
                 .unwrap();
             let pull = handoff_proto::datalink::PullRef {
-                src_offset: 0,
+                src_offset: at as u64,
                 src_page: 0,
                 src_pages: 1,
                 epoch: src.generations().unwrap().epoch(),
