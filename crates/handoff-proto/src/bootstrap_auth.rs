@@ -55,15 +55,29 @@ fn mac(secret: &[u8], c: &BootstrapClaim<'_>) -> Option<Hmac<Sha256>> {
 
 /// The signature of `claim` under `secret`, as 64 hex digits.
 pub fn sign(secret: &[u8], claim: &BootstrapClaim<'_>) -> String {
-    mac(secret, claim)
-        .map(|m| {
-            m.finalize()
-                .into_bytes()
-                .iter()
-                .map(|b| format!("{b:02x}"))
-                .collect()
-        })
-        .unwrap_or_default()
+    mac(secret, claim).map(hex).unwrap_or_default()
+}
+
+fn hex(m: Hmac<Sha256>) -> String {
+    m.finalize()
+        .into_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// One spelling per signature: 64 lowercase hex digits (found by the
+/// `data_link` fuzz target: uppercase was accepted too).
+fn parse_sig(sig: &str) -> Result<[u8; 32], ClaimError> {
+    if sig.len() != 64 || !sig.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
+        return Err(ClaimError::Malformed);
+    }
+    let mut bytes = [0u8; 32];
+    for (i, b) in bytes.iter_mut().enumerate() {
+        *b = u8::from_str_radix(sig.get(2 * i..2 * i + 2).ok_or(ClaimError::Malformed)?, 16)
+            .map_err(|_| ClaimError::Malformed)?;
+    }
+    Ok(bytes)
 }
 
 /// Check `sig` against `claim` under `secret` (in constant time), and the
@@ -74,16 +88,7 @@ pub fn verify(
     sig: &str,
     now: u64,
 ) -> Result<(), ClaimError> {
-    // One spelling per signature: 64 lowercase hex digits (found by the
-    // `data_link` fuzz target: uppercase was accepted too).
-    if sig.len() != 64 || !sig.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-        return Err(ClaimError::Malformed);
-    }
-    let mut bytes = [0u8; 32];
-    for (i, b) in bytes.iter_mut().enumerate() {
-        *b = u8::from_str_radix(sig.get(2 * i..2 * i + 2).ok_or(ClaimError::Malformed)?, 16)
-            .map_err(|_| ClaimError::Malformed)?;
-    }
+    let bytes = parse_sig(sig)?;
     let m = mac(secret, claim).ok_or(ClaimError::Mismatch)?;
     m.verify_slice(&bytes).map_err(|_| ClaimError::Mismatch)?;
     let skew = now.abs_diff(claim.ts);
@@ -91,6 +96,40 @@ pub fn verify(
         return Err(ClaimError::Stale(skew));
     }
     Ok(())
+}
+
+fn message_mac(secret: &[u8], domain: &str, parts: &[&[u8]]) -> Option<Hmac<Sha256>> {
+    let mut m = Hmac::<Sha256>::new_from_slice(secret).ok()?;
+    m.update(domain.as_bytes());
+    m.update(b"\0");
+    for p in parts {
+        m.update(&(p.len() as u64).to_be_bytes());
+        m.update(p);
+    }
+    Some(m)
+}
+
+/// An HMAC-SHA256 under `secret` of `parts` (each length-prefixed, so no
+/// two lists collide) in the namespace `domain`, as 64 hex digits: what
+/// signs a discovery record.
+pub fn sign_message(secret: &[u8], domain: &str, parts: &[&[u8]]) -> String {
+    message_mac(secret, domain, parts)
+        .map(hex)
+        .unwrap_or_default()
+}
+
+/// Check a [`sign_message`] signature, in constant time.
+pub fn verify_message(
+    secret: &[u8],
+    domain: &str,
+    parts: &[&[u8]],
+    sig: &str,
+) -> Result<(), ClaimError> {
+    let bytes = parse_sig(sig)?;
+    message_mac(secret, domain, parts)
+        .ok_or(ClaimError::Mismatch)?
+        .verify_slice(&bytes)
+        .map_err(|_| ClaimError::Mismatch)
 }
 
 #[cfg(test)]

@@ -257,6 +257,7 @@ impl Backend {
                 handoff_proto::frame::PROTOCOL_VERSION_MIN,
                 handoff_proto::frame::PROTOCOL_VERSION,
             ],
+            sig: None,
         })
     }
 

@@ -71,11 +71,11 @@ pub struct PdArgs {
     pub discovery: Option<handoff_server::discovery::EtcdEndpoint>,
     /// Seconds the discovery lease lives without a renewal (renewed every
     /// third of it): how long a worker that died stays listed.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=300))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=300), requires = "discovery")]
     pub discovery_ttl_secs: u64,
     /// The host routers reach this worker at, registered in discovery
     /// [default: --host; required when --host is 0.0.0.0 or ::].
-    #[arg(long, value_name = "HOST")]
+    #[arg(long, value_name = "HOST", requires = "discovery")]
     pub advertise_host: Option<String>,
     /// Exit when standard input closes (set by `handoff serve` for its
     /// worker processes, so they never outlive it).
@@ -223,6 +223,7 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
     }
     let trust =
         handoff_server::trust::BootstrapTrust::new(secret.clone(), args.pd.prefill_allow.clone());
+    let record_secret = secret.clone();
     let backend = start_backend(mode, &args, secret)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -243,9 +244,15 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
         let registration = match &args.pd.discovery {
             Some(ep) => {
                 let url = advertised_url(&args, addr)?;
-                let record = backend
+                let mut record = backend
                     .discovery_record(&url)
                     .context("only prefill and decode workers register in discovery")?;
+                match &record_secret {
+                    Some(s) => record.sign(s),
+                    None => tracing::warn!(
+                        "registering an unsigned discovery record (no transfer secret): a router with a secret refuses it, and one without cannot tell it from an impostor's"
+                    ),
+                }
                 let ttl = std::time::Duration::from_secs(args.pd.discovery_ttl_secs);
                 let r = handoff_server::discovery::Registrar::new(ep, &record, ttl)
                     .context("discovery")?;

@@ -736,3 +736,26 @@ fn an_unsupported_model_is_refused_in_one_line_with_exit_status_3() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("not a readable GGUF file"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Discovery flags `handoff serve`'s own pair would not honour are refused,
+/// not accepted and ignored (the disaggregated serve registers nothing in
+/// etcd and its router does not watch it).
+#[test]
+fn serve_refuses_discovery_flags_it_would_ignore() {
+    fails_with(
+        &["serve", "--discovery", "etcd://127.0.0.1:2379"],
+        "--discovery is not implemented for `handoff serve`'s own workers",
+    );
+    fails_with(
+        &["serve", "--prefill-allow", "127.0.0.1:8998"],
+        "--prefill-allow names prefills a lone decode worker may dial",
+    );
+    fails_with(
+        &["serve", "--advertise-host", "10.1.2.3"],
+        "the following required arguments were not provided",
+    );
+    fails_with(
+        &["decode", "--discovery-ttl-secs", "5"],
+        "--discovery <etcd://HOST:PORT[/PREFIX]>",
+    );
+}

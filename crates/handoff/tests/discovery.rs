@@ -402,3 +402,97 @@ async fn workers_found_in_etcd_serve_and_leave_when_they_go() {
     drop(stranger);
     drop(router);
 }
+
+/// A server of an attacker's that answers 200 to everything, counting the
+/// requests it gets.
+fn impostor() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let h = hits.clone();
+    std::thread::spawn(move || {
+        for mut s in listener.incoming().flatten() {
+            h.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}",
+            );
+        }
+    });
+    (url, hits)
+}
+
+/// Whoever can write under the prefix cannot register a worker: a copy of
+/// a real decode record pointing at a live impostor (so its model and KV
+/// fingerprint match), and the same copy unsigned, are refused and listed
+/// with the reason, and the impostor gets no request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_record_pointing_at_an_impostor_gets_no_request() {
+    let Some(etcd) = etcd().await else { return };
+    let dir = tempdir::new("discovery-forged");
+    let model = tiny(&dir.0, 6);
+    let ep = etcd.endpoint.as_str();
+    let router = start(
+        "router",
+        &["--discovery", ep, "--health-check-interval-secs", "1"],
+    );
+    let r = router.http.as_str();
+    let _prefill = worker("prefill", &model, ep);
+    let _decode = worker("decode", &model, ep);
+    until(r, Duration::from_secs(20), "two healthy workers", |w| {
+        count(w, "prefill", "healthy") == 1 && count(w, "decode", "healthy") == 1
+    })
+    .await;
+    let endpoint: handoff_server::discovery::EtcdEndpoint = ep.parse().unwrap();
+    let client =
+        handoff_server::discovery::Etcd::new(&endpoint.base, Duration::from_secs(2)).unwrap();
+    let (_, kvs) = client
+        .range_prefix(&format!("{}/workers/decode/", endpoint.prefix))
+        .await
+        .unwrap();
+    assert_eq!(kvs.len(), 1, "{kvs:?}");
+    let real: handoff_server::discovery::WorkerRecord = serde_json::from_slice(&kvs[0].1).unwrap();
+    assert!(
+        real.sig.is_some(),
+        "a worker with the secret signs its record"
+    );
+    let (evil, hits) = impostor();
+    let mut forged = real.clone();
+    forged.url = evil.clone();
+    let mut unsigned = forged.clone();
+    unsigned.sig = None;
+    for (name, rec) in [("forged", &forged), ("unsigned", &unsigned)] {
+        let key = format!("{}/workers/decode/{name}", endpoint.prefix);
+        client
+            .put(&key, &serde_json::to_vec(rec).unwrap(), None)
+            .await
+            .unwrap();
+    }
+    until(r, Duration::from_secs(10), "both listed as refused", |w| {
+        w.iter().filter(|x| x["health"] == "refused").count() == 2
+    })
+    .await;
+    let w = workers(r).await;
+    let reason = |key: &str| {
+        w.iter()
+            .find(|x| x["key"].as_str().is_some_and(|k| k.ends_with(key)))
+            .map(|x| x["reason"].as_str().unwrap_or("").to_string())
+            .unwrap_or_default()
+    };
+    assert!(
+        reason("forged").contains("record signature refused"),
+        "{w:#?}"
+    );
+    assert!(reason("unsigned").contains("unsigned record"), "{w:#?}");
+    for i in 0..8u32 {
+        let (s, v) = generate(r, i % 3).await;
+        assert_eq!(s, 200, "{v}");
+    }
+    assert_eq!(
+        hits.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the impostor got requests"
+    );
+}

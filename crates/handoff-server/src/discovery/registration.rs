@@ -28,9 +28,57 @@ pub struct WorkerRecord {
     pub kv: String,
     /// Transfer protocol versions it speaks, lowest and highest.
     pub protocol: [u8; 2],
+    /// HMAC-SHA256 of the fields above under the transfer secret
+    /// ([`Self::sign`]): a router with the secret takes only records that
+    /// verify, so whoever can write to etcd cannot register an impostor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sig: Option<String>,
 }
 
+/// The namespace of record signatures.
+const RECORD_DOMAIN: &str = "handoff-worker-record-v1";
+
 impl WorkerRecord {
+    fn signed_parts(&self) -> [Vec<u8>; 7] {
+        [
+            self.role.clone().into_bytes(),
+            self.url.clone().into_bytes(),
+            self.bootstrap_port
+                .map(|p| p.to_string())
+                .unwrap_or_default()
+                .into_bytes(),
+            self.model.clone().into_bytes(),
+            self.model_hash.clone().into_bytes(),
+            self.kv.clone().into_bytes(),
+            self.protocol.to_vec(),
+        ]
+    }
+
+    /// Sign the record with the transfer secret.
+    pub fn sign(&mut self, secret: &[u8]) {
+        let parts = self.signed_parts();
+        let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+        self.sig = Some(handoff_proto::bootstrap_auth::sign_message(
+            secret,
+            RECORD_DOMAIN,
+            &parts,
+        ));
+    }
+
+    /// Check the record's signature under the transfer secret; the error
+    /// says why it is refused.
+    pub fn verify(&self, secret: &[u8]) -> Result<(), String> {
+        let Some(sig) = &self.sig else {
+            return Err(
+                "unsigned record: this router has a transfer secret and takes only records signed with it (give the worker the same --transfer-secret-file)".into(),
+            );
+        };
+        let parts = self.signed_parts();
+        let parts: Vec<&[u8]> = parts.iter().map(|p| p.as_slice()).collect();
+        handoff_proto::bootstrap_auth::verify_message(secret, RECORD_DOMAIN, &parts, sig)
+            .map_err(|e| format!("record signature refused: {e}"))
+    }
+
     /// What must match between a router's workers for them to pair: model,
     /// weights and KV layout (URLs, ports and versions may differ).
     pub fn fingerprint(&self) -> String {

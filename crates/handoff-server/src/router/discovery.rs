@@ -9,7 +9,10 @@
 //! Every worker of a deployment must serve the same model with the same KV
 //! layout: the router takes the fingerprint of the first worker it accepts
 //! (`WorkerRecord::fingerprint`) and refuses any registration with another,
-//! logging why and listing it in `/workers`.
+//! logging why and listing it in `/workers`. A router with a transfer
+//! secret takes only records signed with it (`WorkerRecord::verify`); one
+//! without says at start that anyone who can write under the prefix can
+//! register a worker.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -43,6 +46,14 @@ impl Discovered {
             Ok(r) => r,
             Err(e) => return refuse(&self.state, format!("not a worker record: {e}"), None),
         };
+        // With a transfer secret, only records signed with it: whoever can
+        // write to etcd cannot point this router (and its API key) at a
+        // server of their own.
+        if let Some(secret) = &self.state.config.transfer_secret {
+            if let Err(reason) = record.verify(secret.as_bytes()) {
+                return refuse(&self.state, reason, Some(&record));
+            }
+        }
         let role = match record.role.as_str() {
             "prefill" => Role::Prefill,
             "decode" => Role::Decode,
@@ -119,6 +130,11 @@ pub async fn run(state: RouterState, endpoint: EtcdEndpoint) {
             return;
         }
     };
+    if state.config.transfer_secret.is_none() {
+        tracing::warn!(
+            "discovery without a transfer secret: records are not authenticated, so anyone who can write under {prefix} can register a worker this router will send requests (and its API key) to"
+        );
+    }
     let mut d = Discovered {
         state,
         known: HashMap::new(),
