@@ -13,7 +13,7 @@ use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
 use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
 use crate::config::{Activation, Arch, LlamaConfig, RopeScaling};
 use crate::error::ModelError;
-use crate::linear::{Linear, Phase, PhaseFormats};
+use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
 use crate::ops::{
     add_assign, add_bias, gelu_mul, rms_norm, rms_norm_heads, scale, silu_mul, softcap,
 };
@@ -145,7 +145,7 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         for (name, out) in parts {
             tensors.push(self.checked(name, *out, inp)?);
         }
-        Linear::new(&stack_rows(&tensors)?, f)
+        Linear::new(&stack_rows(&tensors, f)?, f)
     }
 }
 
@@ -694,8 +694,13 @@ pub fn check_gguf(c: &Content) -> Result<LlamaConfig, ModelError> {
 
 /// Stack `[out_i, in]` quantized matrices into one `[sum out_i, in]` of the
 /// same type. Rows are whole quantization blocks, so this is a byte concat
-/// and exact.
-fn stack_rows(parts: &[QTensor]) -> Result<QTensor, ModelError> {
+/// and exact. Parts of different types (a Q4_K_M file's Q4_K queries and
+/// keys with Q6_K values) are requantized to Q8_0 row by row, which is what
+/// the Q8_0 formats do to each part anyway; only when a phase computes in
+/// f32 do they stay f32. (They used to become f32 in every case: a dense
+/// f32 GEMM in every such layer's decode step, four bytes per weight read,
+/// and prefill rows no longer independent, which turned batched prefill off.)
+fn stack_rows(parts: &[QTensor], formats: PhaseFormats) -> Result<QTensor, ModelError> {
     let first = parts
         .first()
         .ok_or_else(|| ModelError::Malformed("nothing to stack".into()))?;
@@ -704,16 +709,18 @@ fn stack_rows(parts: &[QTensor]) -> Result<QTensor, ModelError> {
     let mut rows = 0;
     for p in parts {
         if p.dtype() != dtype || p.shape().dims()[1] != inp {
-            // Mixed types: fall back to f32 and let the format choice re-quantize.
             let ts = parts
                 .iter()
                 .map(|p| p.dequantize(&Device::Cpu))
                 .collect::<Result<Vec<_>, _>>()?;
             let t = candle_core::Tensor::cat(&ts, 0)?;
-            return Ok(QTensor::quantize(
-                &t,
-                candle_core::quantized::GgmlDType::F32,
-            )?);
+            let f32_phase = [formats.prefill, formats.decode].contains(&WeightFormat::F32);
+            let to = if f32_phase || inp % 32 != 0 {
+                candle_core::quantized::GgmlDType::F32
+            } else {
+                candle_core::quantized::GgmlDType::Q8_0
+            };
+            return Ok(QTensor::quantize(&t, to)?);
         }
         bytes.extend_from_slice(&p.data()?);
         rows += p.shape().dims()[0];

@@ -52,7 +52,8 @@ struct Bounds {
 }
 
 // Bounds about 30% above what the default formats (Q8_0-rows prefill, Q8_0
-// decode, f16 K/V) measure, so drift fails here rather than hiding under
+// decode, f16 K/V; a layer whose Q/K/V parts differ in type stacked as
+// Q8_0) measure (2026-12-06), so drift fails here rather than hiding under
 // slack. The noise is llama.cpp's as much as ours: it quantizes activations
 // to 8 bits before every quantized matmul; the same files with the weights
 // dequantized to F32 move llama.cpp's own logits by a median 0.04-0.06.
@@ -61,52 +62,52 @@ struct Bounds {
 // ignoring linear or YaRN scaling by 1-10, gemma3 without its window or with
 // the global RoPE base on local layers by 1-6; 96 teacher-forced steps per
 // preset (4 prompts x 24 tokens).
-/// llama: measured median 0.0650, worst 0.3032, argmax 94/96.
+/// llama: measured median 0.0744, worst 0.3828, argmax 91/96.
 const LLAMA: Bounds = Bounds {
-    max_logit_diff: 0.40,
-    median_logit_diff: 0.085,
-    min_argmax_agreement: 0.93,
-};
-/// llama3 (rope_freqs.weight): measured median 0.0679, worst 0.3816, argmax 92/96.
-const LLAMA3: Bounds = Bounds {
     max_logit_diff: 0.50,
-    median_logit_diff: 0.09,
+    median_logit_diff: 0.102,
     min_argmax_agreement: 0.93,
 };
-/// llama, linear RoPE scaling: measured median 0.0621, worst 0.3669, argmax 93/96.
+/// llama3 (rope_freqs.weight): measured median 0.0679, worst 0.3336, argmax 90/96.
+const LLAMA3: Bounds = Bounds {
+    max_logit_diff: 0.44,
+    median_logit_diff: 0.093,
+    min_argmax_agreement: 0.93,
+};
+/// llama, linear RoPE scaling: measured median 0.0716, worst 0.3295, argmax 93/96.
 const LLAMA_LINEAR: Bounds = Bounds {
-    max_logit_diff: 0.48,
-    median_logit_diff: 0.08,
+    max_logit_diff: 0.43,
+    median_logit_diff: 0.098,
     min_argmax_agreement: 0.93,
 };
-/// llama, YaRN: measured median 0.0758, worst 0.4357, argmax 95/96.
+/// llama, YaRN: measured median 0.0994, worst 0.5665, argmax 93/96.
 const LLAMA_YARN: Bounds = Bounds {
-    max_logit_diff: 0.55,
-    median_logit_diff: 0.10,
+    max_logit_diff: 0.74,
+    median_logit_diff: 0.134,
     min_argmax_agreement: 0.93,
 };
-/// qwen2: measured median 0.0534, worst 0.3024, argmax 95/96.
+/// qwen2: measured median 0.0668, worst 0.3249, argmax 94/96.
 const QWEN2: Bounds = Bounds {
-    max_logit_diff: 0.40,
-    median_logit_diff: 0.07,
+    max_logit_diff: 0.43,
+    median_logit_diff: 0.092,
     min_argmax_agreement: 0.93,
 };
-/// qwen3: measured median 0.0511, worst 0.2416, argmax 95/96.
+/// qwen3: measured median 0.0552, worst 0.3356, argmax 95/96.
 const QWEN3: Bounds = Bounds {
-    max_logit_diff: 0.32,
-    median_logit_diff: 0.07,
+    max_logit_diff: 0.44,
+    median_logit_diff: 0.077,
     min_argmax_agreement: 0.93,
 };
-/// Mistral's layout (architecture llama): measured median 0.0611, worst 0.3493, argmax 93/96.
+/// Mistral's layout (architecture llama): measured median 0.0715, worst 0.3712, argmax 93/96.
 const MISTRAL: Bounds = Bounds {
-    max_logit_diff: 0.45,
-    median_logit_diff: 0.08,
+    max_logit_diff: 0.49,
+    median_logit_diff: 0.098,
     min_argmax_agreement: 0.93,
 };
-/// gemma3: measured median 0.0589, worst 0.3457, argmax 95/96.
+/// gemma3: measured median 0.0641, worst 0.447, argmax 94/96.
 const GEMMA3: Bounds = Bounds {
-    max_logit_diff: 0.45,
-    median_logit_diff: 0.08,
+    max_logit_diff: 0.59,
+    median_logit_diff: 0.088,
     min_argmax_agreement: 0.93,
 };
 

@@ -37,9 +37,11 @@ use handoff_model::sampling::argmax;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk};
 
-// Bounds just above what the default formats measure (2026-12-06: worst
-// top-5 difference 2.365 on logits of about 20-30, median 0.186, argmax
-// equal at 408/416 steps = 0.981; 7 of 13 cases identical to the end).
+// Bounds above what the default formats measure (2026-12-06: worst top-5
+// difference 1.729 on logits of about 20-30, median 0.185, argmax equal at
+// 405/416 steps = 0.974; 6 of 13 cases identical to the end. Before the
+// Q/K/V of mixed types stacked as Q8_0, rather than f32: 2.365, 0.186,
+// 408/416, 7 of 13).
 // Without the sliding window, or with the local layers on the global RoPE
 // base, the long cases differ by several units at once.
 const MAX_LOGIT_DIFF: f32 = 2.8;
@@ -50,7 +52,7 @@ const MIN_ARGMAX_AGREEMENT: f64 = 0.96;
 /// first step where llama.cpp's own top-1/top-2 margin is below this.
 const GREEDY_NEAR_TIE: f32 = 1.0;
 /// Cases whose free-running greedy output must equal llama.cpp's to the end.
-const MIN_IDENTICAL_TO_END: usize = 6;
+const MIN_IDENTICAL_TO_END: usize = 5;
 
 const MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
 const DATA: &str = "crates/handoff-model/tests/data/gemma3_greedy_fa_off.json";

@@ -54,9 +54,22 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `n` token ids spread over the model's vocabulary (whatever its size).
+fn bench_tokens(model: &Llama, n: usize) -> Vec<u32> {
+    let vocab = model.config().vocab_size as u64;
+    let (base, span) = if vocab > 40_100 {
+        (100, 40_000)
+    } else {
+        (0, vocab)
+    };
+    (0..n as u64)
+        .map(|i| (base + (i * 7919) % span) as u32)
+        .collect()
+}
+
 /// Tokens/s of prefilling `n` tokens, median of `reps`.
 fn prefill_rate(model: &Llama, dtype: KvDtype, n: usize, reps: usize) -> anyhow::Result<f64> {
-    let tokens: Vec<u32> = (0..n as u32).map(|i| 100 + (i * 7919) % 40_000).collect();
+    let tokens = bench_tokens(model, n);
     let pages: Vec<PageIndex> = (0..n.div_ceil(16) as u32).map(PageIndex).collect();
     let mut rates = Vec::new();
     for _ in 0..reps + 1 {
@@ -81,9 +94,7 @@ fn prefill_rate(model: &Llama, dtype: KvDtype, n: usize, reps: usize) -> anyhow:
 /// each after a 32-token prompt.
 fn decode_once(model: &Llama, dtype: KvDtype, batch: usize, steps: usize) -> anyhow::Result<f64> {
     let per_seq = (32 + steps).div_ceil(16);
-    let tokens: Vec<u32> = (0..(32 + steps) as u32)
-        .map(|i| 100 + (i * 7919) % 40_000)
-        .collect();
+    let tokens = bench_tokens(model, 32 + steps);
     let mut kv = KvPool::new(model.kv_geometry(16, dtype), per_seq * batch)?;
     let pages: Vec<Vec<PageIndex>> = (0..batch)
         .map(|b| {
