@@ -302,7 +302,17 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
         page_size: config.page_size,
         architecture: model.config().architecture.clone(),
         sampling_defaults: model.config().sampling,
+        weight_bytes: model.weight_bytes(),
+        kv_bytes: geometry.page_bytes() * config.kv_pages,
+        kv_dtype: geometry.dtype.name(),
     };
+    tracing::info!(
+        weights_mib = info.weight_bytes >> 20,
+        kv_mib = info.kv_bytes >> 20,
+        kv_pages = config.kv_pages,
+        kv_dtype = info.kv_dtype,
+        "memory: this process's copy of the weights and its KV pool"
+    );
     let threads = rayon::ThreadPoolBuilder::new()
         .num_threads(config.threads)
         .thread_name(|i| format!("handoff-compute-{i}"))

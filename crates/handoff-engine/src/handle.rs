@@ -29,6 +29,13 @@ pub struct ModelInfo {
     pub architecture: String,
     /// The file's recommended sampling (`general.sampling.*`).
     pub sampling_defaults: handoff_model::SamplingDefaults,
+    /// Bytes of weights this process holds (its own copy, in the phase
+    /// formats).
+    pub weight_bytes: usize,
+    /// Bytes of its KV pool (allocated whole at start).
+    pub kv_bytes: usize,
+    /// Element type of the KV pool (`f16`, `f32`).
+    pub kv_dtype: &'static str,
 }
 
 /// A point-in-time view of the engine's load (for `/get_load`, `/metrics`).

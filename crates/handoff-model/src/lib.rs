@@ -8,6 +8,7 @@
 pub mod attention;
 pub mod chat_template;
 pub mod config;
+mod embedding;
 pub mod error;
 pub mod linear;
 pub mod model;
@@ -25,4 +26,4 @@ pub mod tokenizer;
 pub use config::{Arch, LlamaConfig, SamplingDefaults};
 pub use error::ModelError;
 pub use linear::{Phase, PhaseFormats, WeightFormat};
-pub use model::{check_gguf, Llama, SeqChunk};
+pub use model::{check_gguf, estimate_weight_bytes, Llama, SeqChunk};

@@ -181,6 +181,16 @@ impl Mat {
         })
     }
 
+    /// Bytes of weights this matrix holds.
+    fn bytes(&self) -> usize {
+        match self {
+            Mat::Q8(m) => m.bytes(),
+            Mat::Quant(QMatMul::QTensor(q), _) => q.storage_size_in_bytes(),
+            Mat::Quant(_, _) => 0,
+            Mat::Dense(w) => w.elem_count() * 4,
+        }
+    }
+
     fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>, ModelError> {
         let y = match self {
             Mat::Q8(m) => return Ok(m.forward(x, n)),
@@ -217,6 +227,16 @@ pub struct Linear {
 }
 
 impl Linear {
+    /// Bytes of weights held for both phases (once when they share a copy).
+    pub fn bytes(&self) -> usize {
+        let p = self.prefill.bytes();
+        if std::sync::Arc::ptr_eq(&self.prefill, &self.decode) {
+            p
+        } else {
+            p + self.decode.bytes()
+        }
+    }
+
     /// Build from a GGUF tensor of shape `[out, in]`.
     pub fn new(q: &QTensor, formats: PhaseFormats) -> Result<Self, ModelError> {
         let (out_dim, in_dim) = q

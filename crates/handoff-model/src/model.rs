@@ -12,6 +12,7 @@ use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
 
 use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
 use crate::config::{Activation, Arch, LlamaConfig, RopeScaling};
+use crate::embedding::Embedding;
 use crate::error::ModelError;
 use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
 use crate::ops::{
@@ -47,7 +48,7 @@ pub(crate) struct Block {
 pub struct Llama {
     pub(crate) config: LlamaConfig,
     pub(crate) formats: PhaseFormats,
-    pub(crate) embed: Vec<f32>,
+    pub(crate) embed: Embedding,
     pub(crate) blocks: Vec<Block>,
     pub(crate) norm: Vec<f32>,
     pub(crate) lm_head: Linear,
@@ -185,15 +186,7 @@ impl Llama {
             config.head_dim,
         );
         let embed_q = ld.tensor("token_embd.weight")?;
-        let embed = embed_q
-            .dequantize(&Device::Cpu)?
-            .flatten_all()?
-            .to_vec1::<f32>()?;
-        if embed.len() != config.vocab_size * h {
-            return Err(ModelError::Malformed(
-                "token_embd.weight does not match the hidden size".into(),
-            ));
-        }
+        let embed = Embedding::new(&embed_q, config.vocab_size, h)?;
         // The output matrix runs once per sequence per step: it uses the decode
         // format in both phases (a Q8_0 tensor stays as it is under `q8_0`).
         let lm_head = if ld.has("output.weight") {
@@ -313,6 +306,31 @@ impl Llama {
         })
     }
 
+    /// Bytes of weights this process holds for the model (its own copy:
+    /// the matrices in their phase formats, the f32 embedding table and
+    /// norms; RoPE tables included).
+    pub fn weight_bytes(&self) -> usize {
+        let vec = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .map(|b| {
+                b.wqkv.bytes()
+                    + b.wo.bytes()
+                    + b.w_gate_up.bytes()
+                    + b.w_down.bytes()
+                    + (b.attn_norm.len() + b.ffn_norm.len()) * 4
+                    + [&b.bq, &b.bk, &b.bv, &b.q_norm, &b.k_norm]
+                        .into_iter()
+                        .chain([&b.post_attn_norm, &b.post_ffn_norm])
+                        .map(vec)
+                        .sum::<usize>()
+            })
+            .sum();
+        let rope = self.rope.bytes() + self.rope_swa.as_ref().map_or(0, Rope::bytes);
+        self.embed.bytes() + self.norm.len() * 4 + self.lm_head.bytes() + blocks + rope
+    }
+
     /// Hyper-parameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.config
@@ -369,10 +387,9 @@ impl Llama {
     /// The token embeddings of `tokens` (`[n][hidden]`), scaled where the
     /// architecture scales them.
     pub(crate) fn embed_tokens<'t>(&self, tokens: impl Iterator<Item = &'t u32>) -> Vec<f32> {
-        let h = self.config.hidden;
         let mut hidden = Vec::new();
         for &t in tokens {
-            hidden.extend_from_slice(&self.embed[t as usize * h..(t as usize + 1) * h]);
+            self.embed.push_row(t as usize, &mut hidden);
         }
         if let Some(s) = self.config.embed_scale {
             scale(&mut hidden, s);
@@ -684,6 +701,43 @@ pub fn check_tensor_names(cfg: &LlamaConfig, c: &Content) -> Result<(), ModelErr
     )))
 }
 
+/// About how many bytes of weights a process holds after [`Llama::load`]
+/// of this file with the default formats, from its header alone: quantized
+/// matrices as one Q8_0 copy (34 bytes per 32 weights), float ones as f32,
+/// the embedding table as stored if Q8_0, else f32 (plus a Q8_0 LM head
+/// when it is tied), the
+/// RoPE tables. Within a few percent of [`Llama::weight_bytes`].
+pub fn estimate_weight_bytes(cfg: &LlamaConfig, c: &Content) -> u64 {
+    use candle_core::quantized::GgmlDType;
+    let mut total: u64 = 0;
+    for (name, t) in &c.tensor_infos {
+        let n = t.shape.elem_count() as u64;
+        let float = matches!(
+            t.ggml_dtype,
+            GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
+        );
+        total += if name == "token_embd.weight" {
+            let tied = !c.tensor_infos.contains_key("output.weight");
+            let table = if t.ggml_dtype == GgmlDType::Q8_0 {
+                n * 34 / 32
+            } else {
+                n * 4
+            };
+            table + if tied { n * 34 / 32 } else { 0 }
+        } else if float || t.shape.rank() < 2 {
+            n * 4
+        } else {
+            n * 34 / 32
+        };
+    }
+    let tables = if cfg.sliding_window.is_some() && cfg.arch == Arch::Gemma3 {
+        2
+    } else {
+        1
+    };
+    total + tables * (cfg.context_length * cfg.rope_dims * 4) as u64
+}
+
 /// Check a GGUF header without loading any weight: its architecture, its
 /// metadata keys and its tensor names, as [`Llama::load`] would.
 pub fn check_gguf(c: &Content) -> Result<LlamaConfig, ModelError> {
@@ -715,7 +769,7 @@ fn stack_rows(parts: &[QTensor], formats: PhaseFormats) -> Result<QTensor, Model
                 .collect::<Result<Vec<_>, _>>()?;
             let t = candle_core::Tensor::cat(&ts, 0)?;
             let f32_phase = [formats.prefill, formats.decode].contains(&WeightFormat::F32);
-            let to = if f32_phase || inp % 32 != 0 {
+            let to = if f32_phase || !inp.is_multiple_of(32) {
                 candle_core::quantized::GgmlDType::F32
             } else {
                 candle_core::quantized::GgmlDType::Q8_0

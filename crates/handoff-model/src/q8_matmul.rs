@@ -221,6 +221,11 @@ pub enum Q8Error {
 }
 
 impl Q8Matrix {
+    /// Bytes this matrix holds (quants and scales).
+    pub fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.qs.as_slice()) + std::mem::size_of_val(self.d.as_slice())
+    }
+
     /// Pack GGML Q8_0 data (`out · in / 32` blocks of 34 bytes, row-major)
     /// of a `[out, in]` matrix.
     pub fn from_ggml_q8_0(data: &[u8], out_dim: usize, in_dim: usize) -> Result<Self, Q8Error> {

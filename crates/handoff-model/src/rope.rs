@@ -127,6 +127,11 @@ impl Rope {
         }
     }
 
+    /// Bytes of the tables.
+    pub fn bytes(&self) -> usize {
+        (self.cos.len() + self.sin.len()) * 4
+    }
+
     /// Largest position + 1 the tables cover.
     pub fn max_pos(&self) -> usize {
         self.max_pos

@@ -88,6 +88,10 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
         "page_size": info.page_size,
         "vocab_size": info.vocab_size,
         "kv_pages_total": load.pages_total,
+        "kv_dtype": info.kv_dtype,
+        "kv_bytes": info.kv_bytes,
+        "weight_bytes": info.weight_bytes,
+        "architecture": info.architecture,
         "max_total_num_tokens": load.pages_total * info.page_size,
         "disaggregation_mode": state.engine.mode(),
         "version": env!("CARGO_PKG_VERSION"),
@@ -107,6 +111,8 @@ pub async fn model_info(State(state): State<AppState>) -> Json<Value> {
     // Hugging Face's class names for the GGUF architectures we run.
     let class = match info.architecture.as_str() {
         "qwen2" => "Qwen2ForCausalLM",
+        "qwen3" => "Qwen3ForCausalLM",
+        "gemma3" => "Gemma3ForCausalLM",
         "mistral" => "MistralForCausalLM",
         _ => "LlamaForCausalLM",
     };

@@ -109,6 +109,25 @@ fn mem_total_bytes() -> anyhow::Result<u64> {
     Ok(kib.saturating_mul(1024))
 }
 
+/// `MemAvailable` of `/proc/meminfo`: what can still be allocated without
+/// swapping or an OOM kill.
+fn mem_available_bytes() -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("/proc/meminfo has no MemAvailable line")?;
+    Ok(kib.saturating_mul(1024))
+}
+
+/// Default KV pages per worker when memory allows.
+const DEFAULT_KV_PAGES: usize = 2048;
+
+/// Share of the available memory a default-sized KV pool may plan on (the
+/// rest is headroom for activations, tokenizers and the page cache).
+const DEFAULT_MEMORY_SHARE: f64 = 0.85;
+
 /// The KV dtypes the pool stores, by name.
 pub(crate) fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
     match s {
@@ -177,11 +196,11 @@ fn served_name(args: &EngineArgs, model: &Path) -> String {
 }
 
 impl EngineArgs {
-    /// The engine configuration these flags describe; fetches the default
-    /// model if it is missing.
-    pub fn config(&self) -> anyhow::Result<EngineConfig> {
-        let model = resolve_model(self.model.clone())?;
-        let defaults = EngineConfig::new(&model);
+    /// KV pages for each of `workers` processes serving `model` on this
+    /// host: what the flags say, refused when it cannot fit in the memory
+    /// available with each process's copy of the weights; without a flag,
+    /// the default (2048 pages) or, when that cannot fit, what does.
+    pub(crate) fn plan_memory(&self, model: &Path, workers: usize) -> anyhow::Result<usize> {
         let page_size = self.page_size as usize;
         let memory_mb = match (self.kv_memory_mb, self.mem_fraction_static) {
             (Some(mb), _) => Some(mb),
@@ -192,11 +211,76 @@ impl EngineArgs {
             }
             (None, None) => None,
         };
-        let kv_pages = match (self.kv_pages, memory_mb) {
-            (Some(p), _) => usize::try_from(p).context("--kv-pages is too large")?,
-            (None, Some(mb)) => pages_for_memory(&model, mb, page_size, self.kv_dtype)?,
-            (None, None) => defaults.kv_pages,
+        let explicit = match (self.kv_pages, memory_mb) {
+            (Some(p), _) => Some(usize::try_from(p).context("--kv-pages is too large")?),
+            (None, Some(mb)) => Some(pages_for_memory(model, mb, page_size, self.kv_dtype)?),
+            (None, None) => None,
         };
+        let mut f =
+            std::fs::File::open(model).with_context(|| format!("opening {}", model.display()))?;
+        let content = candle_core::quantized::gguf_file::Content::read(&mut f)
+            .with_context(|| format!("reading the GGUF header of {}", model.display()))?;
+        let cfg = handoff_model::LlamaConfig::from_gguf(&content)?;
+        let weights = handoff_model::estimate_weight_bytes(&cfg, &content);
+        let page_bytes = cfg.kv_geometry(page_size, self.kv_dtype).page_bytes() as u64;
+        let available = mem_available_bytes()?;
+        let n = workers.max(1) as u64;
+        let mib = |b: u64| b >> 20;
+        match explicit {
+            Some(pages) => {
+                let need = n * (weights + pages as u64 * page_bytes);
+                if need > available {
+                    bail!(
+                        "{workers} worker(s) with {pages} KV pages each ({} MiB of KV a worker) and ~{} MiB of weights a worker need {} MiB, but {} MiB of memory is available: lower --kv-pages / --kv-memory-mb",
+                        mib(pages as u64 * page_bytes),
+                        mib(weights),
+                        mib(need),
+                        mib(available)
+                    );
+                }
+                Ok(pages)
+            }
+            None => {
+                let budget = (available as f64 * DEFAULT_MEMORY_SHARE) as u64;
+                let for_kv = budget.saturating_sub(n * weights) / n;
+                let fit = usize::try_from(for_kv / page_bytes.max(1)).unwrap_or(usize::MAX);
+                // At least one request of 4096 tokens (or the model's
+                // context) must fit.
+                let floor = (cfg.context_length.min(4096)).div_ceil(page_size);
+                if fit < floor {
+                    bail!(
+                        "this machine has {} MiB of memory available; {workers} worker(s) with ~{} MiB of weights each leave room for {fit} KV pages of {page_size} tokens a worker, fewer than one {}-token request needs: free memory, use a smaller model, or set --kv-pages / --kv-memory-mb to accept less",
+                        mib(available),
+                        mib(weights),
+                        floor * page_size
+                    );
+                }
+                let pages = fit.min(DEFAULT_KV_PAGES);
+                if pages < DEFAULT_KV_PAGES {
+                    tracing::info!(
+                        "KV pool sized to the memory available: {pages} pages of {page_size} tokens a worker ({} MiB), not the default {DEFAULT_KV_PAGES}",
+                        mib(pages as u64 * page_bytes)
+                    );
+                }
+                Ok(pages)
+            }
+        }
+    }
+
+    /// Fix the KV pool at `pages` (what `--kv-pages` does).
+    pub(crate) fn set_kv_pages(&mut self, pages: usize) {
+        self.kv_pages = Some(pages as u64);
+        self.kv_memory_mb = None;
+        self.mem_fraction_static = None;
+    }
+
+    /// The engine configuration these flags describe; fetches the default
+    /// model if it is missing.
+    pub fn config(&self) -> anyhow::Result<EngineConfig> {
+        let model = resolve_model(self.model.clone())?;
+        let defaults = EngineConfig::new(&model);
+        let page_size = self.page_size as usize;
+        let kv_pages = self.plan_memory(&model, 1)?;
         let config = EngineConfig {
             threads: usize::from(self.threads),
             page_size,

@@ -759,3 +759,27 @@ fn serve_refuses_discovery_flags_it_would_ignore() {
         "--discovery <etcd://HOST:PORT[/PREFIX]>",
     );
 }
+
+/// A KV pool that cannot fit the machine is a clear error at start, not an
+/// OOM kill; without a KV flag the pool is what fits (at most the default).
+#[test]
+fn a_kv_pool_that_cannot_fit_is_refused_at_start() {
+    let model = tiny_model("kv-fit");
+    let m = model.to_str().unwrap();
+    for cmd in [
+        vec!["serve", "--colocated", "--model", m, "--port", "0"],
+        vec!["serve", "--model", m, "--port", "0"],
+    ] {
+        let mut args = cmd.clone();
+        args.extend(["--kv-pages", "4000000000"]);
+        let t = std::time::Instant::now();
+        let out = handoff().args(&args).output().expect("run handoff");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            stderr.contains("KV pages each") && stderr.contains("of memory is available"),
+            "{args:?}: {stderr}"
+        );
+        assert!(t.elapsed() < std::time::Duration::from_secs(20), "{args:?}");
+    }
+}
