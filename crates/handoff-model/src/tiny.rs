@@ -159,90 +159,9 @@ pub fn write_tiny_gguf_with(path: &Path, seed: u64, cfg: TinyConfig) -> Result<(
     Ok(())
 }
 
-/// The tiny test vocabulary: `tokenizer.*` GGUF metadata for a byte-level BPE
-/// with the control tokens `<|endoftext|>` (0), `<|im_start|>` (1, BOS) and
-/// `<|im_end|>` (2, EOS), the 256 byte symbols (ids 3..259, id = 3 + byte) and
-/// a few English merges, plus SmolLM2's chat template. Lets tests build a
-/// tokenizer (and a tiny model) without any download.
+/// The tiny byte-level vocabulary (every byte a token, a few merges, the
+/// three ChatML control tokens, SmolLM2's chat template), as GGUF metadata:
+/// the one `handoff-testmodels` writes into every test model.
 pub fn tiny_vocab_metadata() -> HashMap<String, Value> {
-    const MERGES: &[(&str, &str)] = &[
-        ("Ġ", "t"),
-        ("Ġ", "a"),
-        ("h", "e"),
-        ("i", "n"),
-        ("r", "e"),
-        ("o", "n"),
-        ("Ġt", "he"),
-        ("e", "r"),
-        ("Ġ", "s"),
-        ("a", "t"),
-        ("Ġ", "w"),
-        ("Ġ", "o"),
-        ("e", "n"),
-        ("Ġ", "c"),
-        ("i", "t"),
-        ("i", "s"),
-        ("a", "n"),
-        ("o", "r"),
-        ("e", "s"),
-        ("Ġ", "b"),
-        ("e", "d"),
-        ("Ġ", "f"),
-        ("in", "g"),
-        ("Ġ", "p"),
-        ("o", "u"),
-        ("Ġa", "n"),
-        ("a", "l"),
-        ("a", "r"),
-        ("Ġt", "o"),
-        ("Ġ", "m"),
-        ("Ġo", "f"),
-        ("Ġ", "in"),
-        ("Ġ", "d"),
-        ("Ġ", "h"),
-        ("Ġan", "d"),
-        ("l", "l"),
-        ("Ġ", "Ġ"),
-        ("Ġ", "H"),
-        ("l", "o"),
-        ("Ġw", "or"),
-        ("H", "e"),
-        ("He", "ll"),
-        ("Hell", "o"),
-    ];
-    let control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-    let mut tokens: Vec<String> = control.iter().map(|s| s.to_string()).collect();
-    let mut types: Vec<Value> = vec![Value::I32(3); control.len()];
-    for c in crate::tokenizer::byte_to_unicode() {
-        tokens.push(c.to_string());
-        types.push(Value::I32(1));
-    }
-    let mut merges = Vec::new();
-    for (a, b) in MERGES {
-        let joined = format!("{a}{b}");
-        if !tokens.contains(&joined) {
-            tokens.push(joined);
-            types.push(Value::I32(1));
-        }
-        merges.push(Value::String(format!("{a} {b}")));
-    }
-    let mut m = HashMap::new();
-    let s = |v: &str| Value::String(v.to_string());
-    m.insert("tokenizer.ggml.model".into(), s("gpt2"));
-    m.insert("tokenizer.ggml.pre".into(), s("smollm"));
-    m.insert(
-        "tokenizer.ggml.tokens".into(),
-        Value::Array(tokens.into_iter().map(Value::String).collect()),
-    );
-    m.insert("tokenizer.ggml.token_type".into(), Value::Array(types));
-    m.insert("tokenizer.ggml.merges".into(), Value::Array(merges));
-    m.insert("tokenizer.ggml.bos_token_id".into(), Value::U32(1));
-    m.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(2));
-    m.insert("tokenizer.ggml.padding_token_id".into(), Value::U32(2));
-    m.insert("tokenizer.ggml.add_bos_token".into(), Value::Bool(false));
-    m.insert(
-        "tokenizer.chat_template".into(),
-        s(crate::chat_template::SMOLLM2_TEMPLATE),
-    );
-    m
+    handoff_testmodels::tiny_vocab_metadata()
 }
