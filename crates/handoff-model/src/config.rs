@@ -238,6 +238,12 @@ const COMMON_KEYS: &[&str] = &[
     "rope.scaling.yarn_beta_slow",
     "expert_count",
     "expert_used_count",
+    // LayerNorm's epsilon, which converters write when the source config
+    // names one: none of these architectures has a LayerNorm (llama.cpp
+    // reads it for none of them either).
+    "attention.layer_norm_epsilon",
+    // Causal attention: only `true` is accepted (checked in `check_keys`).
+    "attention.causal",
 ];
 
 fn arch_keys(arch: Arch) -> &'static [&'static str] {
@@ -265,6 +271,11 @@ fn check_keys(c: &Content, arch_name: &str, arch: Arch) -> Result<(), ModelError
             .strip_prefix(arch_name)
             .and_then(|r| r.strip_prefix('.'))
         {
+            if rest == "attention.causal" && !matches!(get(c, key), Some(Value::Bool(true))) {
+                return Err(unsupported(format!(
+                    "{key} is not true: handoff runs causal decoders only"
+                )));
+            }
             if !COMMON_KEYS.contains(&rest) && !arch_keys(arch).contains(&rest) {
                 return Err(unsupported(format!(
                     "metadata key {key} (handoff does not implement it for {arch_name}, and ignoring it could change the model's output)"

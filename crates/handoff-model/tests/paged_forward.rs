@@ -205,6 +205,36 @@ fn unsupported_architectures_are_named_in_the_error() {
         err.to_string(),
         "unsupported model architecture \"gpt2\": handoff runs llama, mistral, qwen2, qwen3 and gemma3"
     );
+    // A key the implementation does not read is refused by name, and a
+    // non-causal model is refused even though the key is known.
+    for (key, value, needle) in [
+        (
+            "llama.attention.mystery",
+            Value::U32(7),
+            "metadata key llama.attention.mystery",
+        ),
+        (
+            "llama.attention.causal",
+            Value::Bool(false),
+            "llama.attention.causal is not true",
+        ),
+    ] {
+        let path = dir.join("key.gguf");
+        let arch = Value::String("llama".into());
+        let mut f = std::fs::File::create(&path).unwrap();
+        gguf_file::write(
+            &mut f,
+            &[("general.architecture", &arch), (key, &value)],
+            &[],
+        )
+        .unwrap();
+        drop(f);
+        let err = Llama::load(&path, PhaseFormats::default()).err().unwrap();
+        assert!(
+            err.to_string().starts_with("unsupported model: ") && err.to_string().contains(needle),
+            "{err}"
+        );
+    }
     let garbage = dir.join("garbage.gguf");
     std::fs::write(&garbage, b"not a gguf file at all").unwrap();
     let err = Llama::load(&garbage, PhaseFormats::default())
