@@ -12,7 +12,7 @@
 # speed_tg, ...): llama.cpp's batched decode on the same workload as
 # `handoff bench-model`'s decode cases.
 #
-# Env: THREADS (2), REPS (3), PP (128,512), TG (64),
+# Env: MODEL (SmolLM2), THREADS (2), REPS (3), PP (128,512), TG (64),
 #      REPACK (0) -- 0 passes `--repack 0` (no AMX / CPU_REPACK extra buffer
 #      types). This llama.cpp segfaults in ggml_backend_amx_mul_mat on AMX
 #      CPUs with this Q4_1 model (cf. ggml-org/llama.cpp#20824), so AMX is off
@@ -28,7 +28,10 @@ if [ "${MODE:-bench}" = batched ]; then PP="${PP:-32}"; else PP="${PP:-128,512}"
 TG="${TG:-64}"
 REPACK="${REPACK:-0}"
 
-MODEL="$(scripts/fetch-model.sh)"
+# MODEL: the GGUF to run (default: SmolLM2, fetched). `handoff bench-model`
+# passes its own --model (before 2026-12-06 it did not, and every model was
+# compared with llama.cpp on SmolLM2).
+MODEL="${MODEL:-$(scripts/fetch-model.sh)}"
 scripts/build-llamacpp.sh >/dev/null
 # shellcheck disable=SC1091
 . .cache/llama.cpp/BUILD_INFO

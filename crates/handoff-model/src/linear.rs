@@ -237,6 +237,11 @@ impl Linear {
         }
     }
 
+    /// Bytes of the decode copy (what a decode step reads).
+    pub fn decode_bytes(&self) -> usize {
+        self.decode.bytes()
+    }
+
     /// Build from a GGUF tensor of shape `[out, in]`.
     pub fn new(q: &QTensor, formats: PhaseFormats) -> Result<Self, ModelError> {
         let (out_dim, in_dim) = q

@@ -331,6 +331,31 @@ impl Llama {
         self.embed.bytes() + self.norm.len() * 4 + self.lm_head.bytes() + blocks + rope
     }
 
+    /// Bytes of weights one decode step at batch 1 reads: every matrix's
+    /// decode copy, the norms and the LM head, one embedding row (not the
+    /// table), no RoPE table.
+    pub fn decode_weight_bytes(&self) -> usize {
+        let vec = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .map(|b| {
+                [&b.wqkv, &b.wo, &b.w_gate_up, &b.w_down]
+                    .iter()
+                    .map(|l| l.decode_bytes())
+                    .sum::<usize>()
+                    + (b.attn_norm.len() + b.ffn_norm.len()) * 4
+                    + [&b.bq, &b.bk, &b.bv, &b.q_norm, &b.k_norm]
+                        .into_iter()
+                        .chain([&b.post_attn_norm, &b.post_ffn_norm])
+                        .map(vec)
+                        .sum::<usize>()
+            })
+            .sum();
+        let row = self.embed.bytes() / self.config.vocab_size.max(1);
+        blocks + self.lm_head.decode_bytes() + self.norm.len() * 4 + row
+    }
+
     /// Hyper-parameters.
     pub fn config(&self) -> &LlamaConfig {
         &self.config

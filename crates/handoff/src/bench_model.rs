@@ -2,7 +2,7 @@
 //! next to llama.cpp's `llama-bench` on the same GGUF, in one run, printed as
 //! ratios (issue: colocated serving, BENCHMARKS.md).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
@@ -171,8 +171,9 @@ fn bench_script(env: &[(&str, String)]) -> anyhow::Result<Vec<u8>> {
 }
 
 /// llama-bench's tokens/s for (n_prompt, n_gen) pairs, via scripts/bench-llamacpp.sh.
-fn llamacpp(threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
+fn llamacpp(model: &Path, threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
     let out = bench_script(&[
+        ("MODEL", model.display().to_string()),
         ("THREADS", threads.to_string()),
         ("REPS", reps.to_string()),
         ("TG", "64".into()),
@@ -194,8 +195,9 @@ fn llamacpp(threads: u16, reps: u16) -> anyhow::Result<Vec<(u64, u64, f64)>> {
 /// llama-batched-bench's generation tokens/s at batch 1 and batch 8 (32-token
 /// prompts, 64 generated tokens each: the workload of `decode_once`), via
 /// `MODE=batched scripts/bench-llamacpp.sh`.
-fn llamacpp_batched(threads: u16) -> anyhow::Result<[Option<f64>; 2]> {
+fn llamacpp_batched(model: &Path, threads: u16) -> anyhow::Result<[Option<f64>; 2]> {
     let out = bench_script(&[
+        ("MODEL", model.display().to_string()),
         ("MODE", "batched".into()),
         ("THREADS", threads.to_string()),
         ("PP", "32".into()),
@@ -278,14 +280,14 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
     let theirs = if args.no_llamacpp {
         None
     } else {
-        let rows = llamacpp(args.threads, args.reps)?;
+        let rows = llamacpp(&args.model, args.threads, args.reps)?;
         let find = |p: u64, g: u64| rows.iter().find(|r| r.0 == p && r.1 == g).map(|r| r.2);
         Some([find(128, 0), find(512, 0), find(0, 64)])
     };
     let batched = if args.no_llamacpp {
         None
     } else {
-        Some(llamacpp_batched(args.threads)?)
+        Some(llamacpp_batched(&args.model, args.threads)?)
     };
     println!(
         "{:<22} {:>12} {:>14} {:>8}",
@@ -334,8 +336,50 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         },
         "",
     );
+    if !ours[2].is_nan() {
+        // The physical limit of decode at batch 1: every weight it uses is
+        // read once per token.
+        let bytes = model.decode_weight_bytes() as f64;
+        let bw = pool.install(read_bandwidth);
+        let limit_ms = bytes / bw * 1e3;
+        let ours_ms = 1e3 / ours[2];
+        println!(
+            "decode batch 1 limit: {:.0} MB of weights a token / {:.1} GB/s read ({threads} threads) = {limit_ms:.1} ms; ours {ours_ms:.1} ms = {:.2}x the limit",
+            bytes / 1e6,
+            bw / 1e9,
+            ours_ms / limit_ms
+        );
+    }
     println!("loadavg after: {}", loadavg());
     Ok(())
+}
+
+/// Bytes a second the compute threads read from memory: a sum over a
+/// 1 GiB buffer (far past any cache), split over the threads, best of 3.
+fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let buf: Vec<u64> = (0..(1usize << 27) as u64).collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let sum: u64 = buf
+            .par_chunks(1 << 16)
+            .map(|c| {
+                // Eight independent lanes, so the loop vectorizes and is
+                // bound by memory, not by one add chain.
+                let lanes = c.chunks_exact(8).fold([0u64; 8], |mut a, x| {
+                    for (a, x) in a.iter_mut().zip(x) {
+                        *a = a.wrapping_add(*x);
+                    }
+                    a
+                });
+                lanes.iter().fold(0u64, |a, &x| a.wrapping_add(x))
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(sum);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (buf.len() * 8) as f64 / best
 }
 
 fn loadavg() -> String {
