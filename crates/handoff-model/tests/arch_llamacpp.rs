@@ -26,6 +26,8 @@
 //! must be refused by `Llama::load`, naming the offending tensor / scaling
 //! type.
 
+mod common;
+use common::{ids, top_logits};
 use std::path::{Path, PathBuf};
 
 use handoff_kv::{KvDtype, KvPool, PageIndex};
@@ -160,13 +162,6 @@ struct Case {
 }
 
 fn load_cases(data: &serde_json::Value) -> Vec<Case> {
-    let ids = |c: &serde_json::Value, k: &str| -> Vec<u32> {
-        c[k].as_array()
-            .unwrap_or_else(|| panic!("no {k}"))
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect()
-    };
     data["cases"]
         .as_array()
         .unwrap()
@@ -181,23 +176,7 @@ fn load_cases(data: &serde_json::Value) -> Vec<Case> {
                 .iter()
                 .map(|m| m.as_f64().unwrap() as f32)
                 .collect(),
-            top: c["top_logits"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|s| {
-                    s.as_array()
-                        .unwrap()
-                        .iter()
-                        .map(|p| {
-                            (
-                                p[0].as_u64().unwrap() as usize,
-                                p[1].as_f64().unwrap() as f32,
-                            )
-                        })
-                        .collect()
-                })
-                .collect(),
+            top: top_logits(c),
         })
         .collect()
 }

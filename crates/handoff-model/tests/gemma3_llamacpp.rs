@@ -29,6 +29,8 @@
 //! attend over a sliding window of 512 tokens, so a wrong window (or none)
 //! shows up there.
 
+mod common;
+use common::{ids, top_logits};
 use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file::Content;
@@ -85,36 +87,6 @@ fn reference() -> serde_json::Value {
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reference {} is missing: {e}", path.display()));
     serde_json::from_str(&text).expect("reference JSON")
-}
-
-fn ids(case: &serde_json::Value, key: &str) -> Vec<u32> {
-    case[key]
-        .as_array()
-        .unwrap_or_else(|| panic!("case has no `{key}`"))
-        .iter()
-        .map(|v| v.as_u64().unwrap() as u32)
-        .collect()
-}
-
-/// Per step: llama.cpp's top-5 `(id, logit)`, descending.
-fn top_logits(case: &serde_json::Value) -> Vec<Vec<(usize, f32)>> {
-    case["top_logits"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            s.as_array()
-                .unwrap()
-                .iter()
-                .map(|p| {
-                    (
-                        p[0].as_u64().unwrap() as usize,
-                        p[1].as_f64().unwrap() as f32,
-                    )
-                })
-                .collect()
-        })
-        .collect()
 }
 
 fn formats() -> PhaseFormats {

@@ -25,6 +25,8 @@
 //! A wrong RoPE, norm, mask or layout gives differences of several units at
 //! once, far outside these bounds.
 
+mod common;
+use common::{ids, top_logits};
 use std::path::PathBuf;
 
 use handoff_kv::{KvDtype, KvPool, PageIndex};
@@ -74,32 +76,8 @@ fn logits_track_llamacpp_step_by_step() {
     let (mut worst, mut steps, mut argmax_same) = (0.0f32, 0, 0);
     for case in data["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
-        let ids = |k: &str| -> Vec<u32> {
-            case[k]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_u64().unwrap() as u32)
-                .collect()
-        };
-        let (prompt, out) = (ids("prompt_ids"), ids("output_ids"));
-        let top: Vec<Vec<(usize, f32)>> = case["top_logits"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| {
-                s.as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|p| {
-                        (
-                            p[0].as_u64().unwrap() as usize,
-                            p[1].as_f64().unwrap() as f32,
-                        )
-                    })
-                    .collect()
-            })
-            .collect();
+        let (prompt, out) = (ids(case, "prompt_ids"), ids(case, "output_ids"));
+        let top = top_logits(case);
         let total = prompt.len() + out.len();
         let mut pool = KvPool::new(
             model.kv_geometry(page_size, KvDtype::F16),
