@@ -44,6 +44,30 @@ pub(crate) struct Block {
     pub(crate) swa: bool,
 }
 
+impl Block {
+    /// Bytes of the block's weights: every copy, or with `decode_only` the
+    /// copies a decode step reads.
+    fn bytes(&self, decode_only: bool) -> usize {
+        let vec = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
+        let matrices: usize = [&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down]
+            .iter()
+            .map(|l| {
+                if decode_only {
+                    l.decode_bytes()
+                } else {
+                    l.bytes()
+                }
+            })
+            .sum();
+        let vectors: usize = [&self.bq, &self.bk, &self.bv, &self.q_norm, &self.k_norm]
+            .into_iter()
+            .chain([&self.post_attn_norm, &self.post_ffn_norm])
+            .map(vec)
+            .sum();
+        matrices + vectors + (self.attn_norm.len() + self.ffn_norm.len()) * 4
+    }
+}
+
 /// A loaded model, immutable and shareable across threads.
 pub struct Llama {
     pub(crate) config: LlamaConfig,
@@ -310,23 +334,7 @@ impl Llama {
     /// the matrices in their phase formats, the f32 embedding table and
     /// norms; RoPE tables included).
     pub fn weight_bytes(&self) -> usize {
-        let vec = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
-        let blocks: usize = self
-            .blocks
-            .iter()
-            .map(|b| {
-                b.wqkv.bytes()
-                    + b.wo.bytes()
-                    + b.w_gate_up.bytes()
-                    + b.w_down.bytes()
-                    + (b.attn_norm.len() + b.ffn_norm.len()) * 4
-                    + [&b.bq, &b.bk, &b.bv, &b.q_norm, &b.k_norm]
-                        .into_iter()
-                        .chain([&b.post_attn_norm, &b.post_ffn_norm])
-                        .map(vec)
-                        .sum::<usize>()
-            })
-            .sum();
+        let blocks: usize = self.blocks.iter().map(|b| b.bytes(false)).sum();
         let rope = self.rope.bytes() + self.rope_swa.as_ref().map_or(0, Rope::bytes);
         self.embed.bytes() + self.norm.len() * 4 + self.lm_head.bytes() + blocks + rope
     }
@@ -335,23 +343,7 @@ impl Llama {
     /// decode copy, the norms and the LM head, one embedding row (not the
     /// table), no RoPE table.
     pub fn decode_weight_bytes(&self) -> usize {
-        let vec = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
-        let blocks: usize = self
-            .blocks
-            .iter()
-            .map(|b| {
-                [&b.wqkv, &b.wo, &b.w_gate_up, &b.w_down]
-                    .iter()
-                    .map(|l| l.decode_bytes())
-                    .sum::<usize>()
-                    + (b.attn_norm.len() + b.ffn_norm.len()) * 4
-                    + [&b.bq, &b.bk, &b.bv, &b.q_norm, &b.k_norm]
-                        .into_iter()
-                        .chain([&b.post_attn_norm, &b.post_ffn_norm])
-                        .map(vec)
-                        .sum::<usize>()
-            })
-            .sum();
+        let blocks: usize = self.blocks.iter().map(|b| b.bytes(true)).sum();
         let row = self.embed.bytes() / self.config.vocab_size.max(1);
         blocks + self.lm_head.decode_bytes() + self.norm.len() * 4 + row
     }
