@@ -33,7 +33,7 @@ impl AttnShape {
     }
 
     /// First position that a token at position `len - 1` attends to.
-    fn first(&self, len: usize) -> usize {
+    pub(crate) fn first(&self, len: usize) -> usize {
         self.window.map_or(0, |w| len.saturating_sub(w))
     }
 }

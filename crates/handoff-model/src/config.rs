@@ -14,9 +14,6 @@ use candle_core::quantized::gguf_file::{Content, Value};
 
 use crate::error::ModelError;
 
-/// Architectures handoff runs, as `general.architecture` names them.
-pub const SUPPORTED_ARCHITECTURES: &[&str] = &["llama", "mistral", "qwen2", "qwen3", "gemma3"];
-
 /// The family of a supported architecture: which tensors a block has and
 /// how they combine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +33,16 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Per-head RMSNorm of Q and K before RoPE.
+    pub fn has_qk_norms(self) -> bool {
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+    }
+
+    /// RMSNorms of the attention and FFN outputs before their residuals.
+    pub fn has_post_norms(self) -> bool {
+        self == Arch::Gemma3
+    }
+
     fn from_name(name: &str) -> Option<Self> {
         Some(match name {
             "llama" | "mistral" => Arch::Llama,

@@ -9,8 +9,7 @@ use candle_core::Device;
 
 use crate::error::ModelError;
 
-/// Bytes of one Q8_0 block: an f16 scale and 32 signed quants.
-const Q8_0_BLOCK: usize = 34;
+use crate::q8_matmul::BLOCK_BYTES as Q8_0_BLOCK;
 
 /// `[vocab][hidden]` embeddings.
 pub(crate) enum Embedding {

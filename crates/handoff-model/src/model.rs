@@ -16,7 +16,7 @@ use crate::embedding::Embedding;
 use crate::error::ModelError;
 use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
 use crate::ops::{
-    add_assign, add_bias, gelu_mul, rms_norm, rms_norm_heads, scale, silu_mul, softcap,
+    add_assign, add_bias, gelu_mul, rms_norm, rms_norm_in_place, scale, silu_mul, softcap,
 };
 use crate::rope::{Rope, RopeMode, RopeParams};
 use candle_core::quantized::QStorage;
@@ -224,7 +224,7 @@ impl Llama {
         let mut blocks = Vec::with_capacity(config.layers);
         for i in 0..config.layers {
             let n = |s: &str| format!("blk.{i}.{s}");
-            let qk_norms = matches!(config.arch, Arch::Qwen3 | Arch::Gemma3);
+            let qk_norms = config.arch.has_qk_norms();
             let head_norm =
                 |ld: &mut Loader<'_, R>, s: &str| -> Result<Option<Vec<f32>>, ModelError> {
                     if qk_norms {
@@ -235,7 +235,7 @@ impl Llama {
                 };
             let post_norm =
                 |ld: &mut Loader<'_, R>, s: &str| -> Result<Option<Vec<f32>>, ModelError> {
-                    if gemma {
+                    if config.arch.has_post_norms() {
                         ld.vector(&n(s), h).map(Some)
                     } else {
                         Ok(None)
@@ -331,8 +331,8 @@ impl Llama {
     }
 
     /// Bytes of weights this process holds for the model (its own copy:
-    /// the matrices in their phase formats, the f32 embedding table and
-    /// norms; RoPE tables included).
+    /// the matrices in their phase formats, the embedding table, the norms
+    /// and the RoPE tables).
     pub fn weight_bytes(&self) -> usize {
         let blocks: usize = self.blocks.iter().map(|b| b.bytes(false)).sum();
         let rope = self.rope.bytes() + self.rope_swa.as_ref().map_or(0, Rope::bytes);
@@ -404,7 +404,7 @@ impl Llama {
     /// The token embeddings of `tokens` (`[n][hidden]`), scaled where the
     /// architecture scales them.
     pub(crate) fn embed_tokens<'t>(&self, tokens: impl Iterator<Item = &'t u32>) -> Vec<f32> {
-        let mut hidden = Vec::new();
+        let mut hidden = Vec::with_capacity(tokens.size_hint().0 * self.config.hidden);
         for &t in tokens {
             self.embed.push_row(t as usize, &mut hidden);
         }
@@ -437,7 +437,8 @@ impl Llama {
         }
         for (x, norm) in [(&mut q, &b.q_norm), (&mut k, &b.k_norm)] {
             if let Some(w) = norm {
-                rms_norm_heads(x, w, cfg.rms_eps);
+                // One head is a row of `head_dim` elements.
+                rms_norm_in_place(x, w, cfg.rms_eps);
             }
         }
         Ok((q, k, v))
@@ -456,7 +457,7 @@ impl Llama {
         let cfg = &self.config;
         let mut o = b.wo.forward(attn, n, phase)?;
         if let Some(w) = &b.post_attn_norm {
-            o = rms_norm(&o, w, cfg.rms_eps);
+            rms_norm_in_place(&mut o, w, cfg.rms_eps);
         }
         add_assign(hidden, &o);
         let xn = rms_norm(hidden, &b.ffn_norm, cfg.rms_eps);
@@ -464,7 +465,7 @@ impl Llama {
         let act = glu_stacked(&gate_up, cfg.ffn_hidden, cfg.activation);
         let mut down = b.w_down.forward(&act, n, phase)?;
         if let Some(w) = &b.post_ffn_norm {
-            down = rms_norm(&down, w, cfg.rms_eps);
+            rms_norm_in_place(&mut down, w, cfg.rms_eps);
         }
         add_assign(hidden, &down);
         Ok(())
@@ -675,11 +676,11 @@ pub(crate) fn expected_tensors(cfg: &LlamaConfig, c: &Content) -> BTreeSet<Strin
         ] {
             names.insert(n(s));
         }
-        if matches!(cfg.arch, Arch::Qwen3 | Arch::Gemma3) {
+        if cfg.arch.has_qk_norms() {
             names.insert(n("attn_q_norm.weight"));
             names.insert(n("attn_k_norm.weight"));
         }
-        if cfg.arch == Arch::Gemma3 {
+        if cfg.arch.has_post_norms() {
             names.insert(n("post_attention_norm.weight"));
             names.insert(n("post_ffw_norm.weight"));
         }
@@ -725,7 +726,9 @@ pub fn check_tensor_names(cfg: &LlamaConfig, c: &Content) -> Result<(), ModelErr
 /// when it is tied), the
 /// RoPE tables. Within a few percent of [`Llama::weight_bytes`].
 pub fn estimate_weight_bytes(cfg: &LlamaConfig, c: &Content) -> u64 {
+    use crate::q8_matmul::{BLOCK_BYTES, QK};
     use candle_core::quantized::GgmlDType;
+    let q8 = |n: u64| n * BLOCK_BYTES as u64 / QK as u64;
     let mut total: u64 = 0;
     for (name, t) in &c.tensor_infos {
         let n = t.shape.elem_count() as u64;
@@ -736,15 +739,15 @@ pub fn estimate_weight_bytes(cfg: &LlamaConfig, c: &Content) -> u64 {
         total += if name == "token_embd.weight" {
             let tied = !c.tensor_infos.contains_key("output.weight");
             let table = if t.ggml_dtype == GgmlDType::Q8_0 {
-                n * 34 / 32
+                q8(n)
             } else {
                 n * 4
             };
-            table + if tied { n * 34 / 32 } else { 0 }
+            table + if tied { q8(n) } else { 0 }
         } else if float || t.shape.rank() < 2 {
             n * 4
         } else {
-            n * 34 / 32
+            q8(n)
         };
     }
     let tables = if cfg.sliding_window.is_some() && cfg.arch == Arch::Gemma3 {
@@ -767,10 +770,9 @@ pub fn check_gguf(c: &Content) -> Result<LlamaConfig, ModelError> {
 /// same type. Rows are whole quantization blocks, so this is a byte concat
 /// and exact. Parts of different types (a Q4_K_M file's Q4_K queries and
 /// keys with Q6_K values) are requantized to Q8_0 row by row, which is what
-/// the Q8_0 formats do to each part anyway; only when a phase computes in
-/// f32 do they stay f32. (They used to become f32 in every case: a dense
-/// f32 GEMM in every such layer's decode step, four bytes per weight read,
-/// and prefill rows no longer independent, which turned batched prefill off.)
+/// the Q8_0 formats do to each part anyway (an f32 stack would be a dense
+/// f32 GEMM in decode, and would turn batched prefill off); only when a
+/// phase computes in f32 do they stay f32.
 fn stack_rows(parts: &[QTensor], formats: PhaseFormats) -> Result<QTensor, ModelError> {
     let first = parts
         .first()

@@ -4,44 +4,31 @@
 
 /// RMSNorm of each row of `x` (`[n, dim]`) scaled by `weight`.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let dim = weight.len();
-    let mut out = Vec::with_capacity(x.len());
-    for row in x.chunks_exact(dim) {
-        let sum: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
-        let mean = (sum / dim as f64) as f32;
-        let scale = 1.0 / (mean + eps).sqrt();
-        out.extend(row.iter().zip(weight).map(|(&v, &w)| v * scale * w));
-    }
+    let mut out = x.to_vec();
+    rms_norm_in_place(&mut out, weight, eps);
     out
 }
 
-/// RMSNorm of every `weight.len()`-element head of `x`, in place (Qwen 3
-/// and Gemma 3 normalise each query and key head).
-pub fn rms_norm_heads(x: &mut [f32], weight: &[f32], eps: f32) {
+/// [`rms_norm`] in place, the same bits: each row of `weight.len()`
+/// elements (a token's hidden state, or one head of Q or K).
+pub fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     let dim = weight.len();
-    for head in x.chunks_exact_mut(dim) {
-        let sum: f64 = head.iter().map(|&v| (v as f64) * (v as f64)).sum();
+    for row in x.chunks_exact_mut(dim) {
+        let sum: f64 = row.iter().map(|&v| (v as f64) * (v as f64)).sum();
         let mean = (sum / dim as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
-        for (v, &w) in head.iter_mut().zip(weight) {
+        for (v, &w) in row.iter_mut().zip(weight) {
             *v = *v * scale * w;
         }
     }
 }
 
-/// GELU with the tanh approximation, as ggml's CPU backend computes it
-/// (`GGML_GELU_FP16`): the input rounded to f16, looked up in a table of
-/// f16 results, outside [-10, 10] zero or the input itself.
-pub fn gelu(x: f32) -> f32 {
+/// ggml's GELU table: the tanh approximation of every f16 input, rounded
+/// to f16 (`GGML_GELU_FP16`), built once.
+fn gelu_table() -> &'static [f32] {
     use std::sync::OnceLock;
     static TABLE: OnceLock<Vec<f32>> = OnceLock::new();
-    if x <= -10.0 {
-        return 0.0;
-    }
-    if x >= 10.0 {
-        return x;
-    }
-    let table = TABLE.get_or_init(|| {
+    TABLE.get_or_init(|| {
         const SQRT_2_OVER_PI: f32 = 0.797_884_6;
         const COEF_A: f32 = 0.044715;
         (0..=u16::MAX)
@@ -51,13 +38,34 @@ pub fn gelu(x: f32) -> f32 {
                 half::f16::from_f32(g).to_f32()
             })
             .collect()
-    });
-    table[half::f16::from_f32(x).to_bits() as usize]
+    })
 }
 
-/// `gelu(gate) * up`, element-wise (GeGLU).
+/// GELU with the tanh approximation, as ggml's CPU backend computes it:
+/// the input rounded to f16 and looked up in `table`, outside [-10, 10]
+/// zero or the input itself.
+fn gelu_in(table: &[f32], x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        table[half::f16::from_f32(x).to_bits() as usize]
+    }
+}
+
+/// GELU with the tanh approximation, as ggml's CPU backend computes it.
+pub fn gelu(x: f32) -> f32 {
+    gelu_in(gelu_table(), x)
+}
+
+/// `gelu(gate) * up`, element-wise (GeGLU); the table is fetched once.
 pub fn gelu_mul(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    gate.iter().zip(up).map(|(&g, &u)| gelu(g) * u).collect()
+    let table = gelu_table();
+    gate.iter()
+        .zip(up)
+        .map(|(&g, &u)| gelu_in(table, g) * u)
+        .collect()
 }
 
 /// `c * tanh(x / c)` for every element (final logit soft-capping).

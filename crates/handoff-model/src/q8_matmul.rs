@@ -52,7 +52,7 @@ pub const QK: usize = 32;
 /// Weight rows per group (one 32-bit lane each in a 256-bit vector).
 pub(crate) const GROUP: usize = 8;
 /// Bytes of one Q8_0 block in GGUF/candle storage: f16 scale + 32 × i8.
-const BLOCK_BYTES: usize = 2 + QK;
+pub(crate) const BLOCK_BYTES: usize = 2 + QK;
 /// Vectors per block of a group: 4 quants of each row per vector.
 pub(crate) const WORDS: usize = QK / 4;
 

@@ -33,7 +33,7 @@ impl Llama {
             let mut attn = vec![0.0f32; n * qw];
             for t in 0..n {
                 // Positions a sliding-window layer masks out.
-                let first = shape.window.map_or(0, |w| (t + 1).saturating_sub(w));
+                let first = shape.first(t + 1);
                 for head in 0..cfg.heads {
                     let kvh = head / group;
                     let qh = &q[t * qw + head * d..t * qw + (head + 1) * d];
