@@ -400,7 +400,7 @@ fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Pr
     };
     let mut sampling = raw.into_params(
         DEFAULT_MAX_NEW_TOKENS,
-        &crate::openai_api::sampling_defaults(&state.engine),
+        &crate::params::Defaults::of_backend(&state.engine),
     )?;
     sampling.grammar = grammar;
     sampling.top_logprobs = crate::params::top_logprobs("top_logprobs_num", body.top_logprobs_num)?;

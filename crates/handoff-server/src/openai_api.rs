@@ -553,9 +553,10 @@ fn prepare_chat(
     let default_max = DEFAULT_CHAT_MAX_TOKENS
         .min(info.context_length.saturating_sub(prompt_ids.len()))
         .min(pool_tokens.saturating_sub(prompt_ids.len()));
-    let mut sampling = req
-        .sampling()
-        .into_params(default_max, &sampling_defaults(&state.engine))?;
+    let mut sampling = req.sampling().into_params(
+        default_max,
+        &crate::params::Defaults::of_backend(&state.engine),
+    )?;
     sampling.top_logprobs = top_logprobs;
     sampling.grammar = grammar;
     crate::params::check_token_ids(&sampling, info.vocab_size)?;
@@ -631,7 +632,7 @@ fn prepare_completion(
     let echo = req.echo == Some(true);
     let mut sampling = req
         .sampling()
-        .into_params(16, &sampling_defaults(&state.engine))?;
+        .into_params(16, &crate::params::Defaults::of_backend(&state.engine))?;
     sampling.top_logprobs = top_logprobs;
     sampling.grammar = grammar;
     // Echo with logprobs scores the prompt too.
@@ -663,10 +664,4 @@ fn prepare_completion(
         n,
         runs,
     })
-}
-
-/// The sampling of fields a request leaves unset, from the model file
-/// ([`crate::params::Defaults`]).
-pub(crate) fn sampling_defaults(engine: &crate::backend::Backend) -> crate::params::Defaults {
-    crate::params::Defaults::of(&engine.model().sampling_defaults)
 }

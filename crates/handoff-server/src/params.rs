@@ -126,6 +126,11 @@ impl Defaults {
         repetition_penalty: 1.0,
     };
 
+    /// The defaults of the model `engine` serves.
+    pub fn of_backend(engine: &crate::backend::Backend) -> Defaults {
+        Self::of(&engine.model().sampling_defaults)
+    }
+
     /// The file's values over llama.cpp's.
     pub fn of(file: &handoff_model::SamplingDefaults) -> Defaults {
         let d = Self::LLAMA_CPP;

@@ -9,6 +9,8 @@ use handoff_engine::EngineConfig;
 use handoff_kv::KvDtype;
 use handoff_model::{PhaseFormats, WeightFormat};
 
+use crate::model_check::CheckedModel;
+
 /// Model and engine flags, shared by `serve`, `prefill` and `decode`.
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
@@ -98,31 +100,26 @@ pub(crate) fn parse_fraction(s: &str) -> Result<f64, String> {
     }
 }
 
-/// This machine's RAM (MemTotal of /proc/meminfo), in bytes.
+/// A `/proc/meminfo` field (`MemTotal`, `MemAvailable`) in bytes.
+fn meminfo_bytes(field: &str) -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    let kib: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("/proc/meminfo has no {field} line"))?;
+    Ok(kib.saturating_mul(1024))
+}
+
+/// The machine's memory.
 fn mem_total_bytes() -> anyhow::Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
-    let kib: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("/proc/meminfo has no MemTotal line")?;
-    Ok(kib.saturating_mul(1024))
+    meminfo_bytes("MemTotal")
 }
 
-/// `MemAvailable` of `/proc/meminfo`: what can still be allocated without
-/// swapping or an OOM kill.
+/// What can still be allocated without swapping or an OOM kill.
 fn mem_available_bytes() -> anyhow::Result<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
-    let kib: u64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("MemAvailable:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("/proc/meminfo has no MemAvailable line")?;
-    Ok(kib.saturating_mul(1024))
+    meminfo_bytes("MemAvailable")
 }
-
-/// Default KV pages per worker when memory allows.
-const DEFAULT_KV_PAGES: usize = 2048;
 
 /// Share of the available memory a default-sized KV pool may plan on (the
 /// rest is headroom for activations, tokenizers and the page cache).
@@ -142,7 +139,7 @@ pub(crate) fn parse_kv_dtype(s: &str) -> Result<KvDtype, String> {
 /// The model path to load: `--model`, else the default model from the
 /// per-user cache (fetched there if missing; [`crate::model_fetch`]),
 /// checked to be a model handoff serves ([`crate::model_check`]).
-fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<(PathBuf, CheckedModel)> {
     let path = match arg {
         Some(path) => {
             if !path.is_file() {
@@ -155,23 +152,17 @@ fn resolve_model(arg: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         }
         None => crate::model_fetch::default_model()?,
     };
-    crate::model_check::check(&path)?;
-    Ok(path)
+    let checked = crate::model_check::check(&path)?;
+    Ok((path, checked))
 }
 
 /// KV pages that fit in `mb` MiB for this model (K and V, every layer).
 fn pages_for_memory(
-    model: &Path,
+    cfg: &handoff_model::LlamaConfig,
     mb: u64,
     page_size: usize,
     dtype: KvDtype,
 ) -> anyhow::Result<usize> {
-    let mut f =
-        std::fs::File::open(model).with_context(|| format!("opening {}", model.display()))?;
-    let content = candle_core::quantized::gguf_file::Content::read(&mut f)
-        .with_context(|| format!("reading the GGUF header of {}", model.display()))?;
-    let cfg = handoff_model::LlamaConfig::from_gguf(&content)
-        .with_context(|| format!("reading the model configuration of {}", model.display()))?;
     let bytes_per_page = cfg.kv_geometry(page_size, dtype).page_bytes();
     let total = usize::try_from(mb.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
     let pages = total / bytes_per_page.max(1);
@@ -200,7 +191,11 @@ impl EngineArgs {
     /// host: what the flags say, refused when it cannot fit in the memory
     /// available with each process's copy of the weights; without a flag,
     /// the default (2048 pages) or, when that cannot fit, what does.
-    pub(crate) fn plan_memory(&self, model: &Path, workers: usize) -> anyhow::Result<usize> {
+    pub(crate) fn plan_memory(
+        &self,
+        model: &CheckedModel,
+        workers: usize,
+    ) -> anyhow::Result<usize> {
         let page_size = self.page_size as usize;
         let memory_mb = match (self.kv_memory_mb, self.mem_fraction_static) {
             (Some(mb), _) => Some(mb),
@@ -213,15 +208,15 @@ impl EngineArgs {
         };
         let explicit = match (self.kv_pages, memory_mb) {
             (Some(p), _) => Some(usize::try_from(p).context("--kv-pages is too large")?),
-            (None, Some(mb)) => Some(pages_for_memory(model, mb, page_size, self.kv_dtype)?),
+            (None, Some(mb)) => Some(pages_for_memory(
+                &model.config,
+                mb,
+                page_size,
+                self.kv_dtype,
+            )?),
             (None, None) => None,
         };
-        let mut f =
-            std::fs::File::open(model).with_context(|| format!("opening {}", model.display()))?;
-        let content = candle_core::quantized::gguf_file::Content::read(&mut f)
-            .with_context(|| format!("reading the GGUF header of {}", model.display()))?;
-        let cfg = handoff_model::LlamaConfig::from_gguf(&content)?;
-        let weights = handoff_model::estimate_weight_bytes(&cfg, &content);
+        let (cfg, weights) = (&model.config, model.weight_bytes);
         let page_bytes = cfg.kv_geometry(page_size, self.kv_dtype).page_bytes() as u64;
         let available = mem_available_bytes()?;
         let n = workers.max(1) as u64;
@@ -255,10 +250,11 @@ impl EngineArgs {
                         floor * page_size
                     );
                 }
-                let pages = fit.min(DEFAULT_KV_PAGES);
-                if pages < DEFAULT_KV_PAGES {
+                let default = EngineConfig::new(Path::new("")).kv_pages;
+                let pages = fit.min(default);
+                if pages < default {
                     tracing::info!(
-                        "KV pool sized to the memory available: {pages} pages of {page_size} tokens a worker ({} MiB), not the default {DEFAULT_KV_PAGES}",
+                        "KV pool sized to the memory available: {pages} pages of {page_size} tokens a worker ({} MiB), not the default {default}",
                         mib(pages as u64 * page_bytes)
                     );
                 }
@@ -277,10 +273,10 @@ impl EngineArgs {
     /// The engine configuration these flags describe; fetches the default
     /// model if it is missing.
     pub fn config(&self) -> anyhow::Result<EngineConfig> {
-        let model = resolve_model(self.model.clone())?;
+        let (model, checked) = resolve_model(self.model.clone())?;
         let defaults = EngineConfig::new(&model);
         let page_size = self.page_size as usize;
-        let kv_pages = self.plan_memory(&model, 1)?;
+        let kv_pages = self.plan_memory(&checked, 1)?;
         let config = EngineConfig {
             threads: usize::from(self.threads),
             page_size,
@@ -471,8 +467,9 @@ impl EngineArgs {
         a
     }
 
-    /// The model file to serve (the default one fetched if missing).
-    pub fn model_path(&self) -> anyhow::Result<PathBuf> {
+    /// The model file to serve (the default one fetched if missing),
+    /// checked ([`crate::model_check`]).
+    pub fn model(&self) -> anyhow::Result<(PathBuf, CheckedModel)> {
         resolve_model(self.model.clone())
     }
 }
@@ -521,7 +518,8 @@ mod tests {
             (64, 4, Some(128))
         );
         let mb = (mem_total_bytes().unwrap() as f64 * 0.001) as u64 >> 20;
-        let want = pages_for_memory(&model, mb, 16, KvDtype::F16).unwrap();
+        let cfg = crate::model_check::check(&model).unwrap().config;
+        let want = pages_for_memory(&cfg, mb, 16, KvDtype::F16).unwrap();
         assert_eq!(theirs.kv_pages, want);
         let vllm = Flags::try_parse_from(["x", "--model", m, "--max-num-seqs", "3"])
             .unwrap()

@@ -56,13 +56,13 @@ pub fn run(
     let api_key = http.limits.api_key()?;
     let api_key_text = api_key.as_ref().map(|k| k.secret().to_string());
     // Fetch the default model once, before the workers start.
-    let model = engine.model_path()?;
+    let (model, checked) = engine.model()?;
     // Every worker's KV pool planned here, for all of them together: each
     // is started with that many pages (a worker started alone would size
     // its default pool as if it had the machine to itself).
     let workers = replicas.prefill + replicas.decode;
     let mut planned = engine.clone();
-    planned.set_kv_pages(engine.plan_memory(&model, workers)?);
+    planned.set_kv_pages(engine.plan_memory(&checked, workers)?);
     let engine = &planned;
     // The prefill worker's transfer endpoint: the port asked for, or a free
     // one (the router must know it, so 0 is resolved here too).

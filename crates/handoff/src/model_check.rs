@@ -21,10 +21,20 @@ pub struct UnsupportedModel {
     reason: String,
 }
 
+/// What the check learned of a model file that planning needs.
+#[derive(Debug, Clone)]
+pub struct CheckedModel {
+    /// Its hyper-parameters.
+    pub config: handoff_model::LlamaConfig,
+    /// About how many bytes of weights a process holds once it is loaded
+    /// ([`handoff_model::estimate_weight_bytes`]).
+    pub weight_bytes: u64,
+}
+
 /// Read the GGUF header of `path` and check that handoff implements all of
 /// it (architecture, metadata keys, tensors, tokenizer, chat template)
 /// without loading a weight.
-pub fn check(path: &Path) -> anyhow::Result<()> {
+pub fn check(path: &Path) -> anyhow::Result<CheckedModel> {
     let refuse = |reason: String| UnsupportedModel {
         path: path.display().to_string(),
         reason,
@@ -32,18 +42,21 @@ pub fn check(path: &Path) -> anyhow::Result<()> {
     let mut f = std::fs::File::open(path).map_err(|e| refuse(format!("cannot open it: {e}")))?;
     let content =
         Content::read(&mut f).map_err(|e| refuse(format!("not a readable GGUF file: {e}")))?;
-    match handoff_model::check_gguf(&content) {
-        Ok(_) => {}
+    let config = match handoff_model::check_gguf(&content) {
+        Ok(c) => c,
         Err(e @ (ModelError::Unsupported(_) | ModelError::UnsupportedArchitecture(_))) => {
             return Err(refuse(e.to_string()).into())
         }
         Err(e) => return Err(refuse(format!("malformed model: {e}")).into()),
-    }
+    };
     handoff_model::tokenizer::Tokenizer::from_gguf(&content)
         .map_err(|e| refuse(format!("tokenizer: {e}")))?;
     handoff_model::chat_template::ChatTemplate::from_gguf(&content)
         .map_err(|e| refuse(format!("chat template: {e}")))?;
-    Ok(())
+    Ok(CheckedModel {
+        weight_bytes: handoff_model::estimate_weight_bytes(&config, &content),
+        config,
+    })
 }
 
 /// The exit status for an error a command ended with: 3 when the model was

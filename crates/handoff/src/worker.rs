@@ -211,20 +211,22 @@ pub fn start_backend(
 /// `--exit-with-parent`, until standard input closes).
 pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
     let api_key = args.http.limits.api_key()?;
-    // A model handoff cannot serve is refused before anything else is said.
-    args.engine.model_path()?;
     // A decode worker dials what a router holding the transfer secret
     // signed, and the endpoints --prefill-allow names.
     let secret = transfer_secret(args.pd.transfer_secret_file.as_deref())?;
-    if mode == Mode::Decode && args.pd.prefill_allow.is_empty() && secret.is_none() {
+    let trust =
+        handoff_server::trust::BootstrapTrust::new(secret.clone(), args.pd.prefill_allow.clone());
+    let record_secret = secret.clone();
+    let warn_untrusting =
+        mode == Mode::Decode && args.pd.prefill_allow.is_empty() && secret.is_none();
+    // Checks the model first: a model handoff cannot serve is refused
+    // before anything else is said.
+    let backend = start_backend(mode, &args, secret)?;
+    if warn_untrusting {
         tracing::warn!(
             "decode worker without a transfer secret or --prefill-allow: it refuses every request (403); give it and the router the same --transfer-secret-file, or name prefills with --prefill-allow"
         );
     }
-    let trust =
-        handoff_server::trust::BootstrapTrust::new(secret.clone(), args.pd.prefill_allow.clone());
-    let record_secret = secret.clone();
-    let backend = start_backend(mode, &args, secret)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
