@@ -75,7 +75,9 @@ fn requests(vocab: usize, lens: &[usize], max_new: usize, seed: u64) -> Vec<Gene
         .collect()
 }
 
-fn drain(mut s: RequestStream) -> (Vec<u32>, String) {
+/// A request's tokens and text, and how many prompt tokens came from the
+/// prefix cache.
+fn drain_cached(mut s: RequestStream) -> ((Vec<u32>, String), usize) {
     let (mut ids, mut text) = (Vec::new(), String::new());
     loop {
         match s.blocking_next() {
@@ -89,12 +91,16 @@ fn drain(mut s: RequestStream) -> (Vec<u32>, String) {
                     "{:?}",
                     f.reason
                 );
-                return (ids, text);
+                return ((ids, text), f.cached_tokens);
             }
             Some(StreamEvent::Error(e)) => panic!("request failed: {e}"),
             None => panic!("stream ended without Finished or Error"),
         }
     }
+}
+
+fn drain(s: RequestStream) -> (Vec<u32>, String) {
+    drain_cached(s).0
 }
 
 fn one_by_one(engine: &EngineHandle, reqs: &[GenerateRequest]) -> Vec<(Vec<u32>, String)> {
@@ -130,7 +136,10 @@ fn check_model(name: &str, model: &Path, lens: &[usize], max_new: usize) {
     let colocated = Engine::start(config(model, 4096, true)).unwrap();
     let vocab = colocated.tokenizer().vocab_size();
     let reqs = requests(vocab, lens, max_new, 7);
-    let want = one_by_one(&colocated, &reqs);
+    let (want, cached): (Vec<_>, Vec<usize>) = reqs
+        .iter()
+        .map(|r| drain_cached(colocated.submit(r.clone()).unwrap()))
+        .unzip();
     // Real outputs: not all alike.
     let mut distinct: Vec<&Vec<u32>> = want.iter().map(|w| &w.0).collect();
     distinct.sort();
@@ -139,8 +148,13 @@ fn check_model(name: &str, model: &Path, lens: &[usize], max_new: usize) {
         distinct.len() > want.len() / 2,
         "{name}: outputs alike: {want:?}"
     );
-    // The shared-prefix prompts hit the cache (one by one, the second
-    // after the first finished).
+    // The second shared-prefix prompt hit the cache (one by one, after
+    // the first finished): its 96-token prefix is six whole pages, past
+    // the presets' window.
+    assert!(
+        cached[cached.len() - 1] >= 96,
+        "{name}: the shared prefix was not reused: {cached:?}"
+    );
     assert!(
         colocated.load().pages_used == 0,
         "{name}: colocated pages left in use"

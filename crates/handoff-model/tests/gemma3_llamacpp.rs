@@ -201,23 +201,13 @@ fn gemma3_logits_track_llamacpp_step_by_step() {
             top.len()
         );
     }
-    diffs.sort_by(f32::total_cmp);
-    let pct = |p: f64| diffs[((diffs.len() - 1) as f64 * p) as usize];
-    println!(
-        "top-5 logit |diff|: median {:.3}, p90 {:.3}, p99 {:.3}",
-        pct(0.5),
-        pct(0.9),
-        pct(0.99)
-    );
-    println!("argmax equal at {argmax_same}/{steps} teacher-forced steps; worst top-5 logit difference {worst:.3}");
-    assert!(
-        pct(0.5) <= MEDIAN_LOGIT_DIFF,
-        "median logit difference {} too large",
-        pct(0.5)
-    );
-    assert!(
-        argmax_same as f64 >= MIN_ARGMAX_AGREEMENT * steps as f64,
-        "argmax agrees at only {argmax_same}/{steps} steps"
+    common::report_and_check(
+        &mut diffs,
+        worst,
+        argmax_same,
+        steps,
+        MEDIAN_LOGIT_DIFF,
+        MIN_ARGMAX_AGREEMENT,
     );
 }
 

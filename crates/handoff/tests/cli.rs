@@ -761,7 +761,8 @@ fn serve_refuses_discovery_flags_it_would_ignore() {
 }
 
 /// A KV pool that cannot fit the machine is a clear error at start, not an
-/// OOM kill; without a KV flag the pool is what fits (at most the default).
+/// OOM kill (the default shrinking to what fits is not tested here: it
+/// needs a model larger than the machine allows).
 #[test]
 fn a_kv_pool_that_cannot_fit_is_refused_at_start() {
     let model = tiny_model("kv-fit");

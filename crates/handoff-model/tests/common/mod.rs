@@ -32,3 +32,34 @@ pub fn top_logits(case: &serde_json::Value) -> Vec<Vec<(usize, f32)>> {
         })
         .collect()
 }
+
+/// Print the teacher-forced figures (top-5 logit differences' median, p90
+/// and p99, argmax agreement, worst difference) and require the median and
+/// the agreement to be within their bounds.
+pub fn report_and_check(
+    diffs: &mut [f32],
+    worst: f32,
+    argmax_same: usize,
+    steps: usize,
+    median_bound: f32,
+    min_agreement: f64,
+) {
+    diffs.sort_by(f32::total_cmp);
+    let pct = |p: f64| diffs[((diffs.len() - 1) as f64 * p) as usize];
+    println!(
+        "top-5 logit |diff|: median {:.3}, p90 {:.3}, p99 {:.3}",
+        pct(0.5),
+        pct(0.9),
+        pct(0.99)
+    );
+    println!("argmax equal at {argmax_same}/{steps} teacher-forced steps; worst top-5 logit difference {worst:.3}");
+    assert!(
+        pct(0.5) <= median_bound,
+        "median logit difference {} too large",
+        pct(0.5)
+    );
+    assert!(
+        argmax_same as f64 >= min_agreement * steps as f64,
+        "argmax agrees at only {argmax_same}/{steps} steps"
+    );
+}
