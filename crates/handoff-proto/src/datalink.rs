@@ -897,7 +897,9 @@ mod tests {
         ) {
             let b: [u8; RECORD_LEN] = bytes.try_into().unwrap();
             if let Ok(r) = Record::decode(&b) {
-                proptest::prop_assert_eq!(Record::decode(&r.encode()), Ok(r));
+                // Bytes, not values: a logprob may be NaN, which is not equal to itself.
+                let e = r.encode();
+                proptest::prop_assert_eq!(Record::decode(&e).map(|back| back.encode()), Ok(e));
             }
         }
 
@@ -917,7 +919,9 @@ mod tests {
             let mut b = Record::Segment(SegmentHeader { room, layer, dst_page: page, n_pages: 1, heads }).encode();
             b[at] = value;
             if let Ok(r) = Record::decode(&b) {
-                proptest::prop_assert_eq!(Record::decode(&r.encode()), Ok(r));
+                // Bytes, not values: a logprob may be NaN, which is not equal to itself.
+                let e = r.encode();
+                proptest::prop_assert_eq!(Record::decode(&e).map(|back| back.encode()), Ok(e));
             }
         }
 
