@@ -1,7 +1,8 @@
 //! The model (DESIGN.md §2 `handoff-model`): GGUF loading, a Llama-family
 //! forward over a paged KV pool, tokenizer and chat template, sampling.
 // `unsafe` is denied everywhere but in `simd` (run-time chosen
-// `#[target_feature]` kernels, each call with its SAFETY comment).
+// `#[target_feature]` kernels, each call with its SAFETY comment) and
+// `mapped` (the read-only mapping of the model file).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -11,7 +12,10 @@ pub mod config;
 mod embedding;
 pub mod error;
 pub mod linear;
+#[allow(unsafe_code)]
+pub mod mapped;
 pub mod model;
+pub mod native;
 pub mod ops;
 pub mod q8_matmul;
 pub mod reference;

@@ -6,6 +6,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
+use crate::native::{BlockType, NativeMatrix, Part, WeightBytes};
 use crate::q8_matmul::Q8Matrix;
 
 /// Inner-dimension multiple for Q8_0 matrices (see `Mat::build`).
@@ -38,6 +39,12 @@ pub enum WeightFormat {
     /// candle's kernels do not promise), so a prompt's KV depends neither
     /// on how it is chunked nor on the other prompts of its pass.
     Q8_0Rows,
+    /// The GGUF's own block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+    /// Q5_K, Q6_K) through handoff's native kernels (`native/`), read in
+    /// place from the mapped file: no copy, one page-cache copy per host.
+    /// Like `q8_0-rows`, each row is computed on its own. Other quantized
+    /// types fall back to `q8_0-rows`, float ones to f32.
+    Native,
 }
 
 impl WeightFormat {
@@ -45,7 +52,8 @@ impl WeightFormat {
     /// `small_batch`: the matrix runs with few activation rows (decode, LM
     /// head).
     fn own_kernel(self, small_batch: bool) -> bool {
-        self == WeightFormat::Q8_0Rows || small_batch && self == WeightFormat::Q8_0
+        matches!(self, WeightFormat::Q8_0Rows | WeightFormat::Native)
+            || small_batch && self == WeightFormat::Q8_0
     }
 }
 
@@ -53,14 +61,15 @@ impl std::str::FromStr for WeightFormat {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "as-loaded" | "native" => Ok(Self::AsLoaded),
+            "as-loaded" => Ok(Self::AsLoaded),
             "q8_0" | "q8" => Ok(Self::Q8_0),
             "q8_0-vnni" => Ok(Self::Q8_0Vnni),
             "q8_0-candle" => Ok(Self::Q8_0Candle),
             "f32" => Ok(Self::F32),
             "q8_0-rows" => Ok(Self::Q8_0Rows),
+            "native" => Ok(Self::Native),
             other => Err(format!(
-                "unknown weight format {other:?}: expected as-loaded, q8_0, q8_0-vnni, q8_0-candle, q8_0-rows or f32"
+                "unknown weight format {other:?}: expected native, as-loaded, q8_0, q8_0-vnni, q8_0-candle, q8_0-rows or f32"
             )),
         }
     }
@@ -75,6 +84,7 @@ impl std::fmt::Display for WeightFormat {
             Self::Q8_0Candle => "q8_0-candle",
             Self::F32 => "f32",
             Self::Q8_0Rows => "q8_0-rows",
+            Self::Native => "native",
         })
     }
 }
@@ -112,6 +122,8 @@ enum Mat {
     Quant(QMatMul, usize),
     /// Q8_0 weights for handoff's small-batch kernel.
     Q8(Q8Matrix),
+    /// The file's own blocks for the native kernels.
+    Native(NativeMatrix),
     /// `[in, out]`, contiguous (pre-transposed for the GEMM).
     Dense(Tensor),
 }
@@ -157,7 +169,8 @@ impl Mat {
                 WeightFormat::Q8_0
                 | WeightFormat::Q8_0Candle
                 | WeightFormat::Q8_0Vnni
-                | WeightFormat::Q8_0Rows,
+                | WeightFormat::Q8_0Rows
+                | WeightFormat::Native,
                 _,
             ) => {
                 let t = q.dequantize(&dev)?;
@@ -185,6 +198,7 @@ impl Mat {
     fn bytes(&self) -> usize {
         match self {
             Mat::Q8(m) => m.bytes(),
+            Mat::Native(m) => m.bytes(),
             Mat::Quant(QMatMul::QTensor(q), _) => q.storage_size_in_bytes(),
             Mat::Quant(_, _) => 0,
             Mat::Dense(w) => w.elem_count() * 4,
@@ -194,6 +208,7 @@ impl Mat {
     fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>, ModelError> {
         let y = match self {
             Mat::Q8(m) => return Ok(m.forward(x, n)),
+            Mat::Native(m) => return Ok(m.forward(x, n)),
             Mat::Quant(q, padded) if *padded != in_dim => {
                 let mut xp = vec![0.0f32; n * padded];
                 for (dst, src) in xp.chunks_exact_mut(*padded).zip(x.chunks_exact(in_dim)) {
@@ -206,6 +221,105 @@ impl Mat {
         };
         Ok(y.flatten_all()?.to_vec1::<f32>()?)
     }
+}
+
+/// A `[rows, cols]` tensor's bytes as the file holds them.
+#[derive(Debug, Clone)]
+pub struct RawTensor {
+    /// Its name in the file (for messages).
+    pub name: String,
+    /// Its GGUF type.
+    pub dtype: GgmlDType,
+    /// Rows (output features).
+    pub rows: usize,
+    /// Columns (input features).
+    pub cols: usize,
+    /// The bytes, mapped or read.
+    pub data: WeightBytes,
+}
+
+impl RawTensor {
+    /// A candle tensor holding a copy of the bytes.
+    pub fn qtensor(&self) -> Result<QTensor, ModelError> {
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Borrowed(self.data.bytes()),
+            &Device::Cpu,
+            self.dtype,
+        )?;
+        Ok(QTensor::new(storage, (self.rows, self.cols))?)
+    }
+
+    /// Parts stacked by rows into one tensor. Parts of one type are a byte
+    /// concat (rows are whole blocks), exact. Parts of different types (a
+    /// Q4_K_M file's Q4_K queries and keys with Q6_K values) are requantized
+    /// to Q8_0, what the Q8_0 formats do to each part anyway (an f32 stack
+    /// would be a dense f32 GEMM in decode, and would turn batched prefill
+    /// off); only when a phase computes in f32 do they stay f32.
+    pub fn stack(parts: &[RawTensor], formats: PhaseFormats) -> Result<QTensor, ModelError> {
+        let first = parts
+            .first()
+            .ok_or_else(|| ModelError::Malformed("nothing to stack".into()))?;
+        let (dtype, inp) = (first.dtype, first.cols);
+        if parts.len() == 1 {
+            return first.qtensor();
+        }
+        if parts.iter().any(|p| p.dtype != dtype || p.cols != inp) {
+            let ts = parts
+                .iter()
+                .map(|p| {
+                    p.qtensor()?
+                        .dequantize(&Device::Cpu)
+                        .map_err(ModelError::from)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let t = Tensor::cat(&ts, 0)?;
+            let f32_phase = [formats.prefill, formats.decode].contains(&WeightFormat::F32);
+            let to = if f32_phase || !inp.is_multiple_of(32) {
+                GgmlDType::F32
+            } else {
+                GgmlDType::Q8_0
+            };
+            return Ok(QTensor::quantize(&t, to)?);
+        }
+        let mut bytes = Vec::new();
+        for p in parts {
+            bytes.extend_from_slice(p.data.bytes());
+        }
+        let rows = parts.iter().map(|p| p.rows).sum::<usize>();
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(bytes),
+            &Device::Cpu,
+            dtype,
+        )?;
+        Ok(QTensor::new(storage, (rows, inp))?)
+    }
+}
+
+/// The parts as one native matrix, if every part has a native kernel.
+fn native_matrix(parts: &[RawTensor]) -> Result<Option<NativeMatrix>, ModelError> {
+    let Some(first) = parts.first() else {
+        return Ok(None);
+    };
+    let mut out = Vec::with_capacity(parts.len());
+    for p in parts {
+        let Some(t) = BlockType::of(p.dtype) else {
+            return Ok(None);
+        };
+        if p.cols != first.cols {
+            return Err(ModelError::Malformed(format!(
+                "tensor {} has {} columns, {} has {}",
+                p.name, p.cols, first.name, first.cols
+            )));
+        }
+        out.push(Part {
+            t,
+            rows: p.rows,
+            data: p.data.clone(),
+        });
+    }
+    NativeMatrix::new(out, first.cols)
+        .map(Some)
+        .map_err(|e| ModelError::Malformed(format!("tensor {}: {e}", first.name)))
 }
 
 fn clone_storage(q: &QTensor) -> Result<candle_core::quantized::QStorage, ModelError> {
@@ -284,6 +398,57 @@ impl Linear {
         })
     }
 
+    /// Build from tensors `[out_i, in]` stacked by rows, as the file holds
+    /// them: a `native` phase computes from their bytes in place when every
+    /// part has a native kernel; otherwise the parts are stacked into one
+    /// tensor (see [`RawTensor::stack`]) and converted as [`Linear::new`].
+    pub fn from_parts(parts: &[RawTensor], formats: PhaseFormats) -> Result<Self, ModelError> {
+        let in_dim = parts.first().map_or(0, |p| p.cols);
+        let out_dim = parts.iter().map(|p| p.rows).sum();
+        let native = native_matrix(parts)?;
+        if let Some(m) = &native {
+            let both =
+                formats.prefill == WeightFormat::Native && formats.decode == WeightFormat::Native;
+            if both {
+                let mat = std::sync::Arc::new(Mat::Native(m.clone()));
+                return Ok(Self {
+                    prefill: mat.clone(),
+                    decode: mat,
+                    in_dim,
+                    out_dim,
+                });
+            }
+        }
+        let stacked = RawTensor::stack(parts, formats)?;
+        let mut lin = Self::new(&stacked, formats)?;
+        if let Some(m) = native {
+            let mat = std::sync::Arc::new(Mat::Native(m));
+            if formats.prefill == WeightFormat::Native {
+                lin.prefill = mat.clone();
+            }
+            if formats.decode == WeightFormat::Native {
+                lin.decode = mat;
+            }
+        }
+        Ok(lin)
+    }
+
+    /// [`Linear::new_small_batch`] from one tensor as the file holds it.
+    pub fn small_batch_from(part: &RawTensor, format: WeightFormat) -> Result<Self, ModelError> {
+        if format == WeightFormat::Native {
+            if let Some(m) = native_matrix(std::slice::from_ref(part))? {
+                let mat = std::sync::Arc::new(Mat::Native(m));
+                return Ok(Self {
+                    prefill: mat.clone(),
+                    decode: mat,
+                    in_dim: part.cols,
+                    out_dim: part.rows,
+                });
+            }
+        }
+        Self::new_small_batch(&part.qtensor()?, format)
+    }
+
     /// Output features.
     pub fn out_dim(&self) -> usize {
         self.out_dim
@@ -293,7 +458,7 @@ impl Linear {
     /// (handoff's kernel; the f32 GEMM and candle's kernels do not promise
     /// it).
     pub fn prefill_rows_independent(&self) -> bool {
-        matches!(*self.prefill, Mat::Q8(_))
+        matches!(*self.prefill, Mat::Q8(_) | Mat::Native(_))
     }
 
     /// `x` is `[n, in]` row-major; returns `[n, out]`.

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::quantized::QTensor;
@@ -14,12 +15,13 @@ use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
 use crate::config::{Activation, Arch, LlamaConfig, RopeScaling};
 use crate::embedding::Embedding;
 use crate::error::ModelError;
-use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
+use crate::linear::{Linear, Phase, PhaseFormats, RawTensor};
+use crate::mapped::MappedFile;
+use crate::native::WeightBytes;
 use crate::ops::{
     add_assign, add_bias, gelu_mul, rms_norm, rms_norm_in_place, scale, silu_mul, softcap,
 };
 use crate::rope::{Rope, RopeMode, RopeParams};
-use candle_core::quantized::QStorage;
 
 pub(crate) struct Block {
     pub(crate) attn_norm: Vec<f32>,
@@ -100,6 +102,9 @@ pub struct SeqChunk<'a> {
 struct Loader<'a, R> {
     content: &'a Content,
     reader: &'a mut R,
+    /// The file mapped read-only, when loading from a file: matrices in a
+    /// `native` format are computed from it in place.
+    map: Option<Arc<MappedFile>>,
     used: BTreeSet<String>,
 }
 
@@ -112,6 +117,64 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         self.content
             .tensor(self.reader, name, &Device::Cpu)
             .map_err(|e| ModelError::Malformed(format!("tensor {name}: {e}")))
+    }
+
+    /// A tensor's bytes as the file holds them: a range of the mapping, or
+    /// read from the reader when there is none.
+    fn raw(&mut self, name: &str, rows: usize, cols: usize) -> Result<RawTensor, ModelError> {
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| ModelError::Malformed(format!("missing tensor {name}")))?;
+        let dims = info.shape.dims().to_vec();
+        if dims != [rows, cols] {
+            return Err(ModelError::Malformed(format!(
+                "tensor {name} has shape {dims:?}, expected [{rows}, {cols}]"
+            )));
+        }
+        self.used.insert(name.to_string());
+        let dtype = info.ggml_dtype;
+        let len = (rows * cols)
+            .checked_div(dtype.block_size())
+            .filter(|_| cols.is_multiple_of(dtype.block_size()))
+            .and_then(|blocks| blocks.checked_mul(dtype.type_size()))
+            .ok_or_else(|| {
+                ModelError::Malformed(format!(
+                    "tensor {name}: rows of {cols} are not whole {dtype:?} blocks"
+                ))
+            })?;
+        let start = usize::try_from(self.content.tensor_data_offset + info.offset)
+            .ok()
+            .filter(|s| s.checked_add(len).is_some())
+            .ok_or_else(|| ModelError::Malformed(format!("tensor {name}: offset out of range")))?;
+        let data = match &self.map {
+            Some(map) => {
+                if start + len > map.bytes().len() {
+                    return Err(ModelError::Malformed(format!(
+                        "tensor {name}: bytes {start}..{} lie past the end of the file ({} bytes)",
+                        start + len,
+                        map.bytes().len()
+                    )));
+                }
+                WeightBytes::Mapped(map.clone(), start..start + len)
+            }
+            None => {
+                let mut buf = vec![0u8; len];
+                self.reader
+                    .seek(std::io::SeekFrom::Start(start as u64))
+                    .and_then(|_| self.reader.read_exact(&mut buf))
+                    .map_err(|e| ModelError::Malformed(format!("tensor {name}: {e}")))?;
+                WeightBytes::Owned(Arc::new(buf))
+            }
+        };
+        Ok(RawTensor {
+            name: name.to_string(),
+            dtype,
+            rows,
+            cols,
+            data,
+        })
     }
 
     fn has(&self, name: &str) -> bool {
@@ -138,17 +201,6 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         Ok(v)
     }
 
-    fn checked(&mut self, name: &str, out: usize, inp: usize) -> Result<QTensor, ModelError> {
-        let t = self.tensor(name)?;
-        let dims = t.shape().dims().to_vec();
-        if dims != [out, inp] {
-            return Err(ModelError::Malformed(format!(
-                "tensor {name} has shape {dims:?}, expected [{out}, {inp}]"
-            )));
-        }
-        Ok(t)
-    }
-
     fn linear(
         &mut self,
         name: &str,
@@ -156,7 +208,7 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         inp: usize,
         f: PhaseFormats,
     ) -> Result<Linear, ModelError> {
-        Linear::new(&self.checked(name, out, inp)?, f)
+        Linear::from_parts(&[self.raw(name, out, inp)?], f)
     }
 
     /// Several `[out_i, inp]` matrices stacked into one `[sum out_i, inp]`.
@@ -168,9 +220,9 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
     ) -> Result<Linear, ModelError> {
         let mut tensors = Vec::with_capacity(parts.len());
         for (name, out) in parts {
-            tensors.push(self.checked(name, *out, inp)?);
+            tensors.push(self.raw(name, *out, inp)?);
         }
-        Linear::new(&stack_rows(&tensors, f)?, f)
+        Linear::from_parts(&tensors, f)
     }
 }
 
@@ -186,7 +238,11 @@ impl Llama {
             path: p.clone(),
             reason: e.to_string(),
         })?;
-        let model = Self::from_content(&content, &mut file, formats)?;
+        let map = MappedFile::open(path).map_err(|source| ModelError::Io {
+            path: p.clone(),
+            source,
+        })?;
+        let model = Self::from_parts(&content, &mut file, Some(map), formats)?;
         Ok((model, content))
     }
 
@@ -196,11 +252,21 @@ impl Llama {
         reader: &mut R,
         formats: PhaseFormats,
     ) -> Result<Self, ModelError> {
+        Self::from_parts(content, reader, None, formats)
+    }
+
+    fn from_parts<R: std::io::Read + std::io::Seek>(
+        content: &Content,
+        reader: &mut R,
+        map: Option<Arc<MappedFile>>,
+        formats: PhaseFormats,
+    ) -> Result<Self, ModelError> {
         let config = LlamaConfig::from_gguf(content)?;
         check_tensor_names(&config, content)?;
         let mut ld = Loader {
             content,
             reader,
+            map,
             used: BTreeSet::new(),
         };
         let (h, qw, kvw, d) = (
@@ -213,12 +279,13 @@ impl Llama {
         let embed = Embedding::new(&embed_q, config.vocab_size, h)?;
         // The output matrix runs once per sequence per step: it uses the decode
         // format in both phases (a Q8_0 tensor stays as it is under `q8_0`).
-        let lm_head = if ld.has("output.weight") {
-            let w = ld.checked("output.weight", config.vocab_size, h)?;
-            Linear::new_small_batch(&w, formats.decode)?
+        let head_name = if ld.has("output.weight") {
+            "output.weight"
         } else {
-            Linear::new_small_batch(&embed_q, formats.decode)?
+            "token_embd.weight"
         };
+        let head = ld.raw(head_name, config.vocab_size, h)?;
+        let lm_head = Linear::small_batch_from(&head, formats.decode)?;
         drop(embed_q);
         let gemma = config.arch == Arch::Gemma3;
         let mut blocks = Vec::with_capacity(config.layers);
@@ -764,42 +831,6 @@ pub fn check_gguf(c: &Content) -> Result<LlamaConfig, ModelError> {
     let cfg = LlamaConfig::from_gguf(c)?;
     check_tensor_names(&cfg, c)?;
     Ok(cfg)
-}
-
-/// Stack `[out_i, in]` quantized matrices into one `[sum out_i, in]` of the
-/// same type. Rows are whole quantization blocks, so this is a byte concat
-/// and exact. Parts of different types (a Q4_K_M file's Q4_K queries and
-/// keys with Q6_K values) are requantized to Q8_0 row by row, which is what
-/// the Q8_0 formats do to each part anyway (an f32 stack would be a dense
-/// f32 GEMM in decode, and would turn batched prefill off); only when a
-/// phase computes in f32 do they stay f32.
-fn stack_rows(parts: &[QTensor], formats: PhaseFormats) -> Result<QTensor, ModelError> {
-    let first = parts
-        .first()
-        .ok_or_else(|| ModelError::Malformed("nothing to stack".into()))?;
-    let (dtype, inp) = (first.dtype(), first.shape().dims()[1]);
-    let mut bytes = Vec::new();
-    let mut rows = 0;
-    for p in parts {
-        if p.dtype() != dtype || p.shape().dims()[1] != inp {
-            let ts = parts
-                .iter()
-                .map(|p| p.dequantize(&Device::Cpu))
-                .collect::<Result<Vec<_>, _>>()?;
-            let t = candle_core::Tensor::cat(&ts, 0)?;
-            let f32_phase = [formats.prefill, formats.decode].contains(&WeightFormat::F32);
-            let to = if f32_phase || !inp.is_multiple_of(32) {
-                candle_core::quantized::GgmlDType::F32
-            } else {
-                candle_core::quantized::GgmlDType::Q8_0
-            };
-            return Ok(QTensor::quantize(&t, to)?);
-        }
-        bytes.extend_from_slice(&p.data()?);
-        rows += p.shape().dims()[0];
-    }
-    let storage = QStorage::from_data(std::borrow::Cow::Owned(bytes), &Device::Cpu, dtype)?;
-    Ok(QTensor::new(storage, (rows, inp))?)
 }
 
 /// Split rows of `[n, h + 2*kvw]` into Q `[n, h]`, K and V `[n, kvw]`.
