@@ -24,6 +24,7 @@ use handoff_engine::{
     Engine, EngineConfig, EngineHandle, FinishReason, GenerateRequest, RequestStream,
     SamplingParams, StreamEvent,
 };
+use handoff_model::{PhaseFormats, WeightFormat};
 use handoff_proto::RoomId;
 use handoff_transfer::TransportKind;
 use rand::{Rng, SeedableRng};
@@ -31,8 +32,16 @@ use rand::{Rng, SeedableRng};
 const PAGE: usize = 16;
 const CHUNK: usize = 64;
 
-fn config(model: &Path, kv_pages: usize, prefix_cache: bool) -> EngineConfig {
+fn config(
+    model: &Path,
+    kv_pages: usize,
+    prefix_cache: bool,
+    f: Option<PhaseFormats>,
+) -> EngineConfig {
     let mut cfg = EngineConfig::new(model);
+    if let Some(f) = f {
+        cfg.formats = f;
+    }
     cfg.page_size = PAGE;
     cfg.kv_pages = kv_pages;
     cfg.prefill_chunk = CHUNK;
@@ -131,9 +140,16 @@ fn assert_same(what: &str, got: &[(Vec<u32>, String)], want: &[(Vec<u32>, String
 }
 
 /// The whole check for one model file.
-fn check_model(name: &str, model: &Path, lens: &[usize], max_new: usize) {
+/// `formats`: the weight formats of every engine (None: the defaults).
+fn check_model(
+    name: &str,
+    model: &Path,
+    lens: &[usize],
+    max_new: usize,
+    formats: Option<PhaseFormats>,
+) {
     let t0 = Instant::now();
-    let colocated = Engine::start(config(model, 4096, true)).unwrap();
+    let colocated = Engine::start(config(model, 4096, true, formats)).unwrap();
     let vocab = colocated.tokenizer().vocab_size();
     let reqs = requests(vocab, lens, max_new, 7);
     let (want, cached): (Vec<_>, Vec<usize>) = reqs
@@ -167,7 +183,7 @@ fn check_model(name: &str, model: &Path, lens: &[usize], max_new: usize) {
         &want,
     );
     drop(colocated);
-    let no_cache = Engine::start(config(model, 4096, false)).unwrap();
+    let no_cache = Engine::start(config(model, 4096, false, formats)).unwrap();
     assert_same(
         &format!("{name}: prefix cache off"),
         &one_by_one(&no_cache, &reqs),
@@ -176,7 +192,7 @@ fn check_model(name: &str, model: &Path, lens: &[usize], max_new: usize) {
     drop(no_cache);
 
     // Disaggregated over shared memory, every request at once.
-    let cfg = config(model, pages_for(&reqs), true);
+    let cfg = config(model, pages_for(&reqs), true, formats);
     let decode = DecodeEngine::start(cfg.clone(), PdConfig::new(TransportKind::Shm)).unwrap();
     let prefill = PrefillEngine::start(cfg, PdConfig::new(TransportKind::Shm)).unwrap();
     let pending: Vec<_> = reqs
@@ -218,7 +234,7 @@ fn check_model(name: &str, model: &Path, lens: &[usize], max_new: usize) {
             .unwrap(),
     );
     ticket.blocking_wait().expect("structured prefill");
-    let colocated = Engine::start(config(model, 4096, true)).unwrap();
+    let colocated = Engine::start(config(model, 4096, true, formats)).unwrap();
     let co = drain(colocated.submit(structured).unwrap());
     assert_eq!(pd, co, "{name}: structured output, PD vs colocated");
     let re = regex_lite(&co.1);
@@ -251,7 +267,28 @@ fn preset(name: &str) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join(format!("{name}.gguf"));
     handoff_testmodels::write_preset(&path, name).unwrap();
-    check_model(name, &path, &[5, 17, 40, 70, 130, 300], 10);
+    check_model(name, &path, &[5, 17, 40, 70, 130, 300], 10, None);
+}
+
+/// The native kernels in both phases (weights computed in place from the
+/// mapped file, Q4_K/Q6_K/Q8_0/F16 as the preset mixes them): the same
+/// identities hold, since they compute each row on its own too.
+#[test]
+fn llama3_native_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("llama3.gguf");
+    handoff_testmodels::write_preset(&path, "llama3").unwrap();
+    let native = PhaseFormats {
+        prefill: WeightFormat::Native,
+        decode: WeightFormat::Native,
+    };
+    check_model(
+        "llama3 native",
+        &path,
+        &[5, 17, 40, 70, 130, 300],
+        10,
+        Some(native),
+    );
 }
 
 #[test]
@@ -309,6 +346,6 @@ fn gemma3_path() -> Option<PathBuf> {
 #[test]
 fn gemma3_270m_real() {
     if let Some(path) = gemma3_path() {
-        check_model("gemma3 270M", &path, &[9, 70, 600], 8);
+        check_model("gemma3 270M", &path, &[9, 70, 600], 8, None);
     }
 }
