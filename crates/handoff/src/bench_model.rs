@@ -22,10 +22,10 @@ pub struct BenchModelArgs {
     /// Timed repetitions per case (median reported).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
     reps: u16,
-    /// Weight format for prefill (f32, q8_0, q8_0-rows, as-loaded).
+    /// Weight format for prefill (q8_0-rows, native, f32, q8_0, as-loaded).
     #[arg(long, default_value = "q8_0-rows")]
     prefill_format: WeightFormat,
-    /// Weight format for decode (f32, q8_0, as-loaded).
+    /// Weight format for decode (q8_0, native, f32, as-loaded).
     #[arg(long, default_value = "q8_0")]
     decode_format: WeightFormat,
     /// Element type of the KV pool (f16, the serving default, or f32).

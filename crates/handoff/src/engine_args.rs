@@ -64,13 +64,15 @@ pub struct EngineArgs {
     #[arg(long)]
     pub(crate) disable_radix_cache: bool,
     /// Weight format for prefill: q8_0-rows (handoff's row-invariant Q8_0
-    /// kernel, one copy shared with q8_0 decode), f32, q8_0 (candle's
-    /// kernel), q8_0-vnni or as-loaded (BENCHMARKS.md).
+    /// kernel, one copy shared with q8_0 decode), native (the file's own
+    /// blocks computed in place from the mapped file: no copy, slower today),
+    /// f32, q8_0 (candle's kernel), q8_0-vnni or as-loaded (BENCHMARKS.md).
     #[arg(long, default_value = "q8_0-rows")]
     pub(crate) prefill_format: WeightFormat,
-    /// Weight format for decode: q8_0, q8_0-vnni (faster on AVX-512 VNNI CPUs,
-    /// coarser activation rounding), q8_0-candle (candle's Q8_0 kernel, for
-    /// comparison), f32 or as-loaded.
+    /// Weight format for decode: q8_0, native (the file's own blocks in place;
+    /// with native prefill too, no weight copy at all), q8_0-vnni (faster on
+    /// AVX-512 VNNI CPUs, coarser activation rounding), q8_0-candle (candle's
+    /// Q8_0 kernel, for comparison), f32 or as-loaded.
     #[arg(long, default_value = "q8_0")]
     pub(crate) decode_format: WeightFormat,
     /// Tensor parallel size: only 1 today (SGLang's `--tp-size`, vLLM's
