@@ -153,11 +153,13 @@ impl Mat {
             }
             (WeightFormat::AsLoaded, _)
             | (WeightFormat::Q8_0 | WeightFormat::Q8_0Candle, GgmlDType::Q8_0) => {
-                let in_dim = q.shape().dims()[1];
+                let (out, in_dim) = q.shape().dims2()?;
                 Mat::Quant(
-                    QMatMul::QTensor(std::sync::Arc::new(QTensor::new(
-                        clone_storage(q)?,
-                        q.shape().clone(),
+                    QMatMul::QTensor(std::sync::Arc::new(qtensor_of(
+                        q.data()?,
+                        q.dtype(),
+                        out,
+                        in_dim,
                     )?)),
                     in_dim,
                 )
@@ -241,12 +243,12 @@ pub struct RawTensor {
 impl RawTensor {
     /// A candle tensor holding a copy of the bytes.
     pub fn qtensor(&self) -> Result<QTensor, ModelError> {
-        let storage = candle_core::quantized::QStorage::from_data(
+        qtensor_of(
             std::borrow::Cow::Borrowed(self.data.bytes()),
-            &Device::Cpu,
             self.dtype,
-        )?;
-        Ok(QTensor::new(storage, (self.rows, self.cols))?)
+            self.rows,
+            self.cols,
+        )
     }
 
     /// Parts stacked by rows into one tensor. Parts of one type are a byte
@@ -286,13 +288,19 @@ impl RawTensor {
             bytes.extend_from_slice(p.data.bytes());
         }
         let rows = parts.iter().map(|p| p.rows).sum::<usize>();
-        let storage = candle_core::quantized::QStorage::from_data(
-            std::borrow::Cow::Owned(bytes),
-            &Device::Cpu,
-            dtype,
-        )?;
-        Ok(QTensor::new(storage, (rows, inp))?)
+        qtensor_of(std::borrow::Cow::Owned(bytes), dtype, rows, inp)
     }
+}
+
+/// A `[rows, cols]` candle tensor of `dtype` from its bytes.
+fn qtensor_of(
+    bytes: std::borrow::Cow<'_, [u8]>,
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+) -> Result<QTensor, ModelError> {
+    let storage = candle_core::quantized::QStorage::from_data(bytes, &Device::Cpu, dtype)?;
+    Ok(QTensor::new(storage, (rows, cols))?)
 }
 
 /// The parts as one native matrix, if every part has a native kernel.
@@ -320,15 +328,6 @@ fn native_matrix(parts: &[RawTensor]) -> Result<Option<NativeMatrix>, ModelError
     NativeMatrix::new(out, first.cols)
         .map(Some)
         .map_err(|e| ModelError::Malformed(format!("tensor {}: {e}", first.name)))
-}
-
-fn clone_storage(q: &QTensor) -> Result<candle_core::quantized::QStorage, ModelError> {
-    let data = q.data()?;
-    Ok(candle_core::quantized::QStorage::from_data(
-        data,
-        &Device::Cpu,
-        q.dtype(),
-    )?)
 }
 
 /// A linear layer `y = x W^T` with one matrix per phase (shared when the

@@ -135,9 +135,9 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         }
         self.used.insert(name.to_string());
         let dtype = info.ggml_dtype;
-        let len = (rows * cols)
-            .checked_div(dtype.block_size())
-            .filter(|_| cols.is_multiple_of(dtype.block_size()))
+        let len = Some(cols)
+            .filter(|c| c.is_multiple_of(dtype.block_size()))
+            .and_then(|c| rows.checked_mul(c / dtype.block_size()))
             .and_then(|blocks| blocks.checked_mul(dtype.type_size()))
             .ok_or_else(|| {
                 ModelError::Malformed(format!(

@@ -16,7 +16,7 @@ use safe_arch::{
 };
 
 use super::act::Acts;
-use super::blocks::{f16_at, hsum8, BlockType};
+use super::blocks::{f16_at, hsum8, k4_scales, BlockType};
 
 #[inline(always)]
 fn load32(b: &[u8]) -> m256i {
@@ -214,23 +214,6 @@ const Q6_SHUFFLE: [[u8; 16]; 8] = [
     q6_shuffle(7),
 ];
 
-/// Q4_K/Q5_K's 8 scales then 8 minimums from the 12 packed bytes, with
-/// word operations (what `blocks::k4_scales` computes byte by byte).
-#[inline(always)]
-fn k4_packed(s: &[u8]) -> (u64, u64) {
-    const K1: u32 = 0x3f3f_3f3f;
-    const K2: u32 = 0x0f0f_0f0f;
-    const K3: u32 = 0x0303_0303;
-    let w = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
-    let (u0, u1, u2) = (w(0), w(4), w(8));
-    let scales_hi = (u2 & K2) | (((u0 >> 6) & K3) << 4);
-    let mins_hi = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
-    (
-        u64::from(u0 & K1) | u64::from(scales_hi) << 32,
-        u64::from(u1 & K1) | u64::from(mins_hi) << 32,
-    )
-}
-
 /// Chunk `j` (elements `32j..32j+32`) of a Q6_K block as unsigned 6-bit
 /// quants.
 #[inline(always)]
@@ -309,7 +292,7 @@ fn k_quant<const C: usize, const T: u8>(w: &[u8], acts: &Acts, rows: [usize; C])
             }
             (f16_at(blk, 208), 0.0, zeroed_m128i())
         } else {
-            let (sc, mn) = k4_packed(&blk[4..16]);
+            let (sc, mn) = k4_scales(&blk[4..16]);
             let sc = convert_to_u16_m128i_from_lower8_u8_m128i(m128i::from([sc, 0]));
             let sc = set_m128i_m256i(sc, sc);
             let (qh, qs) = if t == BlockType::Q4K {

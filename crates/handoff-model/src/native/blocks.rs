@@ -117,19 +117,23 @@ pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Q4_K/Q5_K's 6-bit scales and minimums of the 8 sub-blocks, from the
-/// 12 packed bytes (llama.cpp's `get_scale_min_k4`, all 8 at once).
+/// Q4_K/Q5_K's 6-bit scales and minimums of the 8 sub-blocks, from the 12
+/// packed bytes (llama.cpp's `get_scale_min_k4`, all 8 at once, with its
+/// word operations): scale `j` is byte `j` of the first word, minimum `j`
+/// byte `j` of the second.
 #[inline(always)]
-pub(crate) fn k4_scales(s: &[u8]) -> ([u8; 8], [u8; 8]) {
-    let mut sc = [0u8; 8];
-    let mut m = [0u8; 8];
-    for j in 0..4 {
-        sc[j] = s[j] & 63;
-        m[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
-        m[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
-    (sc, m)
+pub(crate) fn k4_scales(s: &[u8]) -> (u64, u64) {
+    const K1: u32 = 0x3f3f_3f3f;
+    const K2: u32 = 0x0f0f_0f0f;
+    const K3: u32 = 0x0303_0303;
+    let w = |i: usize| u32::from_le_bytes([s[i], s[i + 1], s[i + 2], s[i + 3]]);
+    let (u0, u1, u2) = (w(0), w(4), w(8));
+    let scales_hi = (u2 & K2) | (((u0 >> 6) & K3) << 4);
+    let mins_hi = ((u2 >> 4) & K2) | (((u1 >> 6) & K3) << 4);
+    (
+        u64::from(u0 & K1) | u64::from(scales_hi) << 32,
+        u64::from(u1 & K1) | u64::from(mins_hi) << 32,
+    )
 }
 
 /// The eight f32 lanes summed in the fixed order of a 256-bit reduction:
@@ -202,10 +206,15 @@ fn unpack(t: BlockType, b: &[u8]) -> Unpacked {
             u.d = f16_at(b, 0);
             u.min = f16_at(b, 2);
             let (sc, m) = k4_scales(&b[4..16]);
-            for j in 0..8 {
-                u.sc[2 * j] = i32::from(sc[j]);
-                u.sc[2 * j + 1] = i32::from(sc[j]);
-                u.m[j] = i32::from(m[j]);
+            for (j, (sc, m)) in sc
+                .to_le_bytes()
+                .into_iter()
+                .zip(m.to_le_bytes())
+                .enumerate()
+            {
+                u.sc[2 * j] = i32::from(sc);
+                u.sc[2 * j + 1] = i32::from(sc);
+                u.m[j] = i32::from(m);
             }
             let (qh, qs) = if t == BlockType::Q4K {
                 (None, &b[16..144])

@@ -52,7 +52,7 @@ pub enum NativePath {
 }
 
 impl NativePath {
-    /// The fastest path this build has.
+    /// The fastest path this build has (no allocation: every forward asks).
     pub fn chosen() -> NativePath {
         if cfg!(all(
             target_arch = "x86_64",
@@ -65,7 +65,7 @@ impl NativePath {
         }
     }
 
-    /// Every path this build has.
+    /// Every path this build has, the portable one first.
     pub fn available() -> Vec<NativePath> {
         let mut v = vec![NativePath::Portable];
         if NativePath::chosen() == NativePath::Avx2 {
@@ -153,9 +153,11 @@ impl NativeMatrix {
         // threads own contiguous memory.
         let mut yt = vec![0f32; self.out_dim * n];
         let threads = rayon::current_num_threads().max(1);
-        let mut first = 0;
+        // A few chunks per thread, so one slowed by another process does
+        // not hold the others up for long.
+        let per_chunk = self.out_dim.div_ceil(threads * 8).max(1);
         let mut rest = yt.as_mut_slice();
-        let mut jobs = Vec::new();
+        let mut tasks: Vec<(&Part, &Acts, usize, &mut [f32])> = Vec::new();
         for p in &self.parts {
             let (mine, tail) = rest.split_at_mut(p.rows * n);
             rest = tail;
@@ -164,23 +166,12 @@ impl NativeMatrix {
                 .find(|(k, _)| *k == p.t.act())
                 .expect("quantized")
                 .1;
-            jobs.push((p, a, mine, first));
-            first += p.rows;
+            for (i, out) in mine.chunks_mut(per_chunk * n).enumerate() {
+                tasks.push((p, a, i * per_chunk, out));
+            }
         }
-        let row_bytes = |p: &Part| self.in_dim / p.t.elems() * p.t.bytes();
-        // A few chunks per thread, so one slowed by another process does
-        // not hold the others up for long.
-        let per_chunk = self.out_dim.div_ceil(threads * 8).max(1);
-        let tasks: Vec<(&Part, &Acts, usize, &mut [f32])> = jobs
-            .into_iter()
-            .flat_map(|(p, a, mine, _)| {
-                mine.chunks_mut(per_chunk * n)
-                    .enumerate()
-                    .map(move |(i, out)| (p, a, i * per_chunk, out))
-            })
-            .collect();
         tasks.into_par_iter().for_each(|(p, a, r0, out)| {
-            let rb = row_bytes(p);
+            let rb = self.in_dim / p.t.elems() * p.t.bytes();
             let w = &p.data.bytes()[r0 * rb..][..out.len() / n * rb];
             rows_against(p.t, w, rb, a, out, path);
         });
@@ -229,7 +220,6 @@ fn rows_against(t: BlockType, w: &[u8], rb: usize, a: &Acts, y: &mut [f32], path
         .zip(y.chunks_mut(GROUP_ROWS * n))
         .enumerate()
     {
-        let ahead = w.get((g * GROUP_ROWS * rb)..).unwrap_or(&[]);
         let mut c = 0;
         while c < n {
             let take = match n - c {
@@ -239,7 +229,8 @@ fn rows_against(t: BlockType, w: &[u8], rb: usize, a: &Acts, y: &mut [f32], path
             };
             for (i, (row, yr)) in wg.chunks_exact(rb).zip(yg.chunks_exact_mut(n)).enumerate() {
                 if c == 0 {
-                    if let Some(next) = ahead.get((i + AHEAD) * rb..(i + AHEAD + 1) * rb) {
+                    let next = g * GROUP_ROWS + i + AHEAD;
+                    if let Some(next) = w.get(next * rb..(next + 1) * rb) {
                         avx2::prefetch(next);
                     }
                 }
