@@ -112,6 +112,28 @@ pub(crate) fn validate(
             "max_tokens must be at least 1".into(),
         ));
     }
+    if let Some(&id) = req
+        .output_so_far
+        .iter()
+        .find(|&&id| id as usize >= info.vocab_size)
+    {
+        return Err(EngineError::TokenOutOfRange {
+            id,
+            vocab_size: info.vocab_size,
+        });
+    }
+    if req.output_so_far.len() >= p.max_new_tokens {
+        return Err(EngineError::InvalidParams(format!(
+            "resume_output_ids: {} tokens were already generated, which leaves nothing to generate under max_tokens {}",
+            req.output_so_far.len(),
+            p.max_new_tokens
+        )));
+    }
+    if !req.output_so_far.is_empty() && p.prompt_logprobs {
+        return Err(EngineError::InvalidParams(
+            "resume_output_ids: a continued generation does not score its prompt again (the prompt's log-probabilities came with the first token)".into(),
+        ));
+    }
     if p.top_logprobs > handoff_model::sampling::MAX_TOP_LOGPROBS {
         return Err(EngineError::InvalidParams(format!(
             "top_logprobs must be at most {}, got {}",

@@ -116,6 +116,24 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// When the request reached the server (for TTFT accounting).
     pub arrived: Instant,
+    /// Output tokens another worker already generated and streamed to the
+    /// client (mid-stream migration): this engine computes their K/V with
+    /// the prompt's, replays them through the sampler's RNG and penalties,
+    /// the grammar and the stop-string matcher, and generates from the next
+    /// one on. They count toward `max_new_tokens`; empty for a new request.
+    pub output_so_far: Vec<u32>,
+}
+
+impl GenerateRequest {
+    /// A new request (nothing generated yet) arriving now.
+    pub fn new(prompt_ids: Vec<u32>, sampling: SamplingParams) -> Self {
+        Self {
+            prompt_ids,
+            sampling,
+            arrived: Instant::now(),
+            output_so_far: Vec::new(),
+        }
+    }
 }
 
 /// Why a request stopped generating.

@@ -38,6 +38,11 @@ pub(crate) enum Command {
     Resume(Box<Resumed>),
     /// Empty the prefix cache of pages no request reads; answer how many.
     FlushCache(tokio::sync::oneshot::Sender<usize>),
+    /// Disaggregated decode prefilling here (a short prompt, a failed
+    /// transfer, a migrated stream): a validated request whose pages are
+    /// already reserved (with the cached prefix they reuse); it prefills in
+    /// this scheduler exactly as a colocated request would.
+    Prefill(Box<GenerateRequest>, SeqPages, EventSender),
 }
 
 /// A sequence's pages: a locked cached prefix, then its own. Fields drop
@@ -110,6 +115,9 @@ pub(crate) struct Active {
     tx: EventSender,
     tokens: Vec<u32>,
     prompt_len: usize,
+    /// Tokens to prefill: the prompt, then the output another worker
+    /// generated before this one took over (mid-stream migration).
+    prefill_len: usize,
     /// Tokens whose K/V are in the pool.
     cached: usize,
     /// Its pages: the cached prefix's (locked), then its own.
@@ -137,7 +145,63 @@ impl Active {
     }
 
     fn prefilling(&self) -> bool {
-        self.cached < self.prompt_len
+        self.cached < self.prefill_len
+    }
+
+    /// A request starting in `seq` (its cached prefix's K/V already there).
+    /// Output generated elsewhere before (`output_so_far`) is replayed as
+    /// [`Scheduler::emit_token`] would have taken it: the sampler's draw and
+    /// penalties, the grammar, the text (which the client already has); a
+    /// token that would have ended the generation is refused.
+    fn start(
+        req: GenerateRequest,
+        tx: EventSender,
+        seq: SeqPages,
+        tokenizer: &Tokenizer,
+    ) -> Result<Active, (EventSender, EngineError)> {
+        let s = &req.sampling;
+        let seed = s.seed.unwrap_or_else(rand::random);
+        let mut a = Active {
+            prompt_len: req.prompt_ids.len(),
+            prefill_len: req.prompt_ids.len(),
+            cached: seq.prefix_tokens,
+            seq,
+            sampler: Sampler::for_prompt(s.sampler(seed), &req.prompt_ids),
+            text: TextTracker::for_params(s),
+            max_new: s.max_new_tokens,
+            stop_ids: s.stop_token_ids.clone(),
+            ignore_eos: s.ignore_eos,
+            sampling: req.sampling,
+            tokens: req.prompt_ids,
+            tx,
+            prompt_scores: Vec::new(),
+        };
+        let eos = tokenizer.eog_ids();
+        for (i, &id) in req.output_so_far.iter().enumerate() {
+            a.tokens.push(id);
+            a.sampler.skip_draw();
+            a.sampler.accept(id);
+            let refuse = |why: String| {
+                EngineError::InvalidParams(format!("resume_output_ids[{i}] (token {id}) {why}"))
+            };
+            if let Some(g) = &mut a.sampling.grammar {
+                if let Err(e) = g.accept(id) {
+                    return Err((a.tx, refuse(format!("does not fit the grammar: {}", e.0))));
+                }
+                if g.finished() {
+                    return Err((a.tx, refuse("completes the grammar: nothing is left to generate".into())));
+                }
+            }
+            let may_end = a.generated() >= a.sampling.min_new_tokens;
+            if may_end && ((!a.ignore_eos && eos.contains(&id)) || a.stop_ids.contains(&id)) {
+                return Err((a.tx, refuse("ends the generation".into())));
+            }
+            if let Some(m) = a.text.push(tokenizer, id, may_end).matched {
+                return Err((a.tx, refuse(format!("completes the stop string {m:?}"))));
+            }
+        }
+        a.prefill_len = a.tokens.len();
+        Ok(a)
     }
 }
 
@@ -183,6 +247,7 @@ impl Scheduler {
                 match cmd {
                     Command::Submit(req, tx) => self.waiting.push_back(Waiting { req, tx }),
                     Command::Resume(r) => self.resumed.push_back(*r),
+                    Command::Prefill(req, pages, tx) => self.start_prefilled(*req, pages, tx),
                     Command::FlushCache(reply) => {
                         let freed = self.cache.as_mut().map_or(0, PrefixCache::flush);
                         tracing::info!(pages = freed, "prefix cache flushed");
@@ -295,22 +360,20 @@ impl Scheduler {
                 break;
             };
             let seq = SeqPages::new(prefix, lease, page_size);
-            let s = &w.req.sampling;
-            let seed = s.seed.unwrap_or_else(rand::random);
-            self.active.push(Active {
-                prompt_len: w.req.prompt_ids.len(),
-                cached: seq.prefix_tokens,
-                seq,
-                sampler: Sampler::for_prompt(s.sampler(seed), &w.req.prompt_ids),
-                text: TextTracker::for_params(s),
-                max_new: s.max_new_tokens,
-                stop_ids: s.stop_token_ids.clone(),
-                ignore_eos: s.ignore_eos,
-                sampling: w.req.sampling.clone(),
-                tokens: w.req.prompt_ids,
-                tx: w.tx,
-                prompt_scores: Vec::new(),
-            });
+            match Active::start(*w.req, w.tx, seq, &self.tokenizer) {
+                Ok(a) => self.active.push(a),
+                Err((tx, e)) => tx.end(StreamEvent::Error(e)),
+            }
+        }
+    }
+
+    /// A request whose pages were reserved outside (a decode worker
+    /// prefilling here) joins the batch at once: the decode engine's
+    /// prealloc queue already bounded how many hold pages.
+    fn start_prefilled(&mut self, req: GenerateRequest, seq: SeqPages, tx: EventSender) {
+        match Active::start(req, tx, seq, &self.tokenizer) {
+            Ok(a) => self.active.push(a),
+            Err((tx, e)) => tx.end(StreamEvent::Error(e)),
         }
     }
 
@@ -325,6 +388,7 @@ impl Scheduler {
         sampler.skip_draw();
         self.active.push(Active {
             prompt_len: r.req.prompt_ids.len(),
+            prefill_len: r.req.prompt_ids.len(),
             cached: r.req.prompt_ids.len(),
             seq: r.pages,
             sampler,
@@ -424,7 +488,7 @@ impl Scheduler {
         let takes = pack(
             prefilling.iter().map(|&i| {
                 let a = &self.active[i];
-                (a.prompt_len - a.cached, a.sampling.prompt_logprobs)
+                (a.prefill_len - a.cached, a.sampling.prompt_logprobs)
             }),
             self.prefill_chunk,
             self.rows_independent,

@@ -96,6 +96,7 @@ fn greedy_output_tracks_llamacpp() {
                 ..Default::default()
             },
             arrived: Instant::now(),
+            output_so_far: Vec::new(),
         };
         let mut s = h.submit(req).unwrap();
         let mut got = Vec::new();

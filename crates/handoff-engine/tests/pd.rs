@@ -199,6 +199,7 @@ fn req(prompt: Vec<u32>, max_new: usize) -> GenerateRequest {
             ..Default::default()
         },
         arrived: Instant::now(),
+        output_so_far: Vec::new(),
     }
 }
 

@@ -80,6 +80,7 @@ fn requests(vocab: usize, lens: &[usize], max_new: usize, seed: u64) -> Vec<Gene
                 ..Default::default()
             },
             arrived: Instant::now(),
+            output_so_far: Vec::new(),
         })
         .collect()
 }

@@ -167,6 +167,7 @@ fn cases(engine: &EngineHandle) -> Vec<Case> {
                     ..Default::default()
                 },
                 arrived: Instant::now(),
+                output_so_far: Vec::new(),
             },
         })
         .collect()
@@ -452,6 +453,7 @@ fn a_near_tie_prompt_answers_the_same_after_a_prefix_cache_hit() {
             ..Default::default()
         },
         arrived: Instant::now(),
+        output_so_far: Vec::new(),
     };
     let want = drain(off.submit(req.clone()).unwrap()).unwrap().ids;
     for pass in 0..2 {
@@ -755,6 +757,7 @@ fn json_schema_output_always_validates_and_pd_equals_colocated() {
                         ..Default::default()
                     },
                     arrived: Instant::now(),
+                    output_so_far: Vec::new(),
                 },
             }
         })

@@ -137,6 +137,7 @@ pub fn requests(
             prompt_ids,
             sampling: sampling.clone(),
             arrived,
+            output_so_far: Vec::new(),
         })
         .collect()
 }

@@ -55,6 +55,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<&'static s
             ..SamplingParams::default()
         },
         arrived: Instant::now(),
+        output_so_far: Vec::new(),
     };
     let rid = crate::app::new_request_id("health");
     let gen =

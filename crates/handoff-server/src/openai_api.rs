@@ -583,6 +583,7 @@ fn prepare_chat(
             prompt_ids,
             sampling,
             arrived,
+            output_so_far: Vec::new(),
         }],
         stream: req.stream.unwrap_or(false),
         n,

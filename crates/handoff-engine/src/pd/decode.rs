@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 
 use handoff_kv::PrefixCache;
@@ -28,8 +28,8 @@ use handoff_proto::{
 use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig};
 
 use super::{
-    fingerprint, handshake_config, lease_prompt_pages, runtime, Gauge, PageQueue, PdConfig,
-    TransportChoice,
+    fingerprint, handshake_config, lease_prompt_pages, runtime, Gauge, OnTransferFailure,
+    PageQueue, PdConfig, TransportChoice,
 };
 use crate::config::EngineConfig;
 use crate::engine::{load, Shared};
@@ -90,6 +90,8 @@ impl DecodeEngine {
                     pending: AtomicUsize::new(0),
                     next_slot: AtomicU32::new(0),
                     transport: pd.transport_choice,
+                    on_failure: pd.on_transfer_failure,
+                    local: LocalCounts::default(),
                 }),
                 fingerprint: fp,
                 runtime: Some(rt),
@@ -132,6 +134,27 @@ struct Ctx {
     pending: AtomicUsize,
     next_slot: AtomicU32,
     transport: TransportChoice,
+    /// The default for a failed transfer.
+    on_failure: OnTransferFailure,
+    local: LocalCounts,
+}
+
+/// Requests this decode worker prefilled itself, by why.
+#[derive(Debug, Default)]
+struct LocalCounts {
+    /// Sent to be prefilled here ([`DecodeHandle::submit_local`]).
+    asked: AtomicU64,
+    /// Their transfer failed and they were prefilled here instead.
+    recomputed: AtomicU64,
+}
+
+/// How many requests a decode worker prefilled itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LocalPrefills {
+    /// Sent to be prefilled here (short prompts, migrated streams).
+    pub asked: u64,
+    /// Whose KV transfer failed and which were prefilled here instead.
+    pub recomputed: u64,
 }
 
 impl DecodeHandle {
@@ -170,11 +193,35 @@ impl DecodeHandle {
         room: RoomId,
         prefill: SocketAddr,
     ) -> Result<RequestStream, EngineError> {
+        self.submit_pd(req, room, prefill, None)
+    }
+
+    /// [`Self::submit`], with what to do if the transfer fails for this
+    /// request (`None`: the engine's [`PdConfig::on_transfer_failure`]).
+    /// With [`OnTransferFailure::Recompute`], a transfer that fails for a
+    /// reason other than a refusal of the request or the client leaving is
+    /// not an error: the prompt is prefilled here and the stream goes on.
+    pub fn submit_pd(
+        &self,
+        req: GenerateRequest,
+        room: RoomId,
+        prefill: SocketAddr,
+        on_failure: Option<OnTransferFailure>,
+    ) -> Result<RequestStream, EngineError> {
         let Some(rt) = self.inner.runtime.as_ref() else {
             return Err(EngineError::ShuttingDown);
         };
         let ctx = self.inner.ctx.clone();
-        if let Err(e) = ctx.shared.validate(&req) {
+        let checked = ctx.shared.validate(&req).and_then(|()| {
+            if req.output_so_far.is_empty() {
+                Ok(())
+            } else {
+                Err(EngineError::InvalidParams(
+                    "resume_output_ids: a continued generation is prefilled on the decode worker, not sent through a prefill".into(),
+                ))
+            }
+        });
+        if let Err(e) = checked {
             self.reject(
                 room,
                 prefill,
@@ -186,8 +233,41 @@ impl DecodeHandle {
         }
         let (tx, stream) = crate::events::channel();
         ctx.pending.fetch_add(1, Ordering::AcqRel);
-        rt.spawn(async move { decode_room(&ctx, req, room, prefill, tx).await });
+        let on_failure = on_failure.unwrap_or(ctx.on_failure);
+        rt.spawn(async move { decode_room(&ctx, req, room, prefill, on_failure, tx).await });
         Ok(stream)
+    }
+
+    /// Prefill and decode `req` here, with no prefill worker: a prompt
+    /// short or cached enough that a transfer would cost more than it
+    /// saves, or a stream migrated from a decode worker that died (its
+    /// `output_so_far`). Pages come from the same prealloc queue as PD
+    /// requests (reusing the longest cached prefix); the prefill runs in this
+    /// worker's batch exactly as in a colocated engine, so the output is
+    /// the colocated output.
+    pub fn submit_local(&self, req: GenerateRequest) -> Result<RequestStream, EngineError> {
+        let Some(rt) = self.inner.runtime.as_ref() else {
+            return Err(EngineError::ShuttingDown);
+        };
+        let ctx = self.inner.ctx.clone();
+        ctx.shared.validate(&req)?;
+        let (tx, stream) = crate::events::channel();
+        ctx.pending.fetch_add(1, Ordering::AcqRel);
+        ctx.local.asked.fetch_add(1, Ordering::Relaxed);
+        rt.spawn(async move {
+            let pending = Gauge(&ctx.pending); // counted up above
+            prefill_here(&ctx, req, tx, pending).await
+        });
+        Ok(stream)
+    }
+
+    /// How many requests this worker prefilled itself, and why.
+    pub fn local_prefills(&self) -> LocalPrefills {
+        let l = &self.inner.ctx.local;
+        LocalPrefills {
+            asked: l.asked.load(Ordering::Relaxed),
+            recomputed: l.recomputed.load(Ordering::Relaxed),
+        }
     }
 
     /// Refuse the decode half of `room` with `http_status` and `reason` (found before
@@ -342,6 +422,7 @@ async fn decode_room(
     req: GenerateRequest,
     room: RoomId,
     prefill: SocketAddr,
+    on_failure: OnTransferFailure,
     tx: EventSender,
 ) {
     let pending = Gauge(&ctx.pending); // counted up in `submit`
@@ -367,6 +448,16 @@ async fn decode_room(
             }
             tracing::debug!(room = room.get(), "decode request cancelled before joining");
             return;
+        }
+        Some(Err(e)) if on_failure == OnTransferFailure::Recompute && recomputable(&e) => {
+            tracing::warn!(
+                room = room.get(),
+                prefill = %prefill,
+                error = %e,
+                "KV transfer failed: prefilling the prompt here"
+            );
+            ctx.local.recomputed.fetch_add(1, Ordering::Relaxed);
+            return prefill_here(ctx, req, tx, pending).await;
         }
         Some(Err(e)) => {
             tracing::debug!(room = room.get(), error = %e, "decode room failed");
@@ -404,6 +495,55 @@ async fn decode_room(
     {
         r.into_sender()
             .end(StreamEvent::Error(EngineError::ShuttingDown));
+    }
+}
+
+/// Reserve pages for `req` (after the longest cached prefix of its prompt,
+/// leaving at least its last token to compute) and hand it to the
+/// scheduler to prefill here.
+async fn prefill_here(ctx: &Ctx, req: GenerateRequest, tx: EventSender, pending: Gauge<'_>) {
+    let page_size = ctx.shared.info.page_size;
+    let prompt = &req.prompt_ids;
+    let total = (prompt.len() + req.sampling.max_new_tokens).div_ceil(page_size);
+    let matchable = if req.sampling.prompt_logprobs {
+        0
+    } else {
+        prompt.len() - 1
+    };
+    let leased = tokio::select! {
+        l = lease_prompt_pages(&ctx.pages, prompt, matchable, total) => l,
+        _ = tx.closed() => return,
+    };
+    let (prefix, lease) = leased;
+    let seq = SeqPages::new(prefix, lease, page_size);
+    drop(pending);
+    if let Err(std_mpsc::SendError(Command::Prefill(_, _, tx))) =
+        ctx.shared
+            .commands
+            .send(Command::Prefill(Box::new(req), seq, tx))
+    {
+        tx.end(StreamEvent::Error(EngineError::ShuttingDown));
+    }
+}
+
+/// Whether a failed transfer may be made good by prefilling here: the
+/// prefill (or the way to it) failed, not the request (a refusal with a
+/// 4xx, an API misuse) and not the client or router (an abort they sent).
+fn recomputable(e: &EngineError) -> bool {
+    match e {
+        EngineError::Transfer(t) => match t {
+            TransferError::Rejected { http_status, .. } => *http_status >= 500,
+            TransferError::Aborted { origin, .. } => {
+                !matches!(origin, AbortOrigin::Client | AbortOrigin::Router)
+            }
+            TransferError::Remote { http_status, .. } => {
+                *http_status >= 500 || matches!(http_status, 408 | 429)
+            }
+            TransferError::ApiMisuse { .. } => false,
+            _ => true,
+        },
+        EngineError::Transport(_) | EngineError::TooManyPrefillPeers { .. } => true,
+        _ => false,
     }
 }
 

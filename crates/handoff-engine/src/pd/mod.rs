@@ -25,6 +25,7 @@
 //!     prompt_ids: vec![1, 2, 3],
 //!     sampling: Default::default(),
 //!     arrived: std::time::Instant::now(),
+//!     output_so_far: Vec::new(),
 //! };
 //! let room = RoomId::new(42).expect("non-zero");
 //! // Both halves at once, as a router does; either may refuse (400 ...),
@@ -70,7 +71,7 @@ use crate::engine::Loaded;
 use crate::error::EngineError;
 use crate::handle::LoadSnapshot;
 
-pub use decode::{DecodeEngine, DecodeHandle};
+pub use decode::{DecodeEngine, DecodeHandle, LocalPrefills};
 pub use handoff_proto::RoomId;
 pub use handoff_transfer::TransportKind;
 pub use prefill::{PrefillDone, PrefillEngine, PrefillHandle, PrefillTicket, PrefillTimings};
@@ -104,6 +105,43 @@ pub struct PdConfig {
     /// off, this end behaves as a peer of the version before it, and
     /// decode refuses requests that ask for top logprobs from it.
     pub aux_top: bool,
+    /// Decode: what a request whose KV transfer failed (the prefill died,
+    /// timed out, misbehaved or could not be reached) gets by default.
+    pub on_transfer_failure: OnTransferFailure,
+}
+
+/// What a decode engine does with a request whose KV transfer failed for a
+/// reason on the prefill's side or between the two (not a refusal of the
+/// request itself, not the client leaving).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnTransferFailure {
+    /// Prefill the prompt here and go on: the client sees no error, only
+    /// the time the local prefill took.
+    #[default]
+    Recompute,
+    /// End the request with the transfer's typed error.
+    Fail,
+}
+
+impl OnTransferFailure {
+    /// The name the flag and the request field take.
+    pub const fn name(self) -> &'static str {
+        match self {
+            OnTransferFailure::Recompute => "recompute",
+            OnTransferFailure::Fail => "fail",
+        }
+    }
+}
+
+impl std::str::FromStr for OnTransferFailure {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "recompute" => Ok(OnTransferFailure::Recompute),
+            "fail" => Ok(OnTransferFailure::Fail),
+            other => Err(format!("`{other}`: expected recompute or fail")),
+        }
+    }
 }
 
 impl PdConfig {
@@ -120,6 +158,7 @@ impl PdConfig {
             tcp_streams: 1,
             delta_transfer: true,
             aux_top: true,
+            on_transfer_failure: OnTransferFailure::default(),
         }
     }
 }

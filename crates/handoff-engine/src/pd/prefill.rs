@@ -231,6 +231,11 @@ impl PrefillHandle {
 
     /// Check a request against every limit without queueing it.
     pub fn validate(&self, req: &GenerateRequest) -> Result<(), EngineError> {
+        if !req.output_so_far.is_empty() {
+            return Err(EngineError::InvalidParams(
+                "resume_output_ids: a continued generation is prefilled on the decode worker, not on a prefill worker".into(),
+            ));
+        }
         validate(
             &self.inner.info,
             self.inner.ctx.pages.allocator.stats().total,
