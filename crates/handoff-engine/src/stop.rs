@@ -183,6 +183,22 @@ impl TextTracker {
     }
 }
 
+/// The text a request's stream sent with its first output tokens `ids`
+/// (stop strings held back as the engine holds them): where a continuation
+/// of that stream (`output_so_far`) picks up.
+pub fn streamed_text(
+    tok: &Tokenizer,
+    params: &crate::request::SamplingParams,
+    ids: &[u32],
+) -> String {
+    let mut t = TextTracker::for_params(params);
+    let mut out = String::new();
+    for (i, &id) in ids.iter().enumerate() {
+        out.push_str(&t.push(tok, id, i + 1 >= params.min_new_tokens).text);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

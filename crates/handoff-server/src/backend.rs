@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use handoff_engine::handle::{EngineHandle, LoadSnapshot, ModelInfo, RequestStream};
-use handoff_engine::pd::{DecodeHandle, PrefillHandle, PrefillTicket, RoomId};
+use handoff_engine::pd::{DecodeHandle, OnTransferFailure, PrefillHandle, PrefillTicket, RoomId};
 use handoff_engine::request::GenerateRequest;
 use handoff_engine::EngineError;
 use handoff_model::chat_template::ChatTemplate;
@@ -24,6 +24,8 @@ pub struct TransferSnapshot {
     pub kv_bytes_sent: u64,
     /// Rooms the endpoint holds now.
     pub live_rooms: usize,
+    /// Decode: requests it prefilled itself, and why.
+    pub local_prefills: handoff_engine::pd::LocalPrefills,
 }
 
 /// The engine behind a worker.
@@ -54,6 +56,92 @@ pub struct Bootstrap {
     /// Set once [`crate::AppState::check_bootstrap`] found the endpoint
     /// trusted: a decode backend dials nothing else.
     pub(crate) trusted: bool,
+    /// The routing fields handoff adds to SGLang's (set by `handoff router`).
+    pub handover: Handover,
+}
+
+/// handoff's routing fields: how a request reaches its decode worker when
+/// it is not (only) a prefill's KV.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Handover {
+    /// `local_prefill`: a decode worker prefills the prompt itself (no
+    /// bootstrap fields: no prefill worker is involved).
+    pub local: bool,
+    /// `on_transfer_failure`: what a decode worker does when the KV transfer
+    /// fails (`None`: the worker's `--on-transfer-failure`).
+    pub on_failure: Option<OnTransferFailure>,
+    /// `resume_output_ids`: output another decode worker already streamed
+    /// (mid-stream migration); this worker generates what follows.
+    pub resume: Vec<u32>,
+    /// `stream_marks`: each streamed event carries, in an SSE comment, the
+    /// ids of the tokens it covers (and `end` on the last one), so the
+    /// router knows what the client has if it must migrate the stream.
+    pub marks: bool,
+}
+
+impl Handover {
+    /// Check the raw fields; `null` means absent.
+    pub fn parse(
+        resume: Option<&Value>,
+        local: Option<&Value>,
+        on_failure: Option<&Value>,
+        marks: Option<&Value>,
+    ) -> Result<Self, ApiError> {
+        let flag = |field: &str, v: Option<&Value>| -> Result<bool, ApiError> {
+            match v.filter(|v| !v.is_null()) {
+                None => Ok(false),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(v) => Err(ApiError::invalid_param(
+                    field,
+                    format!("{field} must be true or false, got {v}"),
+                )),
+            }
+        };
+        let on_failure = match on_failure.filter(|v| !v.is_null()) {
+            None => None,
+            Some(Value::String(s)) => Some(s.parse().map_err(|e: String| {
+                ApiError::invalid_param(
+                    "on_transfer_failure",
+                    format!("on_transfer_failure {e}"),
+                )
+            })?),
+            Some(v) => {
+                return Err(ApiError::invalid_param(
+                    "on_transfer_failure",
+                    format!("on_transfer_failure must be \"recompute\" or \"fail\", got {v}"),
+                ))
+            }
+        };
+        let resume = match resume.filter(|v| !v.is_null()) {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| {
+                            ApiError::invalid_param(
+                                "resume_output_ids",
+                                format!("resume_output_ids[{i}] must be a token id (an integer 0..2^32), got {v}"),
+                            )
+                        })
+                })
+                .collect::<Result<_, _>>()?,
+            Some(v) => {
+                return Err(ApiError::invalid_param(
+                    "resume_output_ids",
+                    format!("resume_output_ids must be a list of token ids, got {v}"),
+                ))
+            }
+        };
+        Ok(Handover {
+            local: flag("local_prefill", local)?,
+            on_failure,
+            resume,
+            marks: flag("stream_marks", marks)?,
+        })
+    }
 }
 
 /// A non-negative integer of at most `max`, or a 400 naming the field.
@@ -96,7 +184,19 @@ impl Bootstrap {
             sig: sig.cloned(),
             ts,
             trusted: false,
+            handover: Handover::default(),
         })
+    }
+
+    /// With handoff's routing fields.
+    pub fn with_handover(mut self, handover: Handover) -> Self {
+        self.handover = handover;
+        self
+    }
+
+    /// Whether any SGLang bootstrap field is present.
+    fn has_bootstrap(&self) -> bool {
+        self.host.is_some() || self.port.is_some() || self.room.is_some()
     }
 
     fn room_id(&self, role: &str, needs: &str) -> Result<RoomId, ApiError> {
@@ -223,9 +323,14 @@ impl Backend {
             Backend::Decode(d) => d.transfer_stats().await.ok(),
             Backend::Colocated(_) => None,
         };
+        let local_prefills = match self {
+            Backend::Decode(d) => d.local_prefills(),
+            _ => Default::default(),
+        };
         stats.map_or_else(TransferSnapshot::default, |s| TransferSnapshot {
             kv_bytes_sent: s.kv_bytes_sent,
             live_rooms: s.live_rooms,
+            local_prefills,
         })
     }
 
@@ -273,10 +378,49 @@ impl Backend {
     /// Check the PD fields this backend needs before any other work, so a
     /// request without them fails fast (and names them).
     pub fn check_bootstrap(&self, b: &Bootstrap) -> Result<(), ApiError> {
+        let h = &b.handover;
         match self {
-            Backend::Colocated(_) => Ok(()),
-            Backend::Prefill(_) => b.room_id("prefill", PREFILL_NEEDS).map(|_| ()),
+            Backend::Colocated(_) => {
+                if h.on_failure.is_some() {
+                    return Err(ApiError::invalid_param(
+                        "on_transfer_failure",
+                        "on_transfer_failure applies to a decode worker: this worker is colocated and receives no KV",
+                    ));
+                }
+                Ok(())
+            }
+            Backend::Prefill(_) => {
+                // `on_transfer_failure` rides to the decode worker on the
+                // same body: it is decode's to apply.
+                if h.local || !h.resume.is_empty() {
+                    let field = if h.local {
+                        "local_prefill"
+                    } else {
+                        "resume_output_ids"
+                    };
+                    return Err(ApiError::invalid_param(
+                        field,
+                        format!("{field} is for a decode worker (which prefills itself): this is a prefill worker"),
+                    ));
+                }
+                b.room_id("prefill", PREFILL_NEEDS).map(|_| ())
+            }
+            Backend::Decode(_) if h.local => {
+                if b.has_bootstrap() {
+                    return Err(ApiError::invalid_param(
+                        "local_prefill",
+                        "local_prefill means no prefill worker: send it without bootstrap_host, bootstrap_port and bootstrap_room",
+                    ));
+                }
+                Ok(())
+            }
             Backend::Decode(_) => {
+                if !h.resume.is_empty() {
+                    return Err(ApiError::invalid_param(
+                        "resume_output_ids",
+                        "resume_output_ids needs local_prefill: true (a continued stream is prefilled on its decode worker)",
+                    ));
+                }
                 if b.host.is_none() || b.port.is_none() {
                     return Err(missing("decode", DECODE_NEEDS));
                 }
@@ -287,9 +431,15 @@ impl Backend {
 
     /// Validate and submit. A PD engine that refuses the request tells its
     /// peer through the transfer protocol (seed 004).
-    pub async fn submit(&self, req: GenerateRequest, b: &Bootstrap) -> Result<Submitted, ApiError> {
+    pub async fn submit(
+        &self,
+        mut req: GenerateRequest,
+        b: &Bootstrap,
+    ) -> Result<Submitted, ApiError> {
+        req.output_so_far = b.handover.resume.clone();
         match self {
             Backend::Colocated(e) => Ok(Submitted::Stream(e.submit(req)?)),
+            Backend::Decode(d) if b.handover.local => Ok(Submitted::Stream(d.submit_local(req)?)),
             Backend::Prefill(p) => {
                 let room = b.room_id("prefill", PREFILL_NEEDS)?;
                 Ok(Submitted::Prefill(p.submit(req, room)?))
@@ -297,7 +447,12 @@ impl Backend {
             Backend::Decode(d) => {
                 let room = b.room_id("decode", DECODE_NEEDS)?;
                 let addr = b.prefill_addr().await?;
-                Ok(Submitted::Stream(d.submit(req, room, addr)?))
+                Ok(Submitted::Stream(d.submit_pd(
+                    req,
+                    room,
+                    addr,
+                    b.handover.on_failure,
+                )?))
             }
         }
     }

@@ -22,7 +22,7 @@ use crate::fields::Endpoint;
 use crate::generation::{sglang_finish_reason, Generation, Step};
 use crate::params::{RawSampling, StopInput};
 use crate::prompt;
-use crate::sse::{sse_response, Disconnected, SseSender};
+use crate::sse::{sse_response_marked, Disconnected, SseSender};
 
 const ENDPOINT: &str = "/generate";
 
@@ -160,6 +160,22 @@ pub struct GenerateBody {
     /// PD: when the router signed them (Unix seconds).
     #[serde(default)]
     pub bootstrap_ts: Option<Value>,
+    /// handoff (set by the router): output ids another decode worker already
+    /// streamed; this one continues after them.
+    #[serde(default)]
+    pub resume_output_ids: Option<Value>,
+    /// handoff (set by the router): a decode worker prefills this prompt
+    /// itself, with no prefill worker.
+    #[serde(default)]
+    pub local_prefill: Option<Value>,
+    /// handoff: what a decode worker does when the KV transfer fails
+    /// (`recompute` or `fail`).
+    #[serde(default)]
+    pub on_transfer_failure: Option<Value>,
+    /// handoff (set by the router): mark each streamed event with the ids
+    /// of its tokens.
+    #[serde(default)]
+    pub stream_marks: Option<Value>,
     /// Every other field: refused or accepted by [`crate::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
@@ -237,7 +253,13 @@ pub async fn generate(
         body.bootstrap_room.as_ref(),
         body.bootstrap_sig.as_ref(),
         body.bootstrap_ts.as_ref(),
-    )?;
+    )?
+    .with_handover(crate::backend::Handover::parse(
+        body.resume_output_ids.as_ref(),
+        body.local_prefill.as_ref(),
+        body.on_transfer_failure.as_ref(),
+        body.stream_marks.as_ref(),
+    )?);
     state.check_bootstrap(&mut pd)?;
     let (stream_it, body_wants_logprobs) = (
         body.stream.unwrap_or(false),
@@ -265,12 +287,26 @@ pub async fn generate(
             return Err(e);
         }
     };
+    let resumed = pd.handover.resume.clone();
+    if !resumed.is_empty() && (!stream_it || body_wants_logprobs) {
+        let why = if stream_it {
+            "a stream with return_logprob is not continued (its cumulative log-probabilities are not carried)"
+        } else {
+            "it continues a stream: send stream true"
+        };
+        return Err(ApiError::invalid_param(
+            "resume_output_ids",
+            format!("resume_output_ids: {why}"),
+        ));
+    }
     if stream_it {
         let req = reqs.remove(0);
         let prompt_tokens = req.prompt_ids.len();
         let prompt_ids = req.prompt_ids.clone();
+        // A continued stream's cumulative text starts with what the client has.
+        let sent = handoff_engine::streamed_text(state.engine.tokenizer(), &req.sampling, &resumed);
         let gen = Generation::submit(&state, req, ENDPOINT, &pd, &rid).await?;
-        return Ok(sse_response(move |tx| {
+        return Ok(sse_response_marked(pd.handover.marks, move |tx| {
             let scored = ScoredStream {
                 texts: texts.clone(),
                 logprobs: body_wants_logprobs,
@@ -278,7 +314,7 @@ pub async fn generate(
                 input_from,
                 prompt_ids,
             };
-            stream(gen, tx, rid, prompt_tokens, scored)
+            stream(gen, tx, rid, prompt_tokens, scored, (resumed, sent))
         }));
     }
     let prompt_ids: Vec<Vec<u32>> = reqs.iter().map(|r| r.prompt_ids.clone()).collect();
@@ -461,6 +497,7 @@ async fn stream(
     rid: String,
     prompt_tokens: usize,
     scored: ScoredStream,
+    (resumed, sent): (Vec<u32>, String),
 ) -> Result<(), Disconnected> {
     let ScoredStream {
         texts,
@@ -469,8 +506,8 @@ async fn stream(
         input_from,
         prompt_ids,
     } = scored;
-    let mut text = String::new();
-    let mut ids: Vec<u32> = Vec::new();
+    let mut text = sent;
+    let mut ids: Vec<u32> = resumed;
     let mut lps: Vec<Value> = Vec::new();
     let mut tops: Vec<Value> = Vec::new();
     // The prompt's scores, from the first token on.
@@ -478,6 +515,7 @@ async fn stream(
     while let Some(step) = tx.race(gen.next()).await? {
         match step {
             Step::Token(t) => {
+                tx.note_token(t.id);
                 text.push_str(&t.text);
                 ids.push(t.id);
                 let mut chunk = json!({
@@ -531,6 +569,7 @@ async fn stream(
                         spell_logprobs(&mut chunk, tok);
                     }
                 }
+                tx.note_end();
                 tx.json(&chunk).await?;
                 return tx.done().await;
             }

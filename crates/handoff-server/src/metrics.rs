@@ -54,10 +54,19 @@ pub struct Metrics {
     prefill_passes: Counter,
     prefill_pass_sequences: Counter,
     live_rooms: Gauge,
+    local_prefills: Family<LocalLabels, Counter>,
     stalled: Counter,
     prefill_stages: Family<StageLabels, Histogram>,
     field: FieldMetrics,
     page_size: usize,
+}
+
+/// Labels of the decode-local prefill counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LocalLabels {
+    /// `asked` (the router sent it to be prefilled here) or `recomputed`
+    /// (its KV transfer failed).
+    pub reason: &'static str,
 }
 
 /// Labels of the prefill stage histogram.
@@ -172,6 +181,12 @@ impl Metrics {
             "PD worker: rooms its transfer endpoint holds (0 once idle: anything else is a leak)",
             live_rooms.clone(),
         );
+        let local_prefills = Family::<LocalLabels, Counter>::default();
+        registry.register(
+            "local_prefills",
+            "Decode worker: requests it prefilled itself: asked (no prefill worker, a migrated stream) or recomputed (the KV transfer failed)",
+            local_prefills.clone(),
+        );
         registry.register(
             "requests_stalled",
             "Requests ended by the stall watchdog: no token for --stream-stall-timeout-secs",
@@ -193,6 +208,7 @@ impl Metrics {
             prefill_passes,
             prefill_pass_sequences,
             live_rooms,
+            local_prefills,
             stalled,
             prefill_stages,
             registry,
@@ -310,6 +326,17 @@ impl Metrics {
                 .fetch_max(total, std::sync::atomic::Ordering::Relaxed);
         }
         self.live_rooms.set(as_i64(transfer.live_rooms));
+        for (reason, total) in [
+            ("asked", transfer.local_prefills.asked),
+            ("recomputed", transfer.local_prefills.recomputed),
+        ] {
+            if total > 0 {
+                self.local_prefills
+                    .get_or_create(&LocalLabels { reason })
+                    .inner()
+                    .fetch_max(total, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
         self.running.set(as_i64(load.running));
         self.waiting.set(as_i64(load.waiting));
         self.paused.set(as_i64(load.paused));

@@ -17,7 +17,7 @@ use crate::extract::JsonBody;
 use crate::generation::{Generation, Step};
 use crate::openai_types::{ChatCompletionRequest, CompletionRequest};
 use crate::prompt;
-use crate::sse::{sse_response, SseSender};
+use crate::sse::{sse_response_marked, SseSender};
 
 const CHAT_ENDPOINT: &str = "/v1/chat/completions";
 
@@ -344,17 +344,36 @@ impl Answer {
 
     /// Stream every sequence's chunks as they come, each under its choice's
     /// index; `[DONE]` once all finished.
+    /// A continued stream (`resumed`: the output ids another decode worker
+    /// streamed; one choice) starts where that one stopped: no role or
+    /// echo again, text offsets after the tokens already sent.
     async fn stream(
         self,
         state: AppState,
         gens: Vec<Generation>,
+        resumed: Vec<u32>,
         tx: SseSender,
     ) -> Result<(), crate::sse::Disconnected> {
+        let offset = if resumed.is_empty() {
+            0
+        } else {
+            let sent: Vec<TokenOut> = resumed
+                .iter()
+                .map(|&id| TokenOut {
+                    id,
+                    logprob: 0.0,
+                    top: Vec::new(),
+                    prompt: Vec::new(),
+                    text: String::new(),
+                })
+                .collect();
+            self.logprobs_of(&state, &sent, 0, 0).1
+        };
         let mut choices: Vec<ChoiceStream> = (0..gens.len())
             .map(|index| ChoiceStream {
                 index,
-                first: true,
-                offset: 0,
+                first: resumed.is_empty(),
+                offset,
                 // Chat with tools: text streams as content except what may
                 // still become a call; each call comes whole in a
                 // `tool_calls` delta.
@@ -368,6 +387,7 @@ impl Answer {
             let c = &mut choices[i];
             match step {
                 Step::Token(t) => {
+                    tx.note_token(t.id);
                     if let Some(p) = c.parser.as_mut() {
                         let pieces = p.push(&t.text);
                         let (logprobs, next) =
@@ -386,6 +406,7 @@ impl Answer {
                         let rest = p.finish();
                         self.send_pieces(&tx, rest, Value::Null, c).await?;
                     }
+                    tx.note_end();
                     tx.json(&self.final_chunk(&f, c)).await?;
                     c.finished = Some(f);
                 }
@@ -481,11 +502,33 @@ async fn run(
             return Err(e);
         }
     };
+    let resumed = pd.handover.resume.clone();
+    if !resumed.is_empty() {
+        let why = if !stream {
+            Some("it continues a stream: send stream true")
+        } else if runs > 1 || reqs.len() > 1 {
+            Some("a continued stream has one choice: n, best_of and prompt lists must be 1")
+        } else if answer.tools.is_some() {
+            Some("a stream with tools is not continued (its tool-call parser state is not carried)")
+        } else if answer.echo.is_some() {
+            Some("a stream with echo is not continued")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(ApiError::invalid_param(
+                "resume_output_ids",
+                format!("resume_output_ids: {why}"),
+            ));
+        }
+    }
     let per_prompt =
         crate::choices::submit_prompts(&state, reqs, runs, endpoint, &pd, &answer.id).await?;
     if stream {
         let gens = per_prompt.into_iter().flatten().collect();
-        return Ok(sse_response(move |tx| answer.stream(state, gens, tx)));
+        return Ok(sse_response_marked(pd.handover.marks, move |tx| {
+            answer.stream(state, gens, resumed, tx)
+        }));
     }
     let mut all = Vec::new();
     for gens in per_prompt {

@@ -173,6 +173,22 @@ pub struct ChatCompletionRequest {
     /// PD: when the router signed them (Unix seconds).
     #[serde(default)]
     pub bootstrap_ts: Option<serde_json::Value>,
+    /// handoff (set by the router): output ids another decode worker already
+    /// streamed; this one continues after them.
+    #[serde(default)]
+    pub resume_output_ids: Option<serde_json::Value>,
+    /// handoff (set by the router): a decode worker prefills this prompt
+    /// itself, with no prefill worker.
+    #[serde(default)]
+    pub local_prefill: Option<serde_json::Value>,
+    /// handoff: what a decode worker does when the KV transfer fails
+    /// (`recompute` or `fail`).
+    #[serde(default)]
+    pub on_transfer_failure: Option<serde_json::Value>,
+    /// handoff (set by the router): mark each streamed event with the ids
+    /// of its tokens.
+    #[serde(default)]
+    pub stream_marks: Option<serde_json::Value>,
 }
 
 impl ChatCompletionRequest {
@@ -185,6 +201,14 @@ impl ChatCompletionRequest {
             self.bootstrap_sig.as_ref(),
             self.bootstrap_ts.as_ref(),
         )
+        .and_then(|b| {
+            Ok(b.with_handover(crate::backend::Handover::parse(
+                self.resume_output_ids.as_ref(),
+                self.local_prefill.as_ref(),
+                self.on_transfer_failure.as_ref(),
+                self.stream_marks.as_ref(),
+            )?))
+        })
     }
 
     /// The sampling fields.
@@ -333,6 +357,22 @@ pub struct CompletionRequest {
     /// PD: when the router signed them (Unix seconds).
     #[serde(default)]
     pub bootstrap_ts: Option<serde_json::Value>,
+    /// handoff (set by the router): output ids another decode worker already
+    /// streamed; this one continues after them.
+    #[serde(default)]
+    pub resume_output_ids: Option<serde_json::Value>,
+    /// handoff (set by the router): a decode worker prefills this prompt
+    /// itself, with no prefill worker.
+    #[serde(default)]
+    pub local_prefill: Option<serde_json::Value>,
+    /// handoff: what a decode worker does when the KV transfer fails
+    /// (`recompute` or `fail`).
+    #[serde(default)]
+    pub on_transfer_failure: Option<serde_json::Value>,
+    /// handoff (set by the router): mark each streamed event with the ids
+    /// of its tokens.
+    #[serde(default)]
+    pub stream_marks: Option<serde_json::Value>,
 }
 
 impl CompletionRequest {
@@ -345,6 +385,14 @@ impl CompletionRequest {
             self.bootstrap_sig.as_ref(),
             self.bootstrap_ts.as_ref(),
         )
+        .and_then(|b| {
+            Ok(b.with_handover(crate::backend::Handover::parse(
+                self.resume_output_ids.as_ref(),
+                self.local_prefill.as_ref(),
+                self.on_transfer_failure.as_ref(),
+                self.stream_marks.as_ref(),
+            )?))
+        })
     }
 
     /// The sampling fields.

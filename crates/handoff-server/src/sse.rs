@@ -5,9 +5,17 @@
 //! body reads. When the client goes away the body (and the channel's receiver)
 //! is dropped; the producer sees it at once through [`SseSender::closed`] and
 //! returns, dropping the engine stream, which cancels the request.
+//!
+//! Marks (`stream_marks`, asked by the router): each data event also carries
+//! an SSE comment line `:handoff ids=3,17` naming the tokens whose text it
+//! brings (tokens that brought no event ride on the next one), and
+//! `:handoff ids=... end` on the event that ends the generation. SSE clients
+//! ignore comments; the router strips them, and if the decode worker dies
+//! mid-stream it continues the generation elsewhere from exactly those ids.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -24,6 +32,25 @@ const CHANNEL_CAPACITY: usize = 64;
 #[derive(Debug, Clone)]
 pub struct SseSender {
     tx: mpsc::Sender<Event>,
+    /// With `stream_marks`: what the next data event covers.
+    marks: Option<Arc<Mutex<Marks>>>,
+}
+
+/// Tokens (and the end) not yet named in a mark.
+#[derive(Debug, Default)]
+struct Marks {
+    ids: Vec<u32>,
+    end: bool,
+}
+
+/// The comment that names `ids` (and the end).
+pub fn mark_comment(ids: &[u32], end: bool) -> String {
+    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let mut c = format!("handoff ids={}", list.join(","));
+    if end {
+        c.push_str(" end");
+    }
+    c
 }
 
 /// The client went away; stop producing.
@@ -34,7 +61,28 @@ impl SseSender {
     /// Send one `data: {json}` event.
     pub async fn json<T: Serialize>(&self, value: &T) -> Result<(), Disconnected> {
         let data = serde_json::to_string(value).map_err(|_| Disconnected)?;
-        self.send(Event::default().data(data)).await
+        let mut ev = Event::default();
+        if let Some(m) = &self.marks {
+            let mut m = m.lock().unwrap_or_else(|e| e.into_inner());
+            ev = ev.comment(mark_comment(&m.ids, m.end));
+            m.ids.clear();
+        }
+        self.send(ev.data(data)).await
+    }
+
+    /// A token was generated: the next data event covers it.
+    pub fn note_token(&self, id: u32) {
+        if let Some(m) = &self.marks {
+            m.lock().unwrap_or_else(|e| e.into_inner()).ids.push(id);
+        }
+    }
+
+    /// The generation ended: the next data event (the last one with a
+    /// finish reason) says so.
+    pub fn note_end(&self) {
+        if let Some(m) = &self.marks {
+            m.lock().unwrap_or_else(|e| e.into_inner()).end = true;
+        }
     }
 
     /// Send the error as `data: {"error":{...}}`.
@@ -72,8 +120,18 @@ where
     F: FnOnce(SseSender) -> Fut,
     Fut: Future<Output = Result<(), Disconnected>> + Send + 'static,
 {
+    sse_response_marked(false, produce)
+}
+
+/// [`sse_response`], with marks on each data event when `marks`.
+pub fn sse_response_marked<F, Fut>(marks: bool, produce: F) -> Response
+where
+    F: FnOnce(SseSender) -> Fut,
+    Fut: Future<Output = Result<(), Disconnected>> + Send + 'static,
+{
     let (tx, rx) = mpsc::channel(CHANNEL_CAPACITY);
-    let fut = produce(SseSender { tx });
+    let marks = marks.then(|| Arc::new(Mutex::new(Marks::default())));
+    let fut = produce(SseSender { tx, marks });
     tokio::spawn(async move {
         if fut.await.is_err() {
             tracing::debug!("SSE client disconnected; request cancelled");

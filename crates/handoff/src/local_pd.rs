@@ -27,6 +27,8 @@ pub struct Replicas {
     pub decode: usize,
     /// The router's queue timeout.
     pub queue_timeout: Duration,
+    /// Continuations of one stream on another decode worker.
+    pub migration_limit: u32,
 }
 
 /// Run router + prefill + decode until SIGTERM / ctrl-c.
@@ -135,6 +137,8 @@ pub fn run(
             transfer.clone(),
             "--transfer-tcp-streams".into(),
             pd.transfer_tcp_streams.to_string(),
+            "--on-transfer-failure".into(),
+            pd.on_transfer_failure.name().into(),
         ],
         common.clone(),
     ]
@@ -173,6 +177,7 @@ pub fn run(
         config.decode_policy = policy(decodes.len());
         config.health_interval = Duration::from_secs(1);
         config.queue_timeout = replicas.queue_timeout;
+        config.migration_limit = replicas.migration_limit;
         config.http = http.limits.limits();
         config.allow_origins = http.limits.allow_origin.clone();
         config.stall_timeout = http.limits.stall_timeout();

@@ -73,6 +73,11 @@ pub struct RouterArgs {
     /// (connection errors, 502, 503), each with a fresh room.
     #[arg(long, default_value_t = 2)]
     max_retries: u32,
+    /// Most times a stream is continued on another decode worker when its
+    /// decode dies or stalls mid-stream (0: never; the client then gets an
+    /// error event).
+    #[arg(long, default_value_t = 2)]
+    migration_limit: u32,
     /// Accepted for SGLang's `sglang_router.launch_router` commands: this
     /// router always pairs a prefill and a decode worker per request.
     #[arg(long)]
@@ -151,6 +156,7 @@ pub fn config(
     c.request_timeout = Duration::from_secs(args.request_timeout_secs);
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;
+    c.migration_limit = args.migration_limit;
     c.queue_timeout = Duration::from_secs(args.queue_timeout_secs);
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();

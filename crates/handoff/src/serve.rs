@@ -46,6 +46,11 @@ pub struct ServeArgs {
     /// Retry-After.
     #[arg(long, default_value_t = 30)]
     queue_timeout_secs: u64,
+    /// Disaggregated serve: most times a stream is continued on another
+    /// decode worker (or its decode worker restarted) when its decode dies
+    /// or stalls mid-stream (0: never).
+    #[arg(long, default_value_t = 2)]
+    migration_limit: u32,
 }
 
 /// Run `handoff serve` until SIGTERM / ctrl-c.
@@ -59,6 +64,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             prefill: usize::from(args.prefill_replicas),
             decode: usize::from(args.decode_replicas),
             queue_timeout: std::time::Duration::from_secs(args.queue_timeout_secs),
+            migration_limit: args.migration_limit,
         };
         return crate::local_pd::run(
             &args.engine,

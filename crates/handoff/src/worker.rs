@@ -59,6 +59,13 @@ pub struct PdArgs {
     /// either side turns it off for the pair).
     #[arg(long)]
     pub disable_delta_transfer: bool,
+    /// Decode: what a request whose KV transfer fails (the prefill died,
+    /// timed out or cannot be reached) gets: `recompute` prefills its prompt
+    /// on this decode worker and carries on, so the client sees no error;
+    /// `fail` ends it with the transfer's typed error. A request's
+    /// `on_transfer_failure` field overrides it.
+    #[arg(long, default_value = "recompute", value_name = "recompute|fail")]
+    pub on_transfer_failure: handoff_engine::pd::OnTransferFailure,
     /// Threads of the worker's KV transfer runtime.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub transfer_io_threads: u16,
@@ -148,6 +155,7 @@ impl PdArgs {
         pd.tcp_streams = self.transfer_tcp_streams;
         pd.io_threads = usize::from(self.transfer_io_threads);
         pd.delta_transfer = !self.disable_delta_transfer;
+        pd.on_transfer_failure = self.on_transfer_failure;
         let ip: std::net::IpAddr = match host {
             "localhost" => [127, 0, 0, 1].into(),
             h => h.parse().with_context(|| {

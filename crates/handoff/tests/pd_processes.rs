@@ -1,10 +1,13 @@
 //! PD serving as separate processes (`handoff prefill`, `handoff decode`,
 //! `handoff serve` for the colocated baseline) on the tiny model: greedy PD
-//! output equals colocated output, and a prefill killed with SIGKILL in the
-//! middle of a long prefill reaches the decode worker's client as a typed
-//! error within the heartbeat bound — a JSON SSE error event when streaming,
-//! a 5xx JSON error otherwise — with every decode page back; the decode
-//! worker then serves the next request correctly through a new prefill.
+//! output equals colocated output. A prefill killed with SIGKILL in the
+//! middle of a long prefill costs its client nothing by default: the decode
+//! worker prefills the prompt itself and answers the colocated output
+//! (`--on-transfer-failure recompute`). With `--on-transfer-failure fail` it
+//! reaches the client as a typed error within the heartbeat bound — a JSON
+//! SSE error event when streaming, a 5xx JSON error otherwise — with every
+//! decode page back; the decode worker then serves the next request
+//! correctly through a new prefill.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -208,8 +211,10 @@ async fn prefill_killed_mid_transfer_is_a_typed_error_and_decode_recovers(transp
             "2",
             "--transfer-io-threads",
             "2",
+            "--on-transfer-failure",
+            "fail",
         ],
-        _ => &["--transfer", transport],
+        _ => &["--transfer", transport, "--on-transfer-failure", "fail"],
     };
     let decode = start("decode", &model, decode_flags);
     let boot = ["--disaggregation-bootstrap-port", "0"];
@@ -291,4 +296,65 @@ async fn prefill_killed_mid_transfer_is_a_typed_error_and_decode_recovers(transp
     let got: Value = serde_json::from_str(&got).expect("JSON");
     assert_eq!(got["output_ids"], want["output_ids"]);
     assert_eq!(got["text"], want["text"]);
+}
+
+/// The last `data:` event of an SSE body, as JSON.
+fn last_event(text: &str) -> Value {
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .collect();
+    serde_json::from_str(data.last().expect("an event"))
+        .unwrap_or_else(|e| panic!("the last event is not JSON ({e}): {text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_killed_mid_transfer_costs_no_request_by_default() {
+    let dir = std::env::temp_dir().join(format!("handoff-pd-recompute-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let model = model(&dir);
+    let colocated = start("serve", &model, &["--colocated"]);
+    let decode = start("decode", &model, &["--transfer", "shm"]);
+    let boot = ["--disaggregation-bootstrap-port", "0"];
+    for (i, stream) in [(0u64, true), (1, false)] {
+        let (cs, want) = post(&colocated.http, &long_prompt(false)).await;
+        assert_eq!(cs, 200, "{want}");
+        let want: Value = serde_json::from_str(&want).expect("JSON");
+        let mut prefill = start("prefill", &model, &boot);
+        let body = paired(&long_prompt(stream), &prefill, 81 + i);
+        let p = tokio::spawn({
+            let (base, body) = (prefill.http.clone(), body.clone());
+            async move { post(&base, &body).await }
+        });
+        let d = tokio::spawn({
+            let (base, body) = (decode.http.clone(), body.clone());
+            async move { post(&base, &body).await }
+        });
+        kill_mid_prefill(&mut prefill, &decode.http).await;
+        let (status, text) = d.await.expect("decode request");
+        let _ = p.await;
+        assert_eq!(status, 200, "{text}");
+        let got = if stream {
+            last_event(&text)
+        } else {
+            serde_json::from_str(&text).expect("JSON")
+        };
+        assert!(got.get("error").is_none(), "stream {stream}: {text}");
+        assert_eq!(got["output_ids"], want["output_ids"], "stream {stream}");
+        assert_eq!(got["text"], want["text"], "stream {stream}");
+    }
+    // Counted, and every page back.
+    let m = reqwest::get(format!("{}/metrics", decode.http))
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        m.contains("handoff_local_prefills_total{reason=\"recomputed\"} 2"),
+        "{m}"
+    );
+    let d = decode_pages_back(&decode.http).await;
+    assert_eq!(d["num_tokens"], 0, "decode pages leaked: {d}");
 }

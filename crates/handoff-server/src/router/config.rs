@@ -49,6 +49,11 @@ pub struct RouterConfig {
     /// Retries of a request that failed before any byte reached the client
     /// (connection errors, 502, 503 only; default 2).
     pub max_retries: u32,
+    /// Most times one stream is continued on another decode worker after
+    /// its decode died or stalled mid-stream (0: never; the client then gets
+    /// an error event). Each continuation prefills the prompt and the output
+    /// so far on the new decode worker and streams on from there.
+    pub migration_limit: u32,
     /// Connection hygiene on the router's own port.
     pub http: crate::listen::HttpLimits,
     /// Origins whose web pages may call the router (CORS); none by default.
@@ -93,6 +98,7 @@ impl RouterConfig {
             health_timeout: Duration::from_secs(2),
             unhealthy_after: 2,
             max_retries: 2,
+            migration_limit: 2,
             http: crate::listen::HttpLimits::default(),
             allow_origins: Vec::new(),
             stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),

@@ -16,7 +16,8 @@ use serde_json::{json, Map, Value};
 use crate::errors::ApiError;
 use crate::router::prefix_index::prompt_blocks;
 use crate::router::relay::{
-    self, relay_headers, AttemptGuards, AttemptSpec, Failure, Pair, RelayBody, RelayLimits,
+    self, relay_headers, AttemptGuards, AttemptSpec, Failure, Migration, Pair, RelayBody,
+    RelayLimits,
 };
 use crate::router::timeline::Timeline;
 use crate::router::workers::Worker;
@@ -92,6 +93,12 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     tl.set_stream(stream);
+    // A stream the router can continue elsewhere if its decode dies: each
+    // event then names the tokens it carries (`stream_marks`).
+    let migratable = stream && state.config.migration_limit > 0 && migratable(route, &body);
+    if migratable {
+        body.insert("stream_marks".into(), json!(true));
+    }
     let timeout = state.config.request_timeout;
     let deadline = arrived + timeout;
     let mut failed: Vec<Arc<Worker>> = Vec::new();
@@ -123,28 +130,23 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         }
         let guards = AttemptGuards {
             room: state.rooms.allocate(),
-            prefill: pair.prefill.start_request(),
+            prefill: pair.prefill.as_ref().map(Worker::start_request),
             decode: pair.decode.start_request(),
         };
         let room = guards.room.id();
-        body.insert("bootstrap_host".into(), json!(pair.prefill.host));
-        body.insert("bootstrap_port".into(), json!(pair.prefill.bootstrap_port));
-        body.insert("bootstrap_room".into(), json!(room.get()));
-        if let Some(secret) = &state.config.transfer_secret {
-            // Vouch for the prefill endpoint (DESIGN.md §3 step 1).
-            let ts = crate::app::unix_now();
-            let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
-                room: room.get(),
-                host: &pair.prefill.host,
-                port: pair.prefill.bootstrap_port,
-                ts,
-            };
-            let sig = handoff_proto::bootstrap_auth::sign(secret.as_bytes(), &claim);
-            body.insert("bootstrap_ts".into(), json!(ts));
-            body.insert("bootstrap_sig".into(), json!(sig));
-        } else {
-            body.remove("bootstrap_ts");
-            body.remove("bootstrap_sig");
+        match &pair.prefill {
+            Some(prefill) => {
+                body.remove("local_prefill");
+                body.insert("bootstrap_host".into(), json!(prefill.host));
+                body.insert("bootstrap_port".into(), json!(prefill.bootstrap_port));
+                body.insert("bootstrap_room".into(), json!(room.get()));
+                sign_bootstrap(&state, &mut body, room.get(), prefill);
+            }
+            None => {
+                // No prefill is healthy: the decode worker prefills itself.
+                state.metrics.count_local_prefill(route, "no_prefill");
+                local_body(&mut body);
+            }
         }
         let payload = match serde_json::to_vec(&body) {
             Ok(p) => Bytes::from(p),
@@ -154,7 +156,8 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 return refuse(&mut tl, err, "internal_error");
             }
         };
-        tl.dispatched(room, &pair.prefill.url, &pair.decode.url);
+        let prefill_url = pair.prefill.as_ref().map_or("(decode)", |p| p.url.as_str());
+        tl.dispatched(room, prefill_url, &pair.decode.url);
         let spec = AttemptSpec {
             client: &state.client,
             route,
@@ -164,9 +167,11 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             deadline,
             timeout_secs: timeout.as_secs_f64(),
             stall: state.config.stall_timeout,
+            metrics: &state.metrics,
         };
         match relay::start(spec, &mut tl).await {
             Ok((status, content_type, opened)) => {
+                let migration = migratable.then(|| Migration::new(state.clone(), route, &body));
                 let mut relay = RelayBody::new(
                     opened,
                     pair,
@@ -178,6 +183,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                         timeout_secs: timeout.as_secs_f64(),
                         stall: state.config.stall_timeout,
                     },
+                    migration,
                 );
                 relay.timeline().set_status(status);
                 let code = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
@@ -193,13 +199,27 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 return resp;
             }
             Err(f) => {
-                let worker = Arc::clone(pair.side(f.side()));
+                let Some(worker) = pair.side(f.side()).cloned() else {
+                    return fail(&mut tl, f);
+                };
                 state.metrics.count_failure(f.side().name(), &f.kind());
-                if matches!(f, Failure::Unreachable { .. }) || f.is_draining() {
+                // A decode that broke off (or stalled) before anything
+                // reached the client took its generation down with it (or
+                // has it cancelled now): sending the request again costs the
+                // client nothing but time.
+                let decode_lost = f.side() == Role::Decode
+                    && matches!(f, Failure::BrokeOff { .. } | Failure::Stalled { .. })
+                    && state.config.migration_limit > 0;
+                if matches!(f, Failure::Unreachable { .. } | Failure::BrokeOff { .. })
+                    || f.is_draining()
+                {
                     worker.mark_unreachable();
                 }
-                if !f.retryable() {
+                if !f.retryable() && !decode_lost {
                     return fail(&mut tl, f);
+                }
+                if decode_lost {
+                    state.metrics.count_migration(route, "restarted");
                 }
                 tracing::warn!(
                     room = room.get(),
@@ -244,14 +264,104 @@ fn fail(tl: &mut Timeline, f: Failure) -> Response {
     resp
 }
 
+/// Sign the bootstrap fields for the decode worker when the router holds
+/// the transfer secret (DESIGN.md §3 step 1); drop any a client sent
+/// otherwise.
+fn sign_bootstrap(state: &RouterState, body: &mut Map<String, Value>, room: u64, prefill: &Worker) {
+    if let Some(secret) = &state.config.transfer_secret {
+        let ts = crate::app::unix_now();
+        let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
+            room,
+            host: &prefill.host,
+            port: prefill.bootstrap_port,
+            ts,
+        };
+        let sig = handoff_proto::bootstrap_auth::sign(secret.as_bytes(), &claim);
+        body.insert("bootstrap_ts".into(), json!(ts));
+        body.insert("bootstrap_sig".into(), json!(sig));
+    } else {
+        body.remove("bootstrap_ts");
+        body.remove("bootstrap_sig");
+    }
+}
+
+/// `body` for a decode worker prefilling itself: no bootstrap fields.
+pub(crate) fn local_body(body: &mut Map<String, Value>) {
+    for k in [
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_ts",
+        "bootstrap_sig",
+    ] {
+        body.remove(k);
+    }
+    body.insert("local_prefill".into(), json!(true));
+}
+
+/// Whether a stream of `route` with `body` can be continued on another
+/// decode worker from the tokens already streamed: one choice, and nothing
+/// whose state is not carried by the token ids (a tool-call parser, an
+/// echoed prompt, `/generate`'s cumulative log-probabilities).
+fn migratable(route: &str, body: &Map<String, Value>) -> bool {
+    let one = |k: &str| body.get(k).is_none_or(|v| v.is_null() || v.as_u64() == Some(1));
+    let off = |k: &str| body.get(k).is_none_or(|v| v.is_null() || v == &json!(false));
+    match route {
+        "/generate" => {
+            let sp = body.get("sampling_params");
+            let n_one = sp.and_then(|p| p.get("n")).is_none_or(|v| v.is_null() || v.as_u64() == Some(1));
+            n_one
+                && off("return_logprob")
+                && !body.get("text").is_some_and(Value::is_array)
+                && !body
+                    .get("input_ids")
+                    .and_then(Value::as_array)
+                    .is_some_and(|a| a.first().is_some_and(Value::is_array))
+        }
+        "/v1/completions" => {
+            one("n")
+                && one("best_of")
+                && off("echo")
+                && !body
+                    .get("prompt")
+                    .and_then(Value::as_array)
+                    .is_some_and(|a| a.first().is_some_and(|p| p.is_string() || p.is_array()))
+        }
+        _ => one("n") && body.get("tools").is_none_or(Value::is_null),
+    }
+}
+
 impl RouterState {
     /// A prefill and a decode worker by the policies, avoiding `failed`
     /// where another dispatchable worker exists; `Err(role)` when a role has
     /// no dispatchable worker.
     pub(crate) fn pick_pair(&self, failed: &[Arc<Worker>], blocks: &[u64]) -> Result<Pair, Role> {
-        let prefill = self.pick(Role::Prefill, failed, blocks)?;
         let decode = self.pick(Role::Decode, failed, blocks)?;
+        // With no prefill to take it, the decode worker prefills itself.
+        let prefill = self.pick(Role::Prefill, failed, blocks).ok();
         Ok(Pair { prefill, decode })
+    }
+
+    /// A decode worker other than those in `failed` where one is
+    /// dispatchable (else any dispatchable one: a single decode worker
+    /// restarted), waiting for one up to `wait` and no later than
+    /// `deadline`.
+    pub(crate) async fn wait_for_decode(
+        &self,
+        failed: &[Arc<Worker>],
+        wait: std::time::Duration,
+        deadline: Instant,
+    ) -> Option<Arc<Worker>> {
+        let until = deadline.min(Instant::now() + wait);
+        loop {
+            if let Ok(w) = self.pick(Role::Decode, failed, &[]) {
+                return Some(w);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
     }
 
     /// [`Self::pick_pair`], waiting (when a role has no dispatchable worker)

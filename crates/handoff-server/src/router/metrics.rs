@@ -30,6 +30,26 @@ pub struct RetryLabels {
     pub route: String,
 }
 
+/// Labels of the migration counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MigrationLabels {
+    /// Route path.
+    pub route: String,
+    /// `ok` (the stream went on on another decode worker), or why not:
+    /// `no_decode`, `refused`, `unreachable`, `limit`.
+    pub outcome: String,
+}
+
+/// Labels of the local-prefill counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LocalLabels {
+    /// Route path.
+    pub route: String,
+    /// Why the decode worker prefilled itself: `no_prefill` (none
+    /// healthy), `migrated` (a continued stream).
+    pub reason: String,
+}
+
 /// Labels of the failure counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailureLabels {
@@ -66,6 +86,8 @@ pub struct RouterMetrics {
     requests: Family<RouteLabels, Counter>,
     failures: Family<FailureLabels, Counter>,
     retries: Family<RetryLabels, Counter>,
+    migrations: Family<MigrationLabels, Counter>,
+    local_prefills: Family<LocalLabels, Counter>,
     in_flight: Family<WorkerLabels, Gauge>,
     healthy: Family<WorkerLabels, Gauge>,
     stages: Family<StageLabels, Histogram, fn() -> Histogram>,
@@ -89,6 +111,8 @@ impl RouterMetrics {
         let requests = Family::<RouteLabels, Counter>::default();
         let failures = Family::<FailureLabels, Counter>::default();
         let retries = Family::<RetryLabels, Counter>::default();
+        let migrations = Family::<MigrationLabels, Counter>::default();
+        let local_prefills = Family::<LocalLabels, Counter>::default();
         let in_flight = Family::<WorkerLabels, Gauge>::default();
         let healthy = Family::<WorkerLabels, Gauge>::default();
         let stages = Family::<StageLabels, Histogram, fn() -> Histogram>::new_with_constructor(
@@ -111,6 +135,16 @@ impl RouterMetrics {
             "retries",
             "Requests sent again (fresh room) after a retryable failure, by route",
             retries.clone(),
+        );
+        registry.register(
+            "migrations",
+            "Streams whose decode worker died or stalled mid-stream, continued on another (outcome ok) or not (why), by route",
+            migrations.clone(),
+        );
+        registry.register(
+            "local_prefills",
+            "Requests sent to a decode worker to prefill itself, by route and reason",
+            local_prefills.clone(),
         );
         registry.register(
             "worker_in_flight",
@@ -152,6 +186,8 @@ impl RouterMetrics {
             requests,
             failures,
             retries,
+            migrations,
+            local_prefills,
             in_flight,
             healthy,
             stages,
@@ -177,6 +213,26 @@ impl RouterMetrics {
             .get_or_create(&FailureLabels {
                 side: side.to_string(),
                 kind: kind.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count one mid-stream migration attempt on `route` and its outcome.
+    pub fn count_migration(&self, route: &str, outcome: &str) {
+        self.migrations
+            .get_or_create(&MigrationLabels {
+                route: route.to_string(),
+                outcome: outcome.to_string(),
+            })
+            .inc();
+    }
+
+    /// Count one request sent to a decode worker to prefill itself.
+    pub fn count_local_prefill(&self, route: &str, reason: &str) {
+        self.local_prefills
+            .get_or_create(&LocalLabels {
+                route: route.to_string(),
+                reason: reason.to_string(),
             })
             .inc();
     }

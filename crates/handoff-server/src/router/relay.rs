@@ -31,18 +31,19 @@ type ByteStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
 /// The workers of one attempt.
 #[derive(Debug, Clone)]
 pub struct Pair {
-    /// The prefill worker.
-    pub prefill: Arc<Worker>,
+    /// The prefill worker; `None` when the decode worker prefills the
+    /// prompt itself (`local_prefill`: no prefill is healthy).
+    pub prefill: Option<Arc<Worker>>,
     /// The decode worker.
     pub decode: Arc<Worker>,
 }
 
 impl Pair {
     /// The worker of one side.
-    pub fn side(&self, role: Role) -> &Arc<Worker> {
+    pub fn side(&self, role: Role) -> Option<&Arc<Worker>> {
         match role {
-            Role::Prefill => &self.prefill,
-            Role::Decode => &self.decode,
+            Role::Prefill => self.prefill.as_ref(),
+            Role::Decode => Some(&self.decode),
         }
     }
 }
@@ -52,8 +53,8 @@ impl Pair {
 pub struct AttemptGuards {
     /// The room, freed on drop.
     pub room: RoomGuard,
-    /// Counts the request on the prefill worker.
-    pub prefill: InFlightGuard,
+    /// Counts the request on the prefill worker (none without one).
+    pub prefill: Option<InFlightGuard>,
     /// Counts the request on the decode worker.
     pub decode: InFlightGuard,
 }
@@ -272,8 +273,11 @@ impl PrefillLeg {
     }
 
     /// Advance the prefill answer by one step. Cancel-safe: every pending
-    /// future lives in `self`.
-    async fn step(&mut self, worker: &Worker) -> PrefillEvent {
+    /// future lives in `self`. Without a prefill worker the leg is `Done`.
+    async fn step(&mut self, worker: Option<&Arc<Worker>>) -> PrefillEvent {
+        let Some(worker) = worker else {
+            return std::future::pending().await;
+        };
         match self {
             PrefillLeg::Sending(fut) => {
                 let r = fut.as_mut().await;
@@ -353,6 +357,8 @@ pub struct AttemptSpec<'a> {
     /// The stall watchdog: longest wait for a stream's first bytes once
     /// decode answered its status.
     pub stall: Option<std::time::Duration>,
+    /// Counts a prefill that fails beside a decode that carries on.
+    pub metrics: &'a RouterMetrics,
 }
 
 /// Send the attempt to both workers at once and wait until decode's first
@@ -370,6 +376,7 @@ pub async fn start(
         deadline,
         timeout_secs,
         stall,
+        metrics,
     } = spec;
     let send = |w: &Worker| -> RespFut {
         Box::pin(
@@ -381,7 +388,10 @@ pub async fn start(
         )
     };
     let mut decode_fut = send(&pair.decode);
-    let mut prefill = PrefillLeg::Sending(send(&pair.prefill));
+    let mut prefill = match &pair.prefill {
+        Some(p) => PrefillLeg::Sending(send(p)),
+        None => PrefillLeg::Done,
+    };
     let timeout = |w: &Worker| Failure::Timeout {
         side: w.role,
         url: w.url.clone(),
@@ -397,7 +407,7 @@ pub async fn start(
                 Ok(r) => break r,
                 Err(e) => return Err(send_failed(&pair.decode, &e)),
             },
-            ev = prefill.step(&pair.prefill), if prefill.active() => on_prefill(ev, tl)?,
+            ev = prefill.step(pair.prefill.as_ref()), if prefill.active() => on_prefill(ev, tl, metrics, pair.prefill.as_ref())?,
             _ = &mut sleep => return Err(timeout(&pair.decode)),
         }
     };
@@ -446,7 +456,7 @@ pub async fn start(
                     }));
                 }
             },
-            ev = prefill.step(&pair.prefill), if prefill.active() => on_prefill(ev, tl)?,
+            ev = prefill.step(pair.prefill.as_ref()), if prefill.active() => on_prefill(ev, tl, metrics, pair.prefill.as_ref())?,
             _ = &mut stalled, if stall.is_some() => return Err(Failure::Stalled {
                 url: pair.decode.url.clone(),
                 secs: stall.unwrap_or_default().as_secs_f64(),
@@ -464,11 +474,29 @@ pub struct Opened {
     prefill: PrefillLeg,
 }
 
-fn on_prefill(ev: PrefillEvent, tl: &mut Timeline) -> Result<(), Failure> {
+/// A prefill that could not be reached or broke off its answer fails the
+/// attempt no more: its decode learns it through the transfer protocol and
+/// (by default) prefills the prompt itself. A prefill's HTTP refusal (a
+/// 400, a 503 while draining) still ends the attempt: decode is refused the
+/// same way, or the attempt is sent again.
+fn on_prefill(
+    ev: PrefillEvent,
+    tl: &mut Timeline,
+    metrics: &RouterMetrics,
+    worker: Option<&Arc<Worker>>,
+) -> Result<(), Failure> {
     match ev {
         PrefillEvent::Progress => Ok(()),
         PrefillEvent::Done => {
             tl.prefill_done();
+            Ok(())
+        }
+        PrefillEvent::Failed(f @ (Failure::Unreachable { .. } | Failure::BrokeOff { .. })) => {
+            metrics.count_failure("prefill", &f.kind());
+            tracing::warn!("prefill failed; its decode worker carries the request: {f:?}");
+            if let Some(w) = worker {
+                w.mark_unreachable();
+            }
             Ok(())
         }
         PrefillEvent::Failed(f) => Err(f),
@@ -477,7 +505,8 @@ fn on_prefill(ev: PrefillEvent, tl: &mut Timeline) -> Result<(), Failure> {
 
 /// The streaming response body: decode's chunks as they arrive, the prefill
 /// answer drained beside them, a JSON SSE error event if decode breaks off or
-/// the request times out.
+/// the request times out — unless the stream can be continued on another
+/// decode worker ([`Migration`]).
 pub struct RelayBody {
     pending: Option<Bytes>,
     rest: ByteStream,
@@ -485,8 +514,9 @@ pub struct RelayBody {
     pair: Pair,
     timeline: Timeline,
     metrics: Arc<RouterMetrics>,
-    _guards: AttemptGuards,
+    guards: AttemptGuards,
     limits: RelayLimits,
+    migration: Option<Migration>,
     ends_clean: bool,
     finished: bool,
 }
@@ -502,6 +532,126 @@ pub struct RelayLimits {
     pub stall: Option<std::time::Duration>,
 }
 
+/// Longest a migrating stream waits for a decode worker to take it over
+/// (one restarting, say) when the router's queue timeout is shorter.
+pub const MIGRATION_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Mid-stream migration: what continuing a stream on another decode worker
+/// needs. The decode worker marks each event with the ids of the tokens it
+/// carries (`stream_marks`); the router takes the marks out and keeps the
+/// ids. When the decode dies or stalls, another decode worker (or the same
+/// one restarted) is sent the request with `resume_output_ids` and
+/// `local_prefill`: it prefills the prompt and those tokens, replays the
+/// sampler, grammar and stop strings over them, and streams what follows,
+/// so the client's stream goes on where it stopped.
+pub struct Migration {
+    state: crate::router::RouterState,
+    route: &'static str,
+    body: serde_json::Map<String, serde_json::Value>,
+    /// Output ids whose events went to the client.
+    ids: Vec<u32>,
+    /// The event that ends the generation went to the client.
+    ended: bool,
+    /// `data: [DONE]` went to the client.
+    done_sent: bool,
+    /// Continuations so far.
+    count: u32,
+    /// Decode workers that failed this stream.
+    failed: Vec<Arc<Worker>>,
+    /// Bytes of an event not yet complete.
+    partial: Vec<u8>,
+}
+
+impl std::fmt::Debug for Migration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Migration")
+            .field("route", &self.route)
+            .field("ids", &self.ids.len())
+            .field("ended", &self.ended)
+            .field("count", &self.count)
+            .finish()
+    }
+}
+
+/// The comment line that marks an event (`sse::mark_comment`, as axum
+/// writes a comment).
+const MARK_PREFIX: &[u8] = b": handoff ";
+
+impl Migration {
+    /// For a stream of `route` whose body (with `stream_marks`) is `body`.
+    pub fn new(
+        state: crate::router::RouterState,
+        route: &'static str,
+        body: &serde_json::Map<String, serde_json::Value>,
+    ) -> Self {
+        Migration {
+            state,
+            route,
+            body: body.clone(),
+            ids: Vec::new(),
+            ended: false,
+            done_sent: false,
+            count: 0,
+            failed: Vec::new(),
+            partial: Vec::new(),
+        }
+    }
+
+    /// The whole events in what arrived so far, their marks read and taken
+    /// out; an incomplete event waits for its end.
+    fn strip(&mut self, chunk: &[u8]) -> Bytes {
+        self.partial.extend_from_slice(chunk);
+        let Some(cut) = self.partial.windows(2).rposition(|w| w == b"\n\n") else {
+            return Bytes::new();
+        };
+        let whole: Vec<u8> = self.partial.drain(..cut + 2).collect();
+        let mut out = Vec::with_capacity(whole.len());
+        for line in whole.split_inclusive(|&b| b == b'\n') {
+            if let Some(mark) = line.strip_prefix(MARK_PREFIX) {
+                self.read_mark(mark);
+                continue;
+            }
+            if line.starts_with(b"data: [DONE]") {
+                self.done_sent = true;
+            }
+            out.extend_from_slice(line);
+        }
+        Bytes::from(out)
+    }
+
+    /// `ids=3,17[ end]`.
+    fn read_mark(&mut self, mark: &[u8]) {
+        let text = String::from_utf8_lossy(mark);
+        for word in text.split_whitespace() {
+            if word == "end" {
+                self.ended = true;
+            } else if let Some(list) = word.strip_prefix("ids=") {
+                self.ids
+                    .extend(list.split(',').filter_map(|x| x.parse::<u32>().ok()));
+            }
+        }
+    }
+}
+
+/// How a decode stream's next step went.
+enum FromDecode {
+    /// Bytes.
+    Bytes(Bytes),
+    /// The stream ended.
+    End,
+    /// It broke off, stalled or timed out: the error event, and whether
+    /// another decode worker may continue it (not after a timeout).
+    Broken(ApiError, bool),
+}
+
+/// How a migration went.
+enum Migrated {
+    /// Another decode worker streams on.
+    Continued,
+    /// Nothing to continue: the generation had ended.
+    Ended,
+}
+
 impl RelayBody {
     /// Wrap a started stream.
     pub fn new(
@@ -511,16 +661,22 @@ impl RelayBody {
         metrics: Arc<RouterMetrics>,
         guards: AttemptGuards,
         limits: RelayLimits,
+        mut migration: Option<Migration>,
     ) -> Self {
+        let first = match &mut migration {
+            Some(m) => m.strip(&started.first),
+            None => started.first,
+        };
         RelayBody {
             limits,
-            pending: Some(started.first),
+            pending: Some(first),
             rest: started.rest,
             prefill: started.prefill,
             pair,
             timeline,
             metrics,
-            _guards: guards,
+            guards,
+            migration,
             ends_clean: true,
             finished: false,
         }
@@ -549,10 +705,6 @@ impl RelayBody {
         b
     }
 
-    fn error_event(&mut self, status: u16, code: &'static str, message: String) -> Bytes {
-        self.error_event_of(ApiError::new(status, code, message))
-    }
-
     fn error_event_of(&mut self, e: ApiError) -> Bytes {
         self.finished = true;
         self.timeline.finish(e.code);
@@ -562,13 +714,64 @@ impl RelayBody {
     }
 
     async fn next_chunk(&mut self) -> Option<Bytes> {
-        if let Some(first) = self.pending.take() {
+        if let Some(first) = self.pending.take().filter(|b| !b.is_empty()) {
             // Its arrival was recorded by `start`.
             return Some(self.relayed(first));
         }
-        if self.finished {
-            return None;
+        loop {
+            if self.finished {
+                return None;
+            }
+            let (err, continuable) = match self.next_from_decode().await {
+                FromDecode::Bytes(b) => {
+                    let b = match &mut self.migration {
+                        Some(m) => m.strip(&b),
+                        None => b,
+                    };
+                    if b.is_empty() {
+                        continue;
+                    }
+                    return Some(self.relayed(b));
+                }
+                FromDecode::End if self.migration.as_ref().is_none_or(|m| m.ended) => {
+                    self.finished = true;
+                    self.timeline.finish("ok");
+                    return None;
+                }
+                FromDecode::End => (
+                    ApiError::new(
+                        502,
+                        "decode_stream_broken",
+                        format!(
+                            "decode worker {} ended the stream before the generation ended",
+                            self.pair.decode.url
+                        ),
+                    ),
+                    true,
+                ),
+                FromDecode::Broken(e, continuable) => (e, continuable),
+            };
+            if !continuable || self.migration.is_none() {
+                return Some(self.error_event_of(err));
+            }
+            match self.migrate(&err.message).await {
+                Ok(Migrated::Continued) => {}
+                Ok(Migrated::Ended) => {
+                    // The decode died after the generation's last event:
+                    // end the stream as it would have.
+                    self.finished = true;
+                    self.timeline.finish("ok");
+                    let done_sent = self.migration.as_ref().is_some_and(|m| m.done_sent);
+                    return (!done_sent).then(|| self.relayed(Bytes::from_static(b"data: [DONE]\n\n")));
+                }
+                Err(e) => return Some(self.error_event_of(e)),
+            }
         }
+    }
+
+    /// The next bytes from decode, watching the prefill answer, the stall
+    /// watchdog and the deadline.
+    async fn next_from_decode(&mut self) -> FromDecode {
         let sleep = tokio::time::sleep_until(self.limits.deadline.into());
         tokio::pin!(sleep);
         // The stall watchdog: this long for the next byte from decode.
@@ -584,7 +787,7 @@ impl RelayBody {
                     Some(Ok(b)) if b.is_empty() => {}
                     Some(Ok(b)) => {
                         self.timeline.chunk_relayed();
-                        return Some(self.relayed(b));
+                        return FromDecode::Bytes(b);
                     }
                     Some(Err(e)) => {
                         self.metrics.count_failure("decode", "stream_broken");
@@ -594,15 +797,11 @@ impl RelayBody {
                             chain(&e)
                         );
                         tracing::warn!("{msg}");
-                        return Some(self.error_event(502, "decode_stream_broken", msg));
+                        return FromDecode::Broken(ApiError::new(502, "decode_stream_broken", msg), true);
                     }
-                    None => {
-                        self.finished = true;
-                        self.timeline.finish("ok");
-                        return None;
-                    }
+                    None => return FromDecode::End,
                 },
-                ev = self.prefill.step(&self.pair.prefill), if self.prefill.active() => match ev {
+                ev = self.prefill.step(self.pair.prefill.as_ref()), if self.prefill.active() => match ev {
                     PrefillEvent::Progress => {}
                     PrefillEvent::Done => self.timeline.prefill_done(),
                     PrefillEvent::Failed(f) => {
@@ -615,12 +814,12 @@ impl RelayBody {
                 _ = &mut stalled, if stall.is_some() => {
                     self.metrics.count_failure("decode", "stalled");
                     let msg = format!(
-                        "decode worker {} sent nothing for {:.1} s: the request was ended on both workers",
+                        "decode worker {} sent nothing for {:.1} s",
                         self.pair.decode.url,
                         stall.unwrap_or_default().as_secs_f64()
                     );
                     tracing::warn!("{msg}");
-                    return Some(self.error_event_of(ApiError::stalled(msg)));
+                    return FromDecode::Broken(ApiError::stalled(msg), true);
                 }
                 _ = &mut sleep => {
                     self.metrics.count_failure("decode", "timeout");
@@ -628,9 +827,101 @@ impl RelayBody {
                         "the request timed out after {} s while streaming from decode worker {}",
                         self.limits.timeout_secs, self.pair.decode.url
                     );
-                    return Some(self.error_event(504, "request_timeout", msg));
+                    return FromDecode::Broken(ApiError::new(504, "request_timeout", msg), false);
                 }
             }
+        }
+    }
+
+    /// Continue the stream on another decode worker (the same one once
+    /// restarted, when it is the only one), after `why` ended it here.
+    async fn migrate(&mut self, why: &str) -> Result<Migrated, ApiError> {
+        let Some(m) = self.migration.as_mut() else {
+            return Err(ApiError::new(502, "decode_stream_broken", why.to_string()));
+        };
+        if m.ended {
+            return Ok(Migrated::Ended);
+        }
+        let route = m.route;
+        let old = Arc::clone(&self.pair.decode);
+        old.mark_unreachable();
+        m.failed.push(old);
+        let cfg = &m.state.config;
+        let wait = cfg.queue_timeout.max(MIGRATION_WAIT);
+        let broken = |detail: String| ApiError::new(502, "decode_stream_broken", format!("{why}; {detail}"));
+        loop {
+            if m.count >= cfg.migration_limit {
+                m.state.metrics.count_migration(route, "limit");
+                return Err(broken(format!(
+                    "the stream was continued {} times already (--migration-limit)",
+                    m.count
+                )));
+            }
+            m.count += 1;
+            let Some(decode) = m.state.wait_for_decode(&m.failed, wait, self.limits.deadline).await else {
+                m.state.metrics.count_migration(route, "no_decode");
+                return Err(broken(format!(
+                    "no decode worker could continue it within {:.0} s",
+                    wait.as_secs_f64()
+                )));
+            };
+            let mut body = m.body.clone();
+            crate::router::dispatch::local_body(&mut body);
+            if !m.ids.is_empty() {
+                body.insert("resume_output_ids".into(), serde_json::json!(m.ids));
+            }
+            let payload = serde_json::to_vec(&body).unwrap_or_default();
+            let sent = m
+                .state
+                .client
+                .post(format!("{}{route}", decode.url))
+                .header(CONTENT_TYPE, "application/json")
+                .body(payload)
+                .send();
+            let resp = match tokio::time::timeout_at(self.limits.deadline.into(), sent).await {
+                Err(_) => {
+                    return Err(ApiError::new(
+                        504,
+                        "request_timeout",
+                        format!("{why}; the request timed out while another decode worker took it over"),
+                    ))
+                }
+                Ok(Err(e)) => {
+                    m.state.metrics.count_migration(route, "unreachable");
+                    tracing::warn!(worker = %decode.url, "migration target unreachable: {}", chain(&e));
+                    decode.mark_unreachable();
+                    m.failed.push(decode);
+                    continue;
+                }
+                Ok(Ok(r)) => r,
+            };
+            let status = resp.status().as_u16();
+            if !resp.status().is_success() {
+                let text = resp.text().await.unwrap_or_default();
+                m.state.metrics.count_migration(route, "refused");
+                if matches!(status, 502 | 503) {
+                    m.failed.push(decode);
+                    continue;
+                }
+                return Err(broken(format!(
+                    "decode worker {} refused to continue it with status {status}: {text}",
+                    decode.url
+                )));
+            }
+            m.state.metrics.count_migration(route, "ok");
+            m.state.metrics.count_local_prefill(route, "migrated");
+            tracing::warn!(
+                from = %self.pair.decode.url,
+                to = %decode.url,
+                tokens = m.ids.len(),
+                "stream continued on another decode worker: {why}"
+            );
+            self.rest = Box::pin(resp.bytes_stream());
+            self.guards.decode = decode.start_request();
+            self.pair.decode = decode;
+            self.pair.prefill = None;
+            self.prefill = PrefillLeg::Done;
+            return Ok(Migrated::Continued);
         }
     }
 }
