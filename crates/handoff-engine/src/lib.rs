@@ -23,5 +23,5 @@ pub use config::EngineConfig;
 pub use engine::Engine;
 pub use error::EngineError;
 pub use handle::{EngineHandle, LoadSnapshot, ModelInfo, RequestStream};
-pub use stop::streamed_text;
 pub use request::{FinishReason, Finished, GenerateRequest, SamplingParams, StreamEvent, TokenOut};
+pub use stop::streamed_text;

@@ -189,7 +189,10 @@ impl Active {
                     return Err((a.tx, refuse(format!("does not fit the grammar: {}", e.0))));
                 }
                 if g.finished() {
-                    return Err((a.tx, refuse("completes the grammar: nothing is left to generate".into())));
+                    return Err((
+                        a.tx,
+                        refuse("completes the grammar: nothing is left to generate".into()),
+                    ));
                 }
             }
             let may_end = a.generated() >= a.sampling.min_new_tokens;

@@ -21,8 +21,8 @@ use std::time::Instant;
 use handoff_engine::pd::{DecodeEngine, DecodeHandle, OnTransferFailure, PdConfig};
 use handoff_engine::request::Penalties;
 use handoff_engine::{
-    Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest,
-    RequestStream, SamplingParams, StreamEvent,
+    Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestStream,
+    SamplingParams, StreamEvent,
 };
 use handoff_proto::RoomId;
 use handoff_transfer::TransportKind;
@@ -147,7 +147,10 @@ fn check_tail(name: &str, cut: usize, whole: &Out, rest: &Out, prefix_text: &str
         whole.text,
         "{name}: text after {cut}"
     );
-    assert_eq!(rest.reason, whole.reason, "{name}: finish reason after {cut}");
+    assert_eq!(
+        rest.reason, whole.reason,
+        "{name}: finish reason after {cut}"
+    );
     assert_eq!(
         (rest.prompt_tokens, rest.completion_tokens),
         (whole.prompt_tokens, whole.completion_tokens),
@@ -191,7 +194,12 @@ fn continuing_a_generation_gives_the_rest_of_the_uninterrupted_one() {
             let had = text_after(&colocated, &r, cut);
             let rest = drain(colocated.submit(continued(&r, &whole.ids[..cut])).unwrap()).unwrap();
             check_tail(name, cut, &whole, &rest, &had);
-            let rest = drain(decode.submit_local(continued(&r, &whole.ids[..cut])).unwrap()).unwrap();
+            let rest = drain(
+                decode
+                    .submit_local(continued(&r, &whole.ids[..cut]))
+                    .unwrap(),
+            )
+            .unwrap();
             check_tail(&format!("{name} (decode)"), cut, &whole, &rest, &had);
         }
     }
@@ -213,8 +221,9 @@ fn a_continuation_that_would_have_ended_is_refused_by_name() {
     r.output_so_far = vec![eos];
     let e = drain(colocated.submit(r.clone()).unwrap()).unwrap_err();
     assert!(
-        e.to_string()
-            .contains(&format!("resume_output_ids[0] (token {eos}) ends the generation")),
+        e.to_string().contains(&format!(
+            "resume_output_ids[0] (token {eos}) ends the generation"
+        )),
         "{e}"
     );
     r.output_so_far = vec![100; 8];
@@ -227,8 +236,7 @@ fn a_continuation_that_would_have_ended_is_refused_by_name() {
 
 fn room() -> RoomId {
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    RoomId::new(((std::process::id() as u64) << 32) | NEXT.fetch_add(1, Ordering::Relaxed))
-        .unwrap()
+    RoomId::new(((std::process::id() as u64) << 32) | NEXT.fetch_add(1, Ordering::Relaxed)).unwrap()
 }
 
 /// An address where nothing listens (bound, then closed).

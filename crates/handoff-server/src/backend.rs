@@ -100,10 +100,7 @@ impl Handover {
         let on_failure = match on_failure.filter(|v| !v.is_null()) {
             None => None,
             Some(Value::String(s)) => Some(s.parse().map_err(|e: String| {
-                ApiError::invalid_param(
-                    "on_transfer_failure",
-                    format!("on_transfer_failure {e}"),
-                )
+                ApiError::invalid_param("on_transfer_failure", format!("on_transfer_failure {e}"))
             })?),
             Some(v) => {
                 return Err(ApiError::invalid_param(

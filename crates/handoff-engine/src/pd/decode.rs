@@ -517,10 +517,10 @@ async fn prefill_here(ctx: &Ctx, req: GenerateRequest, tx: EventSender, pending:
     let (prefix, lease) = leased;
     let seq = SeqPages::new(prefix, lease, page_size);
     drop(pending);
-    if let Err(std_mpsc::SendError(Command::Prefill(_, _, tx))) =
-        ctx.shared
-            .commands
-            .send(Command::Prefill(Box::new(req), seq, tx))
+    if let Err(std_mpsc::SendError(Command::Prefill(_, _, tx))) = ctx
+        .shared
+        .commands
+        .send(Command::Prefill(Box::new(req), seq, tx))
     {
         tx.end(StreamEvent::Error(EngineError::ShuttingDown));
     }

@@ -304,12 +304,20 @@ pub(crate) fn local_body(body: &mut Map<String, Value>) {
 /// whose state is not carried by the token ids (a tool-call parser, an
 /// echoed prompt, `/generate`'s cumulative log-probabilities).
 fn migratable(route: &str, body: &Map<String, Value>) -> bool {
-    let one = |k: &str| body.get(k).is_none_or(|v| v.is_null() || v.as_u64() == Some(1));
-    let off = |k: &str| body.get(k).is_none_or(|v| v.is_null() || v == &json!(false));
+    let one = |k: &str| {
+        body.get(k)
+            .is_none_or(|v| v.is_null() || v.as_u64() == Some(1))
+    };
+    let off = |k: &str| {
+        body.get(k)
+            .is_none_or(|v| v.is_null() || v == &json!(false))
+    };
     match route {
         "/generate" => {
             let sp = body.get("sampling_params");
-            let n_one = sp.and_then(|p| p.get("n")).is_none_or(|v| v.is_null() || v.as_u64() == Some(1));
+            let n_one = sp
+                .and_then(|p| p.get("n"))
+                .is_none_or(|v| v.is_null() || v.as_u64() == Some(1));
             n_one
                 && off("return_logprob")
                 && !body.get("text").is_some_and(Value::is_array)

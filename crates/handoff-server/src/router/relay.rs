@@ -762,7 +762,8 @@ impl RelayBody {
                     self.finished = true;
                     self.timeline.finish("ok");
                     let done_sent = self.migration.as_ref().is_some_and(|m| m.done_sent);
-                    return (!done_sent).then(|| self.relayed(Bytes::from_static(b"data: [DONE]\n\n")));
+                    return (!done_sent)
+                        .then(|| self.relayed(Bytes::from_static(b"data: [DONE]\n\n")));
                 }
                 Err(e) => return Some(self.error_event_of(e)),
             }
@@ -848,7 +849,8 @@ impl RelayBody {
         m.failed.push(old);
         let cfg = &m.state.config;
         let wait = cfg.queue_timeout.max(MIGRATION_WAIT);
-        let broken = |detail: String| ApiError::new(502, "decode_stream_broken", format!("{why}; {detail}"));
+        let broken =
+            |detail: String| ApiError::new(502, "decode_stream_broken", format!("{why}; {detail}"));
         loop {
             if m.count >= cfg.migration_limit {
                 m.state.metrics.count_migration(route, "limit");
@@ -858,7 +860,11 @@ impl RelayBody {
                 )));
             }
             m.count += 1;
-            let Some(decode) = m.state.wait_for_decode(&m.failed, wait, self.limits.deadline).await else {
+            let Some(decode) = m
+                .state
+                .wait_for_decode(&m.failed, wait, self.limits.deadline)
+                .await
+            else {
                 m.state.metrics.count_migration(route, "no_decode");
                 return Err(broken(format!(
                     "no decode worker could continue it within {:.0} s",
@@ -883,7 +889,9 @@ impl RelayBody {
                     return Err(ApiError::new(
                         504,
                         "request_timeout",
-                        format!("{why}; the request timed out while another decode worker took it over"),
+                        format!(
+                            "{why}; the request timed out while another decode worker took it over"
+                        ),
                     ))
                 }
                 Ok(Err(e)) => {
