@@ -75,6 +75,10 @@ step "chaos: faults across network namespaces under load (bounded run)"
 # frames under 300 requests; fails on any garbage, hang or leaked page or room.
 if [ "$(id -u)" = 0 ]; then
     HANDOFF_BIN="$BIN" HANDOFF_MODEL="$MODEL" scripts/chaos.sh --requests 300
+    # Only SIGKILLs of prefill and decode: every request must still end
+    # with the fault-free output (streams continue on the restarted decode).
+    HANDOFF_BIN="$BIN" HANDOFF_MODEL="$MODEL" scripts/chaos.sh --requests 150 \
+        --faults kill-workers --require-no-errors --log-dir /tmp/handoff-chaos-kill
 else
     echo "not root: the chaos run skips"
 fi

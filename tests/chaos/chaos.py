@@ -22,6 +22,13 @@ differs from the reference, or a malformed answer), or hung (no answer
 within the deadline). After the load, faults heal and the suite waits for
 the workers to settle, then reads the pages and rooms each still holds.
 It exits non-zero on any garbage, hang or leak.
+
+`--faults kill-workers --require-no-errors` (issue 32): only SIGKILLs of the
+prefill and the decode, and the verdict also needs every request to
+complete with the reference output: a worker's death must cost no client
+anything (streams continue on the restarted decode, a dead prefill's
+requests are prefilled on the decode, a request waits for a worker being
+restarted).
 """
 import argparse
 import http.client
@@ -458,6 +465,7 @@ class Run:
                             "--decode", f"http://{IP['d']}:{HTTP_PORT['d']}",
                             "--transfer-secret-file", secret, "--log-level", "warn",
                             "--stream-stall-timeout-secs", "20",
+                            "--queue-timeout-secs", "30",
                             "--health-check-interval-secs", "1"], args.log_dir),
         }
         self.proxy = subprocess.Popen(
@@ -516,6 +524,8 @@ class Run:
         k = rng.choice("pdr")
         what = rng.choice(["kill", "term", "stop", "down", "loss", "delay", "inject-control",
                            "inject-data", "garbage-control", "garbage-data", "v1-peer"])
+        if a.faults == "kill-workers":
+            k, what = rng.choice("pd"), "kill"
         if what.startswith(("inject", "garbage", "v1")):
             k = "p"
         dur = rng.uniform(0.3, a.max_fault_secs)
@@ -652,9 +662,20 @@ class Run:
             if o in ("garbage", "hung", "cut"):
                 print(f"  {o}: {kind} prompt {i} at +{t0 - self.t_start:.1f}s: {text}")
         ok = bad == 0 and clean and by.get("cut", 0) == 0
+        # Client-visible failures: everything but the reference output and
+        # the load's own disconnects.
+        visible = n - by.get("ok", 0) - by.get("client_abort", 0)
+        if self.args.require_no_errors:
+            print(f"client-visible failures (required 0): {visible}")
+            for t0, t1, kind, i, o, text in self.results:
+                if o not in ("ok", "client_abort", "garbage", "hung", "cut"):
+                    print(f"  {o}: {kind} prompt {i} at +{t0 - self.t_start:.1f}s: {text}")
+            ok = ok and visible == 0
         print("VERDICT: " + ("PASS" if ok else "FAIL") +
               f" ({by.get('garbage', 0)} garbage, {by.get('hung', 0)} hung, "
-              f"{by.get('cut', 0)} silent cuts, leaks {'none' if clean else 'FOUND'})")
+              f"{by.get('cut', 0)} silent cuts, leaks {'none' if clean else 'FOUND'}"
+              + (f", {visible} client-visible failures" if self.args.require_no_errors else "")
+              + ")")
         return ok
 
     def close(self):
@@ -717,6 +738,11 @@ def main():
     ap.add_argument("--max-gap-secs", type=float, default=2.0)
     ap.add_argument("--disconnect-share", type=float, default=0.05)
     ap.add_argument("--settle-secs", type=float, default=30.0)
+    ap.add_argument("--faults", choices=["all", "kill-workers"], default="all",
+                    help="kill-workers: only SIGKILLs of the prefill and the decode")
+    ap.add_argument("--require-no-errors", action="store_true",
+                    help="fail on any request that does not end with the reference output "
+                         "(the load's own disconnects aside)")
     ap.add_argument("--no-faults", action="store_true",
                     help="the same load with no fault: the control run")
     ap.add_argument("--log-dir", default="/tmp/handoff-chaos")

@@ -396,9 +396,15 @@ mod tests {
             TransferSnapshot {
                 kv_bytes_sent: 4096,
                 live_rooms: 5,
+                local_prefills: handoff_engine::pd::LocalPrefills {
+                    asked: 2,
+                    recomputed: 1,
+                },
             },
         );
         for needle in [
+            "handoff_local_prefills_total{reason=\"asked\"} 2",
+            "handoff_local_prefills_total{reason=\"recomputed\"} 1",
             "handoff_http_requests_total{endpoint=\"/generate\",status=\"200\"} 1",
             "handoff_request_errors_total{endpoint=\"/generate\",error_type=\"context_length_exceeded\"} 1",
             "handoff_time_to_first_token_seconds_count 1",

@@ -96,6 +96,8 @@ fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
         vec![decode.to_string()],
     );
     config.health_interval = Duration::from_secs(1);
+    // Every prompt through the prefill: these tests are about the pair.
+    config.local_prefill_below = 0;
     config.transfer_secret = handoff_server::trust::TransferSecret::new(SECRET.to_vec());
     common::serve_on_thread(move |listener| async move {
         handoff_server::run_router(listener, config, std::future::pending())

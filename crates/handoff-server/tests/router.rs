@@ -66,6 +66,9 @@ fn config(prefill: &[&str], decode: &[&str]) -> RouterConfig {
     );
     c.health_interval = Duration::from_secs(1);
     c.request_timeout = Duration::from_secs(30);
+    // These tests are about PD pairing: every prompt through a prefill
+    // (the per-request decision has its own test).
+    c.local_prefill_below = 0;
     c
 }
 
@@ -249,6 +252,49 @@ async fn relayed_answers_equal_direct_ones() {
     ] {
         assert!(metrics.contains(needle), "missing {needle} in\n{metrics}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_prompts_are_prefilled_on_their_decode_worker() {
+    let _g = serial().await;
+    let w = workers();
+    let mut c = config(&[&w.prefill], &[&w.decode]);
+    c.local_prefill_below = 8;
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    // 5 token ids: below 8, prefilled where decoded; 12: through the prefill.
+    let short = json!({"input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 4, "temperature": 0}});
+    let long = json!({"input_ids": (1..13).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 4, "temperature": 0}});
+    for body in [&short, &long] {
+        let (s, direct) = post(&w.decode, "/generate", body).await;
+        assert_eq!(s, 200, "{direct}");
+        let (s, routed) = post(&r.base, "/generate", body).await;
+        assert_eq!(s, 200, "{routed}");
+        assert_eq!(routed["output_ids"], direct["output_ids"]);
+    }
+    let (_, list) = get(&r.base, "/workers").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list[0]["role"], "prefill");
+    assert_eq!(list[0]["served"], 1, "only the long prompt: {list}");
+    assert_eq!(list[1]["served"], 2, "{list}");
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        metrics.contains(
+            "handoff_router_local_prefills_total{route=\"/generate\",reason=\"short_prompt\"} 1"
+        ),
+        "{metrics}"
+    );
+    // Text is estimated at 4 characters a token: 40 characters are 10.
+    let mut c = config(&[&w.prefill], &[&w.decode]);
+    c.local_prefill_below = 11;
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    let text = json!({"text": "abcd".repeat(10), "sampling_params": {"max_new_tokens": 2}});
+    let (s, v) = post(&r.base, "/generate", &text).await;
+    assert_eq!(s, 200, "{v}");
+    let (_, list) = get(&r.base, "/workers").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    assert_eq!(list[0]["served"], 0, "{list}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -493,16 +539,27 @@ async fn dead_workers_give_502_or_are_retried_around() {
     assert_eq!(list[1]["health"], "unhealthy");
     assert_eq!(list[2]["served"], 3);
 
-    // Readiness needs a healthy prefill.
+    // With no healthy prefill the decode worker prefills itself: the
+    // router is degraded, not down, and answers the PD output.
+    let (s, want) = post(&r.base, "/generate", &body).await;
+    assert_eq!(s, 200, "{want}");
     let r = start_router(config(&[&dead], &[&w.decode])).await;
     r.handle.probe_now().await;
     let (s, t) = get(&r.base, "/readiness").await;
-    assert_eq!(s, 503, "{t}");
+    assert_eq!(s, 200, "{t}");
+    let v: Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(v["status"], "degraded", "{t}");
     assert!(t.contains("no prefill worker is healthy"), "{t}");
     let (s, v) = post(&r.base, "/generate", &body).await;
-    assert_eq!(s, 503);
-    assert_eq!(v["error"]["code"], "no_healthy_worker");
-    assert!(v["error"]["message"].as_str().unwrap().contains("prefill"));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["output_ids"], want["output_ids"]);
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        metrics.contains(
+            "handoff_router_local_prefills_total{route=\"/generate\",reason=\"no_prefill\"} 1"
+        ),
+        "{metrics}"
+    );
     let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
     let (s, t) = get(&r.base, "/readiness").await;
     assert_eq!(s, 200, "{t}");
@@ -678,6 +735,8 @@ enum Fake {
     /// `/generate` answers 429 with a JSON error after 200 ms (so the
     /// decode request of the same attempt has surely started).
     Reject,
+    /// `/generate` answers 500 with a JSON error at once.
+    Fails,
     /// `/generate` answers 200 at once, its first byte after 3 s; sets the
     /// flag when the body is dropped.
     SlowFirstByte,
@@ -704,6 +763,12 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
         async move {
             match kind {
                 Fake::Echo => ([("content-type", "application/json")], received).into_response(),
+                Fake::Fails => (
+                    axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                    axum::Json(json!({"error": {"message": "decode is broken",
+                    "type": "server_error", "code": "model_error"}})),
+                )
+                    .into_response(),
                 Fake::Reject => {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                     (
@@ -793,6 +858,82 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_requests_keep_failing_has_its_circuit_opened() {
+    let none = || Arc::new(AtomicBool::new(false));
+    let p = fake_worker(Fake::Echo, none()).await;
+    let bad = fake_worker(Fake::Fails, none()).await;
+    let good = fake_worker(Fake::Echo, none()).await;
+    let mut c = config(&[&p], &[&bad, &good]);
+    c.decode_policy = PolicyKind::RoundRobin;
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    // Round robin: every other request reaches the broken decode (a 500 is
+    // the worker's answer, relayed) until three failed in a row.
+    let mut failed = 0;
+    let mut sent = 0;
+    while failed < 3 {
+        let (s, v) = post(&r.base, "/generate", &json!({"text": "hi"})).await;
+        sent += 1;
+        assert!(sent <= 8, "the broken decode was not reached three times");
+        if s == 500 {
+            assert_eq!(v["error"]["message"], "decode is broken");
+            failed += 1;
+        } else {
+            assert_eq!(s, 200, "{v}");
+        }
+    }
+    // Open: nothing more goes to it, though its health probe passes.
+    r.handle.probe_now().await;
+    for _ in 0..6 {
+        let (s, v) = post(&r.base, "/generate", &json!({"text": "hi"})).await;
+        assert_eq!(s, 200, "a request reached the open circuit: {v}");
+    }
+    let (_, list) = get(&r.base, "/workers").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    let b = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == bad.as_str())
+        .unwrap();
+    assert_eq!(b["health"], "healthy", "{b}");
+    assert_eq!(b["circuit"], "open", "{b}");
+    assert_eq!(b["consecutive_failures"], 3, "{b}");
+    let backoff = b["circuit_backoff_ms"].as_u64().unwrap();
+    assert!((500..=1500).contains(&backoff), "1 s with jitter: {b}");
+    let g = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == good.as_str())
+        .unwrap();
+    assert_eq!(g["circuit"], "closed", "{g}");
+    // Past the backoff it is half open: the next request to it fails and
+    // opens it again, for about twice as long.
+    tokio::time::sleep(Duration::from_millis(backoff + 50)).await;
+    let mut reopened = false;
+    for _ in 0..4 {
+        let (s, _) = post(&r.base, "/generate", &json!({"text": "hi"})).await;
+        if s == 500 {
+            reopened = true;
+            break;
+        }
+    }
+    assert!(reopened, "the half-open circuit let no request through");
+    let (_, list) = get(&r.base, "/workers").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    let b = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == bad.as_str())
+        .unwrap();
+    assert_eq!(b["circuit"], "open", "{b}");
+    let again = b["circuit_backoff_ms"].as_u64().unwrap();
+    assert!((1000..=3000).contains(&again), "2 s with jitter: {b}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_error_before_any_decode_byte_wins_and_drops_decode() {
     let none = Arc::new(AtomicBool::new(false));
     let decode_dropped = Arc::new(AtomicBool::new(false));
@@ -837,11 +978,14 @@ async fn a_broken_decode_stream_ends_with_a_json_error_event() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_answer_broken_after_its_status_is_a_502_and_never_retried() {
+async fn a_decode_answer_broken_after_its_status_is_sent_again_to_another_decode() {
     static SEEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let d = fake_worker(Fake::BreaksMidBody(&SEEN), Arc::new(AtomicBool::new(false))).await;
+    let d1 = fake_worker(Fake::BreaksMidBody(&SEEN), Arc::new(AtomicBool::new(false))).await;
+    let d2 = fake_worker(Fake::BreaksMidBody(&SEEN), Arc::new(AtomicBool::new(false))).await;
     let p = fake_worker(Fake::SlowFirstByte, Arc::new(AtomicBool::new(false))).await;
-    let mut c = config(&[&p], &[&d]);
+    // Nothing reached the client: the request goes to the other decode
+    // worker (the broken one is marked unhealthy until its next probe).
+    let mut c = config(&[&p], &[&d1, &d2]);
     c.max_retries = 2;
     let r = start_router(c).await;
     r.handle.probe_now().await;
@@ -849,17 +993,31 @@ async fn a_decode_answer_broken_after_its_status_is_a_502_and_never_retried() {
     assert_eq!(s, 502, "{v}");
     assert_eq!(v["error"]["code"], "decode_stream_broken", "{v}");
     let msg = v["error"]["message"].as_str().unwrap();
-    assert!(msg.contains(&d) && msg.contains("not retried"), "{msg}");
-    // Decode answered 200: its generation had started, so it is not rerun.
+    assert!(msg.contains("broke off its answer"), "{msg}");
+    assert_eq!(SEEN.load(Ordering::SeqCst), 2, "each decode worker once");
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        metrics.contains("handoff_router_retries_total{route=\"/generate\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(
+            "handoff_router_migrations_total{route=\"/generate\",outcome=\"restarted\"} 2"
+        ),
+        "{metrics}"
+    );
+    // With migration off, a decode that answered 200 is not sent it again.
+    SEEN.store(0, Ordering::SeqCst);
+    let mut c = config(&[&p], &[&d1, &d2]);
+    c.migration_limit = 0;
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    let (s, v) = post(&r.base, "/generate", &json!({"text": "hi"})).await;
+    assert_eq!(s, 502, "{v}");
     assert_eq!(
         SEEN.load(Ordering::SeqCst),
         1,
-        "the broken request was sent again"
-    );
-    let (_, metrics) = get(&r.base, "/metrics").await;
-    assert!(
-        !metrics.contains("handoff_router_retries_total{"),
-        "{metrics}"
+        "sent again with migration off"
     );
 }
 

@@ -29,6 +29,8 @@ pub struct Replicas {
     pub queue_timeout: Duration,
     /// Continuations of one stream on another decode worker.
     pub migration_limit: u32,
+    /// Prompts shorter than this are prefilled on the decode worker.
+    pub local_prefill_below: usize,
 }
 
 /// Run router + prefill + decode until SIGTERM / ctrl-c.
@@ -178,6 +180,7 @@ pub fn run(
         config.health_interval = Duration::from_secs(1);
         config.queue_timeout = replicas.queue_timeout;
         config.migration_limit = replicas.migration_limit;
+        config.local_prefill_below = replicas.local_prefill_below;
         config.http = http.limits.limits();
         config.allow_origins = http.limits.allow_origin.clone();
         config.stall_timeout = http.limits.stall_timeout();

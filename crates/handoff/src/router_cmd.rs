@@ -78,6 +78,11 @@ pub struct RouterArgs {
     /// error event).
     #[arg(long, default_value_t = 2)]
     migration_limit: u32,
+    /// Per-request PD decision: prompts shorter than this many tokens
+    /// (exact for token ids, about 4 characters a token for text) are
+    /// prefilled on their decode worker, with no transfer (0: never).
+    #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
+    local_prefill_below: usize,
     /// Accepted for SGLang's `sglang_router.launch_router` commands: this
     /// router always pairs a prefill and a decode worker per request.
     #[arg(long)]
@@ -157,6 +162,7 @@ pub fn config(
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;
     c.migration_limit = args.migration_limit;
+    c.local_prefill_below = args.local_prefill_below;
     c.queue_timeout = Duration::from_secs(args.queue_timeout_secs);
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();

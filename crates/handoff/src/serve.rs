@@ -51,6 +51,12 @@ pub struct ServeArgs {
     /// or stalls mid-stream (0: never).
     #[arg(long, default_value_t = 2)]
     migration_limit: u32,
+    /// Disaggregated serve: prompts shorter than this many tokens (exact
+    /// for token ids, about 4 characters a token for text) are prefilled on
+    /// the decode worker, with no transfer (0: every prompt goes through
+    /// the prefill worker).
+    #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
+    local_prefill_below: usize,
 }
 
 /// Run `handoff serve` until SIGTERM / ctrl-c.
@@ -65,6 +71,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             decode: usize::from(args.decode_replicas),
             queue_timeout: std::time::Duration::from_secs(args.queue_timeout_secs),
             migration_limit: args.migration_limit,
+            local_prefill_below: args.local_prefill_below,
         };
         return crate::local_pd::run(
             &args.engine,

@@ -54,6 +54,11 @@ pub struct RouterConfig {
     /// an error event). Each continuation prefills the prompt and the output
     /// so far on the new decode worker and streams on from there.
     pub migration_limit: u32,
+    /// Per-request PD decision: a prompt of fewer tokens than this (counted
+    /// exactly for token-id prompts, estimated at 4 characters a token for
+    /// text) is prefilled on its decode worker, with no prefill worker and
+    /// no transfer (0: every prompt goes through a prefill worker).
+    pub local_prefill_below: usize,
     /// Connection hygiene on the router's own port.
     pub http: crate::listen::HttpLimits,
     /// Origins whose web pages may call the router (CORS); none by default.
@@ -99,6 +104,7 @@ impl RouterConfig {
             unhealthy_after: 2,
             max_retries: 2,
             migration_limit: 2,
+            local_prefill_below: DEFAULT_LOCAL_PREFILL_BELOW,
             http: crate::listen::HttpLimits::default(),
             allow_origins: Vec::new(),
             stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),
@@ -128,6 +134,14 @@ impl RouterConfig {
         Ok(())
     }
 }
+
+/// Prompts shorter than this many tokens are prefilled on their decode
+/// worker by default: none. On this 2-core machine a threshold of 64
+/// took the short class's TTFT p99 of a mixed load from 0.75× to 0.09×
+/// colocated's, but its prefills on the decode worker raised that class's
+/// ITL p99 from 1.0× to 1.5–1.9× colocated's (BENCHMARKS.md, "Per-request
+/// PD decision").
+pub const DEFAULT_LOCAL_PREFILL_BELOW: usize = 0;
 
 /// A configuration the router cannot run with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

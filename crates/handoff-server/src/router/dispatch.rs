@@ -128,6 +128,13 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         if attempt > 0 {
             state.metrics.count_retry(route);
         }
+        let mut pair = pair;
+        let short =
+            prompt_tokens(route, &body).is_some_and(|n| n < state.config.local_prefill_below);
+        if short && pair.prefill.take().is_some() {
+            // Cheaper prefilled where it is decoded than moved.
+            state.metrics.count_local_prefill(route, "short_prompt");
+        }
         let guards = AttemptGuards {
             room: state.rooms.allocate(),
             prefill: pair.prefill.as_ref().map(Worker::start_request),
@@ -143,8 +150,11 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 sign_bootstrap(&state, &mut body, room.get(), prefill);
             }
             None => {
-                // No prefill is healthy: the decode worker prefills itself.
-                state.metrics.count_local_prefill(route, "no_prefill");
+                // A short prompt, or no prefill is healthy: the decode
+                // worker prefills itself.
+                if !short {
+                    state.metrics.count_local_prefill(route, "no_prefill");
+                }
                 local_body(&mut body);
             }
         }
@@ -171,6 +181,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         };
         match relay::start(spec, &mut tl).await {
             Ok((status, content_type, opened)) => {
+                pair.decode.request_succeeded();
                 let migration = migratable.then(|| Migration::new(state.clone(), route, &body));
                 let mut relay = RelayBody::new(
                     opened,
@@ -203,12 +214,15 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                     return fail(&mut tl, f);
                 };
                 state.metrics.count_failure(f.side().name(), &f.kind());
-                // A decode that broke off (or stalled) before anything
-                // reached the client took its generation down with it (or
-                // has it cancelled now): sending the request again costs the
-                // client nothing but time.
+                if f.worker_fault() {
+                    worker.request_failed();
+                }
+                // A decode that broke off before anything reached the client
+                // took its generation down with it: sending the request
+                // again costs the client nothing but time. (One that stalled
+                // before its first byte is not: it may be frozen, not dead.)
                 let decode_lost = f.side() == Role::Decode
-                    && matches!(f, Failure::BrokeOff { .. } | Failure::Stalled { .. })
+                    && matches!(f, Failure::BrokeOff { .. })
                     && state.config.migration_limit > 0;
                 if matches!(f, Failure::Unreachable { .. } | Failure::BrokeOff { .. })
                     || f.is_draining()
@@ -297,6 +311,43 @@ pub(crate) fn local_body(body: &mut Map<String, Value>) {
         body.remove(k);
     }
     body.insert("local_prefill".into(), json!(true));
+}
+
+/// The prompt's length in tokens for the per-request PD decision: exact for
+/// token ids, about 4 characters a token for text (a chat message adds a
+/// few tokens of template); `None` for a list of prompts.
+pub(crate) fn prompt_tokens(route: &str, body: &Map<String, Value>) -> Option<usize> {
+    let text = |s: &str| s.chars().count().div_ceil(4);
+    let one = |v: &Value| -> Option<usize> {
+        match v {
+            Value::String(s) => Some(text(s)),
+            Value::Array(a) if a.iter().all(Value::is_u64) => Some(a.len()),
+            _ => None,
+        }
+    };
+    match route {
+        "/v1/chat/completions" => {
+            let msgs = body.get("messages")?.as_array()?;
+            let mut n = 0;
+            for m in msgs {
+                n += 4 + match m.get("content") {
+                    Some(Value::String(s)) => text(s),
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .filter_map(|p| p.get("text").and_then(Value::as_str))
+                        .map(text)
+                        .sum(),
+                    _ => 0,
+                };
+            }
+            Some(n)
+        }
+        "/v1/completions" => one(body.get("prompt")?),
+        _ => body
+            .get("input_ids")
+            .or_else(|| body.get("text"))
+            .and_then(one),
+    }
 }
 
 /// Whether a stream of `route` with `body` can be continued on another

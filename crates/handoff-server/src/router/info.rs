@@ -17,8 +17,9 @@ pub async fn health() -> &'static str {
     ""
 }
 
-/// `GET /readiness`: 200 when at least one prefill and one decode worker
-/// are healthy, else 503 naming what is missing.
+/// `GET /readiness`: 200 `ready` when at least one prefill and one decode
+/// worker are healthy, 200 `degraded` with decode workers only (they
+/// prefill every prompt themselves), else 503 naming what is missing.
 pub async fn readiness(State(state): State<RouterState>) -> Response {
     let (p, d) = (
         state.workers.healthy(Role::Prefill),
@@ -28,10 +29,20 @@ pub async fn readiness(State(state): State<RouterState>) -> Response {
         return Json(json!({"status": "ready", "healthy_prefill": p, "healthy_decode": d}))
             .into_response();
     }
-    let missing = match (p, d) {
-        (0, 0) => "no prefill and no decode worker is healthy",
-        (0, _) => "no prefill worker is healthy",
-        _ => "no decode worker is healthy",
+    if d > 0 {
+        // The decode workers prefill every prompt themselves meanwhile.
+        return Json(json!({
+            "status": "degraded",
+            "healthy_prefill": 0,
+            "healthy_decode": d,
+            "detail": "no prefill worker is healthy: decode workers prefill every prompt themselves",
+        }))
+        .into_response();
+    }
+    let missing = if p == 0 {
+        "no prefill and no decode worker is healthy"
+    } else {
+        "no decode worker is healthy"
     };
     ApiError::new(503, "not_ready", missing).into_response()
 }

@@ -8,6 +8,7 @@
 //! [`run_router`] serves it until a shutdown future resolves.
 
 pub mod admin;
+pub mod breaker;
 pub mod config;
 pub mod discovery;
 pub mod dispatch;

@@ -147,6 +147,16 @@ impl Failure {
         }
     }
 
+    /// A failure of the worker itself (unreachable, broke off, stalled,
+    /// timed out, a 5xx other than `draining`), for its circuit breaker; a
+    /// refusal of the request (4xx) is not.
+    pub fn worker_fault(&self) -> bool {
+        match self {
+            Failure::Status { status, .. } => *status >= 500 && !self.is_draining(),
+            _ => true,
+        }
+    }
+
     /// The worker refused because it is shutting down (503 `draining`):
     /// it takes nothing more, so the router stops picking it at once.
     pub fn is_draining(&self) -> bool {
@@ -170,10 +180,7 @@ impl Failure {
                 } else {
                     "prefill_stream_broken"
                 },
-                format!(
-                    "{} worker {url} broke off its answer: {detail} (not retried: a generation may have started)",
-                    side.name()
-                ),
+                format!("{} worker {url} broke off its answer: {detail}", side.name()),
             )
             .into_response(),
             Failure::Timeout { side, url, secs } => ApiError::new(
@@ -489,6 +496,9 @@ fn on_prefill(
         PrefillEvent::Progress => Ok(()),
         PrefillEvent::Done => {
             tl.prefill_done();
+            if let Some(w) = worker {
+                w.request_succeeded();
+            }
             Ok(())
         }
         PrefillEvent::Failed(f @ (Failure::Unreachable { .. } | Failure::BrokeOff { .. })) => {
@@ -496,6 +506,7 @@ fn on_prefill(
             tracing::warn!("prefill failed; its decode worker carries the request: {f:?}");
             if let Some(w) = worker {
                 w.mark_unreachable();
+                w.request_failed();
             }
             Ok(())
         }
@@ -554,6 +565,9 @@ pub struct Migration {
     ended: bool,
     /// `data: [DONE]` went to the client.
     done_sent: bool,
+    /// A data event came without a mark (a worker that does not mark its
+    /// stream): what the client has is unknown, so it is not continued.
+    unmarked: bool,
     /// Continuations so far.
     count: u32,
     /// Decode workers that failed this stream.
@@ -591,6 +605,7 @@ impl Migration {
             ids: Vec::new(),
             ended: false,
             done_sent: false,
+            unmarked: false,
             count: 0,
             failed: Vec::new(),
             partial: Vec::new(),
@@ -606,13 +621,20 @@ impl Migration {
         };
         let whole: Vec<u8> = self.partial.drain(..cut + 2).collect();
         let mut out = Vec::with_capacity(whole.len());
+        let mut marked = false;
         for line in whole.split_inclusive(|&b| b == b'\n') {
             if let Some(mark) = line.strip_prefix(MARK_PREFIX) {
                 self.read_mark(mark);
+                marked = true;
                 continue;
             }
             if line.starts_with(b"data: [DONE]") {
                 self.done_sent = true;
+            } else if line.starts_with(b"data:") && !marked {
+                self.unmarked = true;
+            }
+            if line == b"\n" {
+                marked = false;
             }
             out.extend_from_slice(line);
         }
@@ -733,7 +755,12 @@ impl RelayBody {
                     }
                     return Some(self.relayed(b));
                 }
-                FromDecode::End if self.migration.as_ref().is_none_or(|m| m.ended) => {
+                FromDecode::End
+                    if self
+                        .migration
+                        .as_ref()
+                        .is_none_or(|m| m.ended || m.unmarked) =>
+                {
                     self.finished = true;
                     self.timeline.finish("ok");
                     return None;
@@ -751,7 +778,8 @@ impl RelayBody {
                 ),
                 FromDecode::Broken(e, continuable) => (e, continuable),
             };
-            if !continuable || self.migration.is_none() {
+            self.pair.decode.request_failed();
+            if !continuable || self.migration.as_ref().is_none_or(|m| m.unmarked) {
                 return Some(self.error_event_of(err));
             }
             match self.migrate(&err.message).await {
@@ -895,6 +923,7 @@ impl RelayBody {
                     ))
                 }
                 Ok(Err(e)) => {
+                    decode.request_failed();
                     m.state.metrics.count_migration(route, "unreachable");
                     tracing::warn!(worker = %decode.url, "migration target unreachable: {}", chain(&e));
                     decode.mark_unreachable();
@@ -906,6 +935,9 @@ impl RelayBody {
             let status = resp.status().as_u16();
             if !resp.status().is_success() {
                 let text = resp.text().await.unwrap_or_default();
+                if status >= 500 {
+                    decode.request_failed();
+                }
                 m.state.metrics.count_migration(route, "refused");
                 if matches!(status, 502 | 503) {
                     m.failed.push(decode);
@@ -916,6 +948,7 @@ impl RelayBody {
                     decode.url
                 )));
             }
+            decode.request_succeeded();
             m.state.metrics.count_migration(route, "ok");
             m.state.metrics.count_local_prefill(route, "migrated");
             tracing::warn!(

@@ -6,7 +6,9 @@
 //! consecutive failed probes make a healthy worker `Unhealthy` (one failed
 //! probe for a worker never seen healthy); a request that cannot connect
 //! makes it `Unhealthy` at once. Dispatch uses `Healthy` and `Unknown`
-//! workers; readiness needs a `Healthy` one of each role.
+//! workers whose circuit breaker ([`crate::router::breaker`]) is not open;
+//! readiness needs a `Healthy` decode worker (and a prefill, else it is
+//! `degraded`).
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -67,6 +69,7 @@ pub struct Worker {
     in_flight: AtomicU64,
     served: AtomicU64,
     gauge: Gauge,
+    breaker: crate::router::breaker::Breaker,
 }
 
 impl Worker {
@@ -90,6 +93,7 @@ impl Worker {
             last_load: Mutex::new(Value::Null),
             in_flight: AtomicU64::new(0),
             served: AtomicU64::new(0),
+            breaker: Default::default(),
         })
     }
 
@@ -100,7 +104,28 @@ impl Worker {
 
     /// Whether requests may be sent to it.
     pub fn dispatchable(&self) -> bool {
-        self.health() != Health::Unhealthy
+        self.health() != Health::Unhealthy && self.breaker.allows(std::time::Instant::now())
+    }
+
+    /// A request to it failed for a reason of its own (unreachable, broke
+    /// off, stalled, a 5xx): counts toward opening its circuit.
+    pub fn request_failed(&self) {
+        if let Some(backoff) = self
+            .breaker
+            .failure(std::time::Instant::now(), crate::router::breaker::jitter())
+        {
+            tracing::warn!(
+                worker = %self.url,
+                role = self.role.name(),
+                backoff_ms = backoff.as_millis() as u64,
+                "circuit open: requests keep failing, none sent for the backoff"
+            );
+        }
+    }
+
+    /// A request to it succeeded: its circuit closes.
+    pub fn request_succeeded(&self) {
+        self.breaker.success();
     }
 
     /// Requests in flight at the router plus the load it last reported.
@@ -166,6 +191,11 @@ impl Worker {
             "in_flight": self.in_flight(),
             "served": self.served(),
         });
+        if let (Value::Object(v), Value::Object(b)) =
+            (&mut v, self.breaker.describe(std::time::Instant::now()))
+        {
+            v.extend(b);
+        }
         if self.role == Role::Prefill {
             v["bootstrap_port"] = json!(self.bootstrap_port);
         }
