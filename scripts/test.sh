@@ -77,7 +77,7 @@ if [ "$(id -u)" = 0 ]; then
     HANDOFF_BIN="$BIN" HANDOFF_MODEL="$MODEL" scripts/chaos.sh --requests 300
     # Only SIGKILLs of prefill and decode: every request must still end
     # with the fault-free output (streams continue on the restarted decode).
-    HANDOFF_BIN="$BIN" HANDOFF_MODEL="$MODEL" scripts/chaos.sh --requests 150 \
+    HANDOFF_BIN="$BIN" HANDOFF_MODEL="$MODEL" scripts/chaos.sh --requests 600 \
         --faults kill-workers --require-no-errors --log-dir /tmp/handoff-chaos-kill
 else
     echo "not root: the chaos run skips"

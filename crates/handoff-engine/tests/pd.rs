@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use handoff_engine::error::TransferError;
 use handoff_engine::pd::{
-    DecodeEngine, DecodeHandle, PdConfig, PrefillEngine, PrefillHandle, PrefillTicket,
+    DecodeEngine, DecodeHandle, OnTransferFailure, PdConfig, PrefillEngine, PrefillHandle,
+    PrefillTicket,
 };
 use handoff_engine::{
     Engine, EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestStream,
@@ -146,6 +147,9 @@ fn pd_config_with(kind: TransportKind, timers: TimerConfig) -> PdConfig {
         ..RoomConfig::default()
     };
     c.handshake_timeout = Duration::from_secs(2);
+    // These tests are about how a failed transfer reaches decode's client:
+    // the typed error, not the local recompute (continuation.rs tests that).
+    c.on_transfer_failure = OnTransferFailure::Fail;
     c
 }
 

@@ -298,6 +298,61 @@ async fn short_prompts_are_prefilled_on_their_decode_worker() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_predicted_to_miss_its_ttft_slo_gets_a_429_at_once() {
+    let _g = serial().await;
+    let w = workers();
+    let r = real_router(&[&w.decode], PolicyKind::RoundRobin).await;
+    let ids = |n: u32| (0..n).map(|i| 3 + i % 200).collect::<Vec<u32>>();
+    // Nothing is refused before the rate was measured once.
+    let body = json!({"input_ids": ids(100), "sampling_params": {"max_new_tokens": 2}, "stream": true,
+        "slo_ttft_ms": 1});
+    let (s, t) = post_raw(&r.base, "/generate", &body.to_string()).await;
+    assert_eq!(s, 200, "{t}");
+    // Measured now: 100 tokens cannot be prefilled within 1 ms.
+    let client = reqwest::Client::new();
+    for (via_header, field) in [(false, "slo_ttft_ms"), (true, "x-slo-ttft-ms")] {
+        let mut b = json!({"input_ids": ids(100), "sampling_params": {"max_new_tokens": 2}});
+        let mut req = client.post(format!("{}/generate", r.base));
+        if via_header {
+            req = req.header("x-slo-ttft-ms", "1");
+        } else {
+            b["slo_ttft_ms"] = json!(1);
+        }
+        let t0 = Instant::now();
+        let resp = req.json(&b).send().await.expect("send");
+        let took = t0.elapsed();
+        assert_eq!(resp.status().as_u16(), 429, "{field}");
+        assert_eq!(resp.headers()["retry-after"], "1", "{field}");
+        let v: Value = resp.json().await.expect("JSON");
+        assert_eq!(v["error"]["code"], "slo_unreachable", "{v}");
+        let msg = v["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("exceeds this request's SLO of 1 ms"), "{msg}");
+        // At once: no worker was asked (the bound is loose for a loaded box;
+        // the benchmark measures the real figure).
+        assert!(took < Duration::from_secs(1), "{took:?}");
+    }
+    // A generous SLO is admitted; the SLO field never reaches a worker
+    // (they refuse fields they do not implement).
+    let b = json!({"input_ids": ids(100), "sampling_params": {"max_new_tokens": 2},
+        "slo_ttft_ms": 600000});
+    let (s, v) = post(&r.base, "/generate", &b).await;
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = post(
+        &r.base,
+        "/generate",
+        &json!({"text": "hi", "slo_ttft_ms": "soon"}),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["param"], "slo_ttft_ms", "{v}");
+    let (_, list) = get(&r.base, "/workers").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    for x in list.as_array().unwrap() {
+        assert_eq!(x["queued_prompt_tokens"], 0, "released: {x}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_errors_keep_status_and_body() {
     let _g = serial().await;
     let w = workers();

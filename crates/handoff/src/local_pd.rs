@@ -31,6 +31,8 @@ pub struct Replicas {
     pub migration_limit: u32,
     /// Prompts shorter than this are prefilled on the decode worker.
     pub local_prefill_below: usize,
+    /// The default TTFT SLO of a request.
+    pub slo_ttft: Option<Duration>,
 }
 
 /// Run router + prefill + decode until SIGTERM / ctrl-c.
@@ -181,6 +183,7 @@ pub fn run(
         config.queue_timeout = replicas.queue_timeout;
         config.migration_limit = replicas.migration_limit;
         config.local_prefill_below = replicas.local_prefill_below;
+        config.default_slo_ttft = replicas.slo_ttft;
         config.http = http.limits.limits();
         config.allow_origins = http.limits.allow_origin.clone();
         config.stall_timeout = http.limits.stall_timeout();

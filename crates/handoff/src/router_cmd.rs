@@ -83,6 +83,11 @@ pub struct RouterArgs {
     /// prefilled on their decode worker, with no transfer (0: never).
     #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
     local_prefill_below: usize,
+    /// TTFT SLO, ms, of a request that names none (`slo_ttft_ms` or the
+    /// `x-slo-ttft-ms` header): one predicted to miss its SLO gets a 429
+    /// with Retry-After at once [default: none].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    slo_ttft_ms: Option<u64>,
     /// Accepted for SGLang's `sglang_router.launch_router` commands: this
     /// router always pairs a prefill and a decode worker per request.
     #[arg(long)]
@@ -163,6 +168,7 @@ pub fn config(
     c.max_retries = args.max_retries;
     c.migration_limit = args.migration_limit;
     c.local_prefill_below = args.local_prefill_below;
+    c.default_slo_ttft = args.slo_ttft_ms.map(Duration::from_millis);
     c.queue_timeout = Duration::from_secs(args.queue_timeout_secs);
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();

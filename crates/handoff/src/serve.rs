@@ -57,6 +57,11 @@ pub struct ServeArgs {
     /// the prefill worker).
     #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
     local_prefill_below: usize,
+    /// Disaggregated serve: TTFT SLO, ms, of a request that names none
+    /// (`slo_ttft_ms` or the `x-slo-ttft-ms` header): one predicted to miss
+    /// its SLO gets a 429 with Retry-After at once [default: none].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    slo_ttft_ms: Option<u64>,
 }
 
 /// Run `handoff serve` until SIGTERM / ctrl-c.
@@ -72,6 +77,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             queue_timeout: std::time::Duration::from_secs(args.queue_timeout_secs),
             migration_limit: args.migration_limit,
             local_prefill_below: args.local_prefill_below,
+            slo_ttft: args.slo_ttft_ms.map(std::time::Duration::from_millis),
         };
         return crate::local_pd::run(
             &args.engine,

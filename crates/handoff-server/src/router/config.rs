@@ -59,6 +59,9 @@ pub struct RouterConfig {
     /// text) is prefilled on its decode worker, with no prefill worker and
     /// no transfer (0: every prompt goes through a prefill worker).
     pub local_prefill_below: usize,
+    /// The TTFT SLO of a request that names none (`slo_ttft_ms`, the
+    /// `x-slo-ttft-ms` header): one predicted to miss it gets a 429 at once.
+    pub default_slo_ttft: Option<Duration>,
     /// Connection hygiene on the router's own port.
     pub http: crate::listen::HttpLimits,
     /// Origins whose web pages may call the router (CORS); none by default.
@@ -105,6 +108,7 @@ impl RouterConfig {
             max_retries: 2,
             migration_limit: 2,
             local_prefill_below: DEFAULT_LOCAL_PREFILL_BELOW,
+            default_slo_ttft: None,
             http: crate::listen::HttpLimits::default(),
             allow_origins: Vec::new(),
             stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),

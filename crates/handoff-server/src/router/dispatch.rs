@@ -14,6 +14,7 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
 use crate::errors::ApiError;
+use crate::router::admission;
 use crate::router::prefix_index::prompt_blocks;
 use crate::router::relay::{
     self, relay_headers, AttemptGuards, AttemptSpec, Failure, Migration, Pair, RelayBody,
@@ -73,6 +74,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     if let Err(e) = crate::extract::check_json_content_type(req.headers()) {
         return refuse(&mut tl, e, "bad_request");
     }
+    let headers = req.headers().clone();
     let bytes = match crate::extract::read_body(req, &()).await {
         Ok(b) => b,
         Err(err) => return refuse(&mut tl, err, "bad_request"),
@@ -91,6 +93,10 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         };
         body.insert("rid".into(), json!(crate::app::new_request_id(prefix)));
     }
+    let slo = match admission::slo_of(&mut body, &headers, state.config.default_slo_ttft) {
+        Ok(s) => s,
+        Err(e) => return refuse(&mut tl, e, "bad_request"),
+    };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     tl.set_stream(stream);
     // A stream the router can continue elsewhere if its decode dies: each
@@ -135,6 +141,28 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             // Cheaper prefilled where it is decoded than moved.
             state.metrics.count_local_prefill(route, "short_prompt");
         }
+        // The worker that will prefill it, and the queue it joins there.
+        let prefiller = Arc::clone(pair.prefill.as_ref().unwrap_or(&pair.decode));
+        let own = prompt_tokens(route, &body).unwrap_or(0) as u64;
+        if let (0, Some(slo)) = (attempt, slo) {
+            let queued = prefiller
+                .queued_tokens()
+                .load(std::sync::atomic::Ordering::Relaxed);
+            if let Some(predicted) = state.predictor.predict(queued, own).filter(|p| *p > slo) {
+                let mut resp = refuse(&mut tl, admission::shed(predicted, slo), "shed");
+                let secs = admission::retry_after(predicted, slo).to_string();
+                if let Ok(v) = axum::http::HeaderValue::from_str(&secs) {
+                    resp.headers_mut()
+                        .insert(axum::http::header::RETRY_AFTER, v);
+                }
+                return resp;
+            }
+        }
+        tl.set_ticket(admission::Ticket::queue(
+            Arc::clone(&state.predictor),
+            prefiller,
+            own,
+        ));
         let guards = AttemptGuards {
             room: state.rooms.allocate(),
             prefill: pair.prefill.as_ref().map(Worker::start_request),

@@ -8,6 +8,7 @@
 //! [`run_router`] serves it until a shutdown future resolves.
 
 pub mod admin;
+pub mod admission;
 pub mod breaker;
 pub mod config;
 pub mod discovery;
@@ -67,6 +68,7 @@ pub struct RouterInner {
     rooms: Arc<Rooms>,
     metrics: Arc<RouterMetrics>,
     client: reqwest::Client,
+    predictor: Arc<admission::Predictor>,
 }
 
 /// The router's shared state (cheap to clone).
@@ -108,6 +110,7 @@ impl RouterState {
             metrics,
             client,
             config,
+            predictor: Default::default(),
         })))
     }
 

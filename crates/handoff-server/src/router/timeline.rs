@@ -26,6 +26,8 @@ pub struct Timeline {
     retries: u32,
     status: u16,
     outcome: &'static str,
+    /// The request's claim on its prefilling worker's queue.
+    ticket: Option<crate::router::admission::Ticket>,
 }
 
 impl Timeline {
@@ -46,6 +48,7 @@ impl Timeline {
             retries: 0,
             status: 0,
             outcome: "client_gone",
+            ticket: None,
         }
     }
 
@@ -72,6 +75,15 @@ impl Timeline {
         if self.prefill_done.is_none() {
             self.prefill_done = Some(self.arrived.elapsed());
         }
+        if let Some(t) = &mut self.ticket {
+            t.prefilled(true);
+        }
+    }
+
+    /// This attempt's claim on its prefilling worker's queue (replacing an
+    /// earlier attempt's).
+    pub fn set_ticket(&mut self, ticket: crate::router::admission::Ticket) {
+        self.ticket = Some(ticket);
     }
 
     /// A decode chunk is being relayed to the client now.
@@ -81,6 +93,12 @@ impl Timeline {
             None => {
                 let since = now - self.arrived;
                 self.first_token = Some(since);
+                // A stream's first bytes are its first token; a whole
+                // answer's come at its end (only the queue is released).
+                let stream = self.stream;
+                if let Some(t) = &mut self.ticket {
+                    t.prefilled(stream);
+                }
                 if self.stream {
                     self.metrics.observe_ttft(since.as_secs_f64());
                 }

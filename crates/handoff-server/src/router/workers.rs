@@ -68,6 +68,9 @@ pub struct Worker {
     last_load: Mutex<Value>,
     in_flight: AtomicU64,
     served: AtomicU64,
+    /// Prompt tokens of requests it prefills that have not reached their
+    /// first token ([`crate::router::admission`]).
+    queued: AtomicU64,
     gauge: Gauge,
     breaker: crate::router::breaker::Breaker,
 }
@@ -93,6 +96,7 @@ impl Worker {
             last_load: Mutex::new(Value::Null),
             in_flight: AtomicU64::new(0),
             served: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
             breaker: Default::default(),
         })
     }
@@ -121,6 +125,11 @@ impl Worker {
                 "circuit open: requests keep failing, none sent for the backoff"
             );
         }
+    }
+
+    /// Prompt tokens queued on it for prefill (router's view).
+    pub fn queued_tokens(&self) -> &AtomicU64 {
+        &self.queued
     }
 
     /// A request to it succeeded: its circuit closes.
@@ -190,6 +199,7 @@ impl Worker {
             "load": self.load(),
             "in_flight": self.in_flight(),
             "served": self.served(),
+            "queued_prompt_tokens": self.queued.load(Ordering::Relaxed),
         });
         if let (Value::Object(v), Value::Object(b)) =
             (&mut v, self.breaker.describe(std::time::Instant::now()))

@@ -114,6 +114,10 @@ pub struct BenchArgs {
     /// SLO on time to first token, ms (goodput).
     #[arg(long, default_value_t = 1000.0, value_parser = positive_f64)]
     slo_ttft_ms: f64,
+    /// Send --slo-ttft-ms with every request (the `x-slo-ttft-ms` header),
+    /// for a server that sheds requests it cannot serve in time.
+    #[arg(long)]
+    send_slo: bool,
     /// SLO on the p99 of one request's inter-token gaps, ms (goodput).
     #[arg(long, default_value_t = 200.0, value_parser = positive_f64)]
     slo_itl_ms: f64,
@@ -362,6 +366,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let v = reqwest::header::HeaderValue::from_str(&format!("Bearer {}", k.trim()))
             .context("--api-key: not a valid header value")?;
         headers.insert(reqwest::header::AUTHORIZATION, v);
+    }
+    if let Some(ms) = args.send_slo.then_some(args.slo_ttft_ms) {
+        // The SLO as a request header: a server that sheds by it answers
+        // 429 at once instead of queueing past it.
+        let v = reqwest::header::HeaderValue::from_str(&format!("{}", ms.round() as u64))
+            .context("--slo-ttft-ms: not a header value")?;
+        headers.insert("x-slo-ttft-ms", v);
     }
     let client = reqwest::Client::builder()
         .default_headers(headers)

@@ -135,6 +135,8 @@ pub struct RunReport {
     pub errors_by_kind: BTreeMap<String, usize>,
     /// The first three distinct failure messages.
     pub first_errors: Vec<String>,
+    /// Requests answered 429 (shed): the slowest answer and the p99, ms.
+    pub shed_answer_ms: Option<(f64, f64)>,
     /// From the first send to the last completion, seconds.
     pub duration_s: f64,
     /// Successful requests per second.
@@ -191,6 +193,16 @@ impl RunReport {
                 first_errors.push(f.message.clone());
             }
         }
+        let mut shed: Vec<f64> = outcomes
+            .iter()
+            .filter(|o| o.failure.as_ref().is_some_and(|f| f.kind == "http_429"))
+            .map(|o| o.e2e.as_secs_f64() * 1e3)
+            .collect();
+        shed.sort_by(f64::total_cmp);
+        let shed_answer_ms = shed.last().map(|&max| {
+            let p99 = shed[((shed.len() as f64 * 0.99).ceil() as usize).clamp(1, shed.len()) - 1];
+            (p99, max)
+        });
         let total_output_tokens: u64 = good.iter().map(|o| o.output_tokens).sum();
         let slo_met = outcomes.iter().filter(|o| meets(o, slo)).count();
         let all = ClassReport::of("all", &good);
@@ -209,6 +221,7 @@ impl RunReport {
             failed: outcomes.len() - good.len(),
             errors_by_kind,
             first_errors,
+            shed_answer_ms,
             duration_s: secs,
             request_throughput: good.len() as f64 / secs,
             output_token_throughput: total_output_tokens as f64 / secs,
@@ -379,6 +392,9 @@ pub fn table(runs: &[RunReport]) -> String {
                 .map(|(k, n)| format!("{k} x{n}"))
                 .collect();
             out += &format!("{} failures: {}\n", r.label, kinds.join(", "));
+            if let Some((p99, max)) = r.shed_answer_ms {
+                out += &format!("  429 answers: p99 {p99:.1} ms, max {max:.1} ms\n");
+            }
             for e in &r.first_errors {
                 out += &format!("  {e}\n");
             }
