@@ -114,7 +114,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         // With no worker of a role now (a retry too: nothing reached the
         // client yet), wait for one to come back or register, up to the
         // queue timeout (and the request's deadline).
-        let pair = match state.wait_for_pair(&failed, &blocks, deadline).await {
+        let mut pair = match state.wait_for_pair(&failed, &blocks, deadline).await {
             Ok(p) => p,
             Err(_) if last.is_some() => return fail(&mut tl, last.take().expect("checked")),
             Err(role) => {
@@ -134,16 +134,15 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         if attempt > 0 {
             state.metrics.count_retry(route);
         }
-        let mut pair = pair;
-        let short =
-            prompt_tokens(route, &body).is_some_and(|n| n < state.config.local_prefill_below);
+        let tokens = prompt_tokens(route, &body);
+        let short = tokens.is_some_and(|n| n < state.config.local_prefill_below);
         if short && pair.prefill.take().is_some() {
             // Cheaper prefilled where it is decoded than moved.
             state.metrics.count_local_prefill(route, "short_prompt");
         }
         // The worker that will prefill it, and the queue it joins there.
         let prefiller = Arc::clone(pair.prefill.as_ref().unwrap_or(&pair.decode));
-        let own = prompt_tokens(route, &body).unwrap_or(0) as u64;
+        let own = tokens.unwrap_or(0) as u64;
         if let (0, Some(slo)) = (attempt, slo) {
             let queued = prefiller
                 .queued_tokens()
