@@ -77,6 +77,16 @@ pub struct Handover {
     /// ids of the tokens it covers (and `end` on the last one), so the
     /// router knows what the client has if it must migrate the stream.
     pub marks: bool,
+    /// The request's W3C `traceparent` header: its spans' parent.
+    pub traceparent: Option<String>,
+}
+
+/// A request's `traceparent` header, if it has one.
+pub fn traceparent_of(headers: &axum::http::HeaderMap) -> Option<String> {
+    headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
 }
 
 impl Handover {
@@ -137,6 +147,7 @@ impl Handover {
             on_failure,
             resume,
             marks: flag("stream_marks", marks)?,
+            traceparent: None,
         })
     }
 }

@@ -244,6 +244,7 @@ fn prompt_ids(state: &AppState, body: &GenerateBody) -> Result<Vec<u32>, ApiErro
 /// `POST /generate`.
 pub async fn generate(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody<GenerateBody>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
@@ -260,6 +261,7 @@ pub async fn generate(
         body.on_transfer_failure.as_ref(),
         body.stream_marks.as_ref(),
     )?);
+    pd.handover.traceparent = crate::backend::traceparent_of(&headers);
     state.check_bootstrap(&mut pd)?;
     let (stream_it, body_wants_logprobs) = (
         body.stream.unwrap_or(false),

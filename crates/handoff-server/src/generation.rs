@@ -32,6 +32,8 @@ enum Source {
         tokenizer: Arc<Tokenizer>,
         done: Option<Finished>,
         metrics: Arc<Metrics>,
+        /// The request's span: its stages become children.
+        trace: opentelemetry::Context,
     },
 }
 
@@ -44,11 +46,13 @@ impl Source {
                 tokenizer,
                 done,
                 metrics,
+                trace,
             } => {
                 if let Some(t) = ticket.take() {
                     return Some(match t.wait().await {
                         Ok(d) => {
                             metrics.observe_prefill(&d.timings);
+                            record_prefill_stages(trace, &d.timings);
                             *done = Some(Finished {
                                 reason: FinishReason::Length,
                                 prompt_tokens: d.prompt_tokens,
@@ -89,6 +93,40 @@ pub struct Generation {
     stall_timeout: Option<std::time::Duration>,
     /// A step read ahead by [`Generation::started`].
     pending: Option<Step>,
+    /// Its span (`prefill.request`, `decode.request` or
+    /// `colocated.request`), ended with the generation.
+    trace: opentelemetry::Context,
+    /// The span's name prefix (`prefill`, `decode`, `colocated`).
+    role: &'static str,
+    /// When its first token came.
+    first_at: Option<std::time::SystemTime>,
+    /// The span was ended.
+    trace_ended: bool,
+}
+
+/// The prefill's stages, back to back and ending now, as child spans.
+fn record_prefill_stages(trace: &opentelemetry::Context, t: &handoff_engine::pd::PrefillTimings) {
+    let end = std::time::SystemTime::now();
+    let mut at = end - (t.wait_destination + t.compute + t.transfer_tail);
+    for (name, d) in [
+        ("prefill.wait_destination", t.wait_destination),
+        ("prefill.compute", t.compute),
+        ("prefill.transfer_tail", t.transfer_tail),
+    ] {
+        crate::otel::record(trace, name, at, at + d, Vec::new());
+        at += d;
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if !self.trace_ended {
+            crate::otel::end(
+                &self.trace,
+                vec![opentelemetry::KeyValue::new("outcome", "cancelled")],
+            );
+        }
+    }
 }
 
 /// What a whole (non-streamed) generation produced.
@@ -127,6 +165,39 @@ impl Generation {
         // request is being admitted still reaches it.
         let abort = state.aborts.register(rid);
         let arrived = req.arrived;
+        let role = match state.engine.mode() {
+            "prefill" => "prefill",
+            "decode" => "decode",
+            _ => "colocated",
+        };
+        let parent = match &pd.handover.traceparent {
+            Some(tp) => {
+                let mut h = axum::http::HeaderMap::new();
+                if let Ok(v) = axum::http::HeaderValue::from_str(tp) {
+                    h.insert("traceparent", v);
+                }
+                crate::otel::extract(&h)
+            }
+            None => opentelemetry::Context::new(),
+        };
+        let name = match role {
+            "prefill" => "prefill.request",
+            "decode" => "decode.request",
+            _ => "colocated.request",
+        };
+        let trace = crate::otel::start(
+            &parent,
+            name,
+            opentelemetry::trace::SpanKind::Server,
+            crate::otel::wall(arrived),
+            vec![
+                opentelemetry::KeyValue::new("request_id", rid.to_string()),
+                opentelemetry::KeyValue::new("endpoint", endpoint),
+                opentelemetry::KeyValue::new("prompt_tokens", req.prompt_ids.len() as i64),
+                opentelemetry::KeyValue::new("local_prefill", pd.handover.local),
+                opentelemetry::KeyValue::new("resumed_tokens", pd.handover.resume.len() as i64),
+            ],
+        );
         let stream = match state.engine.submit(req, pd).await {
             Ok(Submitted::Stream(s)) => Source::Stream(s),
             Ok(Submitted::Prefill(ticket)) => Source::Prefill {
@@ -134,9 +205,14 @@ impl Generation {
                 tokenizer: state.engine.tokenizer().clone(),
                 done: None,
                 metrics: state.metrics.clone(),
+                trace: trace.clone(),
             },
             Err(e) => {
                 state.metrics.count_error(endpoint, e.code);
+                crate::otel::end(
+                    &trace,
+                    vec![opentelemetry::KeyValue::new("error", e.code.to_string())],
+                );
                 return Err(e.for_endpoint(endpoint));
             }
         };
@@ -150,12 +226,22 @@ impl Generation {
             abort,
             stall_timeout: state.stall_timeout,
             pending: None,
+            trace,
+            role,
+            first_at: None,
+            trace_ended: false,
         })
     }
 
     /// When the request arrived.
     pub fn arrived(&self) -> Instant {
         self.arrived
+    }
+
+    fn end_trace(&mut self, attrs: Vec<opentelemetry::KeyValue>) {
+        if !std::mem::replace(&mut self.trace_ended, true) {
+            crate::otel::end(&self.trace, attrs);
+        }
     }
 
     /// The next step, or `None` once a `Finished`/`Error` step was returned.
@@ -199,6 +285,21 @@ impl Generation {
                 }
                 self.last_token = Some(now);
                 self.metrics.count_generated();
+                if self.first_at.is_none() && self.role != "prefill" {
+                    let wall = std::time::SystemTime::now();
+                    crate::otel::record(
+                        &self.trace,
+                        if self.role == "decode" {
+                            "decode.first_token"
+                        } else {
+                            "colocated.first_token"
+                        },
+                        crate::otel::wall(self.arrived),
+                        wall,
+                        Vec::new(),
+                    );
+                    self.first_at = Some(wall);
+                }
                 Step::Token(t)
             }
             Some(StreamEvent::Finished(f)) => {
@@ -208,11 +309,32 @@ impl Generation {
                     f.cached_tokens,
                 );
                 self.ended = true;
+                if let Some(first) = self.first_at {
+                    crate::otel::record(
+                        &self.trace,
+                        if self.role == "decode" {
+                            "decode.generate"
+                        } else {
+                            "colocated.generate"
+                        },
+                        first,
+                        std::time::SystemTime::now(),
+                        Vec::new(),
+                    );
+                }
+                self.end_trace(vec![
+                    opentelemetry::KeyValue::new("completion_tokens", f.completion_tokens as i64),
+                    opentelemetry::KeyValue::new("finish_reason", f.reason.openai()),
+                ]);
                 Step::Finished(f)
             }
             Some(StreamEvent::Error(e)) => {
                 self.metrics.count_error(self.endpoint, e.error_type());
                 self.ended = true;
+                self.end_trace(vec![opentelemetry::KeyValue::new(
+                    "error",
+                    e.error_type().to_string(),
+                )]);
                 // A refusal relayed from the PD peer names the field as the
                 // engine does (`prompt`): name it as this endpoint does.
                 Step::Error(ApiError::from(e).for_endpoint(self.endpoint))

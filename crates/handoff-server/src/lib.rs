@@ -24,6 +24,7 @@ pub mod listen;
 pub mod metrics;
 pub mod openai_api;
 pub mod openai_types;
+pub mod otel;
 pub mod params;
 pub mod prompt;
 pub mod router;

@@ -544,10 +544,12 @@ async fn run(
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     JsonBody(req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut pd = req.bootstrap()?;
+    pd.handover.traceparent = crate::backend::traceparent_of(&headers);
     state.check_bootstrap(&mut pd)?;
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare_chat(&st, req, arrived)).await;
@@ -637,10 +639,12 @@ fn prepare_chat(
 /// `POST /v1/completions`.
 pub async fn completions(
     State(state): State<AppState>,
+    headers: axum::http::HeaderMap,
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut pd = req.bootstrap()?;
+    pd.handover.traceparent = crate::backend::traceparent_of(&headers);
     state.check_bootstrap(&mut pd)?;
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare_completion(&st, req, arrived)).await;

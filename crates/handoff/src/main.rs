@@ -115,6 +115,23 @@ fn run() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // One trace per request, exported over OTLP when an endpoint is
+    // configured (the OTEL_EXPORTER_OTLP_* variables); flushed on return.
+    let service = match &cli.command {
+        Command::Serve(args) => args.service_name(),
+        Command::Prefill(_) => "handoff-prefill",
+        Command::Decode(_) => "handoff-decode",
+        Command::Router(_) => "handoff-router",
+        _ => "handoff",
+    };
+    let _export = match handoff_server::otel::init(service) {
+        Ok(Some(e)) => {
+            tracing::info!(endpoint = %e.endpoint, service, "exporting traces over OTLP");
+            Some(e)
+        }
+        Ok(None) => None,
+        Err(e) => anyhow::bail!("OTLP trace export: {e}"),
+    };
     match cli.command {
         Command::Serve(args) => {
             set_compute_threads(args.engine.threads);

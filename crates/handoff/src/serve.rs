@@ -64,6 +64,19 @@ pub struct ServeArgs {
     slo_ttft_ms: Option<u64>,
 }
 
+impl ServeArgs {
+    /// Its service name in traces: the router of a PD serve, else the
+    /// worker it runs.
+    pub fn service_name(&self) -> &'static str {
+        match (self.colocated, self.disaggregation_mode) {
+            (true, _) | (false, Some(Mode::Null)) => "handoff",
+            (false, Some(Mode::Prefill)) => "handoff-prefill",
+            (false, Some(Mode::Decode)) => "handoff-decode",
+            (false, None) => "handoff-router",
+        }
+    }
+}
+
 /// Run `handoff serve` until SIGTERM / ctrl-c.
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mode = match (args.colocated, args.disaggregation_mode) {

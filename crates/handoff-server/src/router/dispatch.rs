@@ -75,6 +75,13 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         return refuse(&mut tl, e, "bad_request");
     }
     let headers = req.headers().clone();
+    tl.set_trace(crate::otel::start(
+        &crate::otel::extract(&headers),
+        "router.request",
+        opentelemetry::trace::SpanKind::Server,
+        crate::otel::wall(arrived),
+        vec![opentelemetry::KeyValue::new("http.route", route)],
+    ));
     let bytes = match crate::extract::read_body(req, &()).await {
         Ok(b) => b,
         Err(err) => return refuse(&mut tl, err, "bad_request"),
@@ -114,7 +121,16 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         // With no worker of a role now (a retry too: nothing reached the
         // client yet), wait for one to come back or register, up to the
         // queue timeout (and the request's deadline).
-        let mut pair = match state.wait_for_pair(&failed, &blocks, deadline).await {
+        let queued_at = std::time::SystemTime::now();
+        let picked = state.wait_for_pair(&failed, &blocks, deadline).await;
+        crate::otel::record(
+            tl.trace(),
+            "router.queue",
+            queued_at,
+            std::time::SystemTime::now(),
+            vec![opentelemetry::KeyValue::new("attempt", i64::from(attempt))],
+        );
+        let mut pair = match picked {
             Ok(p) => p,
             Err(_) if last.is_some() => return fail(&mut tl, last.take().expect("checked")),
             Err(role) => {
@@ -148,6 +164,20 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 .queued_tokens()
                 .load(std::sync::atomic::Ordering::Relaxed);
             if let Some(predicted) = state.predictor.predict(queued, own).filter(|p| *p > slo) {
+                let now = std::time::SystemTime::now();
+                crate::otel::record(
+                    tl.trace(),
+                    "router.shed",
+                    now,
+                    now,
+                    vec![
+                        opentelemetry::KeyValue::new(
+                            "predicted_ttft_ms",
+                            predicted.as_millis() as i64,
+                        ),
+                        opentelemetry::KeyValue::new("slo_ttft_ms", slo.as_millis() as i64),
+                    ],
+                );
                 let mut resp = refuse(&mut tl, admission::shed(predicted, slo), "shed");
                 let secs = admission::retry_after(predicted, slo).to_string();
                 if let Ok(v) = axum::http::HeaderValue::from_str(&secs) {
@@ -195,6 +225,25 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         };
         let prefill_url = pair.prefill.as_ref().map_or("(decode)", |p| p.url.as_str());
         tl.dispatched(room, prefill_url, &pair.decode.url);
+        let now = std::time::SystemTime::now();
+        let why = match (&pair.prefill, short) {
+            (Some(_), _) => "disaggregated",
+            (None, true) => "short_prompt",
+            (None, false) => "no_prefill",
+        };
+        crate::otel::record(
+            tl.trace(),
+            "router.decision",
+            now,
+            now,
+            vec![
+                opentelemetry::KeyValue::new("prefill", prefill_url.to_string()),
+                opentelemetry::KeyValue::new("decode", pair.decode.url.clone()),
+                opentelemetry::KeyValue::new("reason", why),
+                opentelemetry::KeyValue::new("prompt_tokens", own as i64),
+            ],
+        );
+        let traceparent = crate::otel::traceparent(tl.trace());
         let spec = AttemptSpec {
             client: &state.client,
             route,
@@ -205,11 +254,13 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             timeout_secs: timeout.as_secs_f64(),
             stall: state.config.stall_timeout,
             metrics: &state.metrics,
+            traceparent: traceparent.as_deref(),
         };
         match relay::start(spec, &mut tl).await {
             Ok((status, content_type, opened)) => {
                 pair.decode.request_succeeded();
-                let migration = migratable.then(|| Migration::new(state.clone(), route, &body));
+                let migration = migratable
+                    .then(|| Migration::new(state.clone(), route, &body, tl.trace().clone()));
                 let mut relay = RelayBody::new(
                     opened,
                     pair,

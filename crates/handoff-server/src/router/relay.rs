@@ -366,6 +366,8 @@ pub struct AttemptSpec<'a> {
     pub stall: Option<std::time::Duration>,
     /// Counts a prefill that fails beside a decode that carries on.
     pub metrics: &'a RouterMetrics,
+    /// The `traceparent` the workers' spans hang under.
+    pub traceparent: Option<&'a str>,
 }
 
 /// Send the attempt to both workers at once and wait until decode's first
@@ -384,15 +386,16 @@ pub async fn start(
         timeout_secs,
         stall,
         metrics,
+        traceparent,
     } = spec;
     let send = |w: &Worker| -> RespFut {
-        Box::pin(
-            client
-                .post(format!("{}{route}", w.url))
-                .header(CONTENT_TYPE, "application/json")
-                .body(body.clone())
-                .send(),
-        )
+        let mut req = client
+            .post(format!("{}{route}", w.url))
+            .header(CONTENT_TYPE, "application/json");
+        if let Some(tp) = traceparent {
+            req = req.header("traceparent", tp);
+        }
+        Box::pin(req.body(body.clone()).send())
     };
     let mut decode_fut = send(&pair.decode);
     let mut prefill = match &pair.prefill {
@@ -574,6 +577,8 @@ pub struct Migration {
     failed: Vec<Arc<Worker>>,
     /// Bytes of an event not yet complete.
     partial: Vec<u8>,
+    /// The request's trace context.
+    trace: opentelemetry::Context,
 }
 
 impl std::fmt::Debug for Migration {
@@ -597,8 +602,10 @@ impl Migration {
         state: crate::router::RouterState,
         route: &'static str,
         body: &serde_json::Map<String, serde_json::Value>,
+        trace: opentelemetry::Context,
     ) -> Self {
         Migration {
+            trace,
             state,
             route,
             body: body.clone(),
@@ -652,6 +659,15 @@ impl Migration {
                     .extend(list.split(',').filter_map(|x| x.parse::<u32>().ok()));
             }
         }
+    }
+}
+
+/// Ends a span when dropped.
+struct EndSpan(opentelemetry::Context);
+
+impl Drop for EndSpan {
+    fn drop(&mut self) {
+        crate::otel::end(&self.0, Vec::new());
     }
 }
 
@@ -905,13 +921,29 @@ impl RelayBody {
                 body.insert("resume_output_ids".into(), serde_json::json!(m.ids));
             }
             let payload = serde_json::to_vec(&body).unwrap_or_default();
-            let sent = m
+            let span = crate::otel::start(
+                &m.trace,
+                "router.migration",
+                opentelemetry::trace::SpanKind::Internal,
+                std::time::SystemTime::now(),
+                vec![
+                    opentelemetry::KeyValue::new("from", self.pair.decode.url.clone()),
+                    opentelemetry::KeyValue::new("to", decode.url.clone()),
+                    opentelemetry::KeyValue::new("tokens_streamed", m.ids.len() as i64),
+                    opentelemetry::KeyValue::new("why", why.to_string()),
+                ],
+            );
+            let mut req = m
                 .state
                 .client
                 .post(format!("{}{route}", decode.url))
-                .header(CONTENT_TYPE, "application/json")
-                .body(payload)
-                .send();
+                .header(CONTENT_TYPE, "application/json");
+            if let Some(tp) = crate::otel::traceparent(&span) {
+                req = req.header("traceparent", tp);
+            }
+            let sent = req.body(payload).send();
+            // The span covers the hand-over: until the new decode answered.
+            let _end = EndSpan(span);
             let resp = match tokio::time::timeout_at(self.limits.deadline.into(), sent).await {
                 Err(_) => {
                     return Err(ApiError::new(

@@ -28,6 +28,8 @@ pub struct Timeline {
     outcome: &'static str,
     /// The request's claim on its prefilling worker's queue.
     ticket: Option<crate::router::admission::Ticket>,
+    /// Its `router.request` span (ended with the timeline).
+    trace: opentelemetry::Context,
 }
 
 impl Timeline {
@@ -49,6 +51,7 @@ impl Timeline {
             status: 0,
             outcome: "client_gone",
             ticket: None,
+            trace: opentelemetry::Context::new(),
         }
     }
 
@@ -78,6 +81,16 @@ impl Timeline {
         if let Some(t) = &mut self.ticket {
             t.prefilled(true);
         }
+    }
+
+    /// The request's `router.request` span.
+    pub fn set_trace(&mut self, cx: opentelemetry::Context) {
+        self.trace = cx;
+    }
+
+    /// The request's trace context (its `router.request` span).
+    pub fn trace(&self) -> &opentelemetry::Context {
+        &self.trace
     }
 
     /// This attempt's claim on its prefilling worker's queue (replacing an
@@ -142,6 +155,16 @@ impl Drop for Timeline {
             }
         }
         self.metrics.observe_e2e(done.as_secs_f64());
+        crate::otel::end(
+            &self.trace,
+            vec![
+                opentelemetry::KeyValue::new("http.status_code", i64::from(self.status)),
+                opentelemetry::KeyValue::new("outcome", self.outcome),
+                opentelemetry::KeyValue::new("retries", i64::from(self.retries)),
+                opentelemetry::KeyValue::new("decode", self.decode.clone()),
+                opentelemetry::KeyValue::new("prefill", self.prefill.clone()),
+            ],
+        );
         tracing::info!(
             room = self.room.map(RoomId::get).unwrap_or(0),
             route = self.route,
