@@ -27,12 +27,8 @@ pub struct Replicas {
     pub decode: usize,
     /// The router's queue timeout.
     pub queue_timeout: Duration,
-    /// Continuations of one stream on another decode worker.
-    pub migration_limit: u32,
-    /// Prompts shorter than this are prefilled on the decode worker.
-    pub local_prefill_below: usize,
-    /// The default TTFT SLO of a request.
-    pub slo_ttft: Option<Duration>,
+    /// Migration, the per-request PD decision and shedding.
+    pub adapt: crate::router_cmd::AdaptArgs,
 }
 
 /// Run router + prefill + decode until SIGTERM / ctrl-c.
@@ -181,9 +177,7 @@ pub fn run(
         config.decode_policy = policy(decodes.len());
         config.health_interval = Duration::from_secs(1);
         config.queue_timeout = replicas.queue_timeout;
-        config.migration_limit = replicas.migration_limit;
-        config.local_prefill_below = replicas.local_prefill_below;
-        config.default_slo_ttft = replicas.slo_ttft;
+        replicas.adapt.apply(&mut config);
         config.http = http.limits.limits();
         config.allow_origins = http.limits.allow_origin.clone();
         config.stall_timeout = http.limits.stall_timeout();

@@ -73,21 +73,9 @@ pub struct RouterArgs {
     /// (connection errors, 502, 503), each with a fresh room.
     #[arg(long, default_value_t = 2)]
     max_retries: u32,
-    /// Most times a stream is continued on another decode worker when its
-    /// decode dies or stalls mid-stream (0: never; the client then gets an
-    /// error event).
-    #[arg(long, default_value_t = 2)]
-    migration_limit: u32,
-    /// Per-request PD decision: prompts shorter than this many tokens
-    /// (exact for token ids, about 4 characters a token for text) are
-    /// prefilled on their decode worker, with no transfer (0: never).
-    #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
-    local_prefill_below: usize,
-    /// TTFT SLO, ms, of a request that names none (`slo_ttft_ms` or the
-    /// `x-slo-ttft-ms` header): one predicted to miss its SLO gets a 429
-    /// with Retry-After at once [default: none].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
-    slo_ttft_ms: Option<u64>,
+    /// Migration, the per-request PD decision and shedding.
+    #[command(flatten)]
+    adapt: AdaptArgs,
     /// Accepted for SGLang's `sglang_router.launch_router` commands: this
     /// router always pairs a prefill and a decode worker per request.
     #[arg(long)]
@@ -95,6 +83,37 @@ pub struct RouterArgs {
     /// Connection hygiene of the router's port.
     #[command(flatten)]
     limits: crate::engine_args::HttpLimitArgs,
+}
+
+/// How the router adapts to failures and load (`handoff router` and
+/// `handoff serve`'s router).
+#[derive(Debug, Clone, Copy, clap::Args)]
+pub struct AdaptArgs {
+    /// Most times a stream is continued on another decode worker (or its
+    /// restarted one) when its decode dies or stalls mid-stream (0: never;
+    /// the client then gets an error event).
+    #[arg(long, default_value_t = 2)]
+    pub migration_limit: u32,
+    /// Per-request PD decision: prompts shorter than this many tokens
+    /// (exact for token ids, about 4 characters a token for text) are
+    /// prefilled on their decode worker, with no transfer (0: every prompt
+    /// goes through a prefill worker).
+    #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
+    pub local_prefill_below: usize,
+    /// TTFT SLO, ms, of a request that names none (`slo_ttft_ms` or the
+    /// `x-slo-ttft-ms` header): one predicted to miss its SLO gets a 429
+    /// with Retry-After at once [default: none].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    pub slo_ttft_ms: Option<u64>,
+}
+
+impl AdaptArgs {
+    /// Set them on `c`.
+    pub fn apply(&self, c: &mut RouterConfig) {
+        c.migration_limit = self.migration_limit;
+        c.local_prefill_below = self.local_prefill_below;
+        c.default_slo_ttft = self.slo_ttft_ms.map(Duration::from_millis);
+    }
 }
 
 fn usage_error(kind: ErrorKind, message: String) -> clap::Error {
@@ -166,9 +185,7 @@ pub fn config(
     c.request_timeout = Duration::from_secs(args.request_timeout_secs);
     c.health_interval = Duration::from_secs(args.health_check_interval_secs);
     c.max_retries = args.max_retries;
-    c.migration_limit = args.migration_limit;
-    c.local_prefill_below = args.local_prefill_below;
-    c.default_slo_ttft = args.slo_ttft_ms.map(Duration::from_millis);
+    args.adapt.apply(&mut c);
     c.queue_timeout = Duration::from_secs(args.queue_timeout_secs);
     c.http = args.limits.limits();
     c.allow_origins = args.limits.allow_origin.clone();

@@ -46,22 +46,10 @@ pub struct ServeArgs {
     /// Retry-After.
     #[arg(long, default_value_t = 30)]
     queue_timeout_secs: u64,
-    /// Disaggregated serve: most times a stream is continued on another
-    /// decode worker (or its decode worker restarted) when its decode dies
-    /// or stalls mid-stream (0: never).
-    #[arg(long, default_value_t = 2)]
-    migration_limit: u32,
-    /// Disaggregated serve: prompts shorter than this many tokens (exact
-    /// for token ids, about 4 characters a token for text) are prefilled on
-    /// the decode worker, with no transfer (0: every prompt goes through
-    /// the prefill worker).
-    #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
-    local_prefill_below: usize,
-    /// Disaggregated serve: TTFT SLO, ms, of a request that names none
-    /// (`slo_ttft_ms` or the `x-slo-ttft-ms` header): one predicted to miss
-    /// its SLO gets a 429 with Retry-After at once [default: none].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
-    slo_ttft_ms: Option<u64>,
+    /// Disaggregated serve: migration, the per-request PD decision and
+    /// shedding in its router.
+    #[command(flatten)]
+    adapt: crate::router_cmd::AdaptArgs,
 }
 
 impl ServeArgs {
@@ -88,9 +76,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             prefill: usize::from(args.prefill_replicas),
             decode: usize::from(args.decode_replicas),
             queue_timeout: std::time::Duration::from_secs(args.queue_timeout_secs),
-            migration_limit: args.migration_limit,
-            local_prefill_below: args.local_prefill_below,
-            slo_ttft: args.slo_ttft_ms.map(std::time::Duration::from_millis),
+            adapt: args.adapt,
         };
         return crate::local_pd::run(
             &args.engine,
