@@ -96,12 +96,41 @@ pub struct Generation {
     /// Its span (`prefill.request`, `decode.request` or
     /// `colocated.request`), ended with the generation.
     trace: opentelemetry::Context,
-    /// The span's name prefix (`prefill`, `decode`, `colocated`).
-    role: &'static str,
+    /// Its spans' names, by the worker's role.
+    role: SpanNames,
     /// When its first token came.
     first_at: Option<std::time::SystemTime>,
     /// The span was ended.
     trace_ended: bool,
+}
+
+/// The names of a worker's spans.
+#[derive(Debug, Clone, Copy)]
+struct SpanNames {
+    request: &'static str,
+    /// Arrival to the first token, then first token to the end (`None` for
+    /// a prefill, whose stages come from its timings).
+    steps: Option<(&'static str, &'static str)>,
+}
+
+impl SpanNames {
+    /// For a worker of `mode` (`prefill`, `decode`, SGLang's `null`).
+    fn of(mode: &str) -> Self {
+        match mode {
+            "prefill" => SpanNames {
+                request: "prefill.request",
+                steps: None,
+            },
+            "decode" => SpanNames {
+                request: "decode.request",
+                steps: Some(("decode.first_token", "decode.generate")),
+            },
+            _ => SpanNames {
+                request: "colocated.request",
+                steps: Some(("colocated.first_token", "colocated.generate")),
+            },
+        }
+    }
 }
 
 /// The prefill's stages, back to back and ending now, as child spans.
@@ -165,29 +194,10 @@ impl Generation {
         // request is being admitted still reaches it.
         let abort = state.aborts.register(rid);
         let arrived = req.arrived;
-        let role = match state.engine.mode() {
-            "prefill" => "prefill",
-            "decode" => "decode",
-            _ => "colocated",
-        };
-        let parent = match &pd.handover.traceparent {
-            Some(tp) => {
-                let mut h = axum::http::HeaderMap::new();
-                if let Ok(v) = axum::http::HeaderValue::from_str(tp) {
-                    h.insert("traceparent", v);
-                }
-                crate::otel::extract(&h)
-            }
-            None => opentelemetry::Context::new(),
-        };
-        let name = match role {
-            "prefill" => "prefill.request",
-            "decode" => "decode.request",
-            _ => "colocated.request",
-        };
+        let role = SpanNames::of(state.engine.mode());
         let trace = crate::otel::start(
-            &parent,
-            name,
+            &crate::otel::parent_of(pd.handover.traceparent.as_deref()),
+            role.request,
             opentelemetry::trace::SpanKind::Server,
             crate::otel::wall(arrived),
             vec![
@@ -285,15 +295,11 @@ impl Generation {
                 }
                 self.last_token = Some(now);
                 self.metrics.count_generated();
-                if self.first_at.is_none() && self.role != "prefill" {
+                if let (None, Some((name, _))) = (self.first_at, self.role.steps) {
                     let wall = std::time::SystemTime::now();
                     crate::otel::record(
                         &self.trace,
-                        if self.role == "decode" {
-                            "decode.first_token"
-                        } else {
-                            "colocated.first_token"
-                        },
+                        name,
                         crate::otel::wall(self.arrived),
                         wall,
                         Vec::new(),
@@ -309,14 +315,10 @@ impl Generation {
                     f.cached_tokens,
                 );
                 self.ended = true;
-                if let Some(first) = self.first_at {
+                if let (Some(first), Some((_, name))) = (self.first_at, self.role.steps) {
                     crate::otel::record(
                         &self.trace,
-                        if self.role == "decode" {
-                            "decode.generate"
-                        } else {
-                            "colocated.generate"
-                        },
+                        name,
                         first,
                         std::time::SystemTime::now(),
                         Vec::new(),

@@ -93,6 +93,15 @@ pub fn extract(headers: &axum::http::HeaderMap) -> Context {
     TraceContextPropagator::new().extract(&opentelemetry_http::HeaderExtractor(headers))
 }
 
+/// The parent a `traceparent` value names ([`extract`] of that header).
+pub fn parent_of(traceparent: Option<&str>) -> Context {
+    let mut h = std::collections::HashMap::new();
+    if let Some(tp) = traceparent {
+        h.insert("traceparent".to_string(), tp.to_string());
+    }
+    TraceContextPropagator::new().extract(&h)
+}
+
 /// The `traceparent` that makes `cx`'s span the parent of the receiver's.
 pub fn traceparent(cx: &Context) -> Option<String> {
     if !cx.span().span_context().is_valid() {
@@ -174,5 +183,10 @@ mod tests {
         h.insert("traceparent", "00-zz-yy-01".parse().unwrap());
         assert!(!extract(&h).span().span_context().is_valid());
         assert_eq!(traceparent(&Context::new()), None);
+        let from_value = parent_of(Some(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        ));
+        assert_eq!(from_value.span().span_context(), &sc);
+        assert!(!parent_of(None).span().span_context().is_valid());
     }
 }

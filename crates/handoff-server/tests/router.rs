@@ -912,6 +912,18 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
     base
 }
 
+/// The router's `/workers` entry of the worker at `url`.
+async fn worker_entry(base: &str, url: &str) -> Value {
+    let (_, list) = get(base, "/workers").await;
+    let list: Value = serde_json::from_str(&list).unwrap();
+    list.as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == url)
+        .unwrap_or_else(|| panic!("{url} not in {list}"))
+        .clone()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_requests_keep_failing_has_its_circuit_opened() {
     let none = || Arc::new(AtomicBool::new(false));
@@ -943,25 +955,13 @@ async fn a_worker_whose_requests_keep_failing_has_its_circuit_opened() {
         let (s, v) = post(&r.base, "/generate", &json!({"text": "hi"})).await;
         assert_eq!(s, 200, "a request reached the open circuit: {v}");
     }
-    let (_, list) = get(&r.base, "/workers").await;
-    let list: Value = serde_json::from_str(&list).unwrap();
-    let b = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["url"] == bad.as_str())
-        .unwrap();
+    let b = worker_entry(&r.base, &bad).await;
     assert_eq!(b["health"], "healthy", "{b}");
     assert_eq!(b["circuit"], "open", "{b}");
     assert_eq!(b["consecutive_failures"], 3, "{b}");
     let backoff = b["circuit_backoff_ms"].as_u64().unwrap();
     assert!((500..=1500).contains(&backoff), "1 s with jitter: {b}");
-    let g = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["url"] == good.as_str())
-        .unwrap();
+    let g = worker_entry(&r.base, &good).await;
     assert_eq!(g["circuit"], "closed", "{g}");
     // Past the backoff it is half open: the next request to it fails and
     // opens it again, for about twice as long.
@@ -975,14 +975,7 @@ async fn a_worker_whose_requests_keep_failing_has_its_circuit_opened() {
         }
     }
     assert!(reopened, "the half-open circuit let no request through");
-    let (_, list) = get(&r.base, "/workers").await;
-    let list: Value = serde_json::from_str(&list).unwrap();
-    let b = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["url"] == bad.as_str())
-        .unwrap();
+    let b = worker_entry(&r.base, &bad).await;
     assert_eq!(b["circuit"], "open", "{b}");
     let again = b["circuit_backoff_ms"].as_u64().unwrap();
     assert!((1000..=3000).contains(&again), "2 s with jitter: {b}");

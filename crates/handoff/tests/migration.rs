@@ -9,7 +9,6 @@
 //! The model is `HANDOFF_MODEL`, else `models/SmolLM2-135M-Instruct.Q4_1.gguf`.
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -200,19 +199,7 @@ async fn a_killed_decode_costs_no_stream(args: &[&str], n: usize) {
         assert!(Instant::now() < deadline, "the streams never started");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let victim = s
-        .workers
-        .lock()
-        .unwrap()
-        .iter()
-        .find(|(role, _)| role == "decode")
-        .map(|(_, pid)| *pid)
-        .expect("a decode pid");
-    assert!(Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    s.kill_first("decode");
     let at_kill: Vec<usize> = counts.iter().map(|c| c.load(Ordering::Relaxed)).collect();
     let mid_stream = at_kill.iter().filter(|&&c| c < TOKENS as usize / 2).count();
     for (i, t) in tasks.into_iter().enumerate() {

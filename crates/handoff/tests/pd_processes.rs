@@ -184,6 +184,32 @@ async fn decode_pages_back(decode: &str) -> Value {
     }
 }
 
+/// Send `body` to the prefill and the decode worker as a router does, kill
+/// the prefill mid-prefill, and wait for decode's answer: its status, its
+/// body, and how long after the kill it came.
+async fn post_both_killing_prefill(
+    prefill: &mut Proc,
+    decode: &Proc,
+    body: &Value,
+) -> (u16, String, Duration) {
+    let p = tokio::spawn({
+        let (base, body) = (prefill.http.clone(), body.clone());
+        async move { post(&base, &body).await }
+    });
+    let d = tokio::spawn({
+        let (base, body) = (decode.http.clone(), body.clone());
+        async move {
+            let r = post(&base, &body).await;
+            (r, Instant::now())
+        }
+    });
+    kill_mid_prefill(prefill, &decode.http).await;
+    let killed = Instant::now();
+    let ((status, text), answered) = d.await.expect("decode request");
+    let _ = p.await;
+    (status, text, answered.saturating_duration_since(killed))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_killed_mid_transfer_over_tcp() {
     prefill_killed_mid_transfer_is_a_typed_error_and_decode_recovers("tcp").await;
@@ -222,22 +248,7 @@ async fn prefill_killed_mid_transfer_is_a_typed_error_and_decode_recovers(transp
     // Streaming: the client gets a JSON SSE error event.
     let mut prefill = start("prefill", &model, &boot);
     let body = paired(&long_prompt(true), &prefill, 71);
-    let p = tokio::spawn({
-        let (base, body) = (prefill.http.clone(), body.clone());
-        async move { post(&base, &body).await }
-    });
-    let d = tokio::spawn({
-        let (base, body) = (decode.http.clone(), body.clone());
-        async move {
-            let r = post(&base, &body).await;
-            (r, Instant::now())
-        }
-    });
-    kill_mid_prefill(&mut prefill, &decode.http).await;
-    let killed = Instant::now();
-    let ((status, text), answered) = d.await.expect("decode request");
-    let _ = p.await;
-    let waited = answered.saturating_duration_since(killed);
+    let (status, text, waited) = post_both_killing_prefill(&mut prefill, &decode, &body).await;
     assert!(waited < PEER_DEATH_BOUND, "error after {waited:?}");
     assert_eq!(status, 200, "the stream had started: {text}");
     let data: Vec<&str> = text
@@ -257,19 +268,7 @@ async fn prefill_killed_mid_transfer_is_a_typed_error_and_decode_recovers(transp
     // Whole answer: a 5xx JSON error.
     let mut prefill = start("prefill", &model, &boot);
     let body = paired(&long_prompt(false), &prefill, 72);
-    let p = tokio::spawn({
-        let (base, body) = (prefill.http.clone(), body.clone());
-        async move { post(&base, &body).await }
-    });
-    let d = tokio::spawn({
-        let (base, body) = (decode.http.clone(), body.clone());
-        async move { post(&base, &body).await }
-    });
-    kill_mid_prefill(&mut prefill, &decode.http).await;
-    let killed = Instant::now();
-    let (status, text) = d.await.expect("decode request");
-    let waited = killed.elapsed();
-    let _ = p.await;
+    let (status, text, waited) = post_both_killing_prefill(&mut prefill, &decode, &body).await;
     assert!(waited < PEER_DEATH_BOUND, "error after {waited:?}");
     // A dead peer is a 503 the client may retry, typed as such.
     assert_eq!(status, 503, "{text}");
@@ -323,17 +322,7 @@ async fn a_prefill_killed_mid_transfer_costs_no_request_by_default() {
         let want: Value = serde_json::from_str(&want).expect("JSON");
         let mut prefill = start("prefill", &model, &boot);
         let body = paired(&long_prompt(stream), &prefill, 81 + i);
-        let p = tokio::spawn({
-            let (base, body) = (prefill.http.clone(), body.clone());
-            async move { post(&base, &body).await }
-        });
-        let d = tokio::spawn({
-            let (base, body) = (decode.http.clone(), body.clone());
-            async move { post(&base, &body).await }
-        });
-        kill_mid_prefill(&mut prefill, &decode.http).await;
-        let (status, text) = d.await.expect("decode request");
-        let _ = p.await;
+        let (status, text, _) = post_both_killing_prefill(&mut prefill, &decode, &body).await;
         assert_eq!(status, 200, "{text}");
         let got = if stream {
             last_event(&text)

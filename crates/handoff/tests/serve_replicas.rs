@@ -6,7 +6,6 @@
 //! answer is wrong; the supervisor starts it again and all four are
 //! healthy again.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -87,20 +86,8 @@ async fn replicas_all_serve_and_a_killed_decode_fails_only_what_it_was_generatin
         }));
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let victim = s
-        .workers
-        .lock()
-        .unwrap()
-        .iter()
-        .find(|(role, _)| role == "decode")
-        .map(|(_, pid)| *pid)
-        .expect("a decode pid");
     let killed_at = t0.elapsed();
-    assert!(Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    s.kill_first("decode");
     // The signal was sent when `kill` returned; the process is gone (its
     // sockets closed, which the router's connection pool must see) a moment
     // later: requests started by then may still have gone to it.

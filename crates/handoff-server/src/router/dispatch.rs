@@ -295,22 +295,15 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 if f.worker_fault() {
                     worker.request_failed();
                 }
-                // A decode that broke off before anything reached the client
-                // took its generation down with it: sending the request
-                // again costs the client nothing but time. (One that stalled
-                // before its first byte is not: it may be frozen, not dead.)
-                let decode_lost = f.side() == Role::Decode
-                    && matches!(f, Failure::BrokeOff { .. })
-                    && state.config.migration_limit > 0;
                 if matches!(f, Failure::Unreachable { .. } | Failure::BrokeOff { .. })
                     || f.is_draining()
                 {
                     worker.mark_unreachable();
                 }
-                if !f.retryable() && !decode_lost {
+                if !f.retryable(state.config.migration_limit > 0) {
                     return fail(&mut tl, f);
                 }
-                if decode_lost {
+                if matches!(f, Failure::BrokeOff { .. }) {
                     state.metrics.count_migration(route, "restarted");
                 }
                 tracing::warn!(

@@ -136,14 +136,17 @@ impl Failure {
         }
     }
 
-    /// Safe to send again with a fresh room: nothing was relayed yet and the
-    /// worker could not take the request (connection error, 502, 503), so
-    /// no generation can have started.
-    pub fn retryable(&self) -> bool {
+    /// Safe to send again with a fresh room: nothing was relayed yet and
+    /// the worker could not take the request (connection error, 502, 503),
+    /// so no generation can have started; or, with `resend_lost`, a decode
+    /// broke off before any byte reached the client, taking its generation
+    /// down with it (one that stalled is not: it may be frozen, not dead).
+    pub fn retryable(&self, resend_lost: bool) -> bool {
         match self {
             Failure::Unreachable { .. } => true,
             Failure::Status { status, .. } => matches!(status, 502 | 503),
-            Failure::BrokeOff { .. } | Failure::Timeout { .. } | Failure::Stalled { .. } => false,
+            Failure::BrokeOff { side, .. } => resend_lost && *side == Role::Decode,
+            Failure::Timeout { .. } | Failure::Stalled { .. } => false,
         }
     }
 

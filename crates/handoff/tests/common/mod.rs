@@ -96,6 +96,26 @@ pub struct Serve {
     pub workers: std::sync::Arc<std::sync::Mutex<Vec<(String, u32)>>>,
 }
 
+impl Serve {
+    /// SIGKILL its first worker process of `role`; its pid.
+    pub fn kill_first(&self, role: &str) -> u32 {
+        let pid = self
+            .workers
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(r, _)| r == role)
+            .map(|(_, pid)| *pid)
+            .unwrap_or_else(|| panic!("no {role} pid"));
+        assert!(std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success());
+        pid
+    }
+}
+
 impl Drop for Serve {
     fn drop(&mut self) {
         use std::time::{Duration, Instant};
