@@ -263,6 +263,7 @@ impl Loaded {
             waiting: Default::default(),
             active: Vec::new(),
             resumed: Default::default(),
+            order: Default::default(),
             cache,
         };
         std::thread::Builder::new()

@@ -10,6 +10,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod events;
+pub mod fair;
 mod gbnf;
 pub mod grammar;
 pub mod handle;

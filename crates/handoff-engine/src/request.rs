@@ -122,6 +122,8 @@ pub struct GenerateRequest {
     /// the grammar and the stop-string matcher, and generates from the next
     /// one on. They count toward `max_new_tokens`; empty for a new request.
     pub output_so_far: Vec<u32>,
+    /// Its priority and tenant: the order it waits in ([`crate::fair`]).
+    pub class: crate::fair::Class,
 }
 
 impl GenerateRequest {
@@ -132,6 +134,7 @@ impl GenerateRequest {
             sampling,
             arrived: Instant::now(),
             output_so_far: Vec::new(),
+            class: crate::fair::Class::default(),
         }
     }
 }

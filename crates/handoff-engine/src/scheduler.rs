@@ -18,6 +18,7 @@ use handoff_model::{Llama, Phase, SeqChunk};
 use crate::engine::Counters;
 use crate::error::EngineError;
 use crate::events::{EventSender, NotSent};
+use crate::fair::FairOrder;
 use crate::grammar::{Allowed, Grammar, GrammarError};
 use crate::prefill_pass::pack;
 use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
@@ -224,6 +225,8 @@ pub(crate) struct Scheduler {
     /// Requests prefilled elsewhere, waiting for a batch slot (their pages
     /// are already held, so they go before `waiting`).
     pub resumed: VecDeque<Resumed>,
+    /// Which waiting or resumed request goes next ([`crate::fair`]).
+    pub order: FairOrder,
     /// The prefix cache (`None` when disabled).
     pub cache: Option<PrefixCache>,
 }
@@ -261,9 +264,14 @@ impl Scheduler {
             }
             self.drop_cancelled();
             while self.active.len() < self.max_batch {
-                let Some(r) = self.resumed.pop_front() else {
+                let Some(i) = self.order.next(self.resumed.iter().map(|r| &r.req.class)) else {
                     break;
                 };
+                let Some(r) = self.resumed.remove(i) else {
+                    break;
+                };
+                let work = r.req.prompt_ids.len() + r.req.sampling.max_new_tokens;
+                self.order.charge(&r.req.class, work);
                 self.resume(r);
             }
             self.admit();
@@ -335,15 +343,20 @@ impl Scheduler {
         }
     }
 
-    /// Admit waiting requests in arrival order while pages and batch slots
-    /// last. Pages for prompt + max_new_tokens are reserved up front (less
+    /// Admit waiting requests in their order ([`crate::fair`]: priority,
+    /// then a fair share between tenants, then arrival) while pages and
+    /// batch slots last; the next in that order waits for pages rather than
+    /// letting a smaller request past it. Pages for prompt + max_new_tokens are reserved up front (less
     /// the cached prefix it reuses), so a running request never runs out of
     /// pages mid-generation. Cached pages no request reads are evicted, least
     /// recently used first, when the free ones do not suffice.
     fn admit(&mut self) {
         let page_size = self.pool.geometry().page_size;
         while self.active.len() < self.max_batch {
-            let Some(w) = self.waiting.front() else { break };
+            let Some(i) = self.order.next(self.waiting.iter().map(|w| &w.req.class)) else {
+                break;
+            };
+            let w = &self.waiting[i];
             // A scored prompt is computed whole: a cached prefix has no
             // logits.
             let prefix = match &mut self.cache {
@@ -359,9 +372,11 @@ impl Scheduler {
                 None => allocator.lease(need),
             };
             let Ok(lease) = leased else { break };
-            let Some(w) = self.waiting.pop_front() else {
+            let Some(w) = self.waiting.remove(i) else {
                 break;
             };
+            let work = w.req.prompt_ids.len() + w.req.sampling.max_new_tokens;
+            self.order.charge(&w.req.class, work);
             let seq = SeqPages::new(prefix, lease, page_size);
             match Active::start(*w.req, w.tx, seq, &self.tokenizer) {
                 Ok(a) => self.active.push(a),

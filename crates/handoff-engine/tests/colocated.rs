@@ -44,6 +44,7 @@ fn req(prompt: Vec<u32>, max_new: usize) -> GenerateRequest {
         },
         arrived: Instant::now(),
         output_so_far: Vec::new(),
+        class: Default::default(),
     }
 }
 
@@ -514,4 +515,73 @@ fn eviction_under_memory_pressure_keeps_running_requests_intact() {
         let cached = on.load().pages_cached;
         assert!(cached < 54 && cached > 0, "{cached} pages cached");
     }
+}
+
+#[test]
+fn waiting_requests_go_by_priority_then_fair_share_then_arrival() {
+    use handoff_engine::fair::Class;
+    // One request runs at a time.
+    let (h, _d) = engine_with(4, 64, 16, |c| c.max_batch = 1);
+    let class = |priority, tenant: &str| Class {
+        priority,
+        tenant: Some(tenant.into()),
+    };
+    let with = |mut r: GenerateRequest, c| {
+        r.class = c;
+        r
+    };
+    // Tenant a's first request takes the batch and keeps it while the rest
+    // queue (its stream is not read, so it pauses once its channel fills).
+    let mut first = h
+        .submit(with(req(prompt(8, 0), 200), class(0, "a")))
+        .unwrap();
+    let Some(StreamEvent::Token(t0)) = first.blocking_next() else {
+        panic!("no first token");
+    };
+    let queued = [
+        ("a1", class(0, "a")),
+        ("a2", class(0, "a")),
+        ("a-high", class(5, "a")),
+        ("b1", class(0, "b")),
+        ("a-low", class(-1, "a")),
+    ];
+    let streams: Vec<_> = queued
+        .iter()
+        .enumerate()
+        .map(|(i, (name, c))| {
+            let s = h
+                .submit(with(req(prompt(8, 1 + i as u32), 4), c.clone()))
+                .unwrap();
+            (*name, s)
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while h.load().waiting < queued.len() {
+        assert!(Instant::now() < deadline, "{:?}", h.load());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let started: Vec<(Instant, &str)> = std::thread::scope(|s| {
+        let hs: Vec<_> = streams
+            .into_iter()
+            .map(|(name, mut st)| {
+                s.spawn(move || {
+                    let Some(StreamEvent::Token(t)) = st.blocking_next() else {
+                        panic!("{name}: no first token");
+                    };
+                    let at = Instant::now();
+                    drain_from(st, vec![t.id], t.text);
+                    (at, name)
+                })
+            })
+            .collect();
+        drain_from(first, vec![t0.id], t0.text);
+        hs.into_iter().map(|j| j.join().unwrap()).collect()
+    });
+    let mut order = started;
+    order.sort();
+    let order: Vec<&str> = order.into_iter().map(|(_, n)| n).collect();
+    // a-high first (priority 5); then b, whose tenant has had nothing while
+    // a had two turns; then a's in arrival order, the lower priority last.
+    assert_eq!(order, ["a-high", "b1", "a1", "a2", "a-low"]);
+    wait_for_pages_free(&h);
 }

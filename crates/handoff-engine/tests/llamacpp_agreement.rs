@@ -97,6 +97,7 @@ fn greedy_output_tracks_llamacpp() {
             },
             arrived: Instant::now(),
             output_so_far: Vec::new(),
+            class: Default::default(),
         };
         let mut s = h.submit(req).unwrap();
         let mut got = Vec::new();

@@ -204,6 +204,7 @@ fn req(prompt: Vec<u32>, max_new: usize) -> GenerateRequest {
         },
         arrived: Instant::now(),
         output_so_far: Vec::new(),
+        class: Default::default(),
     }
 }
 

@@ -81,6 +81,7 @@ fn requests(vocab: usize, lens: &[usize], max_new: usize, seed: u64) -> Vec<Gene
             },
             arrived: Instant::now(),
             output_so_far: Vec::new(),
+            class: Default::default(),
         })
         .collect()
 }

@@ -168,6 +168,7 @@ fn cases(engine: &EngineHandle) -> Vec<Case> {
                 },
                 arrived: Instant::now(),
                 output_so_far: Vec::new(),
+                class: Default::default(),
             },
         })
         .collect()
@@ -454,6 +455,7 @@ fn a_near_tie_prompt_answers_the_same_after_a_prefix_cache_hit() {
         },
         arrived: Instant::now(),
         output_so_far: Vec::new(),
+        class: Default::default(),
     };
     let want = drain(off.submit(req.clone()).unwrap()).unwrap().ids;
     for pass in 0..2 {
@@ -758,6 +760,7 @@ fn json_schema_output_always_validates_and_pd_equals_colocated() {
                     },
                     arrived: Instant::now(),
                     output_so_far: Vec::new(),
+                    class: Default::default(),
                 },
             }
         })

@@ -138,6 +138,7 @@ pub fn requests(
             sampling: sampling.clone(),
             arrived,
             output_so_far: Vec::new(),
+            class: Default::default(),
         })
         .collect()
 }

@@ -56,6 +56,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<&'static s
         },
         arrived: Instant::now(),
         output_so_far: Vec::new(),
+        class: Default::default(),
     };
     let rid = crate::app::new_request_id("health");
     let gen =

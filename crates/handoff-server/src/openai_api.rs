@@ -629,6 +629,7 @@ fn prepare_chat(
             sampling,
             arrived,
             output_so_far: Vec::new(),
+            class: Default::default(),
         }],
         stream: req.stream.unwrap_or(false),
         n,

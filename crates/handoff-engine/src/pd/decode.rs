@@ -511,7 +511,7 @@ async fn prefill_here(ctx: &Ctx, req: GenerateRequest, tx: EventSender, pending:
         prompt.len() - 1
     };
     let leased = tokio::select! {
-        l = lease_prompt_pages(&ctx.pages, prompt, matchable, total) => l,
+        l = lease_prompt_pages(&ctx.pages, &req, matchable, total) => l,
         _ = tx.closed() => return,
     };
     let (prefix, lease) = leased;
@@ -615,7 +615,7 @@ async fn joined(
     }
     let delta = ctx.pages.cache.is_some() && ctx.receiver.delta_capable(peer).await?;
     let matchable = if delta { prompt.len() } else { 0 };
-    let (prefix, lease) = lease_prompt_pages(&ctx.pages, prompt, matchable, total).await;
+    let (prefix, lease) = lease_prompt_pages(&ctx.pages, req, matchable, total).await;
     let prefix_tokens = prefix.tokens(page_size);
     tracing::debug!(
         room = room.get(),

@@ -26,6 +26,7 @@
 //!     sampling: Default::default(),
 //!     arrived: std::time::Instant::now(),
 //!     output_so_far: Vec::new(),
+//!     class: Default::default(),
 //! };
 //! let room = RoomId::new(42).expect("non-zero");
 //! // Both halves at once, as a router does; either may refuse (400 ...),
@@ -70,6 +71,7 @@ use crate::config::EngineConfig;
 use crate::engine::Loaded;
 use crate::error::EngineError;
 use crate::handle::LoadSnapshot;
+use crate::request::GenerateRequest;
 
 pub use decode::{DecodeEngine, DecodeHandle, LocalPrefills};
 pub use handoff_proto::RoomId;
@@ -287,8 +289,10 @@ fn model_hash(path: &Path, formats: &str) -> Result<[u8; 32], EngineError> {
     Ok(out)
 }
 
-/// Pages for a prompt, waiting in FIFO order behind earlier requests while
-/// the pool is full (the prealloc queue: pool memory is the backpressure):
+/// Pages for a request's prompt, waiting in the fair order
+/// ([`crate::fair`]: priority, tenant's share, arrival) behind other
+/// requests while the pool is full (the prealloc queue: pool memory is the
+/// backpressure):
 /// once at the head of the queue, lock the longest cached prefix of
 /// `prompt` that ends by token `max_tokens` and lease the rest of `total`
 /// pages, evicting cached pages nothing reads when the free ones do not
@@ -297,11 +301,13 @@ fn model_hash(path: &Path, formats: &str) -> Result<[u8; 32], EngineError> {
 /// wakes when pages return ([`PageQueue::new`]).
 async fn lease_prompt_pages(
     queue: &PageQueue,
-    prompt: &[u32],
+    req: &GenerateRequest,
     max_tokens: usize,
     total: usize,
 ) -> (PrefixLock, PageLease) {
-    let _turn = queue.turn.lock().await;
+    let prompt = &req.prompt_ids;
+    let work = prompt.len() + req.sampling.max_new_tokens;
+    let _turn = queue.turn.turn(&req.class, work).await;
     let prefix = match &queue.cache {
         Some(c) => lock_cache(c).lookup_within(prompt, max_tokens),
         None => PrefixLock::default(),
@@ -350,8 +356,8 @@ fn handshake_config(role: Role, fp: Fingerprint, pd: &PdConfig) -> HandshakeConf
 /// The requests of one engine waiting for pages of its pool, head first.
 struct PageQueue {
     allocator: PageAllocator,
-    /// Head of the queue.
-    turn: tokio::sync::Mutex<()>,
+    /// Head of the queue, handed on in the fair order.
+    turn: crate::fair::Turnstile,
     /// Woken each time pages return to the pool.
     returned: std::sync::Arc<tokio::sync::Notify>,
     /// The pool's prefix cache, whose unread pages give way to requests.
@@ -366,7 +372,7 @@ impl PageQueue {
         allocator.on_return(move || wake.notify_waiters());
         Self {
             allocator,
-            turn: tokio::sync::Mutex::new(()),
+            turn: crate::fair::Turnstile::new(),
             returned,
             cache,
         }

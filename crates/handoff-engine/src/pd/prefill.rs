@@ -373,7 +373,7 @@ async fn prefill_room(
         req.prompt_ids.len() - 1
     };
     let (mut prefix, mut lease) = tokio::select! {
-        l = lease_prompt_pages(&ctx.pages, &req.prompt_ids, matchable, total) => l,
+        l = lease_prompt_pages(&ctx.pages, &req, matchable, total) => l,
         end = handle.outcome() => return Err(end.err().map_or_else(before_compute, Into::into)),
     };
     let cached_tokens = prefix.tokens(ctx.page_size);
@@ -404,6 +404,7 @@ async fn prefill_room(
             grammar: s.grammar.clone(),
             top_logprobs: s.top_logprobs,
             prompt_logprobs: s.prompt_logprobs,
+            priority: req.class.priority,
             cancel: cancel.clone(),
             progress: progress_tx,
             reply,
@@ -601,6 +602,8 @@ struct Job {
     top_logprobs: usize,
     /// Score the prompt (every row's logits).
     prompt_logprobs: bool,
+    /// Its request's priority: a higher one's chunks go first in a pass.
+    priority: i32,
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
     /// (chunk end, layer): that layer's K/V of every token before the
@@ -641,7 +644,8 @@ struct Running {
 }
 
 impl Compute {
-    /// Prefill every job that arrived, interleaved (round robin): each
+    /// Prefill every job that arrived, interleaved (round robin within a
+    /// priority, a higher one first): each
     /// forward pass takes the next chunks of the running jobs in turn, up
     /// to `prefill_chunk` tokens in all, so a short prompt waits for at
     /// most one pass, never for a long prompt's whole prefill.
@@ -676,6 +680,11 @@ impl Compute {
             if running.is_empty() {
                 continue;
             }
+            // Higher priority first; round robin within a priority (the
+            // sort is stable).
+            running
+                .make_contiguous()
+                .sort_by_key(|r| std::cmp::Reverse(r.job.priority));
             let pack = pack(
                 running
                     .iter()
