@@ -79,6 +79,9 @@ pub struct Handover {
     pub marks: bool,
     /// The request's W3C `traceparent` header: its spans' parent.
     pub traceparent: Option<String>,
+    /// `priority` and the tenant: the order it waits in
+    /// ([`crate::tenancy`]).
+    pub class: handoff_engine::fair::Class,
 }
 
 /// A request's `traceparent` header, if it has one.
@@ -148,7 +151,22 @@ impl Handover {
             resume,
             marks: flag("stream_marks", marks)?,
             traceparent: None,
+            class: handoff_engine::fair::Class::default(),
         })
+    }
+
+    /// What the request's headers add: its `traceparent`, its tenant, and
+    /// its priority checked against its key's limit (a priority it did not
+    /// ask for is the limit's default).
+    pub fn from_headers(
+        &mut self,
+        headers: &axum::http::HeaderMap,
+        priority: Option<&Value>,
+    ) -> Result<(), ApiError> {
+        self.traceparent = traceparent_of(headers);
+        let asked = crate::tenancy::parse_priority(priority)?;
+        self.class = crate::tenancy::class_of(asked, headers)?;
+        Ok(())
     }
 }
 
@@ -445,6 +463,7 @@ impl Backend {
         b: &Bootstrap,
     ) -> Result<Submitted, ApiError> {
         req.output_so_far = b.handover.resume.clone();
+        req.class = b.handover.class.clone();
         match self {
             Backend::Colocated(e) => Ok(Submitted::Stream(e.submit(req)?)),
             Backend::Decode(d) if b.handover.local => Ok(Submitted::Stream(d.submit_local(req)?)),

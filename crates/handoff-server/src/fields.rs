@@ -90,7 +90,6 @@ const COMMON: &[(&str, Support)] = &[
     ("service_tier", Support::NoEffect),
     ("rid", Support::NoEffect),
     ("request_id", Support::NoEffect),
-    ("priority", Support::NoEffect),
     ("extra_key", Support::NoEffect),
     ("cache_salt", Support::NoEffect),
     ("custom_labels", Support::NoEffect),

@@ -176,6 +176,10 @@ pub struct GenerateBody {
     /// of its tokens.
     #[serde(default)]
     pub stream_marks: Option<Value>,
+    /// Larger is served sooner (SGLang's `priority`); at most the API
+    /// key's limit ([`crate::tenancy`]).
+    #[serde(default)]
+    pub priority: Option<Value>,
     /// Every other field: refused or accepted by [`crate::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
@@ -261,7 +265,7 @@ pub async fn generate(
         body.on_transfer_failure.as_ref(),
         body.stream_marks.as_ref(),
     )?);
-    pd.handover.traceparent = crate::backend::traceparent_of(&headers);
+    pd.handover.from_headers(&headers, body.priority.as_ref())?;
     state.check_bootstrap(&mut pd)?;
     let (stream_it, body_wants_logprobs) = (
         body.stream.unwrap_or(false),

@@ -30,6 +30,7 @@ pub mod prompt;
 pub mod router;
 pub mod sse;
 pub mod structured;
+pub mod tenancy;
 pub mod token_api;
 pub mod tools;
 pub mod trust;

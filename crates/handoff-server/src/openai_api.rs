@@ -549,7 +549,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut pd = req.bootstrap()?;
-    pd.handover.traceparent = crate::backend::traceparent_of(&headers);
+    pd.handover.from_headers(&headers, req.priority.as_ref())?;
     state.check_bootstrap(&mut pd)?;
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare_chat(&st, req, arrived)).await;
@@ -645,7 +645,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut pd = req.bootstrap()?;
-    pd.handover.traceparent = crate::backend::traceparent_of(&headers);
+    pd.handover.from_headers(&headers, req.priority.as_ref())?;
     state.check_bootstrap(&mut pd)?;
     let st = state.clone();
     let prepared = prompt::off_runtime(move || prepare_completion(&st, req, arrived)).await;

@@ -189,6 +189,10 @@ pub struct ChatCompletionRequest {
     /// of its tokens.
     #[serde(default)]
     pub stream_marks: Option<serde_json::Value>,
+    /// Larger is served sooner (SGLang's `priority`); at most the API
+    /// key's limit ([`crate::tenancy`]).
+    #[serde(default)]
+    pub priority: Option<serde_json::Value>,
 }
 
 impl ChatCompletionRequest {
@@ -373,6 +377,10 @@ pub struct CompletionRequest {
     /// of its tokens.
     #[serde(default)]
     pub stream_marks: Option<serde_json::Value>,
+    /// Larger is served sooner (SGLang's `priority`); at most the API
+    /// key's limit ([`crate::tenancy`]).
+    #[serde(default)]
+    pub priority: Option<serde_json::Value>,
 }
 
 impl CompletionRequest {

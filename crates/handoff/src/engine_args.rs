@@ -350,7 +350,10 @@ pub struct HttpLimitArgs {
     /// to its own.
     #[arg(long, conflicts_with = "api_key_file")]
     pub api_key: Option<String>,
-    /// Read the API key from this file (surrounding white space dropped).
+    /// Read the API key from this file (surrounding white space dropped),
+    /// or several, one a line: `NAME KEY [MAX_PRIORITY]`. Each key is a
+    /// tenant sharing fairly with the others, its requests' `priority` at
+    /// most MAX_PRIORITY; the first is the cluster's own (sent to workers).
     #[arg(long, value_name = "PATH")]
     pub api_key_file: Option<std::path::PathBuf>,
     /// A path open without the API key; repeat for several [default:
@@ -380,8 +383,13 @@ impl HttpLimitArgs {
     pub fn api_key(&self) -> anyhow::Result<Option<handoff_server::auth::ApiKey>> {
         let key = match (&self.api_key, &self.api_key_file) {
             (Some(k), _) => k.clone(),
-            (None, Some(path)) => std::fs::read_to_string(path)
-                .with_context(|| format!("reading the API key file {}", path.display()))?,
+            (None, Some(path)) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the API key file {}", path.display()))?;
+                let keys = handoff_server::auth::ApiKey::from_file(&text, &self.open_paths)
+                    .with_context(|| format!("the API key file {}", path.display()))?;
+                return Ok(Some(keys));
+            }
             (None, None) => match std::env::var("HANDOFF_API_KEY") {
                 Ok(k) => k,
                 Err(std::env::VarError::NotPresent) => return Ok(None),

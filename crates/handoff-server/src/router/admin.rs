@@ -136,11 +136,12 @@ fn admitted(state: &RouterState, req: &Request) -> Result<(), ApiError> {
             "admin_needs_api_key",
             "/admin/restart needs the server to have an API key (--api-key, --api-key-file or HANDOFF_API_KEY); restart with SIGHUP instead",
         )),
-        Some(k) if k.admits(req.headers().get(AUTHORIZATION)) => Ok(()),
+        // A tenant's key is not enough: only the cluster's.
+        Some(k) if k.is_cluster_key(req.headers().get(AUTHORIZATION)) => Ok(()),
         Some(_) => Err(ApiError::new(
             401,
             "invalid_api_key",
-            "/admin/restart needs `Authorization: Bearer KEY`",
+            "/admin/restart needs `Authorization: Bearer KEY` with the cluster's key (the first of a key file)",
         )),
     }
 }

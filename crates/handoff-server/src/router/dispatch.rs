@@ -104,6 +104,18 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         Ok(s) => s,
         Err(e) => return refuse(&mut tl, e, "bad_request"),
     };
+    // The priority against the key's limit; the tenant goes to the workers
+    // (the router's key lets it name one), which order their queues by both.
+    let class = match crate::tenancy::parse_priority(body.get("priority"))
+        .and_then(|p| crate::tenancy::class_of(p, &headers))
+    {
+        Ok(c) => c,
+        Err(e) => return refuse(&mut tl, e, "bad_request"),
+    };
+    let tenant = class.tenant.as_deref();
+    if class.priority != 0 {
+        body.insert("priority".into(), json!(class.priority));
+    }
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     tl.set_stream(stream);
     // A stream the router can continue elsewhere if its decode dies: each
@@ -255,12 +267,14 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             stall: state.config.stall_timeout,
             metrics: &state.metrics,
             traceparent: traceparent.as_deref(),
+            tenant,
         };
         match relay::start(spec, &mut tl).await {
             Ok((status, content_type, opened)) => {
                 pair.decode.request_succeeded();
                 let migration = migratable
-                    .then(|| Migration::new(state.clone(), route, &body, tl.trace().clone()));
+                    .then(|| Migration::new(state.clone(), route, &body, tl.trace().clone()))
+                    .map(|m| m.for_tenant(tenant));
                 let mut relay = RelayBody::new(
                     opened,
                     pair,

@@ -371,6 +371,8 @@ pub struct AttemptSpec<'a> {
     pub metrics: &'a RouterMetrics,
     /// The `traceparent` the workers' spans hang under.
     pub traceparent: Option<&'a str>,
+    /// The tenant the request is served for ([`crate::tenancy`]).
+    pub tenant: Option<&'a str>,
 }
 
 /// Send the attempt to both workers at once and wait until decode's first
@@ -390,6 +392,7 @@ pub async fn start(
         stall,
         metrics,
         traceparent,
+        tenant,
     } = spec;
     let send = |w: &Worker| -> RespFut {
         let mut req = client
@@ -397,6 +400,9 @@ pub async fn start(
             .header(CONTENT_TYPE, "application/json");
         if let Some(tp) = traceparent {
             req = req.header("traceparent", tp);
+        }
+        if let Some(t) = tenant {
+            req = req.header(crate::tenancy::TENANT_HEADER, t);
         }
         Box::pin(req.body(body.clone()).send())
     };
@@ -582,6 +588,8 @@ pub struct Migration {
     partial: Vec<u8>,
     /// The request's trace context.
     trace: opentelemetry::Context,
+    /// The tenant it is served for.
+    tenant: Option<String>,
 }
 
 impl std::fmt::Debug for Migration {
@@ -619,7 +627,14 @@ impl Migration {
             count: 0,
             failed: Vec::new(),
             partial: Vec::new(),
+            tenant: None,
         }
+    }
+
+    /// Continued for `tenant`, as the request was first sent.
+    pub fn for_tenant(mut self, tenant: Option<&str>) -> Self {
+        self.tenant = tenant.map(str::to_string);
+        self
     }
 
     /// The whole events in what arrived so far, their marks read and taken
@@ -943,6 +958,9 @@ impl RelayBody {
                 .header(CONTENT_TYPE, "application/json");
             if let Some(tp) = crate::otel::traceparent(&span) {
                 req = req.header("traceparent", tp);
+            }
+            if let Some(t) = &m.tenant {
+                req = req.header(crate::tenancy::TENANT_HEADER, t);
             }
             let sent = req.body(payload).send();
             // The span covers the hand-over: until the new decode answered.
