@@ -47,7 +47,8 @@ pub struct FairOrder {
 }
 
 impl FairOrder {
-    fn tag(&self, tenant: &Option<Arc<str>>) -> u64 {
+    /// `tenant`'s start tag: the smaller, the more it is owed.
+    pub fn tag(&self, tenant: &Option<Arc<str>>) -> u64 {
         self.tags.get(tenant).copied().unwrap_or(0).max(self.vtime)
     }
 

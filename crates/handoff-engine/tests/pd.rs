@@ -56,6 +56,7 @@ per_transport!(
     a_prefill_that_never_answers_holds_up_no_other_request,
     a_prefill_behind_a_dropped_port_holds_up_no_other_request,
     a_short_prompt_is_not_stuck_behind_a_long_prefill,
+    prefill_compute_goes_by_priority_then_tenant_share,
     prompts_sharing_a_prefill_pass_keep_their_bits,
     a_prefill_with_another_kv_dtype_fails_at_the_handshake_naming_both,
     seeded_sampling_is_colocated_sampling,
@@ -748,6 +749,62 @@ fn a_short_prompt_is_not_stuck_behind_a_long_prefill(kind: TransportKind) {
     );
     assert_eq!(drain(short_stream).unwrap(), want_short);
     assert_eq!(drain(long_stream).unwrap().0.len(), 2);
+    assert_clean(&s);
+}
+
+fn prefill_compute_goes_by_priority_then_tenant_share(kind: TransportKind) {
+    use handoff_engine::fair::Class;
+    // Prefill chunks of 2 tokens: one prompt's chunk a pass, each prompt of
+    // 200 tokens 100 passes.
+    let s = setup(
+        kind,
+        Opts {
+            kv_pages: 1024,
+            prefill_chunk: 2,
+            ..Opts::default()
+        },
+    );
+    let of = |salt, priority, tenant: &str| {
+        let mut r = req(prompt(200, salt), 1);
+        r.class = Class {
+            priority,
+            tenant: Some(tenant.into()),
+        };
+        r
+    };
+    // Tenant a's four prompts start; then b's one and a's urgent one.
+    let mut started: Vec<(&str, PrefillTicket, RequestStream)> = Vec::new();
+    for i in 0..4 {
+        let (t, st) = start(&s, &of(10 + i, 0, "a"));
+        started.push(("a", t, st));
+    }
+    eventually("a's prefills run", Duration::from_secs(5), || {
+        s.prefill.load().running == 4
+    });
+    let (t, st) = start(&s, &of(20, 0, "b"));
+    started.push(("b", t, st));
+    let (t, st) = start(&s, &of(21, 5, "a"));
+    started.push(("a-urgent", t, st));
+    let mut done: Vec<(Instant, &str)> = std::thread::scope(|sc| {
+        let hs: Vec<_> = started
+            .into_iter()
+            .map(|(name, ticket, stream)| {
+                sc.spawn(move || {
+                    ticket.blocking_wait().unwrap();
+                    let at = Instant::now();
+                    drain(stream).unwrap();
+                    (at, name)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    done.sort();
+    let order: Vec<&str> = done.into_iter().map(|(_, n)| n).collect();
+    // The urgent one goes first; b, sharing passes with a's four (not
+    // taking one pass in five), finishes long before them although it came
+    // later. Round robin alone would finish b last.
+    assert_eq!(order, ["a-urgent", "b", "a", "a", "a", "a"]);
     assert_clean(&s);
 }
 

@@ -158,6 +158,7 @@ impl PrefillEngine {
             threads,
             prefill_chunk: config.prefill_chunk,
             passes: ctx.passes.clone(),
+            order: Default::default(),
         };
         std::thread::Builder::new()
             .name("handoff-prefill".into())
@@ -404,7 +405,7 @@ async fn prefill_room(
             grammar: s.grammar.clone(),
             top_logprobs: s.top_logprobs,
             prompt_logprobs: s.prompt_logprobs,
-            priority: req.class.priority,
+            class: req.class.clone(),
             cancel: cancel.clone(),
             progress: progress_tx,
             reply,
@@ -602,8 +603,9 @@ struct Job {
     top_logprobs: usize,
     /// Score the prompt (every row's logits).
     prompt_logprobs: bool,
-    /// Its request's priority: a higher one's chunks go first in a pass.
-    priority: i32,
+    /// Its request's priority and tenant: the order its chunks get a pass
+    /// in.
+    class: crate::fair::Class,
     /// Set when the room failed: stop at the next chunk.
     cancel: Arc<AtomicBool>,
     /// (chunk end, layer): that layer's K/V of every token before the
@@ -624,6 +626,8 @@ struct Compute {
     /// computed independently).
     rows_independent: bool,
     passes: Arc<PassCounts>,
+    /// Each tenant's share of the compute ([`crate::fair`]).
+    order: crate::fair::FairOrder,
 }
 
 // The wire carries as many alternatives as a request may ask for.
@@ -644,8 +648,10 @@ struct Running {
 }
 
 impl Compute {
-    /// Prefill every job that arrived, interleaved (round robin within a
-    /// priority, a higher one first): each
+    /// Prefill every job that arrived, interleaved: a higher priority
+    /// first, then the tenant owed the most compute (each pass's tokens are
+    /// charged to their tenants, [`crate::fair`]), round robin within a
+    /// tenant: each
     /// forward pass takes the next chunks of the running jobs in turn, up
     /// to `prefill_chunk` tokens in all, so a short prompt waits for at
     /// most one pass, never for a long prompt's whole prefill.
@@ -680,11 +686,16 @@ impl Compute {
             if running.is_empty() {
                 continue;
             }
-            // Higher priority first; round robin within a priority (the
-            // sort is stable).
-            running
-                .make_contiguous()
-                .sort_by_key(|r| std::cmp::Reverse(r.job.priority));
+            // Higher priority first, then the tenant owed the most compute
+            // ([`crate::fair`]); round robin within a tenant (the sort is
+            // stable).
+            let order = &self.order;
+            running.make_contiguous().sort_by_cached_key(|r| {
+                (
+                    std::cmp::Reverse(r.job.class.priority),
+                    order.tag(&r.job.class.tenant),
+                )
+            });
             let pack = pack(
                 running
                     .iter()
@@ -693,6 +704,9 @@ impl Compute {
                 self.rows_independent,
             );
             let mut served: Vec<Running> = running.drain(..pack.len()).collect();
+            for (r, &tokens) in served.iter().zip(&pack) {
+                self.order.charge(&r.job.class, tokens);
+            }
             let results = self.pass(&mut served, &pack);
             for (r, result) in served.into_iter().zip(results) {
                 match result {

@@ -118,6 +118,10 @@ pub struct BenchArgs {
     /// for a server that sheds requests it cannot serve in time.
     #[arg(long)]
     send_slo: bool,
+    /// Send this `priority` with every request (larger is served sooner by
+    /// a server that orders its queue by it).
+    #[arg(long, allow_hyphen_values = true)]
+    priority: Option<i32>,
     /// SLO on the p99 of one request's inter-token gaps, ms (goodput).
     #[arg(long, default_value_t = 200.0, value_parser = positive_f64)]
     slo_itl_ms: f64,
@@ -169,6 +173,19 @@ struct Plan {
     timeout: Duration,
     slo: Slo,
     class_names: Vec<String>,
+    /// `priority` sent with every request.
+    priority: Option<i32>,
+}
+
+impl Plan {
+    /// The body of `spec`'s request.
+    fn body(&self, spec: &workload::RequestSpec, model: Option<&str>) -> Value {
+        let mut b = client::body(spec, self.endpoint, model);
+        if let Some(p) = self.priority {
+            b["priority"] = p.into();
+        }
+        b
+    }
 }
 
 /// Check that `base` answers and find its model name: `GET /v1/models`.
@@ -193,10 +210,10 @@ async fn run_one(plan: &Plan, target: &Target) -> anyhow::Result<RunReport> {
     let bodies: Arc<[Value]> = plan
         .measured
         .iter()
-        .map(|s| client::body(s, plan.endpoint, model.as_deref()))
+        .map(|s| plan.body(s, model.as_deref()))
         .collect();
     for spec in &plan.warmup {
-        let body = client::body(spec, plan.endpoint, model.as_deref());
+        let body = plan.body(spec, model.as_deref());
         let o = client::send(&plan.client, &url, &body, spec, plan.timeout).await;
         if let Some(f) = o.failure {
             eprintln!(
@@ -392,6 +409,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             itl_ms: args.slo_itl_ms,
         },
         class_names: class_names.clone(),
+        priority: args.priority,
     };
     let shape = if let Some(sp) = args.shared_prefix {
         format!(
