@@ -297,6 +297,81 @@ async fn short_prompts_are_prefilled_on_their_decode_worker() {
     assert_eq!(list[0]["served"], 0, "{list}");
 }
 
+/// A worker that answers with the body it received: after 3 s when the
+/// prompt says "hold", else after `ms`.
+async fn slow_echo_worker(ms: u64) -> String {
+    let handler = move |received: Bytes| async move {
+        let hold = String::from_utf8_lossy(&received).contains("hold");
+        let ms = if hold { 3000 } else { ms };
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        ([("content-type", "application/json")], received).into_response()
+    };
+    let app = axum::Router::new()
+        .route("/health", routing::get(|| async { "" }))
+        .route("/generate", routing::post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    base
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_behind_a_busy_prefill_is_prefilled_on_its_decode_worker() {
+    // The prefill answers before the decode, so its time is measured.
+    let prefill = slow_echo_worker(50).await;
+    let decode = slow_echo_worker(300).await;
+    let mut c = config(&[&prefill], &[&decode]);
+    c.health_interval = Duration::ZERO;
+    c.local_prefill_wait = Some(Duration::from_millis(1));
+    let r = start_router(c).await;
+    let ask = |text: &str| json!({"text": text, "sampling_params": {"max_new_tokens": 1}});
+    // The first measures the prefill's rate (nothing queued: through it).
+    let (s, v) = post(
+        &r.base,
+        "/generate",
+        &ask("first prompt of forty characters, roughly"),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("bootstrap_host").is_some(), "disaggregated: {v}");
+    // One held at the prefill for 3 s: its tokens are queued there...
+    let base = r.base.clone();
+    let held = tokio::spawn(async move {
+        post(
+            &base,
+            "/generate",
+            &json!({"text": "hold this one at the prefill for a while please",
+            "sampling_params": {"max_new_tokens": 1}}),
+        )
+        .await
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while worker_entry(&r.base, &prefill).await["queued_prompt_tokens"] == 0 {
+        assert!(Instant::now() < deadline, "the held request never queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // ...so the next is predicted to wait past 1 ms: prefilled on decode.
+    let (s, v) = post(&r.base, "/generate", &ask("second prompt")).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["local_prefill"], true, "{v}");
+    assert!(v.get("bootstrap_host").is_none(), "{v}");
+    let (s, v) = held.await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    // The queue is empty again: through the prefill.
+    let (s, v) = post(&r.base, "/generate", &ask("third prompt")).await;
+    assert_eq!(s, 200, "{v}");
+    assert!(v.get("bootstrap_host").is_some(), "{v}");
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        metrics.contains(
+            "handoff_router_local_prefills_total{route=\"/generate\",reason=\"prefill_busy\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_predicted_to_miss_its_ttft_slo_gets_a_429_at_once() {
     let _g = serial().await;

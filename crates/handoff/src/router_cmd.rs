@@ -100,6 +100,12 @@ pub struct AdaptArgs {
     /// goes through a prefill worker).
     #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
     pub local_prefill_below: usize,
+    /// Per-request PD decision: a prompt whose prefill worker is predicted
+    /// to keep it queued longer than this many ms (prompt tokens queued
+    /// there ÷ the measured prefill rate) is prefilled on its decode worker
+    /// [default: never for this reason].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=86_400_000))]
+    pub local_prefill_wait_ms: Option<u64>,
     /// TTFT SLO, ms, of a request that names none (`slo_ttft_ms` or the
     /// `x-slo-ttft-ms` header): one predicted to miss its SLO gets a 429
     /// with Retry-After at once [default: none].
@@ -112,6 +118,7 @@ impl AdaptArgs {
     pub fn apply(&self, c: &mut RouterConfig) {
         c.migration_limit = self.migration_limit;
         c.local_prefill_below = self.local_prefill_below;
+        c.local_prefill_wait = self.local_prefill_wait_ms.map(Duration::from_millis);
         c.default_slo_ttft = self.slo_ttft_ms.map(Duration::from_millis);
     }
 }

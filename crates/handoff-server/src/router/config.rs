@@ -59,6 +59,11 @@ pub struct RouterConfig {
     /// text) is prefilled on its decode worker, with no prefill worker and
     /// no transfer (0: every prompt goes through a prefill worker).
     pub local_prefill_below: usize,
+    /// Per-request PD decision: a prompt whose prefill worker is predicted
+    /// to hold it queued longer than this (prompt tokens queued there ÷ the
+    /// learned prefill rate, [`super::admission`]) is prefilled on its
+    /// decode worker instead (`None`: never for this reason).
+    pub local_prefill_wait: Option<Duration>,
     /// The TTFT SLO of a request that names none (`slo_ttft_ms`, the
     /// `x-slo-ttft-ms` header): one predicted to miss it gets a 429 at once.
     pub default_slo_ttft: Option<Duration>,
@@ -108,6 +113,7 @@ impl RouterConfig {
             max_retries: 2,
             migration_limit: 2,
             local_prefill_below: DEFAULT_LOCAL_PREFILL_BELOW,
+            local_prefill_wait: None,
             default_slo_ttft: None,
             http: crate::listen::HttpLimits::default(),
             allow_origins: Vec::new(),

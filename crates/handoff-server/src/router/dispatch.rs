@@ -164,9 +164,28 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         }
         let tokens = prompt_tokens(route, &body);
         let short = tokens.is_some_and(|n| n < state.config.local_prefill_below);
-        if short && pair.prefill.take().is_some() {
-            // Cheaper prefilled where it is decoded than moved.
-            state.metrics.count_local_prefill(route, "short_prompt");
+        // The prefill's queue predicted to hold the prompt up past the limit.
+        let busy = |p: &Arc<Worker>| {
+            let queued = p.queued_tokens().load(std::sync::atomic::Ordering::Relaxed);
+            state
+                .config
+                .local_prefill_wait
+                .zip(state.predictor.predict(queued, 0))
+                .is_some_and(|(limit, wait)| wait > limit)
+        };
+        let local = if short {
+            Some("short_prompt")
+        } else if pair.prefill.as_ref().is_some_and(busy) {
+            Some("prefill_busy")
+        } else {
+            None
+        };
+        if let Some(why) = local {
+            if pair.prefill.take().is_some() {
+                // Cheaper prefilled where it is decoded than moved (or
+                // than queued behind the prefill's backlog).
+                state.metrics.count_local_prefill(route, why);
+            }
         }
         // The worker that will prefill it, and the queue it joins there.
         let prefiller = Arc::clone(pair.prefill.as_ref().unwrap_or(&pair.decode));
@@ -219,9 +238,9 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 sign_bootstrap(&state, &mut body, room.get(), prefill);
             }
             None => {
-                // A short prompt, or no prefill is healthy: the decode
-                // worker prefills itself.
-                if !short {
+                // A short prompt, a busy prefill, or no prefill is
+                // healthy: the decode worker prefills itself.
+                if local.is_none() {
                     state.metrics.count_local_prefill(route, "no_prefill");
                 }
                 local_body(&mut body);
@@ -238,10 +257,10 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         let prefill_url = pair.prefill.as_ref().map_or("(decode)", |p| p.url.as_str());
         tl.dispatched(room, prefill_url, &pair.decode.url);
         let now = std::time::SystemTime::now();
-        let why = match (&pair.prefill, short) {
+        let why = match (&pair.prefill, local) {
             (Some(_), _) => "disaggregated",
-            (None, true) => "short_prompt",
-            (None, false) => "no_prefill",
+            (None, Some(why)) => why,
+            (None, None) => "no_prefill",
         };
         crate::otel::record(
             tl.trace(),
