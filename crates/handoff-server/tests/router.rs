@@ -297,6 +297,40 @@ async fn short_prompts_are_prefilled_on_their_decode_worker() {
     assert_eq!(list[0]["served"], 0, "{list}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_its_decode_worker_mostly_holds_is_prefilled_there() {
+    let _g = serial().await;
+    let w = workers();
+    let mut c = config(&[&w.prefill], &[&w.decode]);
+    c.local_prefill_below = 20;
+    let r = start_router(c).await;
+    r.handle.probe_now().await;
+    let ids = |salt: u32| {
+        (0..100)
+            .map(|i| 3 + (i * 7 + salt) % 290)
+            .collect::<Vec<u32>>()
+    };
+    let body = |from| json!({"input_ids": ids(from), "sampling_params": {"max_new_tokens": 2, "temperature": 0}});
+    // New: 100 uncached tokens, through the prefill. The same again: the
+    // decode worker was sent all of it, prefilled there. Another: prefill.
+    for (from, through_prefill) in [(0, 1), (0, 1), (1, 2)] {
+        let (s, v) = post(&r.base, "/generate", &body(from)).await;
+        assert_eq!(s, 200, "{v}");
+        let prefill = worker_entry(&r.base, &w.prefill).await;
+        assert_eq!(
+            prefill["served"], through_prefill,
+            "prompt from {from}: {prefill}"
+        );
+    }
+    let (_, metrics) = get(&r.base, "/metrics").await;
+    assert!(
+        metrics.contains(
+            "handoff_router_local_prefills_total{route=\"/generate\",reason=\"cached_prompt\"} 1"
+        ),
+        "{metrics}"
+    );
+}
+
 /// A worker that answers with the body it received: after 3 s when the
 /// prompt says "hold", else after `ms`.
 async fn slow_echo_worker(ms: u64) -> String {

@@ -94,10 +94,11 @@ pub struct AdaptArgs {
     /// the client then gets an error event).
     #[arg(long, default_value_t = 2)]
     pub migration_limit: u32,
-    /// Per-request PD decision: prompts shorter than this many tokens
-    /// (exact for token ids, about 4 characters a token for text) are
-    /// prefilled on their decode worker, with no transfer (0: every prompt
-    /// goes through a prefill worker).
+    /// Per-request PD decision: prompts whose part not yet sent to their
+    /// decode worker (so likely not in its prefix cache) is shorter than
+    /// this many tokens (exact for token ids, about 4 characters a token
+    /// for text) are prefilled on that decode worker, with no transfer (0:
+    /// every prompt goes through a prefill worker).
     #[arg(long, default_value_t = handoff_server::router::config::DEFAULT_LOCAL_PREFILL_BELOW)]
     pub local_prefill_below: usize,
     /// Per-request PD decision: a prompt whose prefill worker is predicted

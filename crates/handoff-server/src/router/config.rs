@@ -54,10 +54,12 @@ pub struct RouterConfig {
     /// an error event). Each continuation prefills the prompt and the output
     /// so far on the new decode worker and streams on from there.
     pub migration_limit: u32,
-    /// Per-request PD decision: a prompt of fewer tokens than this (counted
-    /// exactly for token-id prompts, estimated at 4 characters a token for
-    /// text) is prefilled on its decode worker, with no prefill worker and
-    /// no transfer (0: every prompt goes through a prefill worker).
+    /// Per-request PD decision: a prompt of fewer uncached tokens than this
+    /// (counted exactly for token-id prompts, estimated at 4 characters a
+    /// token for text; less the share of its prompt blocks the router sent
+    /// the decode worker before, which its prefix cache likely holds) is
+    /// prefilled on its decode worker, with no prefill worker and no
+    /// transfer (0: every prompt goes through a prefill worker).
     pub local_prefill_below: usize,
     /// Per-request PD decision: a prompt whose prefill worker is predicted
     /// to hold it queued longer than this (prompt tokens queued there ÷ the

@@ -163,7 +163,11 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             state.metrics.count_retry(route);
         }
         let tokens = prompt_tokens(route, &body);
-        let short = tokens.is_some_and(|n| n < state.config.local_prefill_below);
+        // The part of the prompt the decode worker likely lacks: its share of
+        // the prompt's blocks the router never sent there.
+        let uncached = tokens.map(|n| uncached_tokens(n, pair.decode_matched, blocks.len()));
+        let short = uncached.is_some_and(|n| n < state.config.local_prefill_below);
+        let cached = short && tokens.is_some_and(|n| n >= state.config.local_prefill_below);
         // The prefill's queue predicted to hold the prompt up past the limit.
         let busy = |p: &Arc<Worker>| {
             let queued = p.queued_tokens().load(std::sync::atomic::Ordering::Relaxed);
@@ -173,7 +177,9 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 .zip(state.predictor.predict(queued, 0))
                 .is_some_and(|(limit, wait)| wait > limit)
         };
-        let local = if short {
+        let local = if cached {
+            Some("cached_prompt")
+        } else if short {
             Some("short_prompt")
         } else if pair.prefill.as_ref().is_some_and(busy) {
             Some("prefill_busy")
@@ -362,6 +368,16 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     }
 }
 
+/// Of a prompt of `tokens` tokens cut into `blocks` blocks, `matched` of
+/// which its decode worker was sent before: about how many it lacks.
+fn uncached_tokens(tokens: usize, matched: usize, blocks: usize) -> usize {
+    if blocks == 0 {
+        return tokens;
+    }
+    let lacking = blocks.saturating_sub(matched.min(blocks));
+    (tokens * lacking).div_ceil(blocks)
+}
+
 fn refuse(tl: &mut Timeline, err: ApiError, outcome: &'static str) -> Response {
     tl.set_status(err.status);
     tl.finish(outcome);
@@ -499,10 +515,14 @@ impl RouterState {
     /// where another dispatchable worker exists; `Err(role)` when a role has
     /// no dispatchable worker.
     pub(crate) fn pick_pair(&self, failed: &[Arc<Worker>], blocks: &[u64]) -> Result<Pair, Role> {
-        let decode = self.pick(Role::Decode, failed, blocks)?;
+        let (decode, decode_matched) = self.pick_matched(Role::Decode, failed, blocks)?;
         // With no prefill to take it, the decode worker prefills itself.
         let prefill = self.pick(Role::Prefill, failed, blocks).ok();
-        Ok(Pair { prefill, decode })
+        Ok(Pair {
+            prefill,
+            decode,
+            decode_matched,
+        })
     }
 
     /// A decode worker other than those in `failed` where one is
@@ -552,6 +572,17 @@ impl RouterState {
         failed: &[Arc<Worker>],
         blocks: &[u64],
     ) -> Result<Arc<Worker>, Role> {
+        self.pick_matched(role, failed, blocks).map(|(w, _)| w)
+    }
+
+    /// [`Self::pick`], and how many of `blocks` the router had sent the
+    /// chosen worker before.
+    fn pick_matched(
+        &self,
+        role: Role,
+        failed: &[Arc<Worker>],
+        blocks: &[u64],
+    ) -> Result<(Arc<Worker>, usize), Role> {
         let all = self.workers.of(role);
         let usable: Vec<&Arc<Worker>> = all.iter().filter(|w| w.dispatchable()).collect();
         let fresh: Vec<&Arc<Worker>> = usable
@@ -567,9 +598,8 @@ impl RouterState {
         };
         let urls: Vec<&str> = candidates.iter().map(|w| w.url.as_str()).collect();
         policy
-            .pick_for(&urls, &loads, blocks)
-            .and_then(|i| candidates.get(i))
-            .map(|w| Arc::clone(w))
+            .pick_matched(&urls, &loads, blocks)
+            .and_then(|(i, matched)| candidates.get(i).map(|w| (Arc::clone(w), matched)))
             .ok_or(role)
     }
 }

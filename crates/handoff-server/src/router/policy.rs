@@ -82,7 +82,7 @@ pub const CACHE_AWARE_SLACK: u64 = 8;
 pub struct Policy {
     kind: PolicyKind,
     cursor: AtomicUsize,
-    /// Worker URL → what was routed to it (`cache_aware` only).
+    /// Worker URL → what was routed to it.
     index: Mutex<HashMap<String, BlockSet>>,
 }
 
@@ -102,11 +102,20 @@ impl Policy {
     /// the prompt and the worker is within [`CACHE_AWARE_SLACK`] of the least
     /// load, else the least loaded (equally loaded ones in turn); it then
     /// remembers the prompt there.
-    /// Other kinds ignore the prompt.
+    /// Other kinds ignore the prompt in their choice (and remember it too,
+    /// for [`Self::pick_matched`]).
     pub fn pick_for(&self, workers: &[&str], loads: &[u64], blocks: &[u64]) -> Option<usize> {
-        if self.kind != PolicyKind::CacheAware {
-            return self.pick(loads);
-        }
+        self.pick_matched(workers, loads, blocks).map(|(i, _)| i)
+    }
+
+    /// [`Self::pick_for`], and how many of `blocks` the chosen worker held
+    /// before (the share of the prompt likely in its prefix cache).
+    pub fn pick_matched(
+        &self,
+        workers: &[&str],
+        loads: &[u64],
+        blocks: &[u64],
+    ) -> Option<(usize, usize)> {
         if loads.is_empty() {
             return None;
         }
@@ -115,6 +124,16 @@ impl Policy {
             .iter()
             .map(|w| index.get(*w).map_or(0, |s| s.matched(blocks)))
             .collect();
+        if self.kind != PolicyKind::CacheAware {
+            let chosen = self.pick(loads)?;
+            if let Some(w) = workers.get(chosen) {
+                index
+                    .entry((*w).to_string())
+                    .or_default()
+                    .insert(blocks, MAX_BLOCKS);
+            }
+            return Some((chosen, matched.get(chosen).copied().unwrap_or(0)));
+        }
         // The least loaded; among equals, in turn, so new prompts spread.
         let min = loads.iter().copied().min().unwrap_or(0);
         let idle: Vec<usize> = (0..loads.len()).filter(|&i| loads[i] == min).collect();
@@ -137,7 +156,7 @@ impl Policy {
                 .or_default()
                 .insert(blocks, MAX_BLOCKS);
         }
-        Some(chosen)
+        Some((chosen, matched[chosen]))
     }
 
     /// Its kind.

@@ -36,6 +36,9 @@ pub struct Pair {
     pub prefill: Option<Arc<Worker>>,
     /// The decode worker.
     pub decode: Arc<Worker>,
+    /// How many of the prompt's blocks the router sent this decode worker
+    /// before (likely in its prefix cache).
+    pub decode_matched: usize,
 }
 
 impl Pair {
