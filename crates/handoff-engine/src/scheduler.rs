@@ -20,7 +20,7 @@ use crate::error::EngineError;
 use crate::events::{EventSender, NotSent};
 use crate::fair::FairOrder;
 use crate::grammar::{Allowed, Grammar, GrammarError};
-use crate::prefill_pass::pack;
+use crate::prefill_pass::{self, pack};
 use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
 use crate::stop::TextTracker;
 
@@ -531,17 +531,28 @@ impl Scheduler {
             })
             .collect();
         let every_row = pack.len() == 1 && self.active[pack[0].0].sampling.prompt_logprobs;
-        self.counters.prefill.record(pack.len());
-        let pool = &mut self.pool;
-        let logits = self
-            .threads
-            .install(|| model.forward_rows(pool, &chunks, Phase::Prefill, &mut |_| {}, every_row))
-            .map_err(|e| EngineError::Model(e.to_string()))?;
+        let results = prefill_pass::run(
+            model,
+            &mut self.pool,
+            &self.threads,
+            &self.counters.prefill,
+            &chunks,
+            every_row,
+            &mut |_, _| {},
+        );
         // Highest index first: finishing a request moves the last one into
         // its place, never one still to handle here.
-        for (k, &(i, end)) in pack.iter().enumerate().rev() {
+        for (&(i, end), result) in pack.iter().zip(results).rev() {
+            let logits = match result {
+                Ok(l) => l,
+                Err(e) => {
+                    // Only the chunk at fault fails (`prefill_pass::run`).
+                    self.finish(i, Some(StreamEvent::Error(e)));
+                    continue;
+                }
+            };
             let a = &mut self.active[i];
-            let last = if every_row {
+            if every_row {
                 crate::request::PromptLogprob::score(
                     &a.tokens[..a.prompt_len],
                     a.cached,
@@ -549,10 +560,8 @@ impl Scheduler {
                     a.sampling.top_logprobs,
                     &mut a.prompt_scores,
                 );
-                logits.last()
-            } else {
-                logits.get(k)
-            };
+            }
+            let last = logits.last();
             a.cached = end;
             if a.prefilling() {
                 continue;
@@ -599,19 +608,10 @@ impl Scheduler {
         let a = &mut self.active[i];
         let masked = a.sampling.masked(a.generated(), self.tokenizer.eog_ids());
         let mask = mask.or_else(|| a.sampling.grammar.as_mut().map(Grammar::allowed));
-        let allowed = match mask {
-            None => None,
-            Some(Ok(m)) => Some(m),
-            Some(Err(e)) => return Some(Some(StreamEvent::Error(EngineError::Grammar(e.0)))),
+        let (id, logprob) = match prefill_pass::sample(&mut a.sampler, logits, &masked, mask) {
+            Ok(t) => t,
+            Err(e) => return Some(Some(StreamEvent::Error(e))),
         };
-        let (id, logprob) =
-            a.sampler
-                .sample_allowed(logits, &masked, allowed.as_ref().map(Allowed::words));
-        if allowed.as_ref().is_some_and(|m| !m.contains(id)) {
-            return Some(Some(StreamEvent::Error(EngineError::Grammar(
-                "the grammar allows no token here".into(),
-            ))));
-        }
         let top = handoff_model::sampling::top_logprobs(logits, a.sampling.top_logprobs);
         self.emit_token(i, id, logprob, top)
     }

@@ -34,7 +34,7 @@ use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache};
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
-use handoff_model::{Llama, Phase, SeqChunk};
+use handoff_model::{Llama, SeqChunk};
 use handoff_proto::{RejectCode, Role, RoomId, TransferError};
 use handoff_transfer::{AuxData, KvSender, SenderConfig, TransportError};
 use tokio::sync::oneshot;
@@ -739,53 +739,37 @@ impl Compute {
             })
             .collect();
         let every_row = served.len() == 1 && served[0].job.prompt_logprobs;
-        let pool = &mut self.pool;
         let progress: Vec<_> = served.iter().map(|r| &r.job.progress).collect();
-        self.passes.record(served.len());
-        let logits = self.threads.install(|| {
-            model.forward_rows(
-                pool,
-                &chunks,
-                Phase::Prefill,
-                &mut |layer| {
-                    for (p, &end) in progress.iter().zip(&ends) {
-                        let _ = p.send((end, layer));
-                    }
-                },
-                every_row,
-            )
-        });
-        let logits = match logits {
-            Ok(l) => l,
-            // The forward checks every chunk before it computes anything:
-            // run the jobs one by one, so that only the one at fault fails
-            // and the others of the pass go on intact.
-            Err(_) if served.len() > 1 => {
-                return (0..served.len())
-                    .flat_map(|i| self.pass(&mut served[i..=i], &take[i..=i]))
-                    .collect();
-            }
-            Err(e) => return vec![Err(EngineError::Model(e.to_string()))],
-        };
-        if every_row {
-            let r = &mut served[0];
-            PromptLogprob::score(
-                &r.job.tokens,
-                r.cached,
-                &logits,
-                r.job.top_logprobs,
-                &mut r.scores,
-            );
-            r.cached = ends[0];
-            return vec![r.first_token(logits.last().map(Vec::as_slice))];
-        }
+        let results = crate::prefill_pass::run(
+            &model,
+            &mut self.pool,
+            &self.threads,
+            &self.passes,
+            &chunks,
+            every_row,
+            &mut |range, layer| {
+                for i in range {
+                    let _ = progress[i].send((ends[i], layer));
+                }
+            },
+        );
         served
             .iter_mut()
             .zip(ends)
-            .zip(&logits)
+            .zip(results)
             .map(|((r, end), logits)| {
+                let logits = logits?;
+                if every_row {
+                    PromptLogprob::score(
+                        &r.job.tokens,
+                        r.cached,
+                        &logits,
+                        r.job.top_logprobs,
+                        &mut r.scores,
+                    );
+                }
                 r.cached = end;
-                r.first_token(Some(logits.as_slice()))
+                r.first_token(logits.last().map(Vec::as_slice))
             })
             .collect()
     }
@@ -801,23 +785,13 @@ impl Running {
         let logits =
             logits.ok_or_else(|| EngineError::Model("prefill produced no logits".into()))?;
         let mut sampler = Sampler::for_prompt(self.job.sampler.clone(), &self.job.tokens);
-        let allowed = match self
+        let mask = self
             .job
             .grammar
             .as_mut()
-            .map(crate::grammar::Grammar::allowed)
-        {
-            None => None,
-            Some(Ok(m)) => Some(m),
-            Some(Err(e)) => return Err(EngineError::Grammar(e.0)),
-        };
-        let words = allowed.as_ref().map(crate::grammar::Allowed::words);
-        let (id, logprob) = sampler.sample_allowed(logits, &self.job.masked, words);
-        if allowed.as_ref().is_some_and(|m| !m.contains(id)) {
-            return Err(EngineError::Grammar(
-                "the grammar allows no token here".into(),
-            ));
-        }
+            .map(crate::grammar::Grammar::allowed);
+        let (id, logprob) =
+            crate::prefill_pass::sample(&mut sampler, logits, &self.job.masked, mask)?;
         let top = handoff_model::sampling::top_logprobs(logits, self.job.top_logprobs);
         Ok(Some((id, logprob, top, std::mem::take(&mut self.scores))))
     }
