@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Bounded coverage-guided fuzzing of the cargo-fuzz targets in fuzz/
-# (DESIGN.md §9), on the stable toolchain; scripts/test.sh runs it.
+# Bounded coverage-guided fuzzing of the cargo-fuzz targets in fuzz/,
+# on the stable toolchain; scripts/test.sh runs it.
 #
 # Builds fuzz/ with the instrumentation flags cargo-fuzz passes (SanitizerCoverage
 # via stable -C flags; no AddressSanitizer, which needs nightly and which

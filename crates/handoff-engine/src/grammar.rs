@@ -1,4 +1,4 @@
-//! Structured output (DESIGN.md §6): a request's grammar, compiled by
+//! Structured output: a request's grammar, compiled by
 //! `llguidance` (the constrained-decoding library vLLM and SGLang use), masks
 //! the tokens the sampler may pick at every step, so the output always
 //! matches a JSON schema, a regular expression or a grammar.

@@ -1,4 +1,4 @@
-//! Schedulers (DESIGN.md §2 `handoff-engine`): the colocated engine —
+//! Schedulers: the colocated engine —
 //! continuous batching over one paged KV pool, chunked prefill interleaved
 //! with decode, admission by free pages, cancellation by dropping a stream —
 //! and the disaggregated prefill and decode engines ([`pd`]), which run the

@@ -1,5 +1,4 @@
-//! Request, sampling parameters and the events a request's stream yields
-//! (DESIGN.md §3, the part shared by colocated and disaggregated serving).
+//! Request, sampling parameters and the events a request's stream yields.
 
 use std::time::Instant;
 

@@ -1,4 +1,4 @@
-//! The colocated scheduler loop (DESIGN.md §2 `handoff-engine`): one thread
+//! The colocated scheduler loop: one thread
 //! owns the model, the KV pool, the prefix cache and every request. Each
 //! iteration: take new requests, drop cancelled ones, admit waiting requests
 //! whose pages fit (reusing the longest cached prefix, evicting unused cached

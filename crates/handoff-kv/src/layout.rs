@@ -1,5 +1,5 @@
-//! KV geometry and the pool's layout (DESIGN.md §5: this is exactly what the
-//! transfer layer moves).
+//! KV geometry and the pool's layout: exactly what the transfer layer
+//! moves.
 //!
 //! The ids, the dtype and the block order are handoff-proto's
 //! ([`handoff_proto::layout`]), so the pool, the rank map's head slices and

@@ -1,4 +1,4 @@
-//! KV geometry and memory (DESIGN.md §2 `handoff-kv`): the paged KV pool that
+//! KV geometry and memory: the paged KV pool that
 //! the model reads and writes and the transfer layer moves, the byte layout of
 //! (layer, page, K|V) blocks, and single-owner page leases.
 // Only `shm` (the mapping of shared memory) may use `unsafe`.

@@ -1,4 +1,4 @@
-//! Shared-memory backing for a KV pool (DESIGN.md §5 `shm` transport).
+//! Shared-memory backing for a KV pool.
 //!
 //! A [`ShmRegion`] is an anonymous memory file (`memfd_create`) mapped shared
 //! into this process. Another process on the host maps the same pages by

@@ -1,4 +1,4 @@
-//! Paged attention (DESIGN.md §6): queries of new tokens against every key of
+//! Paged attention: queries of new tokens against every key of
 //! their sequence, read from the sequence's pages in the KV pool. Two paths:
 //! one-token decode reads the pages in place; multi-token prefill runs the
 //! same per-token attention for every new token, in parallel, so a token's

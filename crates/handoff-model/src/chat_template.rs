@@ -1,5 +1,5 @@
 //! The GGUF's chat template (`tokenizer.chat_template`), rendered with
-//! minijinja the way Hugging Face transformers renders it (DESIGN.md §6):
+//! minijinja the way Hugging Face transformers renders it:
 //! `trim_blocks` and `lstrip_blocks` on, Python string methods available
 //! (`.strip()`, `.startswith()`, ...), `raise_exception(msg)` to reject a
 //! conversation, `strftime_now(fmt)` (UTC; Llama 3 templates print the

@@ -1,4 +1,4 @@
-//! Model hyper-parameters read from GGUF metadata (DESIGN.md §6).
+//! Model hyper-parameters read from GGUF metadata.
 //!
 //! The rule is the HTTP API's: honour or refuse. Every metadata key under
 //! the architecture's prefix is either read and applied here or makes the

@@ -1,4 +1,4 @@
-//! The model (DESIGN.md §2 `handoff-model`): GGUF loading, a Llama-family
+//! The model: GGUF loading, a Llama-family
 //! forward over a paged KV pool, tokenizer and chat template, sampling.
 // `unsafe` is denied everywhere but in `simd` (run-time chosen
 // `#[target_feature]` kernels, each call with its SAFETY comment) and

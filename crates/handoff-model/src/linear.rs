@@ -1,6 +1,6 @@
-//! Weight matrices in the format chosen for each phase (DESIGN.md §6: prefill
-//! and decode may use different formats, chosen from measurements, as long
-//! as colocated and disaggregated serving use the same ones).
+//! Weight matrices in the format chosen for each phase: prefill and decode
+//! may use different formats, chosen from measurements, as long as
+//! colocated and disaggregated serving use the same ones.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};

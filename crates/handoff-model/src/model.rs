@@ -1,4 +1,4 @@
-//! A Llama-family transformer over a paged KV pool (DESIGN.md §6): GGUF
+//! A Llama-family transformer over a paged KV pool: GGUF
 //! weights, RMSNorm, RoPE with the GGUF's parameters, GQA, SwiGLU, K/V read
 //! and written through [`KvPool`] pages.
 

@@ -1,4 +1,4 @@
-//! Choosing the next token from logits (DESIGN.md §6): logit bias, the
+//! Choosing the next token from logits: logit bias, the
 //! repetition, frequency and presence penalties, masked tokens, then greedy
 //! or temperature, top-k, top-p and min-p, with a per-request seeded RNG so
 //! the same seed gives the same output.

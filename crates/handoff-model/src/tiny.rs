@@ -1,5 +1,5 @@
 //! A tiny Llama model with seeded random weights, written as a real GGUF file
-//! (DESIGN.md §6: tests that must not download use it), and its tiny
+//! (tests that must not download use it), and its tiny
 //! vocabulary. Same tensor names, quantization types and tokenizer kind as
 //! SmolLM2, only smaller. A test fixture: compiled only with the `testing`
 //! feature (and in this crate's unit tests), which no product build turns on.

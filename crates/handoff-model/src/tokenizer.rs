@@ -1,5 +1,5 @@
-//! Tokenizer built from a GGUF file's own vocabulary, merges and token types
-//! (DESIGN.md §6): byte-level BPE with llama.cpp's pre-tokenizers and its
+//! Tokenizer built from a GGUF file's own vocabulary, merges and token types:
+//! byte-level BPE with llama.cpp's pre-tokenizers and its
 //! special-token splitting, so that ids match `llama-tokenize` exactly.
 //!
 //! Encoding: the text is first partitioned around special tokens the way

@@ -1,4 +1,4 @@
-//! Signed bootstrap fields (DESIGN.md §3 step 1): the router vouches for the
+//! Signed bootstrap fields: the router vouches for the
 //! prefill endpoint it gives a decode worker, so that no client can make a
 //! decode worker dial an address of its choosing. The signature is an
 //! HMAC-SHA256, keyed with the transfer secret both workers and the router

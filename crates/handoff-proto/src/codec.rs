@@ -1,4 +1,4 @@
-//! Hand-written binary primitives of the wire format (DESIGN.md §4 "Framing").
+//! Hand-written binary primitives of the wire format.
 //!
 //! Little endian integers; strings and lists are prefixed by their length.
 //! [`Reader`] checks every length against the bytes actually left before it

@@ -1,4 +1,4 @@
-//! One control connection, sans-IO (DESIGN.md §4 "Framing", "Handshake"):
+//! One control connection, sans-IO:
 //! bytes in, events out; messages in, bytes out. The I/O shell owns the
 //! socket (one writer per socket) and does nothing clever: it pushes what it
 //! reads into [`Connection::handle_bytes`], writes what

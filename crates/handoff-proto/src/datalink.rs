@@ -1,4 +1,4 @@
-//! The data-link wire format (DESIGN.md §5), sans-IO like the control codec: what flows on a data connection
+//! The data-link wire format, sans-IO like the control codec: what flows on a data connection
 //! after its handshake. Control frames never travel here; these records only
 //! carry KV payload placement (tcp), the aux record and end-of-room markers,
 //! and the decode side's acknowledgements.
@@ -134,7 +134,7 @@ pub const ACK_LEN: usize = 10;
 /// consecutive destination pages (`heads: None`, payload `n_pages ×
 /// page_span` bytes), or one head slice of one page's K or V block
 /// (`heads: Some`, `n_pages` 1, payload `count × head_bytes` bytes) when
-/// prefill and decode TP sizes differ (DESIGN.md §4 "Fan-in / fan-out").
+/// prefill and decode TP sizes differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SegmentHeader {
     /// The room.

@@ -1,4 +1,4 @@
-//! Error types (DESIGN.md §4 "Errors"): every error says who is to blame.
+//! Error types: every error says who is to blame.
 //!
 //! * [`CodecError`] — a frame or message that is not valid on the wire
 //!   (always the peer's fault; counted and dropped, never fatal to a reader).

@@ -1,4 +1,4 @@
-//! Frame header and the streaming frame decoder (DESIGN.md §4 "Framing").
+//! Frame header and the streaming frame decoder.
 //!
 //! ```text
 //! offset  size  field

@@ -1,4 +1,4 @@
-//! Entry points for the cargo-fuzz targets in `fuzz/` (DESIGN.md §9). They
+//! Entry points for the cargo-fuzz targets in `fuzz/`. They
 //! live here so the regular test suite runs them over the committed corpus
 //! and random inputs on the stable toolchain. Compiled only with the `fuzz`
 //! feature (fuzz/Cargo.toml and this crate's tests turn it on). Each panics only on a real bug

@@ -1,4 +1,4 @@
-//! Connection handshake (DESIGN.md §4 "Handshake", "Rolling upgrade").
+//! Connection handshake.
 //!
 //! Both ends send [`Register`]: version range, capability bits, the KV
 //! compatibility [`Fingerprint`] and a caller-provided nonce. Each end then

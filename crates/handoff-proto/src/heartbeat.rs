@@ -1,4 +1,4 @@
-//! Peer liveness (DESIGN.md §4, FIELD-NOTES invariant 18): both ends send a
+//! Peer liveness: both ends send a
 //! [`Heartbeat`] every [`Timer::HeartbeatInterval`] and declare a peer dead
 //! after [`Timer::HeartbeatMiss`] without hearing anything from it. Any
 //! frame counts as a sign of life.

@@ -1,4 +1,4 @@
-//! Identifier newtypes (DESIGN.md §3–§4): rooms, pages, ranks, aux slots.
+//! Identifier newtypes: rooms, pages, ranks, aux slots.
 //!
 //! Bare integers are never passed where one of these is meant, so a page index
 //! cannot be handed to something that wants a rank.

@@ -1,5 +1,5 @@
 //! The KV pool's vocabulary and layout math, in one place: element type,
-//! K or V, and the byte offset of every block (DESIGN.md §5). handoff-kv's
+//! K or V, and the byte offset of every block. handoff-kv's
 //! pool, the rank map's head slices, the transfer plans and the binary's
 //! memory sizing all compute through [`PageLayout`].
 //!

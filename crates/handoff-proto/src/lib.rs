@@ -1,4 +1,4 @@
-//! handoff-proto: the sans-IO control-plane core of handoff (DESIGN.md §2, §4).
+//! handoff-proto: the sans-IO control-plane core of handoff.
 //!
 //! Nothing here does I/O, spawns a thread or reads a clock: time is passed in
 //! as [`std::time::Instant`], randomness (handshake nonces) by the caller.

@@ -1,4 +1,4 @@
-//! Control messages and their payload encoding (DESIGN.md §4 "Messages").
+//! Control messages and their payload encoding.
 //!
 //! One codec for every transport. Optional fields exist only when the
 //! connection negotiated the [`Capabilities`] bit that introduces them, so an

@@ -1,6 +1,5 @@
 //! Rank mapping between prefill TP and decode TP, and the head-sliced byte
-//! ranges each (prefill rank, decode rank) pair moves (DESIGN.md §4
-//! "Fan-in / fan-out"). Pure functions.
+//! ranges each (prefill rank, decode rank) pair moves. Pure functions.
 //!
 //! KV heads are sharded over TP ranks: with `tp <= kv_heads` rank `r` holds
 //! heads `[r·h, (r+1)·h)` with `h = kv_heads / tp`; with `tp > kv_heads` each

@@ -1,4 +1,4 @@
-//! The decode endpoint, sans-IO (DESIGN.md §3 steps 3 and 5, §4, §5): one
+//! The decode endpoint, sans-IO: one
 //! owner for everything decode knows about its rooms and its prefill peers.
 //!
 //! [`ReceiverEndpoint`] owns the room table ([`ReceiverRooms`]), peer

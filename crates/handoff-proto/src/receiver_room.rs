@@ -1,4 +1,4 @@
-//! The decode side's room table (DESIGN.md §3 steps 3–5, §4).
+//! The decode side's room table.
 //!
 //! A room is opened when the decode worker accepts a request
 //! ([`ReceiverRooms::open`]) with the distinct prefill ranks it needs KV from

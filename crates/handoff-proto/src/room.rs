@@ -1,4 +1,4 @@
-//! What both room tables share (DESIGN.md §4 "Room state machine"): the
+//! What both room tables share: the
 //! reported [`RoomState`], the table configuration, outgoing messages, and
 //! the capped, expiring memory of rooms that are closed or unknown.
 //!

@@ -1,4 +1,4 @@
-//! The prefill endpoint, sans-IO (DESIGN.md §3 step 4, §4, §5): one owner
+//! The prefill endpoint, sans-IO: one owner
 //! for everything prefill knows about its rooms and its decode peers.
 //!
 //! [`SenderEndpoint`] owns the room table ([`SenderRooms`]), peer liveness,

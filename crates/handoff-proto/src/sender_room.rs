@@ -1,4 +1,4 @@
-//! The prefill side's room table (DESIGN.md §3 steps 3–4, §4).
+//! The prefill side's room table.
 //!
 //! A room is opened when the prefill worker accepts a request
 //! ([`SenderRooms::open`]). It then expects, in order:

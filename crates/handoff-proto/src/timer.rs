@@ -1,5 +1,5 @@
-//! The one timer table (DESIGN.md §4: "every non-terminal state has a
-//! deadline from one timer table"). Defaults are seconds, not minutes: a
+//! The one timer table: every non-terminal state has a deadline from it.
+//! Defaults are seconds, not minutes: a
 //! request that cannot make progress fails fast with a typed timeout.
 
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! Deterministic simulation of prefill and decode room tables on a virtual
-//! clock (DESIGN.md §9; quinn's `Pair::drive`). Any number of prefill and
+//! clock. Any number of prefill and
 //! decode TP ranks (fan-in and fan-out through the real rank mapping); every
 //! control message goes through the real codec over simulated links that can
 //! drop, duplicate and delay (and so reorder) frames; peers can crash; aborts

@@ -1,4 +1,4 @@
-//! What a worker serves (DESIGN.md §1, §3): the colocated engine, or one
+//! What a worker serves: the colocated engine, or one
 //! side of a prefill/decode pair. A PD worker takes SGLang's bootstrap
 //! fields from each request: the prefill needs `bootstrap_room`, the decode
 //! needs `bootstrap_host`, `bootstrap_port` and `bootstrap_room` to find the

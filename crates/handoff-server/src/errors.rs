@@ -1,4 +1,4 @@
-//! The one error type of the HTTP API (DESIGN.md §8): every failure becomes
+//! The one error type of the HTTP API: every failure becomes
 //! an OpenAI-style body `{"error":{"message","type","code","param"}}` with its
 //! real status, both as a plain response and as an SSE error event.
 

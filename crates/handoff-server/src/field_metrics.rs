@@ -1,4 +1,4 @@
-//! The field's metric names (DESIGN.md §8): SGLang's `sglang:` counters,
+//! The field's metric names: SGLang's `sglang:` counters,
 //! gauges and histograms with their `model_name` label, next to handoff's
 //! own `handoff_*` metrics, so dashboards built for SGLang
 //! (`docs/references/production_metrics.md`, its Grafana dashboard) show a

@@ -79,7 +79,7 @@ pub struct GenerateSampling {
     /// RNG seed (SGLang's name).
     #[serde(default)]
     pub sampling_seed: Option<i64>,
-    /// Choices; only 1.
+    /// Choices (1 to 16; [`crate::choices`]).
     #[serde(default)]
     pub n: Option<i64>,
     /// Min-p filter.

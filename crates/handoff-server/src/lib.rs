@@ -1,4 +1,4 @@
-//! handoff-server: the HTTP worker API (DESIGN.md §1, §8) — OpenAI chat and
+//! handoff-server: the HTTP worker API — OpenAI chat and
 //! completions, SGLang's `/generate`, health, load, server info and
 //! Prometheus metrics — around a running engine; and the PD router in front
 //! of prefill and decode workers ([`router`]).

@@ -1,4 +1,4 @@
-//! Prometheus metrics of the HTTP front end (DESIGN.md §8): request counts by
+//! Prometheus metrics of the HTTP front end: request counts by
 //! endpoint and status, errors by type, TTFT / inter-token / end-to-end
 //! latency histograms, token counters, queue depth and KV pages (read from the
 //! engine at scrape time). The same exposition carries SGLang's `sglang:`

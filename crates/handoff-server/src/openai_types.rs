@@ -122,13 +122,13 @@ pub struct ChatCompletionRequest {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices; only 1 is supported.
+    /// Number of choices (1 to 16; [`crate::choices`]).
     #[serde(default)]
     pub n: Option<i64>,
     /// Return the chosen tokens' log-probabilities.
     #[serde(default)]
     pub logprobs: Option<bool>,
-    /// Alternatives per position (only 0 is supported).
+    /// Alternatives per position.
     #[serde(default)]
     pub top_logprobs: Option<i64>,
     /// Min-p filter (SGLang, vLLM).
@@ -256,9 +256,9 @@ pub enum PromptInput {
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
-    /// Several texts (only one is supported).
+    /// Several texts (a choice set each).
     Texts(Vec<String>),
-    /// Several token-id lists (only one is supported).
+    /// Several token-id lists (a choice set each).
     IdLists(Vec<Vec<u32>>),
 }
 
@@ -304,7 +304,7 @@ pub struct CompletionRequest {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices; only 1 is supported.
+    /// Number of choices (1 to 16; [`crate::choices`]).
     #[serde(default)]
     pub n: Option<i64>,
     /// Only 1 is supported.

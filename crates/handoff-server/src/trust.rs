@@ -1,4 +1,4 @@
-//! Which prefill endpoints a decode worker dials (DESIGN.md §3 step 1). A
+//! Which prefill endpoints a decode worker dials. A
 //! request's `bootstrap_host` and `bootstrap_port` name where decode
 //! connects, so a client of a decode worker must not choose them: decode
 //! dials an endpoint only when the request carries a fresh signature of it

@@ -1,4 +1,4 @@
-//! PD workers over HTTP (DESIGN.md §3): a prefill and a decode worker, each
+//! PD workers over HTTP: a prefill and a decode worker, each
 //! behind the worker API, paired per request by SGLang's bootstrap fields,
 //! over shm and tcp. Greedy output equals the colocated worker's on every
 //! endpoint, streamed or not; a request the prefill refuses comes back from

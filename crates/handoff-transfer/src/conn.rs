@@ -1,4 +1,4 @@
-//! Control connections (DESIGN.md §4 "Framing", "Handshake"): one task per
+//! Control connections: one task per
 //! socket owns the sans-IO [`Connection`] and the read half; one writer task
 //! owns the write half (one writer per socket). The task does nothing clever:
 //! bytes in, events to the endpoint's driver; messages from the driver,

@@ -1,4 +1,4 @@
-//! Errors of the I/O shell (DESIGN.md §4 "Errors"): who is to blame, a
+//! Errors of the I/O shell: who is to blame, a
 //! stable `error_type()` and the HTTP status a client would see.
 
 use handoff_proto::{HandshakeError, TransferError};

@@ -1,4 +1,4 @@
-//! handoff-transfer: the I/O shell around handoff-proto (DESIGN.md §2, §5).
+//! handoff-transfer: the I/O shell around handoff-proto.
 //!
 //! * [`conn`] — control connections: one task owns the sans-IO
 //!   `Connection`, one writer task owns the socket's write half.

@@ -1,4 +1,4 @@
-//! Data links (DESIGN.md §5): one per (decode peer, prefill peer) pair,
+//! Data links: one per (decode peer, prefill peer) pair,
 //! opened by decode next to its control connection, authenticated with the
 //! same handshake, then set up for one transport. Both fingerprints fix
 //! the link's [`LinkPlan`]: whole spans, or head slices when the TP sizes

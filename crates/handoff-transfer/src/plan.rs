@@ -1,5 +1,5 @@
-//! What one data link carries when prefill and decode TP sizes differ
-//! (DESIGN.md §4 "Fan-in / fan-out", §5): the shell side of
+//! What one data link carries when prefill and decode TP sizes differ:
+//! the shell side of
 //! [`handoff_proto::rank`]. A link's [`LinkPlan`] is fixed at link setup
 //! from both ends' handshake fingerprints; the prefill side builds its
 //! segments from it and the decode side checks every incoming header

@@ -1,4 +1,4 @@
-//! The decode side (DESIGN.md §3 steps 3 and 5, §5): [`KvReceiver`], a
+//! The decode side: [`KvReceiver`], a
 //! cheap handle around one driver task, the I/O shell of a
 //! [`ReceiverEndpoint`], which owns the rooms, the page leases of live rooms,
 //! the aux records, heartbeats and what is known of every prefill peer; the

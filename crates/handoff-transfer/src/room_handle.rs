@@ -1,4 +1,4 @@
-//! One request, one owner, one event stream (DESIGN.md §3): the handles an
+//! One request, one owner, one event stream: the handles an
 //! engine holds for a room between accepting a request and the room's end.
 //!
 //! [`SenderRoom`] (prefill, from [`KvSender::submit`]) and [`ReceiverRoom`]

@@ -1,4 +1,4 @@
-//! The prefill side (DESIGN.md §3 step 4, §5): [`KvSender`], a cheap handle
+//! The prefill side: [`KvSender`], a cheap handle
 //! around one driver task (TGI's queue shape: commands in, state inside one
 //! task, replies on oneshots). The driver is the I/O shell of a
 //! [`SenderEndpoint`], which owns the rooms, heartbeats, connect admission

@@ -1,4 +1,4 @@
-//! The `Transport` trait and its two implementations (DESIGN.md §5), seen
+//! The `Transport` trait and its two implementations, seen
 //! from the writing (prefill) side of one data link:
 //!
 //! * [`ShmTransport`] — decode maps our pool read-only; each segment goes

@@ -1,4 +1,4 @@
-//! The transport conformance suite (issue 3, DESIGN.md §9): the same test
+//! The transport conformance suite (issue 3): the same test
 //! bodies run once per transport (`shm`, `tcp`), with real sockets on
 //! 127.0.0.1, real shared memory and, for "killed" and "frozen", a real
 //! child process. After every test: zero live rooms, zero leased pages, no
@@ -2047,7 +2047,7 @@ async fn a_prefill_naming_a_foreign_file_for_pulls_is_refused() {
     drop(raw.await.unwrap());
 }
 
-// ---- TP fan-in / fan-out (DESIGN.md §4 "Fan-in / fan-out") ----
+// ---- TP fan-in / fan-out ----
 
 /// A byte for (prefill rank, layer, source page, K|V, global head, byte
 /// index): well mixed, never zero (an untouched decode pool is all zeros).

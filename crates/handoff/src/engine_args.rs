@@ -314,7 +314,7 @@ pub struct HttpArgs {
     pub limits: HttpLimitArgs,
 }
 
-/// Bounds on what one HTTP connection may hold (DESIGN.md §8).
+/// Bounds on what one HTTP connection may hold.
 #[derive(Debug, Clone, Args)]
 pub struct HttpLimitArgs {
     /// Seconds to receive a request's headers; also how long a kept-alive

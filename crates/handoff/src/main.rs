@@ -1,4 +1,4 @@
-//! `handoff`: the binary (DESIGN.md §1). `handoff serve` serves a GGUF
+//! `handoff`: the binary. `handoff serve` serves a GGUF
 //! disaggregated on one host (router + prefill + decode; `--colocated` for
 //! the baseline); `handoff prefill`, `handoff decode` and `handoff router`
 //! run the roles as separate processes on any hosts; `handoff bench` loads

@@ -1,4 +1,4 @@
-//! The default model (SmolLM2-135M-Instruct Q4_1, DESIGN.md §6): where it is
+//! The default model (SmolLM2-135M-Instruct Q4_1): where it is
 //! kept and how it is fetched, by code inside the binary. Nothing is run from
 //! the working directory: the model lives in a per-user cache
 //! (`$HANDOFF_HOME`, default `$XDG_CACHE_HOME/handoff` or

@@ -1,4 +1,4 @@
-//! `handoff router`: the PD router (DESIGN.md §7) in front of prefill and
+//! `handoff router`: the PD router in front of prefill and
 //! decode workers, with SGLang's flags (`--prefill URL [BOOTSTRAP_PORT]`,
 //! `--decode URL`), stopping gracefully on SIGTERM / ctrl-c.
 

@@ -172,7 +172,7 @@ async fn kill_mid_prefill(prefill: &mut Proc, decode: &str) {
 
 /// Decode's pages come back once the dead prefill cannot be writing into
 /// them: at the abort fence (5 s) after the room failed — a peer that only
-/// looks dead might still write (DESIGN.md §3 step 6).
+/// looks dead might still write.
 async fn decode_pages_back(decode: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(8);
     loop {

@@ -1,4 +1,4 @@
-//! The decode engine (DESIGN.md §3 steps 3 and 5): validate before any
+//! The decode engine: validate before any
 //! queue, open the room, reserve pages for prompt + max_new_tokens (waiting
 //! in the prealloc queue while the pool is full: decode memory is the
 //! backpressure), send the destination to the prefill, wait for the

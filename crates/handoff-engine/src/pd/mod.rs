@@ -1,4 +1,4 @@
-//! Disaggregated serving engines (DESIGN.md §3): a [`PrefillEngine`] computes
+//! Disaggregated serving engines: a [`PrefillEngine`] computes
 //! a prompt's KV and writes it into pages a [`DecodeEngine`] reserved; the
 //! decode engine then generates in its continuous batch.
 //!
@@ -239,8 +239,8 @@ fn runtime(threads: usize, name: &str) -> Result<tokio::runtime::Runtime, Engine
         .map_err(|e| EngineError::Model(format!("cannot start the I/O runtime: {e}")))
 }
 
-/// What prefill and decode must agree on before they pair (DESIGN.md §4
-/// handshake): model identity and weights, weight formats, KV geometry.
+/// What prefill and decode must agree on before they pair (the handshake):
+/// model identity and weights, weight formats, KV geometry.
 fn fingerprint(loaded: &Loaded, config: &EngineConfig) -> Result<Fingerprint, EngineError> {
     let g = loaded.pool.geometry();
     let cfg = loaded.model.config();

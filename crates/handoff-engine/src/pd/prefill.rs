@@ -1,4 +1,4 @@
-//! The prefill engine (DESIGN.md §3 steps 2 and 4): validate before any
+//! The prefill engine: validate before any
 //! queue (a rejection fails the room through the protocol, so decode learns
 //! the status and reason at once — seed 004), wait until decode's
 //! destination arrived (the handshake gates compute), lease source pages,
@@ -67,7 +67,7 @@ pub struct PrefillDone {
     pub timings: PrefillTimings,
 }
 
-/// A prefill request's stages (DESIGN.md §8 timeline).
+/// A prefill request's stages.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct PrefillTimings {
     /// From accepting the room until decode's destination arrived (decode

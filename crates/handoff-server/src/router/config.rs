@@ -1,4 +1,4 @@
-//! The router's configuration (DESIGN.md §7): the prefill and decode workers,
+//! The router's configuration: the prefill and decode workers,
 //! the pairing policies and every timer of the router, with its default.
 
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! The generation routes of the router (DESIGN.md §3 step 1, §7): read and
+//! The generation routes of the router: read and
 //! check the body, pick a pair, give the attempt a fresh room, relay it, and
 //! retry — with a fresh room and, where possible, other workers — only when
 //! nothing reached the client and the failure says the workers could not take
@@ -399,7 +399,7 @@ fn fail(tl: &mut Timeline, f: Failure) -> Response {
 }
 
 /// Sign the bootstrap fields for the decode worker when the router holds
-/// the transfer secret (DESIGN.md §3 step 1); drop any a client sent
+/// the transfer secret; drop any a client sent
 /// otherwise.
 fn sign_bootstrap(state: &RouterState, body: &mut Map<String, Value>, room: u64, prefill: &Worker) {
     if let Some(secret) = &state.config.transfer_secret {

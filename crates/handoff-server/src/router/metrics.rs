@@ -1,4 +1,4 @@
-//! Prometheus metrics of the router (DESIGN.md §8), prefix `handoff_router`:
+//! Prometheus metrics of the router, prefix `handoff_router`:
 //! requests by route and status, TTFT / ITL / end-to-end latency as the
 //! client sees them, the per-request timeline by stage, failures by side and
 //! kind, retries, and each worker's requests in flight and health; and

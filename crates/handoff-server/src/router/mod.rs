@@ -1,4 +1,4 @@
-//! handoff's PD router (DESIGN.md §3 step 1, §7, §8): pairs a prefill and a
+//! handoff's PD router: pairs a prefill and a
 //! decode worker per request, sends both the same body with
 //! `bootstrap_host` / `bootstrap_port` / `bootstrap_room`, relays decode's
 //! answer as soon as it arrives, keeps the workers' health and load, and

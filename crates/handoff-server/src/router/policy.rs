@@ -1,4 +1,4 @@
-//! Pairing policies (DESIGN.md §7): which healthy worker of a role gets the
+//! Pairing policies: which healthy worker of a role gets the
 //! next request. Functions of the candidates' loads (an RNG for power of
 //! two; for cache aware, the prompt and what was routed where), so they are
 //! tested with fixed loads.

@@ -1,4 +1,4 @@
-//! The relay (DESIGN.md §3 steps 1 and 5, §7): one attempt sends the body to
+//! The relay: one attempt sends the body to
 //! the prefill and the decode worker at once, holds the client's status line
 //! until the first decode byte (or an error) is known, then streams decode's
 //! bytes to the client chunk by chunk while the prefill answer drains beside

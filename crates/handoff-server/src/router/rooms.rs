@@ -1,4 +1,4 @@
-//! Bootstrap rooms (DESIGN.md §3 step 1): a random id in `1..=i64::MAX`
+//! Bootstrap rooms: a random id in `1..=i64::MAX`
 //! per attempt, unique among the router's live requests. A [`RoomGuard`]
 //! holds the id; dropping it (completion, failure, client gone) frees it.
 

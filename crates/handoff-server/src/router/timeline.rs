@@ -1,4 +1,4 @@
-//! The per-request timeline (DESIGN.md §8): seconds from arrival to
+//! The per-request timeline: seconds from arrival to
 //! `dispatched`, `prefill_done`, `first_token` and `done`, recorded as
 //! `handoff_router_stage_seconds` and logged as one line when the request
 //! ends — however it ends, since the line is written when the timeline drops.

@@ -1,4 +1,4 @@
-//! The worker registry and its health loop (DESIGN.md §7): each worker's
+//! The worker registry and its health loop: each worker's
 //! role, health, last reported load and requests in flight at the router.
 //!
 //! Health: a worker starts `Unknown`; a good probe (`GET /health` answering

@@ -1,4 +1,4 @@
-//! `handoff bench-transfer` (DESIGN.md §1, §9; issue 3 "Benchmark"): KV transfer
+//! `handoff bench-transfer`: KV transfer
 //! bandwidth and latency per transport and page size, with the machine's
 //! limits measured in the same run.
 //!
