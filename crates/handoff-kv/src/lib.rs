@@ -17,4 +17,4 @@ pub use layout::{KvDtype, KvGeometry, KvLayout, KvPart, PageIndex, PageLayout};
 pub use lease::{PageAllocator, PageLease, PageStats};
 pub use pool::{KvBlock, KvPool};
 pub use prefix::{PrefixCache, PrefixLock, PrefixStats};
-pub use shm::{PageGenerations, ShmRegion, ShmRegionHandle};
+pub use shm::{PageGenerations, ShmRegion, ShmRegionHandle, WritePart};

@@ -11,9 +11,9 @@
 //! are written and read by copies through raw pointers
 //! ([`ShmRegion::write_at`], [`ShmRegion::read_at`], [`ShmRegion::copy_from`],
 //! and [`ShmRegion::readv_into`], where the kernel writes), each
-//! bounds-checked. Shared views exist only as [`ShmRegion::with_slices`]
-//! (source pages being sent, which their lease keeps unwritten) and the
-//! pool's per-block views through the `unsafe fn` [`ShmRegion::view`],
+//! bounds-checked; bytes are sent with [`ShmRegion::writev_to`], whose
+//! region pieces the kernel reads by raw pointer. The only shared views are
+//! the pool's per-block views through the `unsafe fn` [`ShmRegion::view`],
 //! whose contract is written on it. Which pages a writer may touch is
 //! decided by page leases (`crate::lease`). [`PageGenerations`] lets a
 //! reader in another process detect a page handed out again under its copy.
@@ -23,7 +23,6 @@
 #![allow(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
-use std::io::IoSlice;
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -359,29 +358,58 @@ impl ShmRegion {
         })
     }
 
-    /// Run `f` on read-only views of `ranges`, as [`IoSlice`]s ready for a
-    /// vectored write. The bytes must not be written while `f` runs (they are
-    /// source pages whose KV is computed).
-    pub fn with_slices<R>(
+    /// One `writev(2)` to `fd` (a socket, `write`-style: it may write less)
+    /// of `parts` concatenated, from byte `skip` on, at most [`MAX_IOV`]
+    /// pieces at a time. Region bytes are reached by raw pointer only, as in
+    /// [`Self::readv_into`]: no Rust reference to shared memory is made, so
+    /// a write to those bytes elsewhere (which the page leases rule out
+    /// anyway) could change what is sent but not make a reference unsound.
+    /// Returns the bytes written.
+    pub fn writev_to(
         &self,
-        ranges: &[Range<usize>],
-        f: impl FnOnce(&[IoSlice<'_>]) -> R,
-    ) -> Result<R, KvError> {
-        for r in ranges {
-            self.check(r)?;
+        parts: &[WritePart<'_>],
+        skip: usize,
+        fd: BorrowedFd<'_>,
+    ) -> Result<std::io::Result<usize>, KvError> {
+        for p in parts {
+            if let WritePart::Region(r) = p {
+                self.check(r)?;
+            }
         }
-        let slices: Vec<IoSlice<'_>> = ranges
-            .iter()
-            .map(|r| {
+        let mut skip = skip;
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(parts.len().min(MAX_IOV));
+        for p in parts {
+            if iov.len() == MAX_IOV {
+                break;
+            }
+            let (base, len): (*const u8, usize) = match p {
+                WritePart::Bytes(b) => (b.as_ptr(), b.len()),
                 // SAFETY: in bounds (checked above); the mapping outlives the
-                // slices, which do not escape `f`; the owner does not write
-                // computed source pages while they are sent.
-                IoSlice::new(unsafe {
-                    std::slice::from_raw_parts(self.map.as_ptr().add(r.start), r.len())
-                })
-            })
-            .collect();
-        Ok(f(&slices))
+                // call; the pointer goes to the kernel, never dereferenced.
+                WritePart::Region(r) => (unsafe { self.map.as_ptr().add(r.start) }, r.len()),
+            };
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            iov.push(libc::iovec {
+                // SAFETY: `skip < len`, so the pointer stays in the piece.
+                iov_base: unsafe { base.add(skip) }.cast_mut().cast(),
+                iov_len: len - skip,
+            });
+            skip = 0;
+        }
+        if iov.is_empty() {
+            return Ok(Ok(0));
+        }
+        // SAFETY: every iovec describes memory that lives for the call and
+        // that `writev` only reads: caller slices and checked region bytes.
+        let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), iov.len() as libc::c_int) };
+        Ok(if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        })
     }
 
     /// A shared view of `range` (bounds-checked).
@@ -414,6 +442,20 @@ impl ShmRegion {
         // native sizes such as `AtomicU64` on the platforms we build for.
         Ok(unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU64>() })
     }
+}
+
+/// Most pieces one [`ShmRegion::writev_to`] hands the kernel (Linux's
+/// `IOV_MAX`).
+pub const MAX_IOV: usize = 1024;
+
+/// A piece of a vectored write: bytes of the caller's, or a range of the
+/// region ([`ShmRegion::writev_to`]).
+#[derive(Debug, Clone)]
+pub enum WritePart<'a> {
+    /// The caller's bytes (a record header, say).
+    Bytes(&'a [u8]),
+    /// Bytes of the region, bounds-checked.
+    Region(Range<usize>),
 }
 
 /// Per-page generations kept in a pool's shared region, after its KV bytes:
@@ -559,12 +601,20 @@ mod tests {
         a.read_at(100, &mut out).unwrap();
         assert_eq!(&out, b"45678");
         assert!(a.copy_from(0, &c, 10, 8).is_err());
-        let n = a
-            .with_slices(&[0..2, 4090..4092], |s| {
-                s.iter().map(|s| s.len()).sum::<usize>()
-            })
-            .unwrap();
-        assert_eq!(n, 4);
+        // A vectored write of own bytes and region bytes, from byte 1 on.
+        let (tx, mut rx) = std::os::unix::net::UnixStream::pair().unwrap();
+        let parts = [WritePart::Bytes(b"ab"), WritePart::Region(4090..4095)];
+        assert_eq!(a.writev_to(&parts, 1, tx.as_fd()).unwrap().unwrap(), 6);
+        let mut got = [0u8; 6];
+        std::io::Read::read_exact(&mut rx, &mut got).unwrap();
+        assert_eq!(&got, b"bhello");
+        assert!(matches!(
+            a.writev_to(&[WritePart::Region(8190..8200)], 0, tx.as_fd()),
+            Err(KvError::OutOfBounds { .. })
+        ));
+        // At most MAX_IOV pieces a call.
+        let many = vec![WritePart::Region(0..1); MAX_IOV + 50];
+        assert_eq!(a.writev_to(&many, 0, tx.as_fd()).unwrap().unwrap(), MAX_IOV);
         let h = a.handle();
         assert_eq!(ShmRegionHandle::from_bytes(&h.to_bytes()), h);
     }

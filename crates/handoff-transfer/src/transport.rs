@@ -14,12 +14,13 @@
 //! memory. Later transports (RDMA, CUDA IPC) implement the same trait.
 
 use std::future::Future;
-use std::io::IoSlice;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use handoff_kv::{PageGenerations, ShmRegion};
+use std::os::fd::AsFd;
+
+use handoff_kv::{PageGenerations, ShmRegion, WritePart};
 use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 
@@ -208,25 +209,28 @@ impl TcpTransport {
                 .writable()
                 .await
                 .map_err(TransportError::io("tcp link writable"))?;
-            let link = &self.link;
-            let res = self.src.with_slices(&ranges, |payloads| {
-                let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(2 * payloads.len() + 1);
-                let mut skip = done;
-                let parts = headers
-                    .iter()
-                    .zip(payloads)
-                    .flat_map(|(h, p)| [&h[..], &p[..]])
-                    .chain(std::iter::once(tail));
-                for part in parts {
-                    if skip >= part.len() {
-                        skip -= part.len();
-                    } else {
-                        iov.push(IoSlice::new(&part[skip..]));
-                        skip = 0;
+            let parts: Vec<WritePart<'_>> = headers
+                .iter()
+                .zip(&ranges)
+                .flat_map(|(h, r)| [WritePart::Bytes(&h[..]), WritePart::Region(r.clone())])
+                .chain(std::iter::once(WritePart::Bytes(tail)))
+                .collect();
+            let stream: &tokio::net::TcpStream = self.link.as_ref();
+            let mut bounds = None;
+            // `try_io` clears the socket's readiness on WouldBlock, so the
+            // next `writable()` waits for room again.
+            let res = stream.try_io(tokio::io::Interest::WRITABLE, || {
+                match self.src.writev_to(&parts, done, stream.as_fd()) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        bounds = Some(e);
+                        Ok(0)
                     }
                 }
-                link.try_write_vectored(&iov)
-            })?;
+            });
+            if let Some(e) = bounds {
+                return Err(e.into());
+            }
             match res {
                 Ok(0) => {
                     return Err(TransportError::Io {

@@ -407,21 +407,15 @@ fn raw_tcp_run(
     zero(&peer.region, d, page);
     writeln!(peer.stdin, "RAW {addr} {}", u8::from(contiguous)).map_err(|e| e.to_string())?;
     peer.stdin.flush().map_err(|e| e.to_string())?;
-    let (mut sock, _) = listener.accept().map_err(|e| e.to_string())?;
+    let (sock, _) = listener.accept().map_err(|e| e.to_string())?;
     let _ = sock.set_nodelay(true);
     let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
     let t0 = Instant::now();
     if contiguous {
-        let all = 0..s.len() * page;
-        src.with_slices(std::slice::from_ref(&all), |b| sock.write_all(&b[0]))
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+        send_region(src, 0..s.len() * page, &sock)?;
     } else {
         for a in s {
-            let r = a.0 as usize * page..(a.0 as usize + 1) * page;
-            src.with_slices(std::slice::from_ref(&r), |b| sock.write_all(&b[0]))
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
+            send_region(src, a.0 as usize * page..(a.0 as usize + 1) * page, &sock)?;
         }
     }
     let done = peer
@@ -620,4 +614,28 @@ async fn abort_release(
         let _ = tx.wait(*r).await;
     }
     Ok(latency(v))
+}
+
+/// Write bytes `range` of `src` whole to the blocking socket `sock`.
+fn send_region(
+    src: &ShmRegion,
+    range: std::ops::Range<usize>,
+    sock: &std::net::TcpStream,
+) -> Result<(), String> {
+    use std::os::fd::AsFd;
+    let total = range.len();
+    let parts = [handoff_kv::WritePart::Region(range)];
+    let mut done = 0;
+    while done < total {
+        match src
+            .writev_to(&parts, done, sock.as_fd())
+            .map_err(|e| e.to_string())?
+        {
+            Ok(0) => return Err("raw tcp: wrote nothing".into()),
+            Ok(n) => done += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(())
 }

@@ -224,11 +224,8 @@ pub fn verify(
     s.iter().zip(d).all(|(a, b)| {
         let ra = a.0 as usize * page..(a.0 as usize + 1) * page;
         let rb = b.0 as usize * page..(b.0 as usize + 1) * page;
-        src.with_slices(std::slice::from_ref(&ra), |x| {
-            dst.with_slices(std::slice::from_ref(&rb), |y| x[0][..] == y[0][..])
-                .unwrap_or(false)
-        })
-        .unwrap_or(false)
+        let (mut x, mut y) = (vec![0u8; page], vec![0u8; page]);
+        src.read_at(ra.start, &mut x).is_ok() && dst.read_at(rb.start, &mut y).is_ok() && x == y
     })
 }
 
