@@ -326,15 +326,17 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
         architecture: model.config().architecture.clone(),
         sampling_defaults: model.config().sampling,
         weight_bytes: model.weight_bytes(),
+        weight_bytes_mapped: model.mapped_weight_bytes(),
         kv_bytes: geometry.page_bytes() * config.kv_pages,
         kv_dtype: geometry.dtype.name(),
     };
     tracing::info!(
         weights_mib = info.weight_bytes >> 20,
+        of_which_mapped_mib = info.weight_bytes_mapped >> 20,
         kv_mib = info.kv_bytes >> 20,
         kv_pages = config.kv_pages,
         kv_dtype = info.kv_dtype,
-        "memory: this process's copy of the weights and its KV pool"
+        "memory: the weights (those mapped from the file are shared by every process mapping it) and this process's KV pool"
     );
     let threads = rayon::ThreadPoolBuilder::new()
         .num_threads(config.threads)

@@ -29,9 +29,12 @@ pub struct ModelInfo {
     pub architecture: String,
     /// The file's recommended sampling (`general.sampling.*`).
     pub sampling_defaults: handoff_model::SamplingDefaults,
-    /// Bytes of weights this process holds (its own copy, in the phase
-    /// formats).
+    /// Bytes of weights the model reads, in the phase formats.
     pub weight_bytes: usize,
+    /// Of `weight_bytes`, those read in place from the mapped GGUF
+    /// (`native`): one copy per host in the page cache, shared by every
+    /// process mapping the file; the rest is this process's own.
+    pub weight_bytes_mapped: usize,
     /// Bytes of its KV pool (allocated whole at start).
     pub kv_bytes: usize,
     /// Element type of the KV pool (`f16`, `f32`).

@@ -30,4 +30,4 @@ pub mod tokenizer;
 pub use config::{Arch, LlamaConfig, SamplingDefaults};
 pub use error::ModelError;
 pub use linear::{Phase, PhaseFormats, WeightFormat};
-pub use model::{check_gguf, estimate_weight_bytes, Llama, SeqChunk};
+pub use model::{check_gguf, estimate_weights, Llama, SeqChunk, WeightEstimate};

@@ -197,6 +197,14 @@ impl Mat {
     }
 
     /// Bytes of weights this matrix holds.
+    /// Of [`Self::bytes`], those in a mapped file.
+    fn mapped_bytes(&self) -> usize {
+        match self {
+            Mat::Native(m) => m.mapped_bytes(),
+            _ => 0,
+        }
+    }
+
     fn bytes(&self) -> usize {
         match self {
             Mat::Q8(m) => m.bytes(),
@@ -347,6 +355,17 @@ impl Linear {
             p
         } else {
             p + self.decode.bytes()
+        }
+    }
+
+    /// Of [`Self::bytes`], those read in place from the mapped model file
+    /// (one copy per host, in the page cache) rather than this process's.
+    pub fn mapped_bytes(&self) -> usize {
+        let p = self.prefill.mapped_bytes();
+        if std::sync::Arc::ptr_eq(&self.prefill, &self.decode) {
+            p
+        } else {
+            p + self.decode.mapped_bytes()
         }
     }
 

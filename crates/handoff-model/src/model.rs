@@ -15,7 +15,7 @@ use crate::attention::{attend_decode, attend_prefill, AttnShape, SeqAttn};
 use crate::config::{Activation, Arch, LlamaConfig, RopeScaling};
 use crate::embedding::Embedding;
 use crate::error::ModelError;
-use crate::linear::{Linear, Phase, PhaseFormats, RawTensor};
+use crate::linear::{Linear, Phase, PhaseFormats, RawTensor, WeightFormat};
 use crate::mapped::MappedFile;
 use crate::native::WeightBytes;
 use crate::ops::{
@@ -49,6 +49,13 @@ pub(crate) struct Block {
 impl Block {
     /// Bytes of the block's weights: every copy, or with `decode_only` the
     /// copies a decode step reads.
+    fn mapped_bytes(&self) -> usize {
+        [&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down]
+            .iter()
+            .map(|l| l.mapped_bytes())
+            .sum()
+    }
+
     fn bytes(&self, decode_only: bool) -> usize {
         let vec = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| v.len() * 4);
         let matrices: usize = [&self.wqkv, &self.wo, &self.w_gate_up, &self.w_down]
@@ -397,13 +404,21 @@ impl Llama {
         })
     }
 
-    /// Bytes of weights this process holds for the model (its own copy:
-    /// the matrices in their phase formats, the embedding table, the norms
-    /// and the RoPE tables).
+    /// Bytes of weights the model reads: the matrices in their phase
+    /// formats, the embedding table, the norms and the RoPE tables. Its own
+    /// copy but for [`Self::mapped_weight_bytes`].
     pub fn weight_bytes(&self) -> usize {
         let blocks: usize = self.blocks.iter().map(|b| b.bytes(false)).sum();
         let rope = self.rope.bytes() + self.rope_swa.as_ref().map_or(0, Rope::bytes);
         self.embed.bytes() + self.norm.len() * 4 + self.lm_head.bytes() + blocks + rope
+    }
+
+    /// Of [`Self::weight_bytes`], those read in place from the mapped GGUF
+    /// (the `native` format): one copy per host in the page cache, shared
+    /// by every worker mapping the file, not this process's own.
+    pub fn mapped_weight_bytes(&self) -> usize {
+        let blocks: usize = self.blocks.iter().map(Block::mapped_bytes).sum();
+        blocks + self.lm_head.mapped_bytes()
     }
 
     /// Bytes of weights one decode step at batch 1 reads: every matrix's
@@ -786,43 +801,72 @@ pub fn check_tensor_names(cfg: &LlamaConfig, c: &Content) -> Result<(), ModelErr
     )))
 }
 
+/// About how many bytes of weights a model takes, from its header alone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WeightEstimate {
+    /// Held by each process that loads it.
+    pub private: u64,
+    /// Read in place from the mapped file (`native`): one copy per host, in
+    /// the page cache, however many workers map it.
+    pub mapped: u64,
+}
+
 /// About how many bytes of weights a process holds after [`Llama::load`]
-/// of this file with the default formats, from its header alone: quantized
-/// matrices as one Q8_0 copy (34 bytes per 32 weights), float ones as f32,
-/// the embedding table as stored if Q8_0, else f32 (plus a Q8_0 LM head
-/// when it is tied), the
-/// RoPE tables. Within a few percent of [`Llama::weight_bytes`].
-pub fn estimate_weight_bytes(cfg: &LlamaConfig, c: &Content) -> u64 {
+/// of this file with `formats`, from its header alone: a quantized matrix
+/// with a native kernel, in a phase whose format is `native`, read in place
+/// (`mapped`, the file's bytes); otherwise one Q8_0 copy (34 bytes per 32
+/// weights) shared by the phases that need one; float ones as f32; the
+/// embedding table as stored if Q8_0, else f32 (a tied LM head is a matrix
+/// like the others); the RoPE tables. Within a few percent of
+/// [`Llama::weight_bytes`] and [`Llama::mapped_weight_bytes`].
+pub fn estimate_weights(cfg: &LlamaConfig, c: &Content, formats: PhaseFormats) -> WeightEstimate {
     use crate::q8_matmul::{BLOCK_BYTES, QK};
     use candle_core::quantized::GgmlDType;
     let q8 = |n: u64| n * BLOCK_BYTES as u64 / QK as u64;
-    let mut total: u64 = 0;
+    let mut est = WeightEstimate::default();
+    let matrix = |est: &mut WeightEstimate, dtype: GgmlDType, n: u64| {
+        let native = crate::native::BlockType::of(dtype).is_some();
+        let pre = native && formats.prefill == WeightFormat::Native;
+        let dec = native && formats.decode == WeightFormat::Native;
+        if pre || dec {
+            est.mapped += n / dtype.block_size() as u64 * dtype.type_size() as u64;
+        }
+        if !(pre && dec) {
+            est.private += q8(n);
+        }
+    };
     for (name, t) in &c.tensor_infos {
         let n = t.shape.elem_count() as u64;
         let float = matches!(
             t.ggml_dtype,
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
         );
-        total += if name == "token_embd.weight" {
-            let tied = !c.tensor_infos.contains_key("output.weight");
-            let table = if t.ggml_dtype == GgmlDType::Q8_0 {
+        if name == "token_embd.weight" {
+            est.private += if t.ggml_dtype == GgmlDType::Q8_0 {
                 q8(n)
             } else {
                 n * 4
             };
-            table + if tied { q8(n) } else { 0 }
+            if !c.tensor_infos.contains_key("output.weight") {
+                if float {
+                    est.private += q8(n);
+                } else {
+                    matrix(&mut est, t.ggml_dtype, n);
+                }
+            }
         } else if float || t.shape.rank() < 2 {
-            n * 4
+            est.private += n * 4;
         } else {
-            q8(n)
-        };
+            matrix(&mut est, t.ggml_dtype, n);
+        }
     }
     let tables = if cfg.sliding_window.is_some() && cfg.arch == Arch::Gemma3 {
         2
     } else {
         1
     };
-    total + tables * (cfg.context_length * cfg.rope_dims * 4) as u64
+    est.private += tables * (cfg.context_length * cfg.rope_dims * 4) as u64;
+    est
 }
 
 /// Check a GGUF header without loading any weight: its architecture, its

@@ -76,6 +76,26 @@ fn every_native_type_loads_in_place_and_tracks_f32() {
             matrix_bytes + norms + embed_row,
             "{dtype:?}: the decode step reads the file's bytes"
         );
+        // Every matrix is read in place: the mapped bytes are the file's,
+        // and the header-only estimate says so before anything is loaded.
+        assert_eq!(native.mapped_weight_bytes(), matrix_bytes, "{dtype:?}");
+        let est = handoff_model::estimate_weights(c, &content, formats(WeightFormat::Native));
+        assert_eq!(
+            est.mapped as usize, matrix_bytes,
+            "{dtype:?}: estimated mapped bytes"
+        );
+        let own = native.weight_bytes() - native.mapped_weight_bytes();
+        assert!(
+            (est.private as f64 - own as f64).abs() <= 0.05 * own as f64,
+            "{dtype:?}: estimated private bytes {} vs {own}",
+            est.private
+        );
+        let default = handoff_model::estimate_weights(c, &content, Default::default());
+        assert_eq!(default.mapped, 0, "{dtype:?}: nothing mapped by default");
+        assert!(
+            default.private > est.private,
+            "{dtype:?}: a Q8_0 copy by default"
+        );
         let ours = native.reference_logits(&tokens, Phase::Prefill).unwrap();
         let via_decode = native.reference_logits(&tokens, Phase::Decode).unwrap();
         let want = exact.reference_logits(&tokens, Phase::Prefill).unwrap();

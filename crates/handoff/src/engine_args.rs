@@ -218,19 +218,27 @@ impl EngineArgs {
             )?),
             (None, None) => None,
         };
-        let (cfg, weights) = (&model.config, model.weight_bytes);
+        let cfg = &model.config;
+        // Mapped weights (`native`) are one page-cache copy for every
+        // worker of this host; the rest is each worker's own.
+        let est = model.weights(PhaseFormats {
+            prefill: self.prefill_format,
+            decode: self.decode_format,
+        });
+        let weights = est.private;
         let page_bytes = cfg.kv_geometry(page_size, self.kv_dtype).page_bytes() as u64;
         let available = mem_available_bytes()?;
         let n = workers.max(1) as u64;
         let mib = |b: u64| b >> 20;
         match explicit {
             Some(pages) => {
-                let need = n * (weights + pages as u64 * page_bytes);
+                let need = n * (weights + pages as u64 * page_bytes) + est.mapped;
                 if need > available {
                     bail!(
-                        "{workers} worker(s) with {pages} KV pages each ({} MiB of KV a worker) and ~{} MiB of weights a worker need {} MiB, but {} MiB of memory is available: lower --kv-pages / --kv-memory-mb",
+                        "{workers} worker(s) with {pages} KV pages each ({} MiB of KV a worker), ~{} MiB of weights a worker and {} MiB mapped from the file once need {} MiB, but {} MiB of memory is available: lower --kv-pages / --kv-memory-mb",
                         mib(pages as u64 * page_bytes),
                         mib(weights),
+                        mib(est.mapped),
                         mib(need),
                         mib(available)
                     );
@@ -239,7 +247,7 @@ impl EngineArgs {
             }
             None => {
                 let budget = (available as f64 * DEFAULT_MEMORY_SHARE) as u64;
-                let for_kv = budget.saturating_sub(n * weights) / n;
+                let for_kv = budget.saturating_sub(n * weights + est.mapped) / n;
                 let fit = usize::try_from(for_kv / page_bytes.max(1)).unwrap_or(usize::MAX);
                 // At least one request of 4096 tokens (or the model's
                 // context) must fit.

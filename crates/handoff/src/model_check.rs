@@ -26,9 +26,17 @@ pub struct UnsupportedModel {
 pub struct CheckedModel {
     /// Its hyper-parameters.
     pub config: handoff_model::LlamaConfig,
-    /// About how many bytes of weights a process holds once it is loaded
-    /// ([`handoff_model::estimate_weight_bytes`]).
-    pub weight_bytes: u64,
+    /// The file's header, for estimates that depend on flags.
+    pub header: std::sync::Arc<Content>,
+}
+
+impl CheckedModel {
+    /// About how many bytes of weights a worker holds, and how many it
+    /// maps from the file, once it loads this model in `formats`
+    /// ([`handoff_model::estimate_weights`]).
+    pub fn weights(&self, formats: handoff_model::PhaseFormats) -> handoff_model::WeightEstimate {
+        handoff_model::estimate_weights(&self.config, &self.header, formats)
+    }
 }
 
 /// Read the GGUF header of `path` and check that handoff implements all of
@@ -54,8 +62,8 @@ pub fn check(path: &Path) -> anyhow::Result<CheckedModel> {
     handoff_model::chat_template::ChatTemplate::from_gguf(&content)
         .map_err(|e| refuse(format!("chat template: {e}")))?;
     Ok(CheckedModel {
-        weight_bytes: handoff_model::estimate_weight_bytes(&config, &content),
         config,
+        header: std::sync::Arc::new(content),
     })
 }
 

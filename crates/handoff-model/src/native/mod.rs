@@ -130,6 +130,16 @@ impl NativeMatrix {
         self.parts.iter().map(|p| p.data.bytes().len()).sum()
     }
 
+    /// Of [`Self::bytes`], those read in place from a mapped file (shared
+    /// with every process that maps it).
+    pub fn mapped_bytes(&self) -> usize {
+        self.parts
+            .iter()
+            .filter(|p| matches!(p.data, WeightBytes::Mapped(..)))
+            .map(|p| p.data.bytes().len())
+            .sum()
+    }
+
     /// `x` is `[n, in]` row-major; returns `[n, out]`.
     pub fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
         self.forward_with(x, n, NativePath::chosen())
