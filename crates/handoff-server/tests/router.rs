@@ -353,9 +353,10 @@ async fn slow_echo_worker(ms: u64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_behind_a_busy_prefill_is_prefilled_on_its_decode_worker() {
-    // The prefill answers before the decode, so its time is measured.
+    // The prefill answers well before the decode (a loaded box included),
+    // so its time is measured.
     let prefill = slow_echo_worker(50).await;
-    let decode = slow_echo_worker(300).await;
+    let decode = slow_echo_worker(1000).await;
     let mut c = config(&[&prefill], &[&decode]);
     c.health_interval = Duration::ZERO;
     c.local_prefill_wait = Some(Duration::from_millis(1));
@@ -1090,6 +1091,71 @@ async fn a_worker_whose_requests_keep_failing_has_its_circuit_opened() {
     assert!((1000..=3000).contains(&again), "2 s with jitter: {b}");
 }
 
+/// A worker whose `/generate` streams five SSE events 200 ms apart (a
+/// decode), or, with `fail_after`, answers 500 after that long (a prefill
+/// failing while its decode streams).
+async fn paced_worker(fail_after: Option<Duration>) -> String {
+    let handler = move |_: Bytes| async move {
+        if let Some(d) = fail_after {
+            tokio::time::sleep(d).await;
+            return (
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                axum::Json(json!({"error": {"message": "prefill broke late",
+                    "type": "server_error", "code": "model_error"}})),
+            )
+                .into_response();
+        }
+        use futures_util::StreamExt;
+        let events = futures_util::stream::iter(0..5).then(|i| async move {
+            if i > 0 {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok::<_, std::io::Error>(Bytes::from(format!("data: {{\"text\":\"{i}\"}}\n\n")))
+        });
+        let mut r = Response::new(Body::from_stream(events));
+        r.headers_mut().insert(
+            "content-type",
+            axum::http::HeaderValue::from_static("text/event-stream"),
+        );
+        r
+    };
+    let app = axum::Router::new()
+        .route("/health", routing::get(|| async { "" }))
+        .route("/generate", routing::post(handler));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    base
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_failing_after_decode_bytes_counts_against_its_circuit() {
+    let prefill = paced_worker(Some(Duration::from_millis(300))).await;
+    let decode = paced_worker(None).await;
+    let mut c = config(&[&prefill], &[&decode]);
+    c.health_interval = Duration::ZERO;
+    c.migration_limit = 0;
+    let r = start_router(c).await;
+    for i in 0..3 {
+        let (s, events) = post_sse_raw(&r.base, &json!({"text": "hi", "stream": true})).await;
+        // The client's stream is decode's: the late prefill failure is not
+        // its business (decode carries the request).
+        assert_eq!(s, 200, "request {i}");
+        assert_eq!(
+            events.matches("data: {\"text\"").count(),
+            5,
+            "request {i}: {events}"
+        );
+    }
+    let p = worker_entry(&r.base, &prefill).await;
+    assert_eq!(p["consecutive_failures"], 3, "{p}");
+    assert_eq!(p["circuit"], "open", "{p}");
+    let d = worker_entry(&r.base, &decode).await;
+    assert_eq!(d["circuit"], "closed", "{d}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefill_error_before_any_decode_byte_wins_and_drops_decode() {
     let none = Arc::new(AtomicBool::new(false));
@@ -1393,4 +1459,16 @@ async fn a_stream_that_goes_silent_ends_stalled_and_drops_the_workers_request() 
     // timeout bounds it.
     let (s, v) = post_raw(&r.base, "/generate", &json!({"text": "hi"}).to_string()).await;
     assert_eq!(s, 200, "{v}");
+}
+
+/// Post `body` to `/generate` at `base` and read the whole streamed answer.
+async fn post_sse_raw(base: &str, body: &Value) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/generate"))
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.expect("body"))
 }

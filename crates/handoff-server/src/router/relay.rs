@@ -520,12 +520,23 @@ fn on_prefill(
             metrics.count_failure("prefill", &f.kind());
             tracing::warn!("prefill failed; its decode worker carries the request: {f:?}");
             if let Some(w) = worker {
-                w.mark_unreachable();
-                w.request_failed();
+                prefill_failed(w, &f);
             }
             Ok(())
         }
         PrefillEvent::Failed(f) => Err(f),
+    }
+}
+
+/// What a failed prefill answer tells its worker's health and circuit
+/// breaker: unreachable or broken off, it is marked unreachable; a fault of
+/// the worker (not a refusal of the request) counts against its circuit.
+fn prefill_failed(w: &Worker, f: &Failure) {
+    if matches!(f, Failure::Unreachable { .. } | Failure::BrokeOff { .. }) {
+        w.mark_unreachable();
+    }
+    if f.worker_fault() {
+        w.request_failed();
     }
 }
 
@@ -869,12 +880,21 @@ impl RelayBody {
                 },
                 ev = self.prefill.step(self.pair.prefill.as_ref()), if self.prefill.active() => match ev {
                     PrefillEvent::Progress => {}
-                    PrefillEvent::Done => self.timeline.prefill_done(),
+                    PrefillEvent::Done => {
+                        self.timeline.prefill_done();
+                        if let Some(w) = &self.pair.prefill {
+                            w.request_succeeded();
+                        }
+                    }
                     PrefillEvent::Failed(f) => {
                         // Decode learns of it through the transfer protocol
-                        // and its stream carries the error.
+                        // and its stream carries the error; the prefill's
+                        // circuit breaker learns of it here.
                         self.metrics.count_failure("prefill", &f.kind());
                         tracing::debug!("prefill failed after decode bytes were relayed: {f:?}");
+                        if let Some(w) = &self.pair.prefill {
+                            prefill_failed(w, &f);
+                        }
                     }
                 },
                 _ = &mut stalled, if stall.is_some() => {
