@@ -282,8 +282,17 @@ impl Llama {
             config.kv_width(),
             config.head_dim,
         );
-        let embed_q = ld.tensor("token_embd.weight")?;
-        let embed = Embedding::new(&embed_q, config.vocab_size, h)?;
+        let embed_type = content
+            .tensor_infos
+            .get("token_embd.weight")
+            .map(|t| t.ggml_dtype)
+            .ok_or_else(|| ModelError::Malformed("missing tensor token_embd.weight".into()))?;
+        let embed = if Embedding::keeps_blocks(embed_type, h) {
+            let raw = ld.raw("token_embd.weight", config.vocab_size, h)?;
+            Embedding::from_raw(&raw, config.vocab_size, h)?
+        } else {
+            Embedding::new(&ld.tensor("token_embd.weight")?, config.vocab_size, h)?
+        };
         // The output matrix runs once per sequence per step: it uses the decode
         // format in both phases (a Q8_0 tensor stays as it is under `q8_0`).
         let head_name = if ld.has("output.weight") {
@@ -293,7 +302,6 @@ impl Llama {
         };
         let head = ld.raw(head_name, config.vocab_size, h)?;
         let lm_head = Linear::small_batch_from(&head, formats.decode)?;
-        drop(embed_q);
         let gemma = config.arch == Arch::Gemma3;
         let mut blocks = Vec::with_capacity(config.layers);
         for i in 0..config.layers {
@@ -418,7 +426,7 @@ impl Llama {
     /// by every worker mapping the file, not this process's own.
     pub fn mapped_weight_bytes(&self) -> usize {
         let blocks: usize = self.blocks.iter().map(Block::mapped_bytes).sum();
-        blocks + self.lm_head.mapped_bytes()
+        blocks + self.lm_head.mapped_bytes() + self.embed.mapped_bytes()
     }
 
     /// Bytes of weights one decode step at batch 1 reads: every matrix's
@@ -816,8 +824,9 @@ pub struct WeightEstimate {
 /// with a native kernel, in a phase whose format is `native`, read in place
 /// (`mapped`, the file's bytes); otherwise one Q8_0 copy (34 bytes per 32
 /// weights) shared by the phases that need one; float ones as f32; the
-/// embedding table as stored if Q8_0, else f32 (a tied LM head is a matrix
-/// like the others); the RoPE tables. Within a few percent of
+/// embedding table read in place if its rows are whole blocks of a native
+/// type, else f32 (a tied LM head is a matrix like the others); the RoPE
+/// tables. Within a few percent of
 /// [`Llama::weight_bytes`] and [`Llama::mapped_weight_bytes`].
 pub fn estimate_weights(cfg: &LlamaConfig, c: &Content, formats: PhaseFormats) -> WeightEstimate {
     use crate::q8_matmul::{BLOCK_BYTES, QK};
@@ -842,11 +851,14 @@ pub fn estimate_weights(cfg: &LlamaConfig, c: &Content, formats: PhaseFormats) -
             GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16
         );
         if name == "token_embd.weight" {
-            est.private += if t.ggml_dtype == GgmlDType::Q8_0 {
-                q8(n)
+            // Read in place when its rows are whole blocks of a native type.
+            let hidden = t.shape.dims().last().copied().unwrap_or(0);
+            if crate::embedding::Embedding::keeps_blocks(t.ggml_dtype, hidden) {
+                est.mapped +=
+                    n / t.ggml_dtype.block_size() as u64 * t.ggml_dtype.type_size() as u64;
             } else {
-                n * 4
-            };
+                est.private += n * 4;
+            }
             if !c.tensor_infos.contains_key("output.weight") {
                 if float {
                     est.private += q8(n);

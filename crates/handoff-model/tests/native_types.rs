@@ -76,12 +76,19 @@ fn every_native_type_loads_in_place_and_tracks_f32() {
             matrix_bytes + norms + embed_row,
             "{dtype:?}: the decode step reads the file's bytes"
         );
-        // Every matrix is read in place: the mapped bytes are the file's,
-        // and the header-only estimate says so before anything is loaded.
-        assert_eq!(native.mapped_weight_bytes(), matrix_bytes, "{dtype:?}");
+        // Every matrix is read in place, and so is the (Q8_0) embedding
+        // table: the mapped bytes are the file's, and the header-only
+        // estimate says so before anything is loaded.
+        let table = c.vocab_size * c.hidden / 32 * 34;
+        assert_eq!(
+            native.mapped_weight_bytes(),
+            matrix_bytes + table,
+            "{dtype:?}"
+        );
         let est = handoff_model::estimate_weights(c, &content, formats(WeightFormat::Native));
         assert_eq!(
-            est.mapped as usize, matrix_bytes,
+            est.mapped as usize,
+            matrix_bytes + table,
             "{dtype:?}: estimated mapped bytes"
         );
         let own = native.weight_bytes() - native.mapped_weight_bytes();
@@ -91,7 +98,10 @@ fn every_native_type_loads_in_place_and_tracks_f32() {
             est.private
         );
         let default = handoff_model::estimate_weights(c, &content, Default::default());
-        assert_eq!(default.mapped, 0, "{dtype:?}: nothing mapped by default");
+        assert_eq!(
+            default.mapped as usize, table,
+            "{dtype:?}: only the table mapped by default"
+        );
         assert!(
             default.private > est.private,
             "{dtype:?}: a Q8_0 copy by default"
