@@ -62,55 +62,24 @@ pub(crate) fn run(
     every_row: bool,
     on_layer: &mut (dyn FnMut(std::ops::Range<usize>, usize) + Send),
 ) -> Vec<ChunkLogits> {
-    run_range(
-        model,
-        pool,
-        threads,
-        passes,
-        chunks,
-        0..chunks.len(),
-        every_row,
-        on_layer,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-fn run_range(
-    model: &Llama,
-    pool: &mut KvPool,
-    threads: &rayon::ThreadPool,
-    passes: &PassCounts,
-    chunks: &[SeqChunk<'_>],
-    range: std::ops::Range<usize>,
-    every_row: bool,
-    on_layer: &mut (dyn FnMut(std::ops::Range<usize>, usize) + Send),
-) -> Vec<ChunkLogits> {
-    let these = &chunks[range.clone()];
-    passes.record(these.len());
+    passes.record(chunks.len());
     let out = threads.install(|| {
         model.forward_rows(
             pool,
-            these,
+            chunks,
             Phase::Prefill,
-            &mut |layer| on_layer(range.clone(), layer),
+            &mut |layer| on_layer(0..chunks.len(), layer),
             every_row,
         )
     });
     match out {
         Ok(rows) if every_row => vec![Ok(rows)],
         Ok(rows) => rows.into_iter().map(|r| Ok(vec![r])).collect(),
-        Err(_) if these.len() > 1 => range
+        Err(_) if chunks.len() > 1 => (0..chunks.len())
             .flat_map(|i| {
-                run_range(
-                    model,
-                    pool,
-                    threads,
-                    passes,
-                    chunks,
-                    i..i + 1,
-                    false,
-                    on_layer,
-                )
+                let one = std::slice::from_ref(&chunks[i]);
+                let mut shifted = |_: std::ops::Range<usize>, layer| on_layer(i..i + 1, layer);
+                run(model, pool, threads, passes, one, false, &mut shifted)
             })
             .collect(),
         Err(e) => vec![Err(EngineError::Model(e.to_string()))],

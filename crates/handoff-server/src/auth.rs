@@ -192,16 +192,6 @@ impl ApiKey {
             .unwrap_or_else(|_| HeaderValue::from_static(""))
     }
 
-    /// How many keys there are.
-    pub fn len(&self) -> usize {
-        self.keys.len()
-    }
-
-    /// Never: a set holds at least one key.
-    pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
-    }
-
     fn open(&self, path: &str) -> bool {
         self.open_paths.iter().any(|p| p == path)
     }
@@ -321,11 +311,11 @@ mod tests {
     fn a_key_file_names_its_keys_and_their_limits() {
         let open: Vec<String> = Vec::new();
         let one = ApiKey::from_file("  only-key \n", &open).unwrap();
-        assert_eq!((one.len(), one.secret()), (1, "only-key"));
+        assert_eq!((one.keys.len(), one.secret()), (1, "only-key"));
         assert_eq!(&*one.keys[0].name, DEFAULT_TENANT);
         let text = "# tenants\nrouter r-key\n\nalice a-key 5  # paid\nbob b-key -10\ncarol c-key\n";
         let k = ApiKey::from_file(text, &open).unwrap();
-        assert_eq!(k.len(), 4);
+        assert_eq!(k.keys.len(), 4);
         assert_eq!(k.secret(), "r-key", "the first key is the cluster's");
         let h = |v: &str| HeaderValue::from_str(v).unwrap();
         assert_eq!(k.admits(Some(&h("Bearer b-key"))), Some(2));

@@ -225,17 +225,6 @@ fn paired(body: &Value, prefill: &PrefillHandle) -> Value {
     b
 }
 
-async fn post_text(base: &str, path: &str, body: &Value) -> (u16, String) {
-    let resp = reqwest::Client::new()
-        .post(format!("{base}{path}"))
-        .json(body)
-        .send()
-        .await
-        .expect("request");
-    let status = resp.status().as_u16();
-    (status, resp.text().await.expect("body"))
-}
-
 /// Send `body` to the prefill and the decode worker at once, as a router
 /// does; returns (decode status, decode body, prefill status, prefill body).
 async fn pd_post(
@@ -245,7 +234,10 @@ async fn pd_post(
     body: &Value,
 ) -> (u16, String, u16, String) {
     let b = paired(body, &prefill.1);
-    let (p, d) = tokio::join!(post_text(&prefill.0, path, &b), post_text(decode, path, &b));
+    let (p, d) = tokio::join!(
+        common::post_text(&prefill.0, path, &b),
+        common::post_text(decode, path, &b)
+    );
     (d.0, d.1, p.0, p.1)
 }
 
@@ -369,9 +361,9 @@ async fn router_output_equals_colocated(w: &Workers, router: &str, label: &str) 
     for path in ["/generate", "/v1/completions", "/v1/chat/completions"] {
         for stream in [false, true] {
             let body = request(path, 1, stream);
-            let (cs, colocated) = post_text(&w.colocated.0, path, &body).await;
+            let (cs, colocated) = common::post_text(&w.colocated.0, path, &body).await;
             assert_eq!(cs, 200, "{colocated}");
-            let (rs, routed) = post_text(router, path, &body).await;
+            let (rs, routed) = common::post_text(router, path, &body).await;
             assert_eq!(rs, 200, "{label} {path}: {routed}");
             assert_eq!(
                 output_text(path, stream, &routed),
@@ -431,9 +423,9 @@ async fn router_top_logprobs_equal_colocated(w: &Workers, router: &str, label: &
                     body["top_logprobs"] = json!(3);
                 }
             }
-            let (cs, colocated) = post_text(&w.colocated.0, path, &body).await;
+            let (cs, colocated) = common::post_text(&w.colocated.0, path, &body).await;
             assert_eq!(cs, 200, "{colocated}");
-            let (rs, routed) = post_text(router, path, &body).await;
+            let (rs, routed) = common::post_text(router, path, &body).await;
             assert_eq!(rs, 200, "{label} {path}: {routed}");
             let want = logprob_parts(path, stream, &colocated);
             assert!(!want.is_empty(), "{colocated}");
@@ -468,13 +460,16 @@ async fn router_sixteen_concurrent_equal_colocated(w: &Workers, router: &str, la
         .collect();
     let mut want = Vec::new();
     for b in &bodies {
-        let (s, t) = post_text(&w.colocated.0, "/generate", b).await;
+        let (s, t) = common::post_text(&w.colocated.0, "/generate", b).await;
         assert_eq!(s, 200, "{t}");
         want.push(output_text("/generate", b["stream"] == true, &t));
     }
-    let got =
-        futures_util::future::join_all(bodies.iter().map(|b| post_text(router, "/generate", b)))
-            .await;
+    let got = futures_util::future::join_all(
+        bodies
+            .iter()
+            .map(|b| common::post_text(router, "/generate", b)),
+    )
+    .await;
     for (i, ((s, t), w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(*s, 200, "{label} request {i}: {t}");
         assert_eq!(
@@ -502,7 +497,7 @@ async fn router_invalid_request_keeps_its_400(
         .room_stats
         .succeeded;
     let t = Instant::now();
-    let (s, b) = post_text(
+    let (s, b) = common::post_text(
         router,
         "/v1/chat/completions",
         &json!({"messages": [{"role": "user", "content": "word ".repeat(5000)}], "max_tokens": 4}),
@@ -552,7 +547,9 @@ async fn router_prefill_refusal_after_decode_reserved(
         json!({"messages": [{"role": "user", "content": "word ".repeat(400)}], "max_tokens": 4});
     let router_url = router.to_string();
     let answer =
-        tokio::spawn(async move { post_text(&router_url, "/v1/chat/completions", &body).await });
+        tokio::spawn(
+            async move { common::post_text(&router_url, "/v1/chat/completions", &body).await },
+        );
     // Decode reserves the prompt's pages while the prefill has not yet seen
     // the request (its HTTP port is reached late).
     let mut reserved = 0;
@@ -681,7 +678,7 @@ async fn greedy_pd_equals_colocated(w: &Workers) {
             for stream in [false, true] {
                 for i in 0..2 {
                     let body = request(path, i, stream);
-                    let (cs, colocated) = post_text(&w.colocated.0, path, &body).await;
+                    let (cs, colocated) = common::post_text(&w.colocated.0, path, &body).await;
                     assert_eq!(cs, 200, "{colocated}");
                     let (ds, dbody, ps, pbody) = pd_post(&w.prefill, &decode.0, path, &body).await;
                     assert_eq!(ds, 200, "{label} {path}: decode said {dbody}");
@@ -770,7 +767,7 @@ async fn prefill_refusal_reaches_the_client_with_its_status(w: &Workers) {
 
 async fn missing_or_bad_bootstrap_fields_are_named(w: &Workers) {
     let body = json!({"text": "hi", "sampling_params": {"max_new_tokens": 2}});
-    let (s, b) = post_text(&w.decode_tcp.0, "/generate", &body).await;
+    let (s, b) = common::post_text(&w.decode_tcp.0, "/generate", &body).await;
     assert_eq!(s, 400, "{b}");
     let e = json_of(&b);
     assert_eq!(e["error"]["code"], "missing_bootstrap");
@@ -781,7 +778,7 @@ async fn missing_or_bad_bootstrap_fields_are_named(w: &Workers) {
             .contains("this is a decode worker: a request needs bootstrap_host, bootstrap_port and bootstrap_room"),
         "{b}"
     );
-    let (s, b) = post_text(&w.prefill.0, "/v1/completions", &json!({"prompt": "hi"})).await;
+    let (s, b) = common::post_text(&w.prefill.0, "/v1/completions", &json!({"prompt": "hi"})).await;
     assert_eq!(s, 400, "{b}");
     assert!(
         b.contains("this is a prefill worker: a request needs bootstrap_room"),
@@ -789,7 +786,7 @@ async fn missing_or_bad_bootstrap_fields_are_named(w: &Workers) {
     );
     let mut bad = paired(&body, &w.prefill.1);
     bad["bootstrap_room"] = json!("12");
-    let (s, b) = post_text(&w.decode_tcp.0, "/generate", &bad).await;
+    let (s, b) = common::post_text(&w.decode_tcp.0, "/generate", &bad).await;
     assert_eq!(s, 400, "{b}");
     assert!(
         b.contains(
@@ -798,18 +795,18 @@ async fn missing_or_bad_bootstrap_fields_are_named(w: &Workers) {
         "{b}"
     );
     bad["bootstrap_room"] = json!(0);
-    let (s, b) = post_text(&w.prefill.0, "/generate", &bad).await;
+    let (s, b) = common::post_text(&w.prefill.0, "/generate", &bad).await;
     assert_eq!(s, 400, "{b}");
     assert!(b.contains("bootstrap_room must be non-zero"), "{b}");
     let mut bad = paired(&body, &w.prefill.1);
     bad["bootstrap_host"] = json!("no-such-host.invalid");
     sign(&mut bad);
-    let (s, b) = post_text(&w.decode_tcp.0, "/generate", &bad).await;
+    let (s, b) = common::post_text(&w.decode_tcp.0, "/generate", &bad).await;
     assert_eq!(s, 400, "{b}");
     assert!(b.contains("bootstrap_host `no-such-host.invalid`"), "{b}");
     untrusted_endpoints_are_refused_and_never_dialled(w, &body).await;
     // A colocated worker accepts and ignores the fields.
-    let (s, b) = post_text(&w.colocated.0, "/generate", &paired(&body, &w.prefill.1)).await;
+    let (s, b) = common::post_text(&w.colocated.0, "/generate", &paired(&body, &w.prefill.1)).await;
     assert_eq!(s, 200, "{b}");
 }
 
@@ -857,7 +854,7 @@ async fn untrusted_endpoints_are_refused_and_never_dialled(w: &Workers, body: &V
                 b.as_object_mut().unwrap().remove("text");
                 b.as_object_mut().unwrap().remove("sampling_params");
             }
-            let (s, text) = post_text(&w.decode_tcp.0, path, &b).await;
+            let (s, text) = common::post_text(&w.decode_tcp.0, path, &b).await;
             assert_eq!(s, 403, "{label} {path}: {text}");
             let e = json_of(&text);
             assert_eq!(e["error"]["code"], "untrusted_bootstrap", "{text}");
@@ -881,7 +878,7 @@ async fn untrusted_endpoints_are_refused_and_never_dialled(w: &Workers, body: &V
     };
     old_sig["bootstrap_ts"] = json!(ts);
     old_sig["bootstrap_sig"] = json!(handoff_proto::bootstrap_auth::sign(SECRET, &claim));
-    let (s, text) = post_text(&w.decode_tcp.0, "/generate", &old_sig).await;
+    let (s, text) = common::post_text(&w.decode_tcp.0, "/generate", &old_sig).await;
     assert_eq!(s, 403, "{text}");
     assert!(text.contains("3600 s away"), "{text}");
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -896,7 +893,7 @@ async fn untrusted_endpoints_are_refused_and_never_dialled(w: &Workers, body: &V
     sign(&mut signed);
     let _ = tokio::time::timeout(
         Duration::from_secs(2),
-        post_text(&w.decode_tcp.0, "/generate", &signed),
+        common::post_text(&w.decode_tcp.0, "/generate", &signed),
     )
     .await;
     let t0 = std::time::Instant::now();

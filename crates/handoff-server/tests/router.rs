@@ -79,11 +79,7 @@ struct TestRouter {
 
 async fn start_router(config: RouterConfig) -> TestRouter {
     let (app, handle) = router_app(config).expect("router config");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let base = common::serve_in_task(app).await;
     TestRouter { base, handle }
 }
 
@@ -343,12 +339,7 @@ async fn slow_echo_worker(ms: u64) -> String {
     let app = axum::Router::new()
         .route("/health", routing::get(|| async { "" }))
         .route("/generate", routing::post(handler));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    base
+    common::serve_in_task(app).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1014,12 +1005,7 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
             routing::get(|| async { axum::Json(json!([{"dp_rank": 0, "num_reqs": 0}])) }),
         )
         .route("/generate", routing::post(handler));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    base
+    common::serve_in_task(app).await
 }
 
 /// The router's `/workers` entry of the worker at `url`.
@@ -1122,12 +1108,7 @@ async fn paced_worker(fail_after: Option<Duration>) -> String {
     let app = axum::Router::new()
         .route("/health", routing::get(|| async { "" }))
         .route("/generate", routing::post(handler));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    base
+    common::serve_in_task(app).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1139,7 +1120,8 @@ async fn a_prefill_failing_after_decode_bytes_counts_against_its_circuit() {
     c.migration_limit = 0;
     let r = start_router(c).await;
     for i in 0..3 {
-        let (s, events) = post_sse_raw(&r.base, &json!({"text": "hi", "stream": true})).await;
+        let (s, events) =
+            common::post_text(&r.base, "/generate", &json!({"text": "hi", "stream": true})).await;
         // The client's stream is decode's: the late prefill failure is not
         // its business (decode carries the request).
         assert_eq!(s, 200, "request {i}");
@@ -1459,16 +1441,4 @@ async fn a_stream_that_goes_silent_ends_stalled_and_drops_the_workers_request() 
     // timeout bounds it.
     let (s, v) = post_raw(&r.base, "/generate", &json!({"text": "hi"}).to_string()).await;
     assert_eq!(s, 200, "{v}");
-}
-
-/// Post `body` to `/generate` at `base` and read the whole streamed answer.
-async fn post_sse_raw(base: &str, body: &Value) -> (u16, String) {
-    let resp = reqwest::Client::new()
-        .post(format!("{base}/generate"))
-        .json(body)
-        .send()
-        .await
-        .expect("request");
-    let status = resp.status().as_u16();
-    (status, resp.text().await.expect("body"))
 }

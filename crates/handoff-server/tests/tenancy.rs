@@ -190,11 +190,7 @@ async fn the_router_checks_the_limit_and_names_the_tenant_to_its_workers() {
     // The fake worker has no health route: never probed.
     config.health_interval = Duration::ZERO;
     let (app, _handle) = build_router(config).expect("router");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let base = format!("http://{}", listener.local_addr().expect("addr"));
-    tokio::spawn(async move { axum::serve(listener, app).await });
+    let base = common::serve_in_task(app).await;
 
     let (status, v, _) = post(&base, "b-key", &[], &short(Some(-3), 0)).await;
     common::assert_error(

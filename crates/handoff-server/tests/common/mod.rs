@@ -88,6 +88,29 @@ where
     format!("http://{addr}")
 }
 
+/// Serve `app` on an ephemeral loopback port from a task of the current
+/// runtime; returns `http://127.0.0.1:PORT`.
+pub async fn serve_in_task(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let base = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    base
+}
+
+/// POST `body` as JSON to `base` + `path`; the status and the body's text.
+pub async fn post_text(base: &str, path: &str, body: &Value) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}{path}"))
+        .json(body)
+        .send()
+        .await
+        .expect("request");
+    let status = resp.status().as_u16();
+    (status, resp.text().await.expect("body"))
+}
+
 /// Serve the worker API around `engine` (see [`serve_on_thread`]).
 pub fn serve_worker(engine: impl Into<handoff_server::Backend>) -> String {
     serve_state(handoff_server::AppState::new(engine))
