@@ -36,6 +36,10 @@ pub struct EngineConfig {
     /// Reuse the KV of cached prompt prefixes (the radix cache); off with
     /// `--disable-radix-cache`.
     pub prefix_cache: bool,
+    /// Directory of the Q8_0 weight cache (`Llama::load_cached`): the
+    /// converted weights are written there once and mapped by every
+    /// process of the host. `None`: each process converts its own.
+    pub weight_cache: Option<PathBuf>,
 }
 
 impl EngineConfig {
@@ -55,6 +59,7 @@ impl EngineConfig {
             served_name: None,
             formats: PhaseFormats::default(),
             prefix_cache: true,
+            weight_cache: None,
         }
     }
 }

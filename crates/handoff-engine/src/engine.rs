@@ -9,7 +9,7 @@ use handoff_kv::{KvPool, PageAllocator, PrefixCache};
 use crate::prefill_pass::PassCounts;
 use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
-use handoff_model::Llama;
+use handoff_model::{CacheOutcome, Llama};
 
 use crate::config::EngineConfig;
 use crate::error::EngineError;
@@ -288,8 +288,19 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
                 .into(),
         ));
     }
-    let (model, content) = Llama::load(&config.model_path, config.formats)
-        .map_err(|e| EngineError::Load(e.to_string()))?;
+    let (model, content, cache) = Llama::load_cached(
+        &config.model_path,
+        config.formats,
+        config.weight_cache.as_deref(),
+    )
+    .map_err(|e| EngineError::Load(e.to_string()))?;
+    match &cache {
+        CacheOutcome::Unavailable(_) => {
+            tracing::warn!("weight cache {cache}: this process holds its own converted weights")
+        }
+        CacheOutcome::Off => {}
+        _ => tracing::info!("weight cache {cache}"),
+    }
     let tokenizer = Tokenizer::from_gguf(&content).map_err(|e| EngineError::Load(e.to_string()))?;
     let chat_template =
         ChatTemplate::from_gguf(&content).map_err(|e| EngineError::Load(e.to_string()))?;
@@ -327,6 +338,7 @@ pub(crate) fn load(config: &EngineConfig, shared_pool: bool) -> Result<Loaded, E
         sampling_defaults: model.config().sampling,
         weight_bytes: model.weight_bytes(),
         weight_bytes_mapped: model.mapped_weight_bytes(),
+        weight_cache: cache.to_string(),
         kv_bytes: geometry.page_bytes() * config.kv_pages,
         kv_dtype: geometry.dtype.name(),
     };

@@ -31,10 +31,14 @@ pub struct ModelInfo {
     pub sampling_defaults: handoff_model::SamplingDefaults,
     /// Bytes of weights the model reads, in the phase formats.
     pub weight_bytes: usize,
-    /// Of `weight_bytes`, those read in place from the mapped GGUF
-    /// (`native`): one copy per host in the page cache, shared by every
-    /// process mapping the file; the rest is this process's own.
+    /// Of `weight_bytes`, those read in place from a mapped file (the GGUF
+    /// under `native`, the Q8_0 weight cache): one copy per host in the
+    /// page cache, shared by every process mapping the file; the rest is
+    /// this process's own.
     pub weight_bytes_mapped: usize,
+    /// What became of the Q8_0 weight cache at load (`off`, `mapped from
+    /// PATH`, `written to PATH and mapped`, `unavailable (why)`).
+    pub weight_cache: String,
     /// Bytes of its KV pool (allocated whole at start).
     pub kv_bytes: usize,
     /// Element type of the KV pool (`f16`, `f32`).

@@ -26,8 +26,10 @@ pub mod simd;
 #[cfg(any(test, feature = "testing"))]
 pub mod tiny;
 pub mod tokenizer;
+pub mod weight_cache;
 
 pub use config::{Arch, LlamaConfig, SamplingDefaults};
 pub use error::ModelError;
 pub use linear::{Phase, PhaseFormats, WeightFormat};
 pub use model::{check_gguf, estimate_weights, Llama, SeqChunk, WeightEstimate};
+pub use weight_cache::CacheOutcome;

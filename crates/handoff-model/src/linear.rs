@@ -8,6 +8,7 @@ use candle_core::{Device, Module, Tensor};
 use crate::error::ModelError;
 use crate::native::{BlockType, NativeMatrix, Part, WeightBytes};
 use crate::q8_matmul::Q8Matrix;
+use crate::weight_cache::Q8Store;
 
 /// Inner-dimension multiple for Q8_0 matrices (see `Mat::build`).
 const Q8_PAD: usize = 256;
@@ -131,10 +132,21 @@ enum Mat {
 impl Mat {
     /// `small_batch`: the matrix runs with few activation rows (decode, LM
     /// head); `q8_0` then uses handoff's kernel rather than candle's.
-    fn build(q: &QTensor, format: WeightFormat, small_batch: bool) -> Result<Self, ModelError> {
+    /// `store`: where a Q8_0 matrix for handoff's kernel comes from (a
+    /// weight cache file, or converted here).
+    fn build(
+        src: &Source<'_>,
+        format: WeightFormat,
+        small_batch: bool,
+        store: &mut Q8Store<'_>,
+    ) -> Result<Self, ModelError> {
         let dev = Device::Cpu;
-        let float = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        let float = matches!(src.dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if format.own_kernel(small_batch) && !float {
+            if let Some(m) = store.lookup(&src.key, src.rows, src.cols) {
+                return Ok(Mat::Q8(m));
+            }
+            let q = src.tensor()?;
             let (out, in_dim) = q.shape().dims2()?;
             let owned;
             let q8 = if q.dtype() == GgmlDType::Q8_0 {
@@ -143,10 +155,12 @@ impl Mat {
                 owned = QTensor::quantize(&q.dequantize(&dev)?, GgmlDType::Q8_0)?;
                 &owned
             };
-            return Q8Matrix::from_ggml_q8_0(&q8.data()?, out, in_dim)
-                .map(Mat::Q8)
-                .map_err(|e| ModelError::Malformed(e.to_string()));
+            let m = Q8Matrix::from_ggml_q8_0(&q8.data()?, out, in_dim)
+                .map_err(|e| ModelError::Malformed(e.to_string()))?;
+            store.record(&src.key, &m);
+            return Ok(Mat::Q8(m));
         }
+        let q = src.tensor()?;
         Ok(match (format, q.dtype()) {
             (WeightFormat::F32, _) | (_, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 Mat::Dense(q.dequantize(&dev)?.t()?.contiguous()?)
@@ -201,6 +215,7 @@ impl Mat {
     fn mapped_bytes(&self) -> usize {
         match self {
             Mat::Native(m) => m.mapped_bytes(),
+            Mat::Q8(m) => m.mapped_bytes(),
             _ => 0,
         }
     }
@@ -300,6 +315,83 @@ impl RawTensor {
     }
 }
 
+/// A matrix as a load has it: its name (the weight cache's key), shape and
+/// type, and its candle tensor, made only when a conversion needs it (a
+/// matrix mapped from the cache needs none: no stacking, no copy).
+pub(crate) struct Source<'a> {
+    key: String,
+    rows: usize,
+    cols: usize,
+    dtype: GgmlDType,
+    tensor: SourceTensor<'a>,
+}
+
+enum SourceTensor<'a> {
+    Ready(&'a QTensor),
+    Lazy(
+        Box<dyn Fn() -> Result<QTensor, ModelError> + 'a>,
+        std::cell::OnceCell<QTensor>,
+    ),
+}
+
+impl<'a> Source<'a> {
+    /// A tensor at hand (nothing to cache it under).
+    fn ready(q: &'a QTensor) -> Result<Self, ModelError> {
+        let (rows, cols) = q
+            .shape()
+            .dims2()
+            .map_err(|e| ModelError::Malformed(e.to_string()))?;
+        Ok(Source {
+            key: String::new(),
+            rows,
+            cols,
+            dtype: q.dtype(),
+            tensor: SourceTensor::Ready(q),
+        })
+    }
+
+    /// Parts stacked by rows ([`RawTensor::stack`]) when first needed.
+    fn stacked(parts: &'a [RawTensor], formats: PhaseFormats, key: String) -> Self {
+        let first = parts.first();
+        let cols = first.map_or(0, |p| p.cols);
+        let dtype = match first {
+            Some(p) if parts.len() == 1 => p.dtype,
+            Some(p) if parts.iter().all(|q| q.dtype == p.dtype && q.cols == cols) => p.dtype,
+            _ if [formats.prefill, formats.decode].contains(&WeightFormat::F32)
+                || !cols.is_multiple_of(32) =>
+            {
+                GgmlDType::F32
+            }
+            _ => GgmlDType::Q8_0,
+        };
+        Source {
+            key,
+            rows: parts.iter().map(|p| p.rows).sum(),
+            cols,
+            dtype,
+            tensor: SourceTensor::Lazy(
+                Box::new(move || RawTensor::stack(parts, formats)),
+                Default::default(),
+            ),
+        }
+    }
+
+    fn tensor(&self) -> Result<&QTensor, ModelError> {
+        match &self.tensor {
+            SourceTensor::Ready(q) => Ok(q),
+            SourceTensor::Lazy(make, made) => {
+                if made.get().is_none() {
+                    let t = make()?;
+                    debug_assert_eq!(t.dtype(), self.dtype, "{}", self.key);
+                    let _ = made.set(t);
+                }
+                made.get()
+                    .ok_or_else(|| ModelError::Malformed(format!("tensor {} not made", self.key)))
+            }
+        }
+    }
+}
+
 /// A `[rows, cols]` candle tensor of `dtype` from its bytes.
 fn qtensor_of(
     bytes: std::borrow::Cow<'_, [u8]>,
@@ -376,11 +468,16 @@ impl Linear {
 
     /// Build from a GGUF tensor of shape `[out, in]`.
     pub fn new(q: &QTensor, formats: PhaseFormats) -> Result<Self, ModelError> {
-        let (out_dim, in_dim) = q
-            .shape()
-            .dims2()
-            .map_err(|e| ModelError::Malformed(e.to_string()))?;
-        let prefill = std::sync::Arc::new(Mat::build(q, formats.prefill, false)?);
+        Self::build(&Source::ready(q)?, formats, &mut Q8Store::Build)
+    }
+
+    fn build(
+        src: &Source<'_>,
+        formats: PhaseFormats,
+        store: &mut Q8Store<'_>,
+    ) -> Result<Self, ModelError> {
+        let (out_dim, in_dim) = (src.rows, src.cols);
+        let prefill = std::sync::Arc::new(Mat::build(src, formats.prefill, false, store)?);
         // One copy when both phases run the same kernel on the same data:
         // equal formats, or handoff's kernel in both (`q8_0-rows` prefill,
         // `q8_0` decode: the defaults). `q8_0` alone is a different kernel
@@ -390,7 +487,7 @@ impl Linear {
         {
             prefill.clone()
         } else {
-            std::sync::Arc::new(Mat::build(q, formats.decode, true)?)
+            std::sync::Arc::new(Mat::build(src, formats.decode, true, store)?)
         };
         Ok(Self {
             prefill,
@@ -403,11 +500,16 @@ impl Linear {
     /// Build a matrix that only ever runs with few rows (one per sequence,
     /// e.g. the LM head): one copy in `format`, used by both phases.
     pub fn new_small_batch(q: &QTensor, format: WeightFormat) -> Result<Self, ModelError> {
-        let (out_dim, in_dim) = q
-            .shape()
-            .dims2()
-            .map_err(|e| ModelError::Malformed(e.to_string()))?;
-        let mat = std::sync::Arc::new(Mat::build(q, format, true)?);
+        Self::build_small_batch(&Source::ready(q)?, format, &mut Q8Store::Build)
+    }
+
+    fn build_small_batch(
+        src: &Source<'_>,
+        format: WeightFormat,
+        store: &mut Q8Store<'_>,
+    ) -> Result<Self, ModelError> {
+        let (out_dim, in_dim) = (src.rows, src.cols);
+        let mat = std::sync::Arc::new(Mat::build(src, format, true, store)?);
         Ok(Self {
             prefill: mat.clone(),
             decode: mat,
@@ -421,6 +523,15 @@ impl Linear {
     /// part has a native kernel; otherwise the parts are stacked into one
     /// tensor (see [`RawTensor::stack`]) and converted as [`Linear::new`].
     pub fn from_parts(parts: &[RawTensor], formats: PhaseFormats) -> Result<Self, ModelError> {
+        Self::from_parts_in(parts, formats, &mut Q8Store::Build)
+    }
+
+    /// [`Self::from_parts`], its Q8_0 matrix from `store`.
+    pub(crate) fn from_parts_in(
+        parts: &[RawTensor],
+        formats: PhaseFormats,
+        store: &mut Q8Store<'_>,
+    ) -> Result<Self, ModelError> {
         let in_dim = parts.first().map_or(0, |p| p.cols);
         let out_dim = parts.iter().map(|p| p.rows).sum();
         let native = native_matrix(parts)?;
@@ -437,8 +548,12 @@ impl Linear {
                 });
             }
         }
-        let stacked = RawTensor::stack(parts, formats)?;
-        let mut lin = Self::new(&stacked, formats)?;
+        let key = parts
+            .iter()
+            .map(|p| p.name.as_str())
+            .collect::<Vec<_>>()
+            .join("+");
+        let mut lin = Self::build(&Source::stacked(parts, formats, key), formats, store)?;
         if let Some(m) = native {
             let mat = std::sync::Arc::new(Mat::Native(m));
             if formats.prefill == WeightFormat::Native {
@@ -453,6 +568,15 @@ impl Linear {
 
     /// [`Linear::new_small_batch`] from one tensor as the file holds it.
     pub fn small_batch_from(part: &RawTensor, format: WeightFormat) -> Result<Self, ModelError> {
+        Self::small_batch_from_in(part, format, &mut Q8Store::Build)
+    }
+
+    /// [`Self::small_batch_from`], its Q8_0 matrix from `store`.
+    pub(crate) fn small_batch_from_in(
+        part: &RawTensor,
+        format: WeightFormat,
+        store: &mut Q8Store<'_>,
+    ) -> Result<Self, ModelError> {
         if format == WeightFormat::Native {
             if let Some(m) = native_matrix(std::slice::from_ref(part))? {
                 let mat = std::sync::Arc::new(Mat::Native(m));
@@ -464,7 +588,16 @@ impl Linear {
                 });
             }
         }
-        Self::new_small_batch(&part.qtensor()?, format)
+        let formats = PhaseFormats {
+            prefill: format,
+            decode: format,
+        };
+        let src = Source::stacked(
+            std::slice::from_ref(part),
+            formats,
+            format!("{}#head", part.name),
+        );
+        Self::build_small_batch(&src, format, store)
     }
 
     /// Output features.

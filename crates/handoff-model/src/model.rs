@@ -22,6 +22,7 @@ use crate::ops::{
     add_assign, add_bias, gelu_mul, rms_norm, rms_norm_in_place, scale, silu_mul, softcap,
 };
 use crate::rope::{Rope, RopeMode, RopeParams};
+use crate::weight_cache::{CacheFile, CacheOutcome, CachePaths, Q8Store};
 
 pub(crate) struct Block {
     pub(crate) attn_norm: Vec<f32>,
@@ -113,6 +114,8 @@ struct Loader<'a, R> {
     /// `native` format are computed from it in place.
     map: Option<Arc<MappedFile>>,
     used: BTreeSet<String>,
+    /// Where Q8_0 matrices come from (the weight cache, or converted here).
+    store: Q8Store<'a>,
 }
 
 impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
@@ -215,7 +218,8 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         inp: usize,
         f: PhaseFormats,
     ) -> Result<Linear, ModelError> {
-        Linear::from_parts(&[self.raw(name, out, inp)?], f)
+        let raw = self.raw(name, out, inp)?;
+        Linear::from_parts_in(&[raw], f, &mut self.store)
     }
 
     /// Several `[out_i, inp]` matrices stacked into one `[sum out_i, inp]`.
@@ -229,28 +233,99 @@ impl<R: std::io::Read + std::io::Seek> Loader<'_, R> {
         for (name, out) in parts {
             tensors.push(self.raw(name, *out, inp)?);
         }
-        Linear::from_parts(&tensors, f)
+        Linear::from_parts_in(&tensors, f, &mut self.store)
     }
+}
+
+/// A GGUF file opened, its header read and the whole file mapped.
+fn open_gguf(path: &Path) -> Result<(std::fs::File, Content, Arc<MappedFile>), ModelError> {
+    let p = path.display().to_string();
+    let io = |source| ModelError::Io {
+        path: p.clone(),
+        source,
+    };
+    let mut file = std::fs::File::open(path).map_err(io)?;
+    let content = Content::read(&mut file).map_err(|e| ModelError::InvalidGguf {
+        path: p.clone(),
+        reason: e.to_string(),
+    })?;
+    let map = MappedFile::open(path).map_err(io)?;
+    Ok((file, content, map))
 }
 
 impl Llama {
     /// Open and load a GGUF file.
     pub fn load(path: &Path, formats: PhaseFormats) -> Result<(Self, Content), ModelError> {
-        let p = path.display().to_string();
-        let mut file = std::fs::File::open(path).map_err(|source| ModelError::Io {
-            path: p.clone(),
-            source,
-        })?;
-        let content = Content::read(&mut file).map_err(|e| ModelError::InvalidGguf {
-            path: p.clone(),
-            reason: e.to_string(),
-        })?;
-        let map = MappedFile::open(path).map_err(|source| ModelError::Io {
-            path: p.clone(),
-            source,
-        })?;
-        let model = Self::from_parts(&content, &mut file, Some(map), formats)?;
+        let (mut file, content, map) = open_gguf(path)?;
+        let (model, _) = Self::from_parts(&content, &mut file, Some(map), formats, Q8Store::Build)?;
         Ok((model, content))
+    }
+
+    /// [`Self::load`] with a Q8_0 weight cache in `cache_dir` (see
+    /// `weight_cache`): the first process to load this file with these
+    /// formats converts its matrices and writes them there, every later one
+    /// (and this one, once written) maps them, so the processes of a host
+    /// share one copy. A cache that cannot be used is reported in the
+    /// outcome and the weights are this process's own, as without one.
+    pub fn load_cached(
+        path: &Path,
+        formats: PhaseFormats,
+        cache_dir: Option<&Path>,
+    ) -> Result<(Self, Content, CacheOutcome), ModelError> {
+        let Some(dir) = cache_dir else {
+            let (m, c) = Self::load(path, formats)?;
+            return Ok((m, c, CacheOutcome::Off));
+        };
+        let (mut file, content, map) = open_gguf(path)?;
+        macro_rules! load {
+            ($store:expr) => {
+                Self::from_parts(&content, &mut file, Some(map.clone()), formats, $store)
+            };
+        }
+        let unavailable =
+            |e: std::io::Error| CacheOutcome::Unavailable(format!("{}: {e}", dir.display()));
+        let header = usize::try_from(content.tensor_data_offset).unwrap_or(usize::MAX);
+        let paths = match CachePaths::new(dir, path, &map, header, formats) {
+            Ok(p) => p,
+            Err(e) => return Ok((load!(Q8Store::Build)?.0, content, unavailable(e))),
+        };
+        // Held until this process has mapped the file (or given up): a
+        // second process waits here rather than convert the same weights.
+        let _lock = match paths.lock() {
+            Ok(l) => l,
+            Err(e) => return Ok((load!(Q8Store::Build)?.0, content, unavailable(e))),
+        };
+        if let Ok(cache) = CacheFile::open(&paths.file, &paths.key) {
+            let (m, missing) = load!(Q8Store::Read {
+                file: &cache,
+                missing: 0,
+            })?;
+            if missing == 0 {
+                return Ok((m, content, CacheOutcome::Hit(paths.file)));
+            }
+        }
+        // Absent, stale or foreign: convert, write, then map what was written.
+        let mut w = match paths.writer() {
+            Ok(w) => w,
+            Err(e) => return Ok((load!(Q8Store::Build)?.0, content, unavailable(e))),
+        };
+        let (m, _) = load!(Q8Store::Write(&mut w))?;
+        if let Err(e) = paths.finish(w) {
+            return Ok((m, content, unavailable(e)));
+        }
+        drop(m);
+        let cache = CacheFile::open(&paths.file, &paths.key).map_err(|reason| {
+            ModelError::Malformed(format!(
+                "the weight cache just written at {}: {reason}",
+                paths.file.display()
+            ))
+        })?;
+        let (m, missing) = load!(Q8Store::Read {
+            file: &cache,
+            missing: 0,
+        })?;
+        debug_assert_eq!(missing, 0, "a matrix missing from the cache just written");
+        Ok((m, content, CacheOutcome::Written(paths.file)))
     }
 
     /// Load from an already parsed GGUF header and its reader.
@@ -259,7 +334,7 @@ impl Llama {
         reader: &mut R,
         formats: PhaseFormats,
     ) -> Result<Self, ModelError> {
-        Self::from_parts(content, reader, None, formats)
+        Self::from_parts(content, reader, None, formats, Q8Store::Build).map(|(m, _)| m)
     }
 
     fn from_parts<R: std::io::Read + std::io::Seek>(
@@ -267,7 +342,8 @@ impl Llama {
         reader: &mut R,
         map: Option<Arc<MappedFile>>,
         formats: PhaseFormats,
-    ) -> Result<Self, ModelError> {
+        store: Q8Store<'_>,
+    ) -> Result<(Self, usize), ModelError> {
         let config = LlamaConfig::from_gguf(content)?;
         check_tensor_names(&config, content)?;
         let mut ld = Loader {
@@ -275,6 +351,7 @@ impl Llama {
             reader,
             map,
             used: BTreeSet::new(),
+            store,
         };
         let (h, qw, kvw, d) = (
             config.hidden,
@@ -301,7 +378,7 @@ impl Llama {
             "token_embd.weight"
         };
         let head = ld.raw(head_name, config.vocab_size, h)?;
-        let lm_head = Linear::small_batch_from(&head, formats.decode)?;
+        let lm_head = Linear::small_batch_from_in(&head, formats.decode, &mut ld.store)?;
         let gemma = config.arch == Arch::Gemma3;
         let mut blocks = Vec::with_capacity(config.layers);
         for i in 0..config.layers {
@@ -400,7 +477,11 @@ impl Llama {
             };
             Rope::new(&swa, config.context_length)
         });
-        Ok(Self {
+        let missing = match ld.store {
+            Q8Store::Read { missing, .. } => missing,
+            _ => 0,
+        };
+        let model = Self {
             config,
             formats,
             embed,
@@ -409,7 +490,8 @@ impl Llama {
             lm_head,
             rope,
             rope_swa,
-        })
+        };
+        Ok((model, missing))
     }
 
     /// Bytes of weights the model reads: the matrices in their phase
@@ -822,28 +904,40 @@ pub struct WeightEstimate {
 /// About how many bytes of weights a process holds after [`Llama::load`]
 /// of this file with `formats`, from its header alone: a quantized matrix
 /// with a native kernel, in a phase whose format is `native`, read in place
-/// (`mapped`, the file's bytes); otherwise one Q8_0 copy (34 bytes per 32
+/// (`mapped`, the file's bytes); otherwise one Q8_0 copy (36 bytes per 32
 /// weights) shared by the phases that need one; float ones as f32; the
 /// embedding table read in place if its rows are whole blocks of a native
 /// type, else f32 (a tied LM head is a matrix like the others); the RoPE
 /// tables. Within a few percent of
 /// [`Llama::weight_bytes`] and [`Llama::mapped_weight_bytes`].
-pub fn estimate_weights(cfg: &LlamaConfig, c: &Content, formats: PhaseFormats) -> WeightEstimate {
-    use crate::q8_matmul::{BLOCK_BYTES, QK};
+///
+/// `cached`: the Q8_0 copies are mapped from a weight cache file
+/// ([`Llama::load_cached`]), so they count as mapped too.
+pub fn estimate_weights(
+    cfg: &LlamaConfig,
+    c: &Content,
+    formats: PhaseFormats,
+    cached: bool,
+) -> WeightEstimate {
+    use crate::q8_matmul::QK;
     use candle_core::quantized::GgmlDType;
-    let q8 = |n: u64| n * BLOCK_BYTES as u64 / QK as u64;
+    // As `Q8Matrix` stores them: 32 quants and an f32 scale per block.
+    let q8 = |n: u64| n * (QK as u64 + 4) / QK as u64;
     let mut est = WeightEstimate::default();
-    let matrix = |est: &mut WeightEstimate, dtype: GgmlDType, n: u64| {
-        let native = crate::native::BlockType::of(dtype).is_some();
-        let pre = native && formats.prefill == WeightFormat::Native;
-        let dec = native && formats.decode == WeightFormat::Native;
-        if pre || dec {
-            est.mapped += n / dtype.block_size() as u64 * dtype.type_size() as u64;
-        }
-        if !(pre && dec) {
-            est.private += q8(n);
-        }
-    };
+    // Q8_0 copies, apart: mapped when cached.
+    let mut q8_est = WeightEstimate::default();
+    let matrix =
+        |est: &mut WeightEstimate, q8_est: &mut WeightEstimate, dtype: GgmlDType, n: u64| {
+            let native = crate::native::BlockType::of(dtype).is_some();
+            let pre = native && formats.prefill == WeightFormat::Native;
+            let dec = native && formats.decode == WeightFormat::Native;
+            if pre || dec {
+                est.mapped += n / dtype.block_size() as u64 * dtype.type_size() as u64;
+            }
+            if !(pre && dec) {
+                q8_est.private += q8(n);
+            }
+        };
     for (name, t) in &c.tensor_infos {
         let n = t.shape.elem_count() as u64;
         let float = matches!(
@@ -861,16 +955,21 @@ pub fn estimate_weights(cfg: &LlamaConfig, c: &Content, formats: PhaseFormats) -
             }
             if !c.tensor_infos.contains_key("output.weight") {
                 if float {
-                    est.private += q8(n);
+                    q8_est.private += q8(n);
                 } else {
-                    matrix(&mut est, t.ggml_dtype, n);
+                    matrix(&mut est, &mut q8_est, t.ggml_dtype, n);
                 }
             }
         } else if float || t.shape.rank() < 2 {
             est.private += n * 4;
         } else {
-            matrix(&mut est, t.ggml_dtype, n);
+            matrix(&mut est, &mut q8_est, t.ggml_dtype, n);
         }
+    }
+    if cached {
+        est.mapped += q8_est.private;
+    } else {
+        est.private += q8_est.private;
     }
     let tables = if cfg.sliding_window.is_some() && cfg.arch == Arch::Gemma3 {
         2

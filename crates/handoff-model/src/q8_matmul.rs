@@ -45,6 +45,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+use crate::weight_cache::Slab;
 use lanes::Quants;
 
 /// Elements per Q8_0 block.
@@ -144,7 +145,7 @@ mod lanes {
     use super::{Tile, GROUP, WORDS};
 
     /// 32 bytes: 4 quants of each of 8 rows.
-    #[derive(Clone, Copy, Default)]
+    #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
     #[repr(C, align(32))]
     pub struct Quants([u8; 32]);
 
@@ -199,9 +200,9 @@ pub struct Q8Matrix {
     in_dim: usize,
     blocks: usize,
     /// `[group][block]`.
-    qs: Vec<[Quants; WORDS]>,
+    qs: Slab<[Quants; WORDS]>,
     /// Scales, f16 values widened to f32, `[group][block][row]`.
-    d: Vec<[f32; GROUP]>,
+    d: Slab<[f32; GROUP]>,
 }
 
 /// Why a matrix cannot be packed.
@@ -224,6 +225,50 @@ impl Q8Matrix {
     /// Bytes this matrix holds (quants and scales).
     pub fn bytes(&self) -> usize {
         std::mem::size_of_val(self.qs.as_slice()) + std::mem::size_of_val(self.d.as_slice())
+    }
+
+    /// Of [`Self::bytes`], those mapped from a weight cache file (one copy
+    /// per host).
+    pub fn mapped_bytes(&self) -> usize {
+        if self.qs.is_mapped() && self.d.is_mapped() {
+            self.bytes()
+        } else {
+            0
+        }
+    }
+
+    /// Elements of each of the quants and the scales a `rows` × `cols`
+    /// matrix stores (`None` when `cols` is not whole blocks).
+    pub(crate) fn stored_len(rows: usize, cols: usize) -> Option<usize> {
+        cols.is_multiple_of(QK)
+            .then(|| rows.div_ceil(GROUP).checked_mul(cols / QK))
+            .flatten()
+    }
+
+    /// A matrix over stored quants and scales (as [`Self::stored_bytes`]
+    /// gave them), if their lengths fit the shape.
+    pub(crate) fn from_slabs(
+        rows: usize,
+        cols: usize,
+        qs: Slab<[Quants; WORDS]>,
+        d: Slab<[f32; GROUP]>,
+    ) -> Option<Self> {
+        let n = Self::stored_len(rows, cols)?;
+        (qs.as_slice().len() == n && d.as_slice().len() == n).then_some(Self {
+            out_dim: rows,
+            in_dim: cols,
+            blocks: cols / QK,
+            qs,
+            d,
+        })
+    }
+
+    /// The stored quants and scales, as bytes (for the weight cache).
+    pub(crate) fn stored_bytes(&self) -> (&[u8], &[u8]) {
+        (
+            bytemuck::cast_slice(self.qs.as_slice()),
+            bytemuck::cast_slice(self.d.as_slice()),
+        )
     }
 
     /// Pack GGML Q8_0 data (`out · in / 32` blocks of 34 bytes, row-major)
@@ -258,8 +303,8 @@ impl Q8Matrix {
             out_dim,
             in_dim,
             blocks,
-            qs: bytes.into_iter().map(|b| b.map(lanes::quants)).collect(),
-            d,
+            qs: Slab::Owned(bytes.into_iter().map(|b| b.map(lanes::quants)).collect()),
+            d: Slab::Owned(d),
         })
     }
 
@@ -366,10 +411,11 @@ impl Q8Matrix {
         let blocks = self.blocks;
         // Slices of exactly `blocks` elements, visible to LLVM: no bounds
         // checks in the loop.
+        let (qs, d) = (self.qs.as_slice(), self.d.as_slice());
         let w: [&[[Quants; WORDS]]; G] =
-            std::array::from_fn(|k| &self.qs[(g0 + i + k) * blocks..][..blocks]);
+            std::array::from_fn(|k| &qs[(g0 + i + k) * blocks..][..blocks]);
         let wd: [&[[f32; GROUP]]; G] =
-            std::array::from_fn(|k| &self.d[(g0 + i + k) * blocks..][..blocks]);
+            std::array::from_fn(|k| &d[(g0 + i + k) * blocks..][..blocks]);
         let row = |v: usize| (c + v) * blocks..(c + v + 1) * blocks;
         let t = Tile {
             w,
@@ -823,15 +869,15 @@ mod tests {
             })
             .collect();
         let m = Q8Matrix::from_ggml_q8_0(&data, out, inp).unwrap();
-        assert_eq!(m.qs.len(), 2 * 2);
+        assert_eq!(m.qs.as_slice().len(), 2 * 2);
         for row in 0..16 {
             let (g, r) = (row / GROUP, row % GROUP);
             for b in 0..2 {
                 let i = g * 2 + b;
                 let scale = if row < out { (row * 2 + b) as f32 } else { 0.0 };
-                assert_eq!(m.d[i][r], scale);
+                assert_eq!(m.d.as_slice()[i][r], scale);
                 for e in 0..QK {
-                    let stored = lanes::bytes(m.qs[i][e / 4])[4 * r + e % 4];
+                    let stored = lanes::bytes(m.qs.as_slice()[i][e / 4])[4 * r + e % 4];
                     let want = if row < out {
                         ((row * 2 + b) * 3 + e) as u8
                     } else {

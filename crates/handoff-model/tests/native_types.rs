@@ -85,7 +85,8 @@ fn every_native_type_loads_in_place_and_tracks_f32() {
             matrix_bytes + table,
             "{dtype:?}"
         );
-        let est = handoff_model::estimate_weights(c, &content, formats(WeightFormat::Native));
+        let est =
+            handoff_model::estimate_weights(c, &content, formats(WeightFormat::Native), false);
         assert_eq!(
             est.mapped as usize,
             matrix_bytes + table,
@@ -97,7 +98,7 @@ fn every_native_type_loads_in_place_and_tracks_f32() {
             "{dtype:?}: estimated private bytes {} vs {own}",
             est.private
         );
-        let default = handoff_model::estimate_weights(c, &content, Default::default());
+        let default = handoff_model::estimate_weights(c, &content, Default::default(), false);
         assert_eq!(
             default.mapped as usize, table,
             "{dtype:?}: only the table mapped by default"

@@ -94,6 +94,7 @@ pub async fn server_info(State(state): State<AppState>) -> Json<Value> {
         "kv_bytes": info.kv_bytes,
         "weight_bytes": info.weight_bytes,
         "weight_bytes_mapped": info.weight_bytes_mapped,
+        "weight_cache": info.weight_cache,
         "architecture": info.architecture,
         "max_total_num_tokens": load.pages_total * info.page_size,
         "disaggregation_mode": state.engine.mode(),

@@ -34,6 +34,11 @@ pub struct BenchModelArgs {
     /// Skip llama.cpp (print only our figures).
     #[arg(long)]
     no_llamacpp: bool,
+    /// Weight cache as `serve` has it (auto, off or a directory): with one,
+    /// the Q8_0 weights are computed from the mapped cache file as a
+    /// server's are.
+    #[arg(long, default_value = "off", value_name = "auto|off|DIR", value_parser = crate::engine_args::parse_weight_cache)]
+    weight_cache: crate::engine_args::WeightCacheArg,
     /// Run only these of our cases (for profiling one of them); the others
     /// print "-". Default: all.
     #[arg(long, value_delimiter = ',', value_enum)]
@@ -235,8 +240,10 @@ pub fn run(args: BenchModelArgs) -> anyhow::Result<()> {
         prefill: args.prefill_format,
         decode: args.decode_format,
     };
-    let (model, _) = Llama::load(&args.model, formats)
+    let cache_dir = args.weight_cache.dir()?;
+    let (model, _, cache) = Llama::load_cached(&args.model, formats, cache_dir.as_deref())
         .with_context(|| format!("loading {}", args.model.display()))?;
+    println!("weight cache: {cache}");
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()?;

@@ -75,6 +75,13 @@ pub struct EngineArgs {
     /// Q8_0 kernel, for comparison), f32 or as-loaded.
     #[arg(long, default_value = "q8_0")]
     pub(crate) decode_format: WeightFormat,
+    /// Where weights converted to Q8_0 are kept for every process of this
+    /// host to map read-only, so a PD pair and its replicas share one copy
+    /// (and later starts skip the conversion): `auto`
+    /// ($HANDOFF_HOME/weights), a directory, or `off` (each process
+    /// converts and holds its own).
+    #[arg(long, default_value = "auto", value_name = "auto|off|DIR", value_parser = parse_weight_cache)]
+    pub(crate) weight_cache: WeightCacheArg,
     /// Tensor parallel size: only 1 today (SGLang's `--tp-size`, vLLM's
     /// `--tensor-parallel-size`); scale out with more workers behind the
     /// router instead.
@@ -91,6 +98,46 @@ pub(crate) fn parse_tp_size(s: &str) -> Result<u32, String> {
              run more prefill and decode workers behind `handoff router` to use more cores or hosts"
         )),
         _ => Err(format!("{s:?} is not a tensor parallel size (a positive integer)")),
+    }
+}
+
+/// `--weight-cache`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum WeightCacheArg {
+    /// `$HANDOFF_HOME/weights`.
+    Auto,
+    /// No cache.
+    Off,
+    /// This directory.
+    Dir(PathBuf),
+}
+
+impl WeightCacheArg {
+    /// The flag's value that means this.
+    fn as_arg(&self) -> String {
+        match self {
+            WeightCacheArg::Auto => "auto".into(),
+            WeightCacheArg::Off => "off".into(),
+            WeightCacheArg::Dir(d) => d.display().to_string(),
+        }
+    }
+
+    /// The directory, if any.
+    pub(crate) fn dir(&self) -> anyhow::Result<Option<PathBuf>> {
+        Ok(match self {
+            WeightCacheArg::Auto => Some(crate::model_fetch::handoff_home()?.join("weights")),
+            WeightCacheArg::Off => None,
+            WeightCacheArg::Dir(d) => Some(d.clone()),
+        })
+    }
+}
+
+pub(crate) fn parse_weight_cache(s: &str) -> Result<WeightCacheArg, String> {
+    match s {
+        "auto" => Ok(WeightCacheArg::Auto),
+        "off" => Ok(WeightCacheArg::Off),
+        "" => Err("expected auto, off or a directory".into()),
+        d => Ok(WeightCacheArg::Dir(PathBuf::from(d))),
     }
 }
 
@@ -219,12 +266,16 @@ impl EngineArgs {
             (None, None) => None,
         };
         let cfg = &model.config;
-        // Mapped weights (`native`) are one page-cache copy for every
-        // worker of this host; the rest is each worker's own.
-        let est = model.weights(PhaseFormats {
-            prefill: self.prefill_format,
-            decode: self.decode_format,
-        });
+        // Mapped weights (`native`, or Q8_0 from the weight cache) are one
+        // page-cache copy for every worker of this host; the rest is each
+        // worker's own.
+        let est = model.weights(
+            PhaseFormats {
+                prefill: self.prefill_format,
+                decode: self.decode_format,
+            },
+            self.weight_cache != WeightCacheArg::Off,
+        );
         let weights = est.private;
         let page_bytes = cfg.kv_geometry(page_size, self.kv_dtype).page_bytes() as u64;
         let available = mem_available_bytes()?;
@@ -302,6 +353,7 @@ impl EngineArgs {
                 prefill: self.prefill_format,
                 decode: self.decode_format,
             },
+            weight_cache: self.weight_cache.dir()?,
             ..defaults
         };
         Ok(config)
@@ -479,6 +531,7 @@ impl EngineArgs {
         }
         flag("prefill-format", self.prefill_format.to_string());
         flag("decode-format", self.decode_format.to_string());
+        flag("weight-cache", self.weight_cache.as_arg());
         if self.disable_radix_cache {
             a.push("--disable-radix-cache".into());
         }
@@ -501,6 +554,66 @@ mod tests {
     struct Flags {
         #[command(flatten)]
         engine: EngineArgs,
+    }
+
+    /// Every engine flag reaches the worker processes `handoff serve`
+    /// starts: the test walks the flags clap knows, so a new flag without a
+    /// value here fails it; each set of values survives `to_args` and a
+    /// second parse unchanged (found `--weight-cache` dropped).
+    #[test]
+    fn every_engine_flag_survives_to_args() {
+        use clap::CommandFactory;
+        let common: &[(&str, Option<&str>)] = &[
+            ("model", Some("/m.gguf")),
+            ("threads", Some("3")),
+            ("page-size", Some("32")),
+            ("kv-dtype", Some("f32")),
+            ("max-batch", Some("7")),
+            ("max-waiting", Some("9")),
+            ("prefill-chunk", Some("33")),
+            ("context-length", Some("512")),
+            ("served-model-name", Some("name")),
+            ("disable-radix-cache", None),
+            ("prefill-format", Some("native")),
+            ("decode-format", Some("native")),
+            ("weight-cache", Some("/some/dir")),
+            // Only 1 exists; nothing to forward.
+            ("tp-size", Some("1")),
+        ];
+        // Mutually exclusive: one per run.
+        let pools = [
+            ("kv-pages", "100"),
+            ("kv-memory-mb", "64"),
+            ("mem-fraction-static", "0.25"),
+        ];
+        for arg in Flags::command().get_arguments() {
+            let long = arg.get_long().unwrap_or_default();
+            assert!(
+                common.iter().any(|(f, _)| *f == long) || pools.iter().any(|(f, _)| *f == long),
+                "--{long} has no value in this test: add one, and forward it in to_args"
+            );
+        }
+        for pool in pools {
+            let mut line = vec!["x".to_string()];
+            for (f, v) in common
+                .iter()
+                .chain(std::iter::once(&(pool.0, Some(pool.1))))
+            {
+                line.push(format!("--{f}"));
+                line.extend(v.map(str::to_string));
+            }
+            let first = Flags::try_parse_from(&line).unwrap().engine;
+            let model = first.model.clone().unwrap();
+            let again = std::iter::once("x".into()).chain(first.to_args(&model));
+            let second = Flags::try_parse_from(again).unwrap().engine;
+            assert_eq!(format!("{second:?}"), format!("{first:?}"), "{pool:?}");
+        }
+        for v in ["auto", "off"] {
+            let f = Flags::try_parse_from(["x", "--weight-cache", v])
+                .unwrap()
+                .engine;
+            assert_eq!(f.weight_cache.as_arg(), v);
+        }
     }
 
     /// SGLang's and vLLM's spellings set the same fields as handoff's own.

@@ -33,9 +33,14 @@ pub struct CheckedModel {
 impl CheckedModel {
     /// About how many bytes of weights a worker holds, and how many it
     /// maps from the file, once it loads this model in `formats`
-    /// ([`handoff_model::estimate_weights`]).
-    pub fn weights(&self, formats: handoff_model::PhaseFormats) -> handoff_model::WeightEstimate {
-        handoff_model::estimate_weights(&self.config, &self.header, formats)
+    /// ([`handoff_model::estimate_weights`]); `cached`: its Q8_0 copies
+    /// are mapped from the weight cache.
+    pub fn weights(
+        &self,
+        formats: handoff_model::PhaseFormats,
+        cached: bool,
+    ) -> handoff_model::WeightEstimate {
+        handoff_model::estimate_weights(&self.config, &self.header, formats, cached)
     }
 }
 

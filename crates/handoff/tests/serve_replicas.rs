@@ -4,7 +4,7 @@
 //! fails no request that had not started on it (they go to the other
 //! replica); the ones it was generating end with a typed error, and no
 //! answer is wrong; the supervisor starts it again and all four are
-//! healthy again.
+//! healthy again. The four share one weight cache file, written once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -39,9 +39,17 @@ async fn replicas_all_serve_and_a_killed_decode_fails_only_what_it_was_generatin
     std::fs::create_dir_all(&dir).unwrap();
     let model = dir.join("tiny.gguf");
     handoff_model::tiny::write_tiny_gguf(&model, 5).expect("tiny GGUF");
+    let cache = dir.join("weights");
     let s = serve(
         &model,
-        &["--prefill-replicas", "2", "--decode-replicas", "2"],
+        &[
+            "--prefill-replicas",
+            "2",
+            "--decode-replicas",
+            "2",
+            "--weight-cache",
+            cache.to_str().unwrap(),
+        ],
         &[],
     );
     let url = s.url.clone();
@@ -59,6 +67,41 @@ async fn replicas_all_serve_and_a_killed_decode_fails_only_what_it_was_generatin
             "a replica took nothing: {x}"
         );
     }
+
+    // The four workers share one weight cache file: one wrote it, the
+    // others mapped it; their matrices are mapped, not each one's own.
+    let mut written = 0;
+    for x in &w {
+        let info: Value = reqwest::get(format!("{}/server_info", x["url"].as_str().unwrap()))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let how = info["weight_cache"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let file = how
+            .rsplit(' ')
+            .find(|w| w.ends_with(".q8w"))
+            .map(std::path::PathBuf::from);
+        assert!(
+            file.as_ref()
+                .is_some_and(|f| f.starts_with(&cache) && f.exists()),
+            "{info}"
+        );
+        written += usize::from(how.starts_with("written"));
+        let (all, mapped) = (
+            info["weight_bytes"].as_u64().unwrap(),
+            info["weight_bytes_mapped"].as_u64().unwrap(),
+        );
+        assert!(
+            mapped * 2 > all,
+            "{mapped} of {all} weight bytes mapped: {info}"
+        );
+    }
+    assert_eq!(written, 1, "the weight cache written once");
 
     // A steady load from 4 clients; one decode replica dies in the middle.
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
