@@ -1,8 +1,9 @@
 //! The model: GGUF loading, a Llama-family
 //! forward over a paged KV pool, tokenizer and chat template, sampling.
 // `unsafe` is denied everywhere but in `simd` (run-time chosen
-// `#[target_feature]` kernels, each call with its SAFETY comment) and
-// `mapped` (the read-only mapping of the model file).
+// `#[target_feature]` kernels, each call with its SAFETY comment),
+// `mapped` (the read-only mapping of the model file) and `heap`
+// (`malloc_trim`).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -11,6 +12,8 @@ pub mod chat_template;
 pub mod config;
 mod embedding;
 pub mod error;
+#[allow(unsafe_code)]
+pub mod heap;
 pub mod linear;
 #[allow(unsafe_code)]
 pub mod mapped;

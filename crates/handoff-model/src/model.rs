@@ -276,7 +276,7 @@ impl Llama {
             let (m, c) = Self::load(path, formats)?;
             return Ok((m, c, CacheOutcome::Off));
         };
-        let (mut file, content, map) = open_gguf(path)?;
+        let (mut file, content, mut map) = open_gguf(path)?;
         macro_rules! load {
             ($store:expr) => {
                 Self::from_parts(&content, &mut file, Some(map.clone()), formats, $store)
@@ -314,6 +314,14 @@ impl Llama {
             return Ok((m, content, unavailable(e)));
         }
         drop(m);
+        crate::heap::trim();
+        // A new mapping of the model file: the conversion read all of the
+        // old one, whose pages would otherwise stay counted in this
+        // process's resident memory for the life of the mapping.
+        map = MappedFile::open(path).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         let cache = CacheFile::open(&paths.file, &paths.key).map_err(|reason| {
             ModelError::Malformed(format!(
                 "the weight cache just written at {}: {reason}",
