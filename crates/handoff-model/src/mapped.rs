@@ -2,7 +2,8 @@
 //! file's bytes where the page cache holds them, so every process on a
 //! host that serves the file (a PD pair, replicas) shares one copy.
 //!
-//! The crate's only `unsafe` outside `simd/`: creating the mapping.
+//! One of the crate's `unsafe` blocks outside `simd/` (with `heap.rs`):
+//! creating the mapping.
 
 use std::path::Path;
 use std::sync::Arc;

@@ -1,9 +1,10 @@
-//! One of the two places in handoff-model that may use `unsafe` (issue 13 item 6):
+//! One of the three places in handoff-model that may use `unsafe` (issue 13 item 6):
 //! block-product kernels compiled for CPU features beyond the build's
 //! baseline (x86-64-v3: AVX2 + FMA) and chosen at run time when the CPU has
-//! them. Everything else in the crate but the file mapping is `deny(unsafe_code)`, and a test
-//! (`only_simd_and_the_mapping_may_use_unsafe`) checks that no other file
-//! but `mapped.rs` allows it.
+//! them. Everything else in the crate but the file mapping (`mapped.rs`) and
+//! `malloc_trim` (`heap.rs`) is `deny(unsafe_code)`, and a test
+//! (`only_simd_the_mapping_and_heap_may_use_unsafe`) checks that no other
+//! file allows it.
 //!
 //! Each kernel here computes exactly what the safe baseline in
 //! `q8_matmul.rs` computes, bit for bit: per output element and block the
