@@ -711,15 +711,18 @@ mod tests {
         assert!(checked > 10, "{checked} files");
         let lib = std::fs::read_to_string(src.join("lib.rs")).unwrap();
         assert!(lib.contains("#![deny(unsafe_code)]"));
-        assert_eq!(lib.matches("allow(unsafe_code)").count(), 2);
+        assert_eq!(lib.matches("allow(unsafe_code)").count(), 3);
         assert!(lib.contains("#[allow(unsafe_code)]\npub mod simd;"));
         assert!(lib.contains("#[allow(unsafe_code)]\npub mod mapped;"));
-        let mapped = std::fs::read_to_string(src.join("mapped.rs")).unwrap();
-        assert_eq!(
-            mapped.matches("unsafe {").count(),
-            1,
-            "one unsafe block in mapped.rs"
-        );
+        assert!(lib.contains("#[allow(unsafe_code)]\npub mod heap;"));
+        for file in ["mapped.rs", "heap.rs"] {
+            let text = std::fs::read_to_string(src.join(file)).unwrap();
+            assert_eq!(
+                text.matches("unsafe {").count(),
+                1,
+                "one unsafe block in {file}"
+            );
+        }
     }
 
     /// Within float rounding of candle's QMatMul on the same Q8_0 weights
