@@ -148,14 +148,12 @@ impl Mat {
             }
             let q = src.tensor()?;
             let (out, in_dim) = q.shape().dims2()?;
-            let owned;
-            let q8 = if q.dtype() == GgmlDType::Q8_0 {
-                q
+            let data = if q.dtype() == GgmlDType::Q8_0 {
+                q.data()?
             } else {
-                owned = QTensor::quantize(&q.dequantize(&dev)?, GgmlDType::Q8_0)?;
-                &owned
+                std::borrow::Cow::Owned(requantize_q8_0(q, out, in_dim)?)
             };
-            let m = Q8Matrix::from_ggml_q8_0(&q8.data()?, out, in_dim)
+            let m = Q8Matrix::from_ggml_q8_0(&data, out, in_dim)
                 .map_err(|e| ModelError::Malformed(e.to_string()))?;
             store.record(&src.key, &m);
             return Ok(Mat::Q8(m));
@@ -390,6 +388,39 @@ impl<'a> Source<'a> {
             }
         }
     }
+}
+
+/// `q` (`rows` × `cols`, quantized) requantized to GGML Q8_0 bytes, in
+/// chunks of rows on the rayon pool: both steps work block by block within
+/// a row, so the bytes are those of converting the whole tensor at once
+/// (what a load did before, on one thread).
+fn requantize_q8_0(q: &QTensor, rows: usize, cols: usize) -> Result<Vec<u8>, ModelError> {
+    use rayon::prelude::*;
+    const ROWS: usize = 64;
+    let dtype = q.dtype();
+    let row_bytes = cols / dtype.block_size() * dtype.type_size();
+    let data = q.data()?;
+    if rows == 0 || data.len() != rows * row_bytes {
+        return Ok(
+            QTensor::quantize(&q.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
+                .data()?
+                .into_owned(),
+        );
+    }
+    let parts = data
+        .par_chunks(ROWS * row_bytes)
+        .map(|c| -> Result<Vec<u8>, ModelError> {
+            let t = qtensor_of(
+                std::borrow::Cow::Borrowed(c),
+                dtype,
+                c.len() / row_bytes,
+                cols,
+            )?;
+            let q8 = QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?;
+            Ok(q8.data()?.into_owned())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(parts.concat())
 }
 
 /// A `[rows, cols]` candle tensor of `dtype` from its bytes.
@@ -627,6 +658,36 @@ impl Linear {
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    /// Requantizing in chunks of rows on the pool gives the bytes of
+    /// converting the whole tensor at once, for row counts that are and
+    /// are not whole chunks.
+    #[test]
+    fn chunked_requantization_equals_the_whole_tensor_at_once() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for (rows, dtype) in [
+            (200, GgmlDType::Q4K),
+            (64, GgmlDType::Q6K),
+            (3, GgmlDType::Q4_1),
+        ] {
+            let cols = 512;
+            let w: Vec<f32> = (0..rows * cols)
+                .map(|_| rng.random_range(-1f32..1.0))
+                .collect();
+            let q = QTensor::quantize(
+                &Tensor::from_slice(&w, (rows, cols), &Device::Cpu).unwrap(),
+                dtype,
+            )
+            .unwrap();
+            let whole = QTensor::quantize(&q.dequantize(&Device::Cpu).unwrap(), GgmlDType::Q8_0)
+                .unwrap()
+                .data()
+                .unwrap()
+                .into_owned();
+            let chunked = requantize_q8_0(&q, rows, cols).unwrap();
+            assert!(chunked == whole, "{dtype:?} {rows} rows");
+        }
+    }
 
     /// `q8_0` (handoff's kernel) gives the same bits in both phases and as
     /// a small-batch matrix, and is within float rounding of
