@@ -74,7 +74,7 @@ def memory(pid):
     return tot
 
 
-def complete(port, timeout=2.0):
+def complete(port, timeout=600.0):
     body = json.dumps({"prompt": "Hello there, how are", "max_tokens": 8,
                        "temperature": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,

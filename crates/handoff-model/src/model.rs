@@ -912,7 +912,7 @@ pub struct WeightEstimate {
 /// About how many bytes of weights a process holds after [`Llama::load`]
 /// of this file with `formats`, from its header alone: a quantized matrix
 /// with a native kernel, in a phase whose format is `native`, read in place
-/// (`mapped`, the file's bytes); otherwise one Q8_0 copy (36 bytes per 32
+/// (`mapped`, the file's bytes); otherwise one Q8_0 copy (34 bytes per 32
 /// weights) shared by the phases that need one; float ones as f32; the
 /// embedding table read in place if its rows are whole blocks of a native
 /// type, else f32 (a tied LM head is a matrix like the others); the RoPE
@@ -927,10 +927,10 @@ pub fn estimate_weights(
     formats: PhaseFormats,
     cached: bool,
 ) -> WeightEstimate {
-    use crate::q8_matmul::QK;
+    use crate::q8_matmul::{BLOCK_BYTES, QK};
     use candle_core::quantized::GgmlDType;
-    // As `Q8Matrix` stores them: 32 quants and an f32 scale per block.
-    let q8 = |n: u64| n * (QK as u64 + 4) / QK as u64;
+    // As `Q8Matrix` stores them: 32 quants and an f16 scale per block.
+    let q8 = |n: u64| n * BLOCK_BYTES as u64 / QK as u64;
     let mut est = WeightEstimate::default();
     // Q8_0 copies, apart: mapped when cached.
     let mut q8_est = WeightEstimate::default();

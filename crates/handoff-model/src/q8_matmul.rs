@@ -121,7 +121,7 @@ mod lanes {
                 }
             }
             for ((acc, dot), wd) in acc.iter_mut().zip(&dot).zip(&wd) {
-                let dw = m256::from(wd[b]);
+                let dw = m256::from(super::widen(&wd[b]));
                 for k in 0..C {
                     acc[k] = fused_mul_add_m256(
                         convert_to_m256_from_i32_m256i(dot[k]),
@@ -183,7 +183,8 @@ mod lanes {
                                 dot += wq * i32::from(xs[e] as i8);
                             }
                         }
-                        acc[g][k][r] = (dot as f32).mul_add(wd[g][b][r] * xd[k][b], acc[g][k][r]);
+                        let dw = half::f16::from_bits(wd[g][b][r]).to_f32();
+                        acc[g][k][r] = (dot as f32).mul_add(dw * xd[k][b], acc[g][k][r]);
                     }
                 }
             }
@@ -201,8 +202,9 @@ pub struct Q8Matrix {
     blocks: usize,
     /// `[group][block]`.
     qs: Slab<[Quants; WORDS]>,
-    /// Scales, f16 values widened to f32, `[group][block][row]`.
-    d: Slab<[f32; GROUP]>,
+    /// Scales, the file's f16 bits (widened to f32 in the kernel, exactly),
+    /// `[group][block][row]`.
+    d: Slab<[u16; GROUP]>,
 }
 
 /// Why a matrix cannot be packed.
@@ -251,7 +253,7 @@ impl Q8Matrix {
         rows: usize,
         cols: usize,
         qs: Slab<[Quants; WORDS]>,
-        d: Slab<[f32; GROUP]>,
+        d: Slab<[u16; GROUP]>,
     ) -> Option<Self> {
         let n = Self::stored_len(rows, cols)?;
         (qs.as_slice().len() == n && d.as_slice().len() == n).then_some(Self {
@@ -288,12 +290,12 @@ impl Q8Matrix {
         let groups = out_dim.div_ceil(GROUP);
         // Zero quants (stored as 128) and zero scales for padding rows.
         let mut bytes = vec![[[128u8; 32]; WORDS]; groups * blocks];
-        let mut d = vec![[0f32; GROUP]; groups * blocks];
+        let mut d = vec![[0u16; GROUP]; groups * blocks];
         for (row, src) in data.chunks_exact(blocks * BLOCK_BYTES).enumerate() {
             let (g, r) = (row / GROUP, row % GROUP);
             for (b, blk) in src.chunks_exact(BLOCK_BYTES).enumerate() {
                 let i = g * blocks + b;
-                d[i][r] = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                d[i][r] = u16::from_le_bytes([blk[0], blk[1]]);
                 for (e, &q) in blk[2..].iter().enumerate() {
                     bytes[i][e / 4][4 * r + e % 4] = q ^ 0x80;
                 }
@@ -414,7 +416,7 @@ impl Q8Matrix {
         let (qs, d) = (self.qs.as_slice(), self.d.as_slice());
         let w: [&[[Quants; WORDS]]; G] =
             std::array::from_fn(|k| &qs[(g0 + i + k) * blocks..][..blocks]);
-        let wd: [&[[f32; GROUP]]; G] =
+        let wd: [&[[u16; GROUP]]; G] =
             std::array::from_fn(|k| &d[(g0 + i + k) * blocks..][..blocks]);
         let row = |v: usize| (c + v) * blocks..(c + v + 1) * blocks;
         let t = Tile {
@@ -433,6 +435,18 @@ impl Q8Matrix {
             }
         }
     }
+}
+
+/// Eight f16 scales (as bits) widened to f32: exact, and one `vcvtph2ps`
+/// where the build has F16C (x86-64-v3 does).
+#[inline(always)]
+pub(crate) fn widen(d: &[u16; GROUP]) -> [f32; GROUP] {
+    let mut out = [0f32; GROUP];
+    half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+        half::slice::HalfBitsSliceExt::reinterpret_cast::<f16>(&d[..]),
+        &mut out,
+    );
+    out
 }
 
 /// Activation rows per register tile.
@@ -464,8 +478,8 @@ fn tile_groups(path: crate::simd::Q8Path) -> usize {
 pub(crate) struct Tile<'a, const G: usize, const C: usize> {
     /// Weight quants, `q + 128`, `[block]` per group.
     pub w: [&'a [[Quants; WORDS]]; G],
-    /// Weight scales, `[block][row]` per group.
-    pub wd: [&'a [[f32; GROUP]]; G],
+    /// Weight scales as f16 bits, `[block][row]` per group.
+    pub wd: [&'a [[u16; GROUP]]; G],
     /// Activation quants as words of 4, `[block]` per row.
     pub x: [&'a [[i32; WORDS]]; C],
     /// Their absolute values, laid out the same way.
@@ -879,7 +893,7 @@ mod tests {
             for b in 0..2 {
                 let i = g * 2 + b;
                 let scale = if row < out { (row * 2 + b) as f32 } else { 0.0 };
-                assert_eq!(m.d.as_slice()[i][r], scale);
+                assert_eq!(f16::from_bits(m.d.as_slice()[i][r]).to_f32(), scale);
                 for e in 0..QK {
                     let stored = lanes::bytes(m.qs.as_slice()[i][e / 4])[4 * r + e % 4];
                     let want = if row < out {

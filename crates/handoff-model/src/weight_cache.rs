@@ -37,9 +37,9 @@ use crate::linear::PhaseFormats;
 use crate::mapped::MappedFile;
 use crate::q8_matmul::Q8Matrix;
 
-const MAGIC: &[u8; 8] = b"HOFFQ8W1";
+const MAGIC: &[u8; 8] = b"HOFFQ8W2";
 /// Bump when `Q8Matrix`'s stored layout changes.
-const LAYOUT: u32 = 1;
+const LAYOUT: u32 = 2;
 const HEADER: usize = 8 + 32 + 16;
 const ALIGN: u64 = 64;
 
@@ -377,7 +377,9 @@ impl Source {
             .take(HEADER as u64 + 4 + 4096 + 24)
             .read_to_end(&mut head)
             .ok()?;
-        if head.get(..8)? != MAGIC {
+        // Any version's file: the source record has kept its place and
+        // layout since the first, so older versions' files are swept too.
+        if head.get(..7)? != &MAGIC[..7] {
             return None;
         }
         let mut r = Reader {

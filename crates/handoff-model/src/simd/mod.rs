@@ -107,8 +107,9 @@ pub(crate) use vnni::group_products;
 ))]
 mod vnni {
     use core::arch::x86_64::{
-        __m256, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_set1_epi32,
-        _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
+        __m256, _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_mul_ps,
+        _mm256_set1_epi32, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
+        _mm_loadu_si128,
     };
     use safe_arch::m256;
 
@@ -178,7 +179,10 @@ mod vnni {
                         }
                     }
                     for g in 0..G {
-                        let dw = m256::from(*wdb[g]).0;
+                        // SAFETY: `wdb[g]` is 8 f16 values (16 bytes);
+                        // an unaligned load reads exactly them.
+                        let dw =
+                            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(wdb[g].as_ptr().cast()) });
                         for k in 0..C {
                             acc[g][k] = _mm256_fmadd_ps(
                                 _mm256_cvtepi32_ps(dot[g][k]),
@@ -201,12 +205,12 @@ mod vnni {
 
     kernel!(
         products_avx512_vnni,
-        "avx2,fma,avx512f,avx512vl,avx512vnni",
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
         core::arch::x86_64::_mm256_dpbusd_epi32
     );
     kernel!(
         products_avx_vnni,
-        "avx2,fma,avxvnni",
+        "avx2,fma,f16c,avxvnni",
         core::arch::x86_64::_mm256_dpbusd_avx_epi32
     );
 
@@ -219,20 +223,23 @@ mod vnni {
         match path {
             Q8Path::Baseline => None,
             Q8Path::Avx512Vnni => {
-                let ok = std::arch::is_x86_feature_detected!("avx512vnni")
+                let ok = std::arch::is_x86_feature_detected!("f16c")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512f");
-                // SAFETY: the function is compiled for AVX2, FMA, AVX-512F,
-                // AVX-512VL and AVX-512 VNNI, and the CPU was just checked
-                // to have all of them (the build's baseline guarantees AVX2
-                // and FMA). It reads its arguments through references only.
+                // SAFETY: the function is compiled for AVX2, FMA, F16C,
+                // AVX-512F, AVX-512VL and AVX-512 VNNI, and the CPU was just
+                // checked for the last four (the build's baseline
+                // guarantees AVX2 and FMA). It reads its arguments through references only.
                 ok.then(|| unsafe { products_avx512_vnni::<G, C>(t) })
             }
             Q8Path::AvxVnni => {
-                let ok = std::arch::is_x86_feature_detected!("avxvnni");
-                // SAFETY: compiled for AVX2, FMA and AVX-VNNI; the CPU was
-                // just checked for AVX-VNNI, and the build's baseline
-                // guarantees AVX2 and FMA. References only, as above.
+                let ok = std::arch::is_x86_feature_detected!("f16c")
+                    && std::arch::is_x86_feature_detected!("avxvnni");
+                // SAFETY: compiled for AVX2, FMA, F16C and AVX-VNNI; the CPU
+                // was just checked for F16C and AVX-VNNI, and the build's
+                // baseline guarantees AVX2 and FMA. References only, as
+                // above.
                 ok.then(|| unsafe { products_avx_vnni::<G, C>(t) })
             }
         }
