@@ -124,16 +124,7 @@ mod tests {
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
         let t = candle_core::Tensor::from_vec(v, (vocab, hidden), &Device::Cpu).unwrap();
-        for dtype in [
-            GgmlDType::Q4_0,
-            GgmlDType::Q4_1,
-            GgmlDType::Q5_0,
-            GgmlDType::Q5_1,
-            GgmlDType::Q8_0,
-            GgmlDType::Q4K,
-            GgmlDType::Q5K,
-            GgmlDType::Q6K,
-        ] {
+        for dtype in crate::native::BlockType::ALL.map(crate::native::BlockType::ggml) {
             let q = QTensor::quantize(&t, dtype).unwrap();
             let whole = q
                 .dequantize(&Device::Cpu)

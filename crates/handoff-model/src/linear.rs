@@ -296,13 +296,7 @@ impl RawTensor {
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             let t = Tensor::cat(&ts, 0)?;
-            let f32_phase = [formats.prefill, formats.decode].contains(&WeightFormat::F32);
-            let to = if f32_phase || !inp.is_multiple_of(32) {
-                GgmlDType::F32
-            } else {
-                GgmlDType::Q8_0
-            };
-            return Ok(QTensor::quantize(&t, to)?);
+            return Ok(QTensor::quantize(&t, stacked_dtype(parts, formats))?);
         }
         let mut bytes = Vec::new();
         for p in parts {
@@ -350,23 +344,11 @@ impl<'a> Source<'a> {
 
     /// Parts stacked by rows ([`RawTensor::stack`]) when first needed.
     fn stacked(parts: &'a [RawTensor], formats: PhaseFormats, key: String) -> Self {
-        let first = parts.first();
-        let cols = first.map_or(0, |p| p.cols);
-        let dtype = match first {
-            Some(p) if parts.len() == 1 => p.dtype,
-            Some(p) if parts.iter().all(|q| q.dtype == p.dtype && q.cols == cols) => p.dtype,
-            _ if [formats.prefill, formats.decode].contains(&WeightFormat::F32)
-                || !cols.is_multiple_of(32) =>
-            {
-                GgmlDType::F32
-            }
-            _ => GgmlDType::Q8_0,
-        };
         Source {
             key,
             rows: parts.iter().map(|p| p.rows).sum(),
-            cols,
-            dtype,
+            cols: parts.first().map_or(0, |p| p.cols),
+            dtype: stacked_dtype(parts, formats),
             tensor: SourceTensor::Lazy(
                 Box::new(move || RawTensor::stack(parts, formats)),
                 Default::default(),
@@ -400,12 +382,11 @@ fn requantize_q8_0(q: &QTensor, rows: usize, cols: usize) -> Result<Vec<u8>, Mod
     let dtype = q.dtype();
     let row_bytes = cols / dtype.block_size() * dtype.type_size();
     let data = q.data()?;
-    if rows == 0 || data.len() != rows * row_bytes {
-        return Ok(
-            QTensor::quantize(&q.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
-                .data()?
-                .into_owned(),
-        );
+    if data.len() != rows * row_bytes || row_bytes == 0 {
+        return Err(ModelError::Malformed(format!(
+            "{dtype:?} data of {} bytes for {rows} rows of {cols}",
+            data.len()
+        )));
     }
     let parts = data
         .par_chunks(ROWS * row_bytes)
@@ -421,6 +402,22 @@ fn requantize_q8_0(q: &QTensor, rows: usize, cols: usize) -> Result<Vec<u8>, Mod
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok(parts.concat())
+}
+
+/// The type [`RawTensor::stack`] gives `parts`: theirs when they share one
+/// type and width, else Q8_0, or f32 when a phase computes in f32 or the
+/// rows are not whole Q8_0 blocks.
+fn stacked_dtype(parts: &[RawTensor], formats: PhaseFormats) -> GgmlDType {
+    let cols = parts.first().map_or(0, |p| p.cols);
+    match parts.first() {
+        Some(p) if parts.iter().all(|q| q.dtype == p.dtype && q.cols == cols) => p.dtype,
+        _ if [formats.prefill, formats.decode].contains(&WeightFormat::F32)
+            || !cols.is_multiple_of(32) =>
+        {
+            GgmlDType::F32
+        }
+        _ => GgmlDType::Q8_0,
+    }
 }
 
 /// A `[rows, cols]` candle tensor of `dtype` from its bytes.
@@ -539,14 +536,19 @@ impl Linear {
         format: WeightFormat,
         store: &mut Q8Store<'_>,
     ) -> Result<Self, ModelError> {
-        let (out_dim, in_dim) = (src.rows, src.cols);
-        let mat = std::sync::Arc::new(Mat::build(src, format, true, store)?);
-        Ok(Self {
+        let mat = Mat::build(src, format, true, store)?;
+        Ok(Self::shared(mat, src.cols, src.rows))
+    }
+
+    /// One matrix for both phases.
+    fn shared(mat: Mat, in_dim: usize, out_dim: usize) -> Self {
+        let mat = std::sync::Arc::new(mat);
+        Self {
             prefill: mat.clone(),
             decode: mat,
             in_dim,
             out_dim,
-        })
+        }
     }
 
     /// Build from tensors `[out_i, in]` stacked by rows, as the file holds
@@ -570,13 +572,7 @@ impl Linear {
             let both =
                 formats.prefill == WeightFormat::Native && formats.decode == WeightFormat::Native;
             if both {
-                let mat = std::sync::Arc::new(Mat::Native(m.clone()));
-                return Ok(Self {
-                    prefill: mat.clone(),
-                    decode: mat,
-                    in_dim,
-                    out_dim,
-                });
+                return Ok(Self::shared(Mat::Native(m.clone()), in_dim, out_dim));
             }
         }
         let key = parts
@@ -610,13 +606,7 @@ impl Linear {
     ) -> Result<Self, ModelError> {
         if format == WeightFormat::Native {
             if let Some(m) = native_matrix(std::slice::from_ref(part))? {
-                let mat = std::sync::Arc::new(Mat::Native(m));
-                return Ok(Self {
-                    prefill: mat.clone(),
-                    decode: mat,
-                    in_dim: part.cols,
-                    out_dim: part.rows,
-                });
+                return Ok(Self::shared(Mat::Native(m), part.cols, part.rows));
             }
         }
         let formats = PhaseFormats {

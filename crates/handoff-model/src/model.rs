@@ -932,20 +932,19 @@ pub fn estimate_weights(
     // As `Q8Matrix` stores them: 32 quants and an f16 scale per block.
     let q8 = |n: u64| n * BLOCK_BYTES as u64 / QK as u64;
     let mut est = WeightEstimate::default();
-    // Q8_0 copies, apart: mapped when cached.
-    let mut q8_est = WeightEstimate::default();
-    let matrix =
-        |est: &mut WeightEstimate, q8_est: &mut WeightEstimate, dtype: GgmlDType, n: u64| {
-            let native = crate::native::BlockType::of(dtype).is_some();
-            let pre = native && formats.prefill == WeightFormat::Native;
-            let dec = native && formats.decode == WeightFormat::Native;
-            if pre || dec {
-                est.mapped += n / dtype.block_size() as u64 * dtype.type_size() as u64;
-            }
-            if !(pre && dec) {
-                q8_est.private += q8(n);
-            }
-        };
+    // Bytes of Q8_0 copies, apart: mapped when cached.
+    let mut q8_bytes = 0u64;
+    let matrix = |est: &mut WeightEstimate, q8_bytes: &mut u64, dtype: GgmlDType, n: u64| {
+        let native = crate::native::BlockType::of(dtype).is_some();
+        let pre = native && formats.prefill == WeightFormat::Native;
+        let dec = native && formats.decode == WeightFormat::Native;
+        if pre || dec {
+            est.mapped += n / dtype.block_size() as u64 * dtype.type_size() as u64;
+        }
+        if !(pre && dec) {
+            *q8_bytes += q8(n);
+        }
+    };
     for (name, t) in &c.tensor_infos {
         let n = t.shape.elem_count() as u64;
         let float = matches!(
@@ -963,21 +962,21 @@ pub fn estimate_weights(
             }
             if !c.tensor_infos.contains_key("output.weight") {
                 if float {
-                    q8_est.private += q8(n);
+                    q8_bytes += q8(n);
                 } else {
-                    matrix(&mut est, &mut q8_est, t.ggml_dtype, n);
+                    matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n);
                 }
             }
         } else if float || t.shape.rank() < 2 {
             est.private += n * 4;
         } else {
-            matrix(&mut est, &mut q8_est, t.ggml_dtype, n);
+            matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n);
         }
     }
     if cached {
-        est.mapped += q8_est.private;
+        est.mapped += q8_bytes;
     } else {
-        est.private += q8_est.private;
+        est.private += q8_bytes;
     }
     let tables = if cfg.sliding_window.is_some() && cfg.arch == Arch::Gemma3 {
         2

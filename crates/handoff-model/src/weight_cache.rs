@@ -262,7 +262,7 @@ pub(crate) struct CacheWriter {
 }
 
 impl CacheWriter {
-    fn create(tmp: &Path, source: &Source) -> std::io::Result<CacheWriter> {
+    fn create(tmp: &Path, source: &ModelStamp) -> std::io::Result<CacheWriter> {
         let mut file = std::io::BufWriter::new(std::fs::File::create(tmp)?);
         file.write_all(&[0u8; HEADER])?;
         let record = source.record();
@@ -334,14 +334,14 @@ impl CacheWriter {
 
 /// The model file a cache file was made from, as it was then.
 #[derive(Debug, PartialEq, Eq)]
-struct Source {
+struct ModelStamp {
     path: PathBuf,
     size: u64,
     mtime: u128,
 }
 
-impl Source {
-    fn of(path: &Path) -> std::io::Result<Source> {
+impl ModelStamp {
+    fn of(path: &Path) -> std::io::Result<ModelStamp> {
         let path = std::fs::canonicalize(path)?;
         let meta = std::fs::metadata(&path)?;
         let mtime = meta
@@ -349,7 +349,7 @@ impl Source {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
             .unwrap_or(0);
-        Ok(Source {
+        Ok(ModelStamp {
             path,
             size: meta.len(),
             mtime,
@@ -368,7 +368,7 @@ impl Source {
     }
 
     /// The source record of the cache file at `path`, if it is one.
-    fn read(path: &Path) -> Option<Source> {
+    fn read(path: &Path) -> Option<ModelStamp> {
         use std::io::Read;
         use std::os::unix::ffi::OsStrExt;
         let mut head = Vec::new();
@@ -391,7 +391,7 @@ impl Source {
         let size = r.u64().ok()? as u64;
         let mut t = [0u8; 16];
         t.copy_from_slice(r.take(16).ok()?);
-        Some(Source {
+        Some(ModelStamp {
             path: p,
             size,
             mtime: u128::from_le_bytes(t),
@@ -407,7 +407,7 @@ pub(crate) struct CachePaths {
     tmp: PathBuf,
     /// What the file must hold to be used.
     pub(crate) key: [u8; 32],
-    source: Source,
+    source: ModelStamp,
 }
 
 impl CachePaths {
@@ -420,7 +420,7 @@ impl CachePaths {
         header_len: usize,
         formats: PhaseFormats,
     ) -> std::io::Result<CachePaths> {
-        let source = Source::of(model)?;
+        let source = ModelStamp::of(model)?;
         let mut h = Sha256::new();
         h.update(MAGIC);
         h.update(LAYOUT.to_le_bytes());
@@ -493,10 +493,10 @@ impl CachePaths {
             if path == self.file || path.extension().is_none_or(|x| x != "q8w") {
                 continue;
             }
-            let Some(src) = Source::read(&path) else {
+            let Some(src) = ModelStamp::read(&path) else {
                 continue;
             };
-            let now = Source::of(&src.path).ok();
+            let now = ModelStamp::of(&src.path).ok();
             if now.is_none_or(|now| now != src) {
                 let _ = std::fs::remove_file(&path);
                 let _ = std::fs::remove_file(path.with_extension("lock"));

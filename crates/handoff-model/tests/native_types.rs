@@ -35,16 +35,7 @@ fn every_native_type_loads_in_place_and_tracks_f32() {
     let dir = std::env::temp_dir().join(format!("handoff-native-types-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let tokens: Vec<u32> = (0..40u32).map(|i| 3 + (i * 37 + 11) % 290).collect();
-    for dtype in [
-        GgmlDType::Q4_0,
-        GgmlDType::Q4_1,
-        GgmlDType::Q5_0,
-        GgmlDType::Q5_1,
-        GgmlDType::Q8_0,
-        GgmlDType::Q4K,
-        GgmlDType::Q5K,
-        GgmlDType::Q6K,
-    ] {
+    for dtype in handoff_model::native::BlockType::ALL.map(handoff_model::native::BlockType::ggml) {
         let mut spec = ModelSpec::preset("llama").unwrap();
         spec.types = WeightTypes {
             matrix: dtype,

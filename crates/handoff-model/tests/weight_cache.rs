@@ -38,6 +38,18 @@ fn fresh_dir(name: &str) -> PathBuf {
     dir
 }
 
+/// A fresh directory holding the model, and the cache directory to use.
+fn setup(name: &str) -> (PathBuf, PathBuf, PathBuf) {
+    let dir = fresh_dir(name);
+    let path = model(&dir);
+    let cache = dir.join("cache");
+    (dir, path, cache)
+}
+
+fn uncached(path: &Path) -> Llama {
+    Llama::load(path, PhaseFormats::default()).unwrap().0
+}
+
 const TOKENS: [u32; 12] = [3, 40, 77, 120, 5, 9, 200, 31, 64, 150, 12, 99];
 
 fn logits(m: &Llama) -> (Vec<u32>, Vec<u32>) {
@@ -59,10 +71,8 @@ fn load(path: &Path, cache: &Path) -> (Llama, CacheOutcome) {
 
 #[test]
 fn cached_weights_are_mapped_and_compute_the_same_bits() {
-    let dir = fresh_dir("same");
-    let path = model(&dir);
-    let cache = dir.join("cache");
-    let (own, _) = Llama::load(&path, PhaseFormats::default()).unwrap();
+    let (dir, path, cache) = setup("same");
+    let own = uncached(&path);
     let want = logits(&own);
 
     let (first, outcome) = load(&path, &cache);
@@ -103,10 +113,8 @@ fn cached_weights_are_mapped_and_compute_the_same_bits() {
 
 #[test]
 fn a_damaged_or_foreign_cache_is_rebuilt_not_used() {
-    let dir = fresh_dir("damaged");
-    let path = model(&dir);
-    let cache = dir.join("cache");
-    let (own, _) = Llama::load(&path, PhaseFormats::default()).unwrap();
+    let (dir, path, cache) = setup("damaged");
+    let own = uncached(&path);
     let want = logits(&own);
     let CacheOutcome::Written(file) = load(&path, &cache).1 else {
         panic!("no cache written");
@@ -179,9 +187,7 @@ fn a_damaged_or_foreign_cache_is_rebuilt_not_used() {
 
 #[test]
 fn two_loaders_at_once_convert_once() {
-    let dir = fresh_dir("race");
-    let path = model(&dir);
-    let cache = dir.join("cache");
+    let (dir, path, cache) = setup("race");
     let outcomes: Vec<CacheOutcome> = std::thread::scope(|s| {
         let a = s.spawn(|| load(&path, &cache).1);
         let b = s.spawn(|| load(&path, &cache).1);
@@ -201,11 +207,10 @@ fn two_loaders_at_once_convert_once() {
 
 #[test]
 fn a_cache_directory_that_cannot_be_made_loads_without_it() {
-    let dir = fresh_dir("unwritable");
-    let path = model(&dir);
+    let (dir, path, _) = setup("unwritable");
     // Under a regular file: no directory can be made there.
     let cache = path.join("cache");
-    let (own, _) = Llama::load(&path, PhaseFormats::default()).unwrap();
+    let own = uncached(&path);
     let (m, outcome) = load(&path, &cache);
     match &outcome {
         CacheOutcome::Unavailable(reason) => {

@@ -945,12 +945,7 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
                         drop(guard);
                         Ok(Bytes::from_static(b"data: [DONE]\n\n"))
                     });
-                    let mut r = Response::new(Body::from_stream(first.chain(silent)));
-                    r.headers_mut().insert(
-                        "content-type",
-                        axum::http::HeaderValue::from_static("text/event-stream"),
-                    );
-                    r
+                    event_stream(first.chain(silent))
                 }
                 Fake::SlowFirstByte => {
                     let guard = SetOnDrop(dropped);
@@ -988,12 +983,7 @@ async fn fake_worker(kind: Fake, dropped: Arc<AtomicBool>) -> String {
                         Err(std::io::Error::other("boom"))
                     });
                     let s = first.chain(broken);
-                    let mut r = Response::new(Body::from_stream(s));
-                    r.headers_mut().insert(
-                        "content-type",
-                        axum::http::HeaderValue::from_static("text/event-stream"),
-                    );
-                    r
+                    event_stream(s)
                 }
             }
         }
@@ -1098,12 +1088,7 @@ async fn paced_worker(fail_after: Option<Duration>) -> String {
             }
             Ok::<_, std::io::Error>(Bytes::from(format!("data: {{\"text\":\"{i}\"}}\n\n")))
         });
-        let mut r = Response::new(Body::from_stream(events));
-        r.headers_mut().insert(
-            "content-type",
-            axum::http::HeaderValue::from_static("text/event-stream"),
-        );
-        r
+        event_stream(events)
     };
     let app = axum::Router::new()
         .route("/health", routing::get(|| async { "" }))
@@ -1441,4 +1426,17 @@ async fn a_stream_that_goes_silent_ends_stalled_and_drops_the_workers_request() 
     // timeout bounds it.
     let (s, v) = post_raw(&r.base, "/generate", &json!({"text": "hi"}).to_string()).await;
     assert_eq!(s, 200, "{v}");
+}
+
+/// A `text/event-stream` response with `body`'s chunks.
+fn event_stream<S>(body: S) -> Response
+where
+    S: futures_util::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static,
+{
+    let mut r = Response::new(Body::from_stream(body));
+    r.headers_mut().insert(
+        "content-type",
+        axum::http::HeaderValue::from_static("text/event-stream"),
+    );
+    r
 }

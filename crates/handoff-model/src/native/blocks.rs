@@ -79,6 +79,21 @@ impl BlockType {
         })
     }
 
+    /// Its GGUF type (the inverse of [`Self::of`]).
+    pub fn ggml(self) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType as G;
+        match self {
+            BlockType::Q4_0 => G::Q4_0,
+            BlockType::Q4_1 => G::Q4_1,
+            BlockType::Q5_0 => G::Q5_0,
+            BlockType::Q5_1 => G::Q5_1,
+            BlockType::Q8_0 => G::Q8_0,
+            BlockType::Q4K => G::Q4K,
+            BlockType::Q5K => G::Q5K,
+            BlockType::Q6K => G::Q6K,
+        }
+    }
+
     /// Elements per block.
     pub fn elems(self) -> usize {
         match self {
