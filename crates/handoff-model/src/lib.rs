@@ -20,6 +20,7 @@ pub mod mapped;
 pub mod model;
 pub mod native;
 pub mod ops;
+pub mod q4k_matmul;
 pub mod q8_matmul;
 pub mod reference;
 pub mod rope;

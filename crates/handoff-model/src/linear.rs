@@ -7,6 +7,7 @@ use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
 use crate::native::{BlockType, NativeMatrix, Part, WeightBytes};
+use crate::q4k_matmul::Q4kMatrix;
 use crate::q8_matmul::Q8Matrix;
 use crate::weight_cache::Q8Store;
 
@@ -46,6 +47,11 @@ pub enum WeightFormat {
     /// Like `q8_0-rows`, each row is computed on its own. Other quantized
     /// types fall back to `q8_0-rows`, float ones to f32.
     Native,
+    /// Q4_K matrices in the file's own 4-bit quants, repacked once in row
+    /// groups of 8 for handoff's VNNI kernel (`q4k_matmul`, where the CPU
+    /// has VNNI); every other matrix as `q8_0-rows`. Each row is computed
+    /// on its own.
+    Repacked,
 }
 
 impl WeightFormat {
@@ -53,8 +59,10 @@ impl WeightFormat {
     /// `small_batch`: the matrix runs with few activation rows (decode, LM
     /// head).
     fn own_kernel(self, small_batch: bool) -> bool {
-        matches!(self, WeightFormat::Q8_0Rows | WeightFormat::Native)
-            || small_batch && self == WeightFormat::Q8_0
+        matches!(
+            self,
+            WeightFormat::Q8_0Rows | WeightFormat::Native | WeightFormat::Repacked
+        ) || small_batch && self == WeightFormat::Q8_0
     }
 }
 
@@ -69,8 +77,9 @@ impl std::str::FromStr for WeightFormat {
             "f32" => Ok(Self::F32),
             "q8_0-rows" => Ok(Self::Q8_0Rows),
             "native" => Ok(Self::Native),
+            "repacked" => Ok(Self::Repacked),
             other => Err(format!(
-                "unknown weight format {other:?}: expected native, as-loaded, q8_0, q8_0-vnni, q8_0-candle, q8_0-rows or f32"
+                "unknown weight format {other:?}: expected repacked, native, as-loaded, q8_0, q8_0-vnni, q8_0-candle, q8_0-rows or f32"
             )),
         }
     }
@@ -86,6 +95,7 @@ impl std::fmt::Display for WeightFormat {
             Self::F32 => "f32",
             Self::Q8_0Rows => "q8_0-rows",
             Self::Native => "native",
+            Self::Repacked => "repacked",
         })
     }
 }
@@ -100,11 +110,13 @@ pub struct PhaseFormats {
 }
 
 impl Default for PhaseFormats {
-    /// The measured choice for SmolLM2 Q4_1 on 2 CPU threads (BENCHMARKS.md).
+    /// The measured choice on 2 CPU threads (BENCHMARKS.md): `repacked`
+    /// in both phases, one copy (for a file without Q4_K, the Q8_0 copy of
+    /// `q8_0-rows` prefill with `q8_0` decode, the earlier default).
     fn default() -> Self {
         Self {
-            prefill: WeightFormat::Q8_0Rows,
-            decode: WeightFormat::Q8_0,
+            prefill: WeightFormat::Repacked,
+            decode: WeightFormat::Repacked,
         }
     }
 }
@@ -123,6 +135,12 @@ enum Mat {
     Quant(QMatMul, usize),
     /// Q8_0 weights for handoff's small-batch kernel.
     Q8(Q8Matrix),
+    /// Q4_K weights in row groups of 8 (`repacked`).
+    Q4k(Q4kMatrix),
+    /// Rows stacked from parts of different types, each part a matrix of
+    /// its own (`repacked`: a Q4_K_M file's Q4_K queries and keys beside
+    /// Q6_K values), with its row count.
+    Parts(Vec<(Mat, usize)>),
     /// The file's own blocks for the native kernels.
     Native(NativeMatrix),
     /// `[in, out]`, contiguous (pre-transposed for the GEMM).
@@ -143,6 +161,20 @@ impl Mat {
         let dev = Device::Cpu;
         let float = matches!(src.dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if format.own_kernel(small_batch) && !float {
+            if format == WeightFormat::Repacked
+                && src.dtype == GgmlDType::Q4K
+                && src.cols.is_multiple_of(crate::q4k_matmul::QK_K)
+                && Q4kMatrix::supported()
+            {
+                if let Some(m) = store.lookup_q4k(&src.key, src.rows, src.cols) {
+                    return Ok(Mat::Q4k(m));
+                }
+                let q = src.tensor()?;
+                let m = Q4kMatrix::from_ggml_q4k(&q.data()?, src.rows, src.cols)
+                    .map_err(|e| ModelError::Malformed(format!("tensor {}: {e}", src.key)))?;
+                store.record_q4k(&src.key, &m);
+                return Ok(Mat::Q4k(m));
+            }
             if let Some(m) = store.lookup(&src.key, src.rows, src.cols) {
                 return Ok(Mat::Q8(m));
             }
@@ -184,7 +216,8 @@ impl Mat {
                 | WeightFormat::Q8_0Candle
                 | WeightFormat::Q8_0Vnni
                 | WeightFormat::Q8_0Rows
-                | WeightFormat::Native,
+                | WeightFormat::Native
+                | WeightFormat::Repacked,
                 _,
             ) => {
                 let t = q.dequantize(&dev)?;
@@ -214,6 +247,8 @@ impl Mat {
         match self {
             Mat::Native(m) => m.mapped_bytes(),
             Mat::Q8(m) => m.mapped_bytes(),
+            Mat::Q4k(m) => m.mapped_bytes(),
+            Mat::Parts(p) => p.iter().map(|(m, _)| m.mapped_bytes()).sum(),
             _ => 0,
         }
     }
@@ -221,6 +256,8 @@ impl Mat {
     fn bytes(&self) -> usize {
         match self {
             Mat::Q8(m) => m.bytes(),
+            Mat::Q4k(m) => m.bytes(),
+            Mat::Parts(p) => p.iter().map(|(m, _)| m.bytes()).sum(),
             Mat::Native(m) => m.bytes(),
             Mat::Quant(QMatMul::QTensor(q), _) => q.storage_size_in_bytes(),
             Mat::Quant(_, _) => 0,
@@ -228,10 +265,33 @@ impl Mat {
         }
     }
 
+    /// Whether each activation row is computed on its own.
+    fn rows_independent(&self) -> bool {
+        match self {
+            Mat::Q8(_) | Mat::Q4k(_) | Mat::Native(_) => true,
+            Mat::Parts(p) => p.iter().all(|(m, _)| m.rows_independent()),
+            Mat::Quant(..) | Mat::Dense(_) => false,
+        }
+    }
+
     fn forward(&self, x: &[f32], n: usize, in_dim: usize) -> Result<Vec<f32>, ModelError> {
         let y = match self {
             Mat::Q8(m) => return Ok(m.forward(x, n)),
+            Mat::Q4k(m) => return Ok(m.forward(x, n)),
             Mat::Native(m) => return Ok(m.forward(x, n)),
+            Mat::Parts(parts) => {
+                let out: usize = parts.iter().map(|(_, r)| r).sum();
+                let mut y = vec![0f32; n * out];
+                let mut at = 0;
+                for (m, rows) in parts {
+                    let part = m.forward(x, n, in_dim)?;
+                    for (dst, src) in y.chunks_exact_mut(out).zip(part.chunks_exact(*rows)) {
+                        dst[at..at + rows].copy_from_slice(src);
+                    }
+                    at += rows;
+                }
+                return Ok(y);
+            }
             Mat::Quant(q, padded) if *padded != in_dim => {
                 let mut xp = vec![0.0f32; n * padded];
                 for (dst, src) in xp.chunks_exact_mut(*padded).zip(x.chunks_exact(in_dim)) {
@@ -510,9 +570,14 @@ impl Linear {
         // equal formats, or handoff's kernel in both (`q8_0-rows` prefill,
         // `q8_0` decode: the defaults). `q8_0` alone is a different kernel
         // per phase (candle's in prefill), and so a different copy.
+        // (`repacked` packs Q4_K unlike the others: shared only with
+        // itself.)
         let same = formats.decode == formats.prefill && formats.decode != WeightFormat::Q8_0;
-        let decode = if same || formats.prefill.own_kernel(false) && formats.decode.own_kernel(true)
-        {
+        let both_own = formats.prefill.own_kernel(false)
+            && formats.decode.own_kernel(true)
+            && (formats.prefill == WeightFormat::Repacked)
+                == (formats.decode == WeightFormat::Repacked);
+        let decode = if same || both_own {
             prefill.clone()
         } else {
             std::sync::Arc::new(Mat::build(src, formats.decode, true, store)?)
@@ -575,6 +640,25 @@ impl Linear {
                 return Ok(Self::shared(Mat::Native(m.clone()), in_dim, out_dim));
             }
         }
+        // `repacked` keeps the Q4_K parts of a mixed stack (a Q4_K_M
+        // file's QKV) Q4_K, each part a matrix of its own.
+        let repacked =
+            formats.prefill == WeightFormat::Repacked && formats.decode == WeightFormat::Repacked;
+        if repacked
+            && Q4kMatrix::supported()
+            && parts.iter().any(|p| p.dtype != parts[0].dtype)
+            && parts.iter().any(|p| p.dtype == GgmlDType::Q4K)
+        {
+            let mut mats = Vec::with_capacity(parts.len());
+            for p in parts {
+                let src = Source::stacked(std::slice::from_ref(p), formats, p.name.clone());
+                mats.push((
+                    Mat::build(&src, WeightFormat::Repacked, false, store)?,
+                    p.rows,
+                ));
+            }
+            return Ok(Self::shared(Mat::Parts(mats), in_dim, out_dim));
+        }
         let key = parts
             .iter()
             .map(|p| p.name.as_str())
@@ -630,7 +714,7 @@ impl Linear {
     /// (handoff's kernel; the f32 GEMM and candle's kernels do not promise
     /// it).
     pub fn prefill_rows_independent(&self) -> bool {
-        matches!(*self.prefill, Mat::Q8(_) | Mat::Native(_))
+        self.prefill.rows_independent()
     }
 
     /// `x` is `[n, in]` row-major; returns `[n, out]`.

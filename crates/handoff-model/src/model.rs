@@ -912,8 +912,9 @@ pub struct WeightEstimate {
 /// About how many bytes of weights a process holds after [`Llama::load`]
 /// of this file with `formats`, from its header alone: a quantized matrix
 /// with a native kernel, in a phase whose format is `native`, read in place
-/// (`mapped`, the file's bytes); otherwise one Q8_0 copy (34 bytes per 32
-/// weights) shared by the phases that need one; float ones as f32; the
+/// (`mapped`, the file's bytes); a Q4_K matrix in a `repacked` phase as
+/// its repacked copy (1248 bytes per 8 × 256 weights); otherwise one Q8_0
+/// copy (34 bytes per 32 weights) shared by the phases that need one; float ones as f32; the
 /// embedding table read in place if its rows are whole blocks of a native
 /// type, else f32 (a tied LM head is a matrix like the others); the RoPE
 /// tables. Within a few percent of
@@ -932,18 +933,39 @@ pub fn estimate_weights(
     // As `Q8Matrix` stores them: 32 quants and an f16 scale per block.
     let q8 = |n: u64| n * BLOCK_BYTES as u64 / QK as u64;
     let mut est = WeightEstimate::default();
-    // Bytes of Q8_0 copies, apart: mapped when cached.
+    // Bytes of converted copies (Q8_0, repacked Q4_K), apart: mapped when
+    // cached.
     let mut q8_bytes = 0u64;
-    let matrix = |est: &mut WeightEstimate, q8_bytes: &mut u64, dtype: GgmlDType, n: u64| {
+    // Where a phase in format `f` computes a matrix from: the file
+    // (`native`), a repacked Q4_K copy, or a Q8_0 copy.
+    #[derive(PartialEq)]
+    enum Held {
+        File,
+        Q4k,
+        Q8,
+    }
+    let matrix = |est: &mut WeightEstimate, q8_bytes: &mut u64, dtype: GgmlDType, n: u64, cols| {
         let native = crate::native::BlockType::of(dtype).is_some();
-        let pre = native && formats.prefill == WeightFormat::Native;
-        let dec = native && formats.decode == WeightFormat::Native;
-        if pre || dec {
+        let q4k = dtype == GgmlDType::Q4K
+            && cols % crate::q4k_matmul::QK_K == 0
+            && crate::q4k_matmul::Q4kMatrix::supported();
+        let copy = |f: WeightFormat| match f {
+            WeightFormat::Native if native => Held::File,
+            WeightFormat::Repacked if q4k => Held::Q4k,
+            _ => Held::Q8,
+        };
+        let (pre, dec) = (copy(formats.prefill), copy(formats.decode));
+        if pre == Held::File || dec == Held::File {
             est.mapped += n / dtype.block_size() as u64 * dtype.type_size() as u64;
         }
-        if !(pre && dec) {
-            *q8_bytes += q8(n);
-        }
+        let bytes = |c: &Held| match c {
+            Held::File => 0,
+            // 1248 bytes per 8 rows of 256 (`q4k_matmul`).
+            Held::Q4k => n * 1248 / 2048,
+            Held::Q8 => q8(n),
+        };
+        // One copy when both phases compute from the same one.
+        *q8_bytes += bytes(&pre) + if dec == pre { 0 } else { bytes(&dec) };
     };
     for (name, t) in &c.tensor_infos {
         let n = t.shape.elem_count() as u64;
@@ -964,13 +986,14 @@ pub fn estimate_weights(
                 if float {
                     q8_bytes += q8(n);
                 } else {
-                    matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n);
+                    matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n, hidden);
                 }
             }
         } else if float || t.shape.rank() < 2 {
             est.private += n * 4;
         } else {
-            matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n);
+            let cols = t.shape.dims().last().copied().unwrap_or(0);
+            matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n, cols);
         }
     }
     if cached {

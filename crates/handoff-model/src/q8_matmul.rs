@@ -534,23 +534,41 @@ pub struct QuantizedRows {
 pub fn quantize_rows(x: &[f32], n: usize, in_dim: usize) -> QuantizedRows {
     let blocks = n * in_dim / QK;
     let mut out = QuantizedRows {
-        x: Vec::with_capacity(blocks),
-        ax: Vec::with_capacity(blocks),
-        corr: Vec::with_capacity(blocks),
-        d: Vec::with_capacity(blocks),
+        x: vec![[0; WORDS]; blocks],
+        ax: vec![[0; WORDS]; blocks],
+        corr: vec![0; blocks],
+        d: vec![0.0; blocks],
     };
     let words = |b: &[u8; QK]| -> [i32; WORDS] {
         std::array::from_fn(|j| {
             i32::from_le_bytes([b[4 * j], b[4 * j + 1], b[4 * j + 2], b[4 * j + 3]])
         })
     };
-    for src in x.chunks_exact(QK) {
-        let (q, abs, d) = quantize_block(src);
-        let sum: i32 = q.iter().map(|&v| i32::from(v as i8)).sum();
-        out.x.push(words(&q));
-        out.ax.push(words(&abs));
-        out.corr.push(-128 * sum);
-        out.d.push(d);
+    let block =
+        |src: &[f32], x: &mut [i32; WORDS], ax: &mut [i32; WORDS], corr: &mut i32, d: &mut f32| {
+            let (q, abs, dd) = quantize_block(src);
+            let sum: i32 = q.iter().map(|&v| i32::from(v as i8)).sum();
+            *x = words(&q);
+            *ax = words(&abs);
+            *corr = -128 * sum;
+            *d = dd;
+        };
+    // Each block on its own (the same quants in any order); many rows are
+    // quantized on the pool, few here (the pool costs more than it saves).
+    let per_row = (in_dim / QK).max(1);
+    if n >= 4 {
+        x.par_chunks(QK)
+            .zip(out.x.par_iter_mut())
+            .zip(out.ax.par_iter_mut())
+            .zip(out.corr.par_iter_mut().zip(out.d.par_iter_mut()))
+            .with_min_len(per_row)
+            .for_each(|(((s, x), ax), (c, d))| block(s, x, ax, c, d));
+    } else {
+        x.chunks_exact(QK)
+            .zip(out.x.iter_mut())
+            .zip(out.ax.iter_mut())
+            .zip(out.corr.iter_mut().zip(out.d.iter_mut()))
+            .for_each(|(((s, x), ax), (c, d))| block(s, x, ax, c, d));
     }
     out
 }

@@ -1,5 +1,6 @@
-//! The Q8_0 weight cache: the interleaved Q8_0 matrices that `q8_matmul`
-//! computes from, written once per model file and formats into a file that
+//! The weight cache: the interleaved Q8_0 matrices that `q8_matmul`
+//! and the repacked Q4_K ones that `q4k_matmul`
+//! compute from, written once per model file and formats into a file that
 //! every process on the host maps read-only, so a PD pair and its replicas
 //! share one page-cache copy instead of each converting and holding its
 //! own (issue 31: llama.cpp repacks into each process's private memory).
@@ -22,7 +23,8 @@
 //! length (u64 each); the source record (the model's path as u32 length and
 //! bytes, its size u64 and modification time u128 in ns); each matrix's
 //! quants and scales at 64-byte aligned offsets; the index: a u32 count and
-//! per matrix its name (u32 length, bytes), rows, columns, quants offset
+//! per matrix its name (u32 length, bytes), its kind (u32: 0 Q8_0, 1
+//! Q4_K), rows, columns, quants offset
 //! and scales offset (u64 each).
 
 use std::collections::HashMap;
@@ -35,11 +37,12 @@ use sha2::{Digest, Sha256};
 
 use crate::linear::PhaseFormats;
 use crate::mapped::MappedFile;
+use crate::q4k_matmul::Q4kMatrix;
 use crate::q8_matmul::Q8Matrix;
 
-const MAGIC: &[u8; 8] = b"HOFFQ8W2";
-/// Bump when `Q8Matrix`'s stored layout changes.
-const LAYOUT: u32 = 2;
+const MAGIC: &[u8; 8] = b"HOFFQ8W3";
+/// Bump when `Q8Matrix`'s or `Q4kMatrix`'s stored layout changes.
+const LAYOUT: u32 = 3;
 const HEADER: usize = 8 + 32 + 16;
 const ALIGN: u64 = 64;
 
@@ -143,12 +146,45 @@ impl Q8Store<'_> {
     /// Note a matrix converted in this process.
     pub(crate) fn record(&mut self, name: &str, m: &Q8Matrix) {
         if let Q8Store::Write(w) = self {
-            w.append(name, m);
+            let (qs, d) = m.stored_bytes();
+            w.append(name, Kind::Q8, [m.out_dim(), m.in_dim()], qs, d);
+        }
+    }
+
+    /// [`Self::lookup`] for a repacked Q4_K matrix.
+    pub(crate) fn lookup_q4k(&mut self, name: &str, rows: usize, cols: usize) -> Option<Q4kMatrix> {
+        match self {
+            Q8Store::Read { file, missing } => {
+                let m = file.q4k(name, rows, cols);
+                if m.is_none() {
+                    *missing += 1;
+                }
+                m
+            }
+            _ => None,
+        }
+    }
+
+    /// [`Self::record`] for a repacked Q4_K matrix.
+    pub(crate) fn record_q4k(&mut self, name: &str, m: &Q4kMatrix) {
+        if let Q8Store::Write(w) = self {
+            let (qs, meta) = m.stored_bytes();
+            w.append(name, Kind::Q4k, [m.out_dim(), m.in_dim()], qs, meta);
         }
     }
 }
 
+/// What a cache entry holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `Q8Matrix`: quants, then scales.
+    Q8 = 0,
+    /// `Q4kMatrix`: nibbles, then scales.
+    Q4k = 1,
+}
+
 struct Entry {
+    kind: Kind,
     rows: usize,
     cols: usize,
     qs: usize,
@@ -168,7 +204,11 @@ impl CacheFile {
         let entries = Self::index(map.bytes(), key)?;
         let file = CacheFile { map, entries };
         for (name, e) in &file.entries {
-            if file.q8(name, e.rows, e.cols).is_none() {
+            let fits = match e.kind {
+                Kind::Q8 => file.q8(name, e.rows, e.cols).is_some(),
+                Kind::Q4k => file.q4k(name, e.rows, e.cols).is_some(),
+            };
+            if !fits {
                 return Err(format!("matrix {name} does not lie in the file"));
             }
         }
@@ -197,6 +237,11 @@ impl CacheFile {
                 .map_err(|_| "a matrix name is not UTF-8")?
                 .to_string();
             let e = Entry {
+                kind: match r.u32()? {
+                    0 => Kind::Q8,
+                    1 => Kind::Q4k,
+                    k => return Err(format!("matrix {name} is of unknown kind {k}")),
+                },
                 rows: r.u64()?,
                 cols: r.u64()?,
                 qs: r.u64()?,
@@ -213,11 +258,29 @@ impl CacheFile {
     /// The matrix `name`, if the file holds it with this shape.
     pub(crate) fn q8(&self, name: &str, rows: usize, cols: usize) -> Option<Q8Matrix> {
         let e = self.entries.get(name)?;
-        if (e.rows, e.cols) != (rows, cols) {
+        if (e.kind, e.rows, e.cols) != (Kind::Q8, rows, cols) {
             return None;
         }
         let n = Q8Matrix::stored_len(rows, cols)?;
         Q8Matrix::from_slabs(
+            rows,
+            cols,
+            Slab::mapped(&self.map, e.qs, n)?,
+            Slab::mapped(&self.map, e.d, n)?,
+        )
+    }
+}
+
+impl CacheFile {
+    /// The repacked Q4_K matrix `name`, if the file holds it with this
+    /// shape.
+    pub(crate) fn q4k(&self, name: &str, rows: usize, cols: usize) -> Option<Q4kMatrix> {
+        let e = self.entries.get(name)?;
+        if (e.kind, e.rows, e.cols) != (Kind::Q4k, rows, cols) {
+            return None;
+        }
+        let n = Q4kMatrix::stored_len(rows, cols)?;
+        Q4kMatrix::from_slabs(
             rows,
             cols,
             Slab::mapped(&self.map, e.qs, n)?,
@@ -288,20 +351,20 @@ impl CacheWriter {
         Ok(at)
     }
 
-    /// Append a matrix (once per name; a write error is kept for
-    /// [`Self::finish`]).
-    fn append(&mut self, name: &str, m: &Q8Matrix) {
+    /// Append a matrix of `kind` and `[rows, cols]`, its two stored
+    /// arrays (once per name; a write error is kept for [`Self::finish`]).
+    fn append(&mut self, name: &str, kind: Kind, shape: [usize; 2], qs: &[u8], d: &[u8]) {
         if self.error.is_some() || !self.names.insert(name.to_string()) {
             return;
         }
-        let (qs, d) = m.stored_bytes();
         let res = self.put(qs).and_then(|q| Ok((q, self.put(d)?)));
         match res {
             Ok((q, d)) => {
                 self.index
                     .extend_from_slice(&(name.len() as u32).to_le_bytes());
                 self.index.extend_from_slice(name.as_bytes());
-                for v in [m.out_dim() as u64, m.in_dim() as u64, q, d] {
+                self.index.extend_from_slice(&(kind as u32).to_le_bytes());
+                for v in [shape[0] as u64, shape[1] as u64, q, d] {
                     self.index.extend_from_slice(&v.to_le_bytes());
                 }
                 self.count += 1;

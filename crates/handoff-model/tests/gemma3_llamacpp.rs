@@ -10,7 +10,8 @@
 //! 1. `gemma3_logits_track_llamacpp_step_by_step`: teacher-forced, feed the
 //!    prompt and llama.cpp's own greedy tokens; at every step our logits for
 //!    llama.cpp's top-5 tokens are within `MAX_LOGIT_DIFF` of llama.cpp's, the
-//!    median difference is at most `MEDIAN_LOGIT_DIFF`, our argmax equals
+//!    median difference is at most `MEDIAN_LOGIT_DIFF` and the 99th
+//!    percentile at most `P99_LOGIT_DIFF`, our argmax equals
 //!    llama.cpp's at `MIN_ARGMAX_AGREEMENT` of the steps at least, and where it
 //!    does not, llama.cpp's pick trails ours by at most `NEAR_TIE`.
 //! 2. `gemma3_greedy_matches_llamacpp_until_near_tie`: free-running greedy
@@ -39,15 +40,22 @@ use handoff_model::sampling::argmax;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, PhaseFormats, SeqChunk};
 
-// Bounds above what the default formats measure (2026-12-06: worst top-5
-// difference 1.729 on logits of about 20-30, median 0.185, argmax equal at
-// 405/416 steps = 0.974; 6 of 13 cases identical to the end. Before the
-// Q/K/V of mixed types stacked as Q8_0, rather than f32: 2.365, 0.186,
-// 408/416, 7 of 13).
+// Bounds above what the default formats measure (2026-12-07, `repacked`:
+// the Q4_K down projections computed from their 4-bit quants against Q8_K
+// activations, as llama.cpp does: worst top-5 difference 4.793 (one logit
+// of chat_multiturn, about -13 where the top is near 20), median 0.188,
+// p90 0.543, p99 1.193, argmax equal at 409/416 steps; the earlier
+// default, Q8_0 copies against Q8_0 activations: 1.729, 0.185, 0.541,
+// 1.081, 405/416; `native`, llama.cpp's own Q4_K arithmetic: 3.011 (on
+// chat_capital), 0.182, 0.517, 1.093. A single logit's worst difference
+// moves by units with the activation rounding of one matrix; the median
+// and p99 do not).
 // Without the sliding window, or with the local layers on the global RoPE
 // base, the long cases differ by several units at once.
-const MAX_LOGIT_DIFF: f32 = 2.8;
+const MAX_LOGIT_DIFF: f32 = 5.5;
 const MEDIAN_LOGIT_DIFF: f32 = 0.22;
+/// The 99th percentile: what a single logit's worst case no longer shows.
+const P99_LOGIT_DIFF: f32 = 1.5;
 const NEAR_TIE: f32 = 1.0;
 const MIN_ARGMAX_AGREEMENT: f64 = 0.96;
 /// Free-running greedy must equal llama.cpp's tokens up to (excluding) the
@@ -208,6 +216,12 @@ fn gemma3_logits_track_llamacpp_step_by_step() {
         steps,
         MEDIAN_LOGIT_DIFF,
         MIN_ARGMAX_AGREEMENT,
+    );
+    // `report_and_check` sorted the differences.
+    let p99 = diffs[((diffs.len() - 1) as f64 * 0.99) as usize];
+    assert!(
+        stats_only || p99 <= P99_LOGIT_DIFF,
+        "99th percentile logit difference {p99} too large"
     );
 }
 

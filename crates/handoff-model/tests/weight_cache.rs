@@ -1,4 +1,4 @@
-//! The Q8_0 weight cache (`weight_cache.rs`) on a seeded random
+//! The weight cache (`weight_cache.rs`) on a seeded random
 //! Llama-layout file with a Q4_K_M-like mix (Q4_K matrices, Q6_K values and
 //! down projections: the stacked QKV is requantized):
 //! - a cached load computes the same bits as an uncached one, in both
@@ -92,8 +92,15 @@ fn cached_weights_are_mapped_and_compute_the_same_bits() {
         let private = m.weight_bytes() - m.mapped_weight_bytes();
         let own_private = own.weight_bytes() - own.mapped_weight_bytes();
         assert!(
-            private * 3 < own_private,
+            private * 2 < own_private,
             "{private} bytes private with the cache, {own_private} without"
+        );
+        // Exactly the converted copies (Q8_0 and repacked Q4_K) moved from
+        // private to mapped.
+        assert_eq!(
+            m.mapped_weight_bytes() - own.mapped_weight_bytes(),
+            own_private - private,
+            "mapped bytes gained with the cache"
         );
     }
     // The header-only estimate counts the Q8_0 copies as mapped too.

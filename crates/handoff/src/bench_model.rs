@@ -22,11 +22,11 @@ pub struct BenchModelArgs {
     /// Timed repetitions per case (median reported).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=100))]
     reps: u16,
-    /// Weight format for prefill (q8_0-rows, native, f32, q8_0, as-loaded).
-    #[arg(long, default_value = "q8_0-rows")]
+    /// Weight format for prefill (repacked, q8_0-rows, native, f32, q8_0, as-loaded).
+    #[arg(long, default_value = "repacked")]
     prefill_format: WeightFormat,
-    /// Weight format for decode (q8_0, native, f32, as-loaded).
-    #[arg(long, default_value = "q8_0")]
+    /// Weight format for decode (repacked, q8_0, native, f32, as-loaded).
+    #[arg(long, default_value = "repacked")]
     decode_format: WeightFormat,
     /// Element type of the KV pool (f16, the serving default, or f32).
     #[arg(long, default_value = "f16", value_parser = crate::engine_args::parse_kv_dtype)]

@@ -49,7 +49,7 @@ pub struct EngineArgs {
     pub(crate) max_waiting: u32,
     /// Most prompt tokens computed per prefill pass, all prompts together
     /// (chunked prefill; SGLang's `--chunked-prefill-size`): several
-    /// prompts share a pass under the default `q8_0-rows` prefill format.
+    /// prompts share a pass under the default `repacked` prefill format.
     #[arg(long, visible_alias = "chunked-prefill-size", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     pub(crate) prefill_chunk: u32,
     /// Context length limit [default: the model's] (vLLM's
@@ -63,19 +63,23 @@ pub struct EngineArgs {
     /// prompt. The cache is on by default in colocated serving.
     #[arg(long)]
     pub(crate) disable_radix_cache: bool,
-    /// Weight format for prefill: q8_0-rows (handoff's row-invariant Q8_0
-    /// kernel, one copy shared with q8_0 decode), native (the file's own
-    /// blocks computed in place from the mapped file: no copy, slower today),
-    /// f32, q8_0 (candle's kernel), q8_0-vnni or as-loaded (BENCHMARKS.md).
-    #[arg(long, default_value = "q8_0-rows")]
+    /// Weight format for prefill: repacked (the default: Q4_K matrices in
+    /// the file's own 4-bit quants repacked in row groups of 8 where the
+    /// CPU has VNNI, the others converted to Q8_0; one copy shared with
+    /// decode), q8_0-rows (every matrix as Q8_0), native (the file's own
+    /// blocks computed in place from the mapped file: no copy, slower
+    /// today), f32, q8_0 (candle's kernel), q8_0-vnni or as-loaded
+    /// (BENCHMARKS.md).
+    #[arg(long, default_value = "repacked")]
     pub(crate) prefill_format: WeightFormat,
-    /// Weight format for decode: q8_0, native (the file's own blocks in place;
-    /// with native prefill too, no weight copy at all), q8_0-vnni (faster on
-    /// AVX-512 VNNI CPUs, coarser activation rounding), q8_0-candle (candle's
-    /// Q8_0 kernel, for comparison), f32 or as-loaded.
-    #[arg(long, default_value = "q8_0")]
+    /// Weight format for decode: repacked (the default, as for prefill),
+    /// q8_0, native (the file's own blocks in place; with native prefill
+    /// too, no weight copy at all), q8_0-vnni (faster on AVX-512 VNNI
+    /// CPUs, coarser activation rounding), q8_0-candle (candle's Q8_0
+    /// kernel, for comparison), f32 or as-loaded.
+    #[arg(long, default_value = "repacked")]
     pub(crate) decode_format: WeightFormat,
-    /// Where weights converted to Q8_0 are kept for every process of this
+    /// Where weights converted to Q8_0 or repacked are kept for every process of this
     /// host to map read-only, so a PD pair and its replicas share one copy
     /// (and later starts skip the conversion): `auto`
     /// ($HANDOFF_HOME/weights), a directory, or `off` (each process

@@ -82,31 +82,54 @@ impl Acts {
                 }
             }
             ActKind::Q8K => {
-                a.bsums.reserve(n * cols / 32);
-                for (src, dst) in x.chunks_exact(256).zip(a.qs.chunks_exact_mut(256)) {
-                    let (mut max, mut amax) = (0f32, 0f32);
-                    for &v in src {
-                        if v.abs() > amax {
-                            amax = v.abs();
-                            max = v;
-                        }
-                    }
-                    if amax == 0.0 {
-                        a.d.push(0.0);
-                        a.bsums.extend([0i16; 8]);
-                        continue;
-                    }
-                    let iscale = -127.0 / max;
-                    for (q, v) in dst.iter_mut().zip(src) {
-                        *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
-                    }
-                    for g in dst.chunks_exact(32) {
-                        a.bsums.push(g.iter().map(|&q| i16::from(q)).sum());
-                    }
-                    a.d.push(1.0 / iscale);
+                a.bsums.resize(n * cols / 32, 0);
+                a.d.resize(blocks, 0.0);
+                for (((src, dst), bs), d) in x
+                    .chunks_exact(256)
+                    .zip(a.qs.chunks_exact_mut(256))
+                    .zip(a.bsums.chunks_exact_mut(8))
+                    .zip(a.d.iter_mut())
+                {
+                    *d = q8k_block(src, dst, bs);
                 }
             }
         }
         a
     }
+}
+
+/// One Q8_K block: 256 values quantized into `q`, the sums of each 32
+/// quants into `bsums`; returns the scale (0 for an all-zero block, whose
+/// quants and sums are 0). Written so that the loops vectorize; the
+/// results are those of the one-value-at-a-time rule in the module's doc.
+#[inline]
+pub(crate) fn q8k_block(src: &[f32], q: &mut [i8], bsums: &mut [i16]) -> f32 {
+    let (src, q, bsums) = (&src[..256], &mut q[..256], &mut bsums[..8]);
+    // The largest magnitude (max is exact, so partial maxima give it; a
+    // NaN never wins `>`), then the first value that has it.
+    let mut m = [0f32; 8];
+    for c in src.chunks_exact(8) {
+        for (m, v) in m.iter_mut().zip(c) {
+            let a = v.abs();
+            *m = if a > *m { a } else { *m };
+        }
+    }
+    let amax = m.iter().fold(0f32, |a, &b| if b > a { b } else { a });
+    if amax == 0.0 {
+        q.fill(0);
+        bsums.fill(0);
+        return 0.0;
+    }
+    let max = *src
+        .iter()
+        .find(|v| v.abs() == amax)
+        .expect("the maximum is one of the values");
+    let iscale = -127.0 / max;
+    for (q, v) in q.iter_mut().zip(src) {
+        *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+    }
+    for (s, g) in bsums.iter_mut().zip(q.chunks_exact(32)) {
+        *s = g.iter().map(|&v| i16::from(v)).sum();
+    }
+    1.0 / iscale
 }

@@ -105,6 +105,19 @@ pub(crate) use vnni::group_products;
     target_feature = "avx2",
     target_feature = "fma"
 ))]
+mod q4k;
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
+pub(crate) use q4k::q4k_products;
+
+#[cfg(all(
+    target_arch = "x86_64",
+    target_feature = "avx2",
+    target_feature = "fma"
+))]
 mod vnni {
     use core::arch::x86_64::{
         __m256, _mm256_cvtepi32_ps, _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_mul_ps,

@@ -1,0 +1,189 @@
+//! The Q4_K × Q8_K kernels of `q4k_matmul` with VNNI: per group of 8 rows,
+//! a 32-byte vector of interleaved nibbles gives, masked, 4 quants of each
+//! row for one sub-block and, shifted, 4 of the next; `vpdpbusd` (unsigned
+//! nibbles × signed activations, groups of 4 to i32, exact) adds them
+//! into lane `r` = row `r`; `vpmulld` applies each row's sub-block scale
+//! and `vpmaddwd` its minimums against the activation's sub-block sums.
+//! The float steps are those of `q8_matmul`'s doc, in its order.
+
+use core::arch::x86_64::{
+    __m256, __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32,
+    _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_mul_ps,
+    _mm256_mullo_epi32, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps,
+    _mm256_setzero_si256, _mm256_srli_epi16, _mm_loadl_epi64, _mm_loadu_si128,
+};
+use safe_arch::m256;
+
+use super::Q8Path;
+use crate::q4k_matmul::{Tile, GROUP};
+
+macro_rules! kernel {
+    ($name:ident, $features:literal, $dot:path) => {
+        #[target_feature(enable = $features)]
+        fn $name<const G: usize, const C: usize>(t: &Tile<'_, G, C>) -> [[[f32; GROUP]; C]; G] {
+            let Tile {
+                w,
+                meta,
+                x,
+                bs,
+                xd,
+                blocks,
+            } = *t;
+            for g in 0..G {
+                assert!(w[g].len() >= blocks && meta[g].len() >= blocks);
+            }
+            for k in 0..C {
+                assert!(
+                    x[k].len() >= blocks * 64 && bs[k].len() >= blocks * 4 && xd[k].len() >= blocks
+                );
+            }
+            let low = _mm256_set1_epi8(0x0F);
+            let mut acc: [[__m256; C]; G] = [[_mm256_setzero_ps(); C]; G];
+            for b in 0..blocks {
+                let mut s: [[__m256i; C]; G] = [[_mm256_setzero_si256(); C]; G];
+                for p in 0..4 {
+                    let mut lo: [[__m256i; C]; G] = [[_mm256_setzero_si256(); C]; G];
+                    let mut hi: [[__m256i; C]; G] = [[_mm256_setzero_si256(); C]; G];
+                    for wd in 0..8 {
+                        let mut xl = [_mm256_setzero_si256(); C];
+                        let mut xh = [_mm256_setzero_si256(); C];
+                        for k in 0..C {
+                            // SAFETY: `b * 64 + 16 * p + 8 + wd < blocks * 64`,
+                            // asserted above.
+                            let (l, h) = unsafe {
+                                (
+                                    *x[k].get_unchecked(b * 64 + 16 * p + wd),
+                                    *x[k].get_unchecked(b * 64 + 16 * p + 8 + wd),
+                                )
+                            };
+                            xl[k] = _mm256_set1_epi32(l);
+                            xh[k] = _mm256_set1_epi32(h);
+                        }
+                        for g in 0..G {
+                            // SAFETY: `b < blocks <= w[g].len()`, asserted
+                            // above; the vector is 32 bytes, an unaligned
+                            // load reads exactly them.
+                            let v = unsafe {
+                                _mm256_loadu_si256(
+                                    w[g].get_unchecked(b)[8 * p + wd].as_ptr().cast(),
+                                )
+                            };
+                            let ql = _mm256_and_si256(v, low);
+                            let qh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                            for k in 0..C {
+                                lo[g][k] = $dot(lo[g][k], ql, xl[k]);
+                                hi[g][k] = $dot(hi[g][k], qh, xh[k]);
+                            }
+                        }
+                    }
+                    for g in 0..G {
+                        // SAFETY: as above; each scale row is 8 bytes.
+                        let (sl, sh) = unsafe {
+                            let m = meta[g].get_unchecked(b);
+                            (
+                                _mm256_cvtepu8_epi32(_mm_loadl_epi64(m.sc[2 * p].as_ptr().cast())),
+                                _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                    m.sc[2 * p + 1].as_ptr().cast(),
+                                )),
+                            )
+                        };
+                        for k in 0..C {
+                            s[g][k] = _mm256_add_epi32(
+                                s[g][k],
+                                _mm256_add_epi32(
+                                    _mm256_mullo_epi32(lo[g][k], sl),
+                                    _mm256_mullo_epi32(hi[g][k], sh),
+                                ),
+                            );
+                        }
+                    }
+                }
+                for g in 0..G {
+                    // SAFETY: as above; `d`, `dmin` are 16 bytes each and
+                    // each pair row of minimums 32.
+                    let m = unsafe { meta[g].get_unchecked(b) };
+                    let (dw, dm, mins) = unsafe {
+                        (
+                            _mm256_cvtph_ps(_mm_loadu_si128(m.d.as_ptr().cast())),
+                            _mm256_cvtph_ps(_mm_loadu_si128(m.dmin.as_ptr().cast())),
+                            [0, 1, 2, 3].map(|i| _mm256_loadu_si256(m.m[i].as_ptr().cast())),
+                        )
+                    };
+                    for k in 0..C {
+                        // SAFETY: `b * 4 + 3 < blocks * 4` and `b < blocks`,
+                        // asserted above.
+                        let (pairs, dx) = unsafe {
+                            (
+                                [0, 1, 2, 3].map(|i| *bs[k].get_unchecked(b * 4 + i)),
+                                *xd[k].get_unchecked(b),
+                            )
+                        };
+                        let mut msum = _mm256_setzero_si256();
+                        for i in 0..4 {
+                            msum = _mm256_add_epi32(
+                                msum,
+                                _mm256_madd_epi16(mins[i], _mm256_set1_epi32(pairs[i])),
+                            );
+                        }
+                        acc[g][k] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(s[g][k]),
+                            _mm256_mul_ps(dw, _mm256_set1_ps(dx)),
+                            acc[g][k],
+                        );
+                        acc[g][k] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(msum),
+                            _mm256_mul_ps(dm, _mm256_set1_ps(-dx)),
+                            acc[g][k],
+                        );
+                    }
+                }
+            }
+            let mut out = [[[0f32; GROUP]; C]; G];
+            for g in 0..G {
+                for k in 0..C {
+                    out[g][k] = m256(acc[g][k]).into();
+                }
+            }
+            out
+        }
+    };
+}
+
+kernel!(
+    q4k_avx512_vnni,
+    "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
+    core::arch::x86_64::_mm256_dpbusd_epi32
+);
+kernel!(
+    q4k_avx_vnni,
+    "avx2,fma,f16c,avxvnni",
+    core::arch::x86_64::_mm256_dpbusd_avx_epi32
+);
+
+/// The results of [`kernel!`] by `path`; `None` for the baseline (the
+/// caller runs the portable kernel) or a path this CPU lacks.
+pub(crate) fn q4k_products<const G: usize, const C: usize>(
+    path: Q8Path,
+    t: &Tile<'_, G, C>,
+) -> Option<[[[f32; GROUP]; C]; G]> {
+    match path {
+        Q8Path::Baseline => None,
+        Q8Path::Avx512Vnni => {
+            let ok = std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512f");
+            // SAFETY: compiled for AVX2, FMA, F16C, AVX-512F/VL/VNNI; the
+            // CPU was just checked for the last four and the build's
+            // baseline guarantees AVX2 and FMA. References only.
+            ok.then(|| unsafe { q4k_avx512_vnni::<G, C>(t) })
+        }
+        Q8Path::AvxVnni => {
+            let ok = std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("avxvnni");
+            // SAFETY: compiled for AVX2, FMA, F16C and AVX-VNNI; the CPU
+            // was just checked for F16C and AVX-VNNI. References only.
+            ok.then(|| unsafe { q4k_avx_vnni::<G, C>(t) })
+        }
+    }
+}
