@@ -14,13 +14,13 @@ mod embedding;
 pub mod error;
 #[allow(unsafe_code)]
 pub mod heap;
+pub mod kquant;
 pub mod linear;
 #[allow(unsafe_code)]
 pub mod mapped;
 pub mod model;
 pub mod native;
 pub mod ops;
-pub mod q4k_matmul;
 pub mod q8_matmul;
 pub mod reference;
 pub mod rope;

@@ -6,8 +6,8 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
+use crate::kquant::Q4kMatrix;
 use crate::native::{BlockType, NativeMatrix, Part, WeightBytes};
-use crate::q4k_matmul::Q4kMatrix;
 use crate::q8_matmul::Q8Matrix;
 use crate::weight_cache::Q8Store;
 
@@ -48,9 +48,9 @@ pub enum WeightFormat {
     /// types fall back to `q8_0-rows`, float ones to f32.
     Native,
     /// Q4_K matrices in the file's own 4-bit quants, repacked once in row
-    /// groups of 8 for handoff's VNNI kernel (`q4k_matmul`, where the CPU
-    /// has VNNI); every other matrix as `q8_0-rows`. Each row is computed
-    /// on its own.
+    /// groups of 8 for handoff's VNNI kernel (`kquant`, where the CPU has
+    /// VNNI); every other matrix as `q8_0-rows`. Each row is computed on
+    /// its own.
     Repacked,
 }
 
@@ -161,18 +161,15 @@ impl Mat {
         let dev = Device::Cpu;
         let float = matches!(src.dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if format.own_kernel(small_batch) && !float {
-            if format == WeightFormat::Repacked
-                && src.dtype == GgmlDType::Q4K
-                && src.cols.is_multiple_of(crate::q4k_matmul::QK_K)
-                && Q4kMatrix::supported()
-            {
-                if let Some(m) = store.lookup_q4k(&src.key, src.rows, src.cols) {
+            if format == WeightFormat::Repacked && repacks(src.dtype, src.cols) {
+                let (key, rows, cols) = (&src.key, src.rows, src.cols);
+                let malformed = |e| ModelError::Malformed(format!("tensor {key}: {e}"));
+                if let Some(m) = store.lookup_k(key, rows, cols) {
                     return Ok(Mat::Q4k(m));
                 }
-                let q = src.tensor()?;
-                let m = Q4kMatrix::from_ggml_q4k(&q.data()?, src.rows, src.cols)
-                    .map_err(|e| ModelError::Malformed(format!("tensor {}: {e}", src.key)))?;
-                store.record_q4k(&src.key, &m);
+                let m =
+                    Q4kMatrix::from_ggml(&src.tensor()?.data()?, rows, cols).map_err(malformed)?;
+                store.record_k(key, &m);
                 return Ok(Mat::Q4k(m));
             }
             if let Some(m) = store.lookup(&src.key, src.rows, src.cols) {
@@ -480,6 +477,14 @@ fn stacked_dtype(parts: &[RawTensor], formats: PhaseFormats) -> GgmlDType {
     }
 }
 
+/// Whether `repacked` keeps a `dtype` matrix of `cols` columns in its own
+/// quants (Q4_K, whole blocks, on a CPU with VNNI).
+pub(crate) fn repacks(dtype: GgmlDType, cols: usize) -> bool {
+    dtype == GgmlDType::Q4K
+        && cols.is_multiple_of(crate::kquant::QK_K)
+        && crate::kquant::supported()
+}
+
 /// A `[rows, cols]` candle tensor of `dtype` from its bytes.
 fn qtensor_of(
     bytes: std::borrow::Cow<'_, [u8]>,
@@ -641,13 +646,13 @@ impl Linear {
             }
         }
         // `repacked` keeps the Q4_K parts of a mixed stack (a Q4_K_M
-        // file's QKV) Q4_K, each part a matrix of its own.
+        // file's Q4_K queries and keys with Q6_K values) Q4_K, each part a
+        // matrix of its own.
         let repacked =
             formats.prefill == WeightFormat::Repacked && formats.decode == WeightFormat::Repacked;
         if repacked
-            && Q4kMatrix::supported()
             && parts.iter().any(|p| p.dtype != parts[0].dtype)
-            && parts.iter().any(|p| p.dtype == GgmlDType::Q4K)
+            && parts.iter().any(|p| repacks(p.dtype, p.cols))
         {
             let mut mats = Vec::with_capacity(parts.len());
             for p in parts {

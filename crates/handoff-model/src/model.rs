@@ -913,7 +913,7 @@ pub struct WeightEstimate {
 /// of this file with `formats`, from its header alone: a quantized matrix
 /// with a native kernel, in a phase whose format is `native`, read in place
 /// (`mapped`, the file's bytes); a Q4_K matrix in a `repacked` phase as
-/// its repacked copy (1248 bytes per 8 × 256 weights); otherwise one Q8_0
+/// its repacked copy (`kquant`: 1248 bytes per 8 × 256 weights); otherwise one Q8_0
 /// copy (34 bytes per 32 weights) shared by the phases that need one; float ones as f32; the
 /// embedding table read in place if its rows are whole blocks of a native
 /// type, else f32 (a tied LM head is a matrix like the others); the RoPE
@@ -933,7 +933,7 @@ pub fn estimate_weights(
     // As `Q8Matrix` stores them: 32 quants and an f16 scale per block.
     let q8 = |n: u64| n * BLOCK_BYTES as u64 / QK as u64;
     let mut est = WeightEstimate::default();
-    // Bytes of converted copies (Q8_0, repacked Q4_K), apart: mapped when
+    // Bytes of converted copies (Q8_0, repacked K-quants), apart: mapped when
     // cached.
     let mut q8_bytes = 0u64;
     // Where a phase in format `f` computes a matrix from: the file
@@ -941,17 +941,15 @@ pub fn estimate_weights(
     #[derive(PartialEq)]
     enum Held {
         File,
-        Q4k,
+        Repacked,
         Q8,
     }
     let matrix = |est: &mut WeightEstimate, q8_bytes: &mut u64, dtype: GgmlDType, n: u64, cols| {
         let native = crate::native::BlockType::of(dtype).is_some();
-        let q4k = dtype == GgmlDType::Q4K
-            && cols % crate::q4k_matmul::QK_K == 0
-            && crate::q4k_matmul::Q4kMatrix::supported();
+        let repacks = crate::linear::repacks(dtype, cols);
         let copy = |f: WeightFormat| match f {
             WeightFormat::Native if native => Held::File,
-            WeightFormat::Repacked if q4k => Held::Q4k,
+            WeightFormat::Repacked if repacks => Held::Repacked,
             _ => Held::Q8,
         };
         let (pre, dec) = (copy(formats.prefill), copy(formats.decode));
@@ -960,8 +958,7 @@ pub fn estimate_weights(
         }
         let bytes = |c: &Held| match c {
             Held::File => 0,
-            // 1248 bytes per 8 rows of 256 (`q4k_matmul`).
-            Held::Q4k => n * 1248 / 2048,
+            Held::Repacked => (n as f64 * crate::kquant::Q4kMatrix::bytes_per_weight()) as u64,
             Held::Q8 => q8(n),
         };
         // One copy when both phases compute from the same one.

@@ -1,6 +1,5 @@
 //! The weight cache: the interleaved Q8_0 matrices that `q8_matmul`
-//! and the repacked Q4_K ones that `q4k_matmul`
-//! compute from, written once per model file and formats into a file that
+//! and the repacked K-quant ones that `kquant` compute from, written once per model file and formats into a file that
 //! every process on the host maps read-only, so a PD pair and its replicas
 //! share one page-cache copy instead of each converting and holding its
 //! own (issue 31: llama.cpp repacks into each process's private memory).
@@ -35,13 +34,13 @@ use std::sync::Arc;
 use bytemuck::Pod;
 use sha2::{Digest, Sha256};
 
+use crate::kquant::{Format, KMatrix};
 use crate::linear::PhaseFormats;
 use crate::mapped::MappedFile;
-use crate::q4k_matmul::Q4kMatrix;
 use crate::q8_matmul::Q8Matrix;
 
 const MAGIC: &[u8; 8] = b"HOFFQ8W3";
-/// Bump when `Q8Matrix`'s or `Q4kMatrix`'s stored layout changes.
+/// Bump when `Q8Matrix`'s or a `KMatrix`'s stored layout changes.
 const LAYOUT: u32 = 3;
 const HEADER: usize = 8 + 32 + 16;
 const ALIGN: u64 = 64;
@@ -151,11 +150,16 @@ impl Q8Store<'_> {
         }
     }
 
-    /// [`Self::lookup`] for a repacked Q4_K matrix.
-    pub(crate) fn lookup_q4k(&mut self, name: &str, rows: usize, cols: usize) -> Option<Q4kMatrix> {
+    /// [`Self::lookup`] for a repacked K-quant matrix.
+    pub(crate) fn lookup_k<F: Format>(
+        &mut self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Option<KMatrix<F>> {
         match self {
             Q8Store::Read { file, missing } => {
-                let m = file.q4k(name, rows, cols);
+                let m = file.k(name, rows, cols);
                 if m.is_none() {
                     *missing += 1;
                 }
@@ -165,11 +169,13 @@ impl Q8Store<'_> {
         }
     }
 
-    /// [`Self::record`] for a repacked Q4_K matrix.
-    pub(crate) fn record_q4k(&mut self, name: &str, m: &Q4kMatrix) {
+    /// [`Self::record`] for a repacked K-quant matrix.
+    pub(crate) fn record_k<F: Format>(&mut self, name: &str, m: &KMatrix<F>) {
         if let Q8Store::Write(w) = self {
             let (qs, meta) = m.stored_bytes();
-            w.append(name, Kind::Q4k, [m.out_dim(), m.in_dim()], qs, meta);
+            if let Some(kind) = Kind::of::<F>() {
+                w.append(name, kind, [m.out_dim(), m.in_dim()], qs, meta);
+            }
         }
     }
 }
@@ -181,6 +187,14 @@ enum Kind {
     Q8 = 0,
     /// `Q4kMatrix`: nibbles, then scales.
     Q4k = 1,
+}
+
+impl Kind {
+    /// The kind of a repacked `F` matrix (`None`: a format the cache does
+    /// not keep).
+    fn of<F: Format>() -> Option<Kind> {
+        (F::DTYPE == candle_core::quantized::GgmlDType::Q4K).then_some(Kind::Q4k)
+    }
 }
 
 struct Entry {
@@ -206,7 +220,7 @@ impl CacheFile {
         for (name, e) in &file.entries {
             let fits = match e.kind {
                 Kind::Q8 => file.q8(name, e.rows, e.cols).is_some(),
-                Kind::Q4k => file.q4k(name, e.rows, e.cols).is_some(),
+                Kind::Q4k => file.k::<crate::kquant::Q4k>(name, e.rows, e.cols).is_some(),
             };
             if !fits {
                 return Err(format!("matrix {name} does not lie in the file"));
@@ -272,15 +286,15 @@ impl CacheFile {
 }
 
 impl CacheFile {
-    /// The repacked Q4_K matrix `name`, if the file holds it with this
-    /// shape.
-    pub(crate) fn q4k(&self, name: &str, rows: usize, cols: usize) -> Option<Q4kMatrix> {
+    /// The repacked K-quant matrix `name`, if the file holds it with this
+    /// format and shape.
+    pub(crate) fn k<F: Format>(&self, name: &str, rows: usize, cols: usize) -> Option<KMatrix<F>> {
         let e = self.entries.get(name)?;
-        if (e.kind, e.rows, e.cols) != (Kind::Q4k, rows, cols) {
+        if (Some(e.kind), e.rows, e.cols) != (Kind::of::<F>(), rows, cols) {
             return None;
         }
-        let n = Q4kMatrix::stored_len(rows, cols)?;
-        Q4kMatrix::from_slabs(
+        let n = KMatrix::<F>::stored_len(rows, cols)?;
+        KMatrix::from_slabs(
             rows,
             cols,
             Slab::mapped(&self.map, e.qs, n)?,

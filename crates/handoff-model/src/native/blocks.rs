@@ -161,19 +161,21 @@ pub(crate) fn hsum8(a: [f32; 8]) -> f32 {
 }
 
 /// One block's quants as signed values, with its scales.
-struct Unpacked {
+pub(crate) struct Unpacked {
     /// Element values (`q - offset` where the type has one).
-    q: [i32; 256],
+    pub(crate) q: [i32; 256],
     /// Integer scale of each group of 16 elements (1 for 32-blocks).
-    sc: [i32; 16],
+    pub(crate) sc: [i32; 16],
     /// Q4_K/Q5_K minimums of the 8 sub-blocks.
-    m: [i32; 8],
-    d: f32,
+    pub(crate) m: [i32; 8],
+    pub(crate) d: f32,
     /// The minimum (Q4_1/Q5_1) or `dmin` (Q4_K/Q5_K).
-    min: f32,
+    pub(crate) min: f32,
 }
 
-fn unpack(t: BlockType, b: &[u8]) -> Unpacked {
+/// One block of type `t` unpacked (the tests' reference for other
+/// layouts too).
+pub(crate) fn unpack(t: BlockType, b: &[u8]) -> Unpacked {
     let mut u = Unpacked {
         q: [0; 256],
         sc: [1; 16],

@@ -105,13 +105,13 @@ pub(crate) use vnni::group_products;
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-mod q4k;
+mod kquant;
 #[cfg(all(
     target_arch = "x86_64",
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-pub(crate) use q4k::q4k_products;
+pub(crate) use kquant::q4k_products;
 
 #[cfg(all(
     target_arch = "x86_64",

@@ -1,10 +1,11 @@
-//! The Q4_K × Q8_K kernels of `q4k_matmul` with VNNI: per group of 8 rows,
-//! a 32-byte vector of interleaved nibbles gives, masked, 4 quants of each
-//! row for one sub-block and, shifted, 4 of the next; `vpdpbusd` (unsigned
-//! nibbles × signed activations, groups of 4 to i32, exact) adds them
-//! into lane `r` = row `r`; `vpmulld` applies each row's sub-block scale
-//! and `vpmaddwd` its minimums against the activation's sub-block sums.
-//! The float steps are those of `q8_matmul`'s doc, in its order.
+//! The K-quant kernels of `kquant` with VNNI (the layout and arithmetic
+//! are in `kquant/q4k.rs`): per group of 8 rows, a 32-byte vector of
+//! interleaved nibbles gives, masked, 4 Q4_K quants of each row for one
+//! sub-block and, shifted, 4 of the next; `vpdpbusd` (unsigned quants ×
+//! signed activations, groups of 4 to i32, exact) adds them into lane
+//! `r` = row `r`; `vpmulld` applies each row's sub-block scale and
+//! `vpmaddwd` its minimums against the activation's sub-block sums. The
+//! float steps are the format doc's, in its order.
 
 use core::arch::x86_64::{
     __m256, __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32,
@@ -15,12 +16,14 @@ use core::arch::x86_64::{
 use safe_arch::m256;
 
 use super::Q8Path;
-use crate::q4k_matmul::{Tile, GROUP};
+use crate::kquant::{Q4k, Tile, GROUP};
 
-macro_rules! kernel {
+macro_rules! q4k_kernel {
     ($name:ident, $features:literal, $dot:path) => {
         #[target_feature(enable = $features)]
-        fn $name<const G: usize, const C: usize>(t: &Tile<'_, G, C>) -> [[[f32; GROUP]; C]; G] {
+        fn $name<const G: usize, const C: usize>(
+            t: &Tile<'_, Q4k, G, C>,
+        ) -> [[[f32; GROUP]; C]; G] {
             let Tile {
                 w,
                 meta,
@@ -28,6 +31,7 @@ macro_rules! kernel {
                 bs,
                 xd,
                 blocks,
+                ..
             } = *t;
             for g in 0..G {
                 assert!(w[g].len() >= blocks && meta[g].len() >= blocks);
@@ -149,41 +153,51 @@ macro_rules! kernel {
     };
 }
 
-kernel!(
+q4k_kernel!(
     q4k_avx512_vnni,
     "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
     core::arch::x86_64::_mm256_dpbusd_epi32
 );
-kernel!(
+q4k_kernel!(
     q4k_avx_vnni,
     "avx2,fma,f16c,avxvnni",
     core::arch::x86_64::_mm256_dpbusd_avx_epi32
 );
 
-/// The results of [`kernel!`] by `path`; `None` for the baseline (the
-/// caller runs the portable kernel) or a path this CPU lacks.
-pub(crate) fn q4k_products<const G: usize, const C: usize>(
-    path: Q8Path,
-    t: &Tile<'_, G, C>,
-) -> Option<[[[f32; GROUP]; C]; G]> {
+/// Whether `path`'s kernels can run on this CPU (`false` for the
+/// baseline: the caller runs the portable kernel).
+fn runs(path: Q8Path) -> bool {
     match path {
-        Q8Path::Baseline => None,
+        Q8Path::Baseline => false,
         Q8Path::Avx512Vnni => {
-            let ok = std::arch::is_x86_feature_detected!("f16c")
+            std::arch::is_x86_feature_detected!("f16c")
                 && std::arch::is_x86_feature_detected!("avx512vnni")
                 && std::arch::is_x86_feature_detected!("avx512vl")
-                && std::arch::is_x86_feature_detected!("avx512f");
-            // SAFETY: compiled for AVX2, FMA, F16C, AVX-512F/VL/VNNI; the
-            // CPU was just checked for the last four and the build's
-            // baseline guarantees AVX2 and FMA. References only.
-            ok.then(|| unsafe { q4k_avx512_vnni::<G, C>(t) })
+                && std::arch::is_x86_feature_detected!("avx512f")
         }
         Q8Path::AvxVnni => {
-            let ok = std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("avxvnni");
-            // SAFETY: compiled for AVX2, FMA, F16C and AVX-VNNI; the CPU
-            // was just checked for F16C and AVX-VNNI. References only.
-            ok.then(|| unsafe { q4k_avx_vnni::<G, C>(t) })
+            std::arch::is_x86_feature_detected!("f16c")
+                && std::arch::is_x86_feature_detected!("avxvnni")
         }
     }
+}
+
+/// The results of the Q4_K kernel by `path`; `None` for the baseline or a
+/// path this CPU lacks.
+pub(crate) fn q4k_products<const G: usize, const C: usize>(
+    path: Q8Path,
+    t: &Tile<'_, Q4k, G, C>,
+) -> Option<[[[f32; GROUP]; C]; G]> {
+    if !runs(path) {
+        return None;
+    }
+    Some(match path {
+        // SAFETY: compiled for AVX2, FMA, F16C, AVX-512F/VL/VNNI; `runs`
+        // just checked the CPU for the last four and the build's baseline
+        // guarantees AVX2 and FMA. References only.
+        Q8Path::Avx512Vnni => unsafe { q4k_avx512_vnni::<G, C>(t) },
+        // SAFETY: compiled for AVX2, FMA, F16C and AVX-VNNI; `runs` just
+        // checked F16C and AVX-VNNI. References only.
+        _ => unsafe { q4k_avx_vnni::<G, C>(t) },
+    })
 }

@@ -1,129 +1,139 @@
-//! Q4_K × Q8_K matrix product over the file's own 4-bit quants, repacked
-//! in row groups of 8 (issue 31: compute from the weights as the file
-//! holds them, at about half the bytes per token of the Q8_0 copy).
+//! K-quant matrices × Q8_K activations over the file's own quants,
+//! repacked once in row groups of 8 (issue 31: compute from the weights as
+//! the file holds them, at well under the bytes per token of a Q8_0 copy).
+//! A format's layout and arithmetic are in its file (`q4k.rs`, the one
+//! format today); this module holds what formats share: the matrix, the
+//! threads, the register tiles and the activation rows.
 //!
-//! Layout: per group of [`GROUP`] = 8 rows and 256-element block, the
-//! block's 128 bytes of nibbles of each row are interleaved into
-//! [`VECS`] = 32 vectors of 32 bytes: vector `8p + w` holds, in bytes
-//! `4r..4r + 4`, bytes `32p + 4w..32p + 4w + 4` of row `r`'s nibbles. Their
-//! low nibbles are 4 quants of sub-block `2p`, their high nibbles 4 quants
-//! of sub-block `2p + 1`, so one dot instruction against the broadcast 4
-//! activation quants adds, in lane `r`, 4 products of row `r` (as
-//! `q8_matmul` does for Q8_0). Beside them, [`Meta`] holds each row's `d`
-//! and `dmin` (the file's f16 bits) and its 6-bit scales and minimums,
-//! unpacked once at load. 1248 bytes per 8 rows and 256 columns: 4.9 bits
-//! a weight, against 4.5 in the file and 8.5 as Q8_0.
+//! Q6_K was built and measured in two layouts and dropped: its 6 bits
+//! unpacked from 4 + 2 took 1.55-1.7x the Q8_0 kernel's time in prefill and
+//! only tied it in decode; kept as bytes (8.6 bits a weight, no smaller
+//! than Q8_0) its per-16 integer scales cost 1.07-1.27x (BENCHMARKS.md).
+//! Q6_K matrices stay Q8_0 copies.
 //!
-//! Arithmetic of one output element (weight row `w`, activation row `x`
-//! quantized to Q8_K as llama.cpp does, `native::act`), the same for every
-//! path and batch size, so each element depends only on its two rows:
-//! - per block, the exact integers `S = Σ_j sc_j · Σ_{e∈j} q_e·x_e` and
-//!   `M = Σ_j m_j · bsum_j` (`bsum_j`: the sum of sub-block `j`'s
-//!   activation quants; `|S| < 2^25`, `|M| < 2^23`: no lane overflows);
-//! - `acc = fma(f32(S), d·d_x, acc)`, then `acc = fma(f32(M), dmin·(-d_x),
-//!   acc)`, in block order, from `acc = 0`.
+//! Per group of [`GROUP`] = 8 rows and 256-element block, a format keeps
+//! its quants interleaved so that one 32-byte vector holds 4 consecutive
+//! quants of each of the 8 rows (32-bit lane `r` = row `r`, as `q8_matmul`
+//! does for Q8_0): one `vpdpbusd` against the broadcast 4 activation quants
+//! adds, in lane `r`, 4 products of row `r`, with no horizontal sum.
 //!
-//! Paths: AVX-512 VNNI and AVX-VNNI (`simd/q4k.rs`, chosen at run time:
-//! `vpdpbusd` takes the unsigned nibbles as they are, `vpmulld` the
-//! scales) and a portable one in Rust; every path gives the same bits
-//! (`every_path_gives_the_same_bits`). Without VNNI, loads keep Q4_K as
-//! Q8_0 ([`Q4kMatrix::supported`]).
+//! Every output element depends only on its weight row and its activation
+//! row (the formats' arithmetic is exact integer sums per block, then
+//! fused multiply-adds in block order), so a prompt's results do not
+//! depend on its batch, its chunking or the thread count, and every path
+//! (AVX-512 VNNI, AVX-VNNI in `simd/kquant.rs`, portable Rust here) gives
+//! the same bits (`every_path_gives_the_same_bits`). Without VNNI, loads
+//! keep K-quants as Q8_0 ([`supported`]).
+
+pub(crate) mod q4k;
 
 use rayon::prelude::*;
 
 use crate::native::act::q8k_block;
-use crate::native::blocks::k4_scales;
 use crate::simd::Q8Path;
 use crate::weight_cache::Slab;
 
+pub use q4k::Q4k;
+
 /// Weight rows per group (one 32-bit lane each in a 256-bit vector).
 pub(crate) const GROUP: usize = 8;
-/// Elements per Q4_K block.
+/// Elements per K-quant block.
 pub const QK_K: usize = 256;
-/// Bytes of one Q4_K block in the file.
-const BLOCK_BYTES: usize = 144;
-/// Vectors per group and block: 4 pairs of sub-blocks × 8 words.
-pub(crate) const VECS: usize = 32;
 
-/// One group-block's nibbles, interleaved.
-pub(crate) type Nibbles = [[u8; 32]; VECS];
-
-/// One group-block's scales.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-#[repr(C)]
-pub(crate) struct Meta {
-    /// Each row's `d`, f16 bits.
-    pub d: [u16; GROUP],
-    /// Each row's `dmin`, f16 bits.
-    pub dmin: [u16; GROUP],
-    /// `[sub-block][row]`: the 6-bit scales.
-    pub sc: [[u8; GROUP]; 8],
-    /// `[pair][2·row + k]`: the 6-bit minimum of sub-block `2·pair + k`,
-    /// as i16 (pairs against the activation's pair of sums: `vpmaddwd`).
-    pub m: [[i16; 2 * GROUP]; 4],
+/// Whether this CPU runs the fast kernels (the load keeps K-quants as
+/// Q8_0 where it does not: the portable path is for tests).
+pub fn supported() -> bool {
+    Q8Path::chosen() != Q8Path::Baseline
 }
 
-/// Q4_K weights `[out, in]` in groups of 8 rows (the last padded with zero
-/// rows, whose scales are zero).
-pub struct Q4kMatrix {
+/// A repacked K-quant format.
+pub trait Format: Sized + Send + Sync + 'static {
+    /// Quants of one group and block.
+    type W: bytemuck::Pod + Send + Sync;
+    /// Scales of one group and block.
+    type M: bytemuck::Pod + Send + Sync;
+    /// Its GGUF type.
+    const DTYPE: candle_core::quantized::GgmlDType;
+    /// Bytes of one block in the file.
+    const BLOCK_BYTES: usize;
+    /// Repack one row's block `blk` (as the file holds it) as row `r` of
+    /// a group-block.
+    fn pack(blk: &[u8], r: usize, w: &mut Self::W, m: &mut Self::M);
+    /// The portable kernel: the format's arithmetic, element by element.
+    fn portable<const G: usize, const C: usize>(t: &Tile<'_, Self, G, C>)
+        -> [[[f32; GROUP]; C]; G];
+    /// A run-time chosen SIMD kernel (`None`: run the portable one).
+    fn simd<const G: usize, const C: usize>(
+        path: Q8Path,
+        t: &Tile<'_, Self, G, C>,
+    ) -> Option<[[[f32; GROUP]; C]; G]>;
+}
+
+/// Weights `[out, in]` of format `F` in groups of 8 rows (the last padded
+/// with zero rows, whose scales are zero).
+pub struct KMatrix<F: Format> {
     out_dim: usize,
     in_dim: usize,
     blocks: usize,
     /// `[group][block]`.
-    qs: Slab<Nibbles>,
+    qs: Slab<F::W>,
     /// `[group][block]`.
-    meta: Slab<Meta>,
+    meta: Slab<F::M>,
 }
+
+/// Q4_K weights, repacked.
+pub type Q4kMatrix = KMatrix<Q4k>;
 
 /// Activation rows quantized to Q8_K, laid out for the kernels.
-pub(crate) struct Q8kRows {
+pub struct Q8kRows {
     /// Quants as words of 4 (`i8` bytes, little endian), `[n][in / 4]`.
-    pub x: Vec<i32>,
-    /// Sums of each sub-block's quants in pairs (two i16 in one word),
-    /// `[n][blocks][4]`.
-    pub bs: Vec<i32>,
+    pub(crate) x: Vec<i32>,
+    /// Sums of each 32 quants in pairs (two i16 in one word),
+    /// `[n][blocks][4]` (Q4_K's minimums).
+    pub(crate) bs: Vec<i32>,
     /// Scales, `[n][blocks]`.
-    pub d: Vec<f32>,
+    pub(crate) d: Vec<f32>,
 }
 
-/// What a register tile reads: `G` groups and `C` activation rows.
-#[derive(Clone, Copy)]
-pub(crate) struct Tile<'a, const G: usize, const C: usize> {
-    /// Nibbles, `[block]` per group.
-    pub w: [&'a [Nibbles]; G],
+/// What a register tile reads: `G` groups and `C` activation rows (every
+/// slice holds at least `blocks` of its units).
+pub struct Tile<'a, F: Format, const G: usize, const C: usize> {
+    /// Quants, `[block]` per group.
+    pub(crate) w: [&'a [F::W]; G],
     /// Scales, `[block]` per group.
-    pub meta: [&'a [Meta]; G],
+    pub(crate) meta: [&'a [F::M]; G],
     /// Activation words, `[block · 64]` per row.
-    pub x: [&'a [i32]; C],
+    pub(crate) x: [&'a [i32]; C],
     /// Activation pair sums, `[block · 4]` per row.
-    pub bs: [&'a [i32]; C],
+    pub(crate) bs: [&'a [i32]; C],
     /// Activation scales, `[block]` per row.
-    pub xd: [&'a [f32]; C],
+    pub(crate) xd: [&'a [f32]; C],
     /// Blocks per row.
-    pub blocks: usize,
+    pub(crate) blocks: usize,
 }
 
-impl Q4kMatrix {
-    /// Whether this CPU runs the fast kernels (the load keeps Q4_K as
-    /// Q8_0 where it does not: the portable path is for tests).
-    pub fn supported() -> bool {
-        Q8Path::chosen() != Q8Path::Baseline
+impl<F: Format, const G: usize, const C: usize> Clone for Tile<'_, F, G, C> {
+    fn clone(&self) -> Self {
+        *self
     }
+}
+impl<F: Format, const G: usize, const C: usize> Copy for Tile<'_, F, G, C> {}
 
-    /// Elements of each of the nibbles and scales a `rows` × `cols`
-    /// matrix stores (`None` when `cols` is not whole blocks).
+impl<F: Format> KMatrix<F> {
+    /// Elements of each of the quants and scales a `rows` × `cols` matrix
+    /// stores (`None` when `cols` is not whole blocks).
     pub(crate) fn stored_len(rows: usize, cols: usize) -> Option<usize> {
         cols.is_multiple_of(QK_K)
             .then(|| rows.div_ceil(GROUP).checked_mul(cols / QK_K))
             .flatten()
     }
 
-    /// A matrix over stored nibbles and scales, if their lengths fit.
+    /// A matrix over stored quants and scales, if their lengths fit.
     pub(crate) fn from_slabs(
         rows: usize,
         cols: usize,
-        qs: Slab<Nibbles>,
-        meta: Slab<Meta>,
+        qs: Slab<F::W>,
+        meta: Slab<F::M>,
     ) -> Option<Self> {
         let n = Self::stored_len(rows, cols)?;
         (qs.as_slice().len() == n && meta.as_slice().len() == n).then_some(Self {
@@ -135,7 +145,7 @@ impl Q4kMatrix {
         })
     }
 
-    /// The stored nibbles and scales, as bytes (for the weight cache).
+    /// The stored quants and scales, as bytes (for the weight cache).
     pub(crate) fn stored_bytes(&self) -> (&[u8], &[u8]) {
         (
             bytemuck::cast_slice(self.qs.as_slice()),
@@ -158,52 +168,43 @@ impl Q4kMatrix {
         }
     }
 
-    /// Repack GGUF Q4_K data (`out · in / 256` blocks of 144 bytes,
-    /// row-major) of a `[out, in]` matrix.
-    pub fn from_ggml_q4k(data: &[u8], out_dim: usize, in_dim: usize) -> Result<Self, String> {
+    /// Bytes per weight when stored (for estimates).
+    pub fn bytes_per_weight() -> f64 {
+        (std::mem::size_of::<F::W>() + std::mem::size_of::<F::M>()) as f64 / (GROUP * QK_K) as f64
+    }
+
+    /// Repack GGUF data of this format (`out · in / 256` blocks, row-major)
+    /// of a `[out, in]` matrix.
+    pub fn from_ggml(data: &[u8], out_dim: usize, in_dim: usize) -> Result<Self, String> {
+        let name = F::DTYPE;
         if !in_dim.is_multiple_of(QK_K) {
             return Err(format!(
-                "Q4_K rows of {in_dim} are not whole blocks of {QK_K}"
+                "{name:?} rows of {in_dim} are not whole blocks of {QK_K}"
             ));
         }
         let blocks = in_dim / QK_K;
-        let expected = out_dim * blocks * BLOCK_BYTES;
+        let expected = out_dim * blocks * F::BLOCK_BYTES;
         if data.len() != expected {
             return Err(format!(
-                "Q4_K data of {} bytes, expected {expected}",
+                "{name:?} data of {} bytes, expected {expected}",
                 data.len()
             ));
         }
         let groups = out_dim.div_ceil(GROUP);
-        let mut qs = vec![[[0u8; 32]; VECS]; groups * blocks];
-        let mut meta = vec![Meta::default(); groups * blocks];
+        let mut qs = vec![<F::W as bytemuck::Zeroable>::zeroed(); groups * blocks];
+        let mut meta = vec![<F::M as bytemuck::Zeroable>::zeroed(); groups * blocks];
         // Groups are independent: repack them on the pool.
-        let rows_per_group = blocks * BLOCK_BYTES * GROUP;
         qs.par_chunks_mut(blocks)
             .zip(meta.par_chunks_mut(blocks))
-            .zip(data.par_chunks(rows_per_group))
+            .zip(data.par_chunks(blocks * F::BLOCK_BYTES * GROUP))
             .for_each(|((qs, meta), src)| {
-                for (r, row) in src.chunks_exact(blocks * BLOCK_BYTES).enumerate() {
-                    for (b, blk) in row.chunks_exact(BLOCK_BYTES).enumerate() {
-                        let m = &mut meta[b];
-                        m.d[r] = u16::from_le_bytes([blk[0], blk[1]]);
-                        m.dmin[r] = u16::from_le_bytes([blk[2], blk[3]]);
-                        let (sc, mins) = k4_scales(&blk[4..16]);
-                        for (j, (s, mn)) in sc
-                            .to_le_bytes()
-                            .into_iter()
-                            .zip(mins.to_le_bytes())
-                            .enumerate()
-                        {
-                            m.sc[j][r] = s;
-                            m.m[j / 2][2 * r + j % 2] = i16::from(mn);
-                        }
-                        let nib = &blk[16..];
-                        for (v, dst) in qs[b].iter_mut().enumerate() {
-                            let (p, w) = (v / 8, v % 8);
-                            dst[4 * r..4 * r + 4]
-                                .copy_from_slice(&nib[32 * p + 4 * w..32 * p + 4 * w + 4]);
-                        }
+                for (r, row) in src.chunks_exact(blocks * F::BLOCK_BYTES).enumerate() {
+                    for ((blk, w), m) in row
+                        .chunks_exact(F::BLOCK_BYTES)
+                        .zip(&mut *qs)
+                        .zip(&mut *meta)
+                    {
+                        F::pack(blk, r, w, m);
                     }
                 }
             });
@@ -231,7 +232,7 @@ impl Q4kMatrix {
         self.forward_with(x, n, Q8Path::chosen())
     }
 
-    /// [`Q4kMatrix::forward`] on a given path (`Baseline`: the portable
+    /// [`KMatrix::forward`] on a given path (`Baseline`: the portable
     /// kernel). Every path gives the same bits.
     pub fn forward_with(&self, x: &[f32], n: usize, path: Q8Path) -> Vec<f32> {
         assert_eq!(x.len(), n * self.in_dim, "activation shape");
@@ -242,6 +243,8 @@ impl Q4kMatrix {
         let groups = self.out_dim.div_ceil(GROUP);
         let mut yg = vec![0f32; groups * n * GROUP];
         let threads = rayon::current_num_threads().max(1);
+        // A few chunks per thread, so one slowed by another process does
+        // not hold the others up for long.
         let per_chunk = groups.div_ceil(threads * 4).max(1);
         yg.par_chunks_mut(per_chunk * n * GROUP)
             .enumerate()
@@ -302,7 +305,7 @@ impl Q4kMatrix {
     ) {
         let blocks = self.blocks;
         let (qs, meta) = (self.qs.as_slice(), self.meta.as_slice());
-        let t = Tile {
+        let t: Tile<'_, F, G, C> = Tile {
             w: std::array::from_fn(|k| &qs[(g0 + i + k) * blocks..][..blocks]),
             meta: std::array::from_fn(|k| &meta[(g0 + i + k) * blocks..][..blocks]),
             x: std::array::from_fn(|k| &acts.x[(c + k) * blocks * 64..][..blocks * 64]),
@@ -310,7 +313,7 @@ impl Q4kMatrix {
             xd: std::array::from_fn(|k| &acts.d[(c + k) * blocks..][..blocks]),
             blocks,
         };
-        let res = faster::<G, C>(path, &t).unwrap_or_else(|| kernel::<G, C>(&t));
+        let res = F::simd::<G, C>(path, &t).unwrap_or_else(|| F::portable::<G, C>(&t));
         for (gg, res) in res.iter().enumerate() {
             for (k, v) in res.iter().enumerate() {
                 out[((i + gg) * n + c + k) * GROUP..][..GROUP].copy_from_slice(v);
@@ -322,8 +325,8 @@ impl Q4kMatrix {
 /// Groups and activation rows per register tile: on AVX-512 (32 vector
 /// registers), 4 groups for one row (independent sums to hide the dot
 /// instruction's latency) and 2 × 4 for many (each weight vector unpacked
-/// once for 4 rows; `q4k_timing`: 2 × 4 fastest of 1-2 × 1-8); elsewhere
-/// (16 registers) 1 × 2.
+/// once for 4 rows; `kquant_timing`: 2 × 4 fastest of 1-2 × 1-8);
+/// elsewhere (16 registers) 1 × 2.
 fn tile_shape(path: Q8Path, n: usize) -> (usize, usize) {
     match (path, n) {
         (Q8Path::Avx512Vnni, 1) => (4, 1),
@@ -331,75 +334,6 @@ fn tile_shape(path: Q8Path, n: usize) -> (usize, usize) {
         (Q8Path::Avx512Vnni, _) => (2, 4),
         _ => (1, 2),
     }
-}
-
-/// A run-time chosen SIMD kernel's results (`None`: run the portable one).
-#[inline(always)]
-fn faster<const G: usize, const C: usize>(
-    path: Q8Path,
-    t: &Tile<'_, G, C>,
-) -> Option<[[[f32; GROUP]; C]; G]> {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    return crate::simd::q4k_products::<G, C>(path, t);
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    {
-        let _ = (path, t);
-        None
-    }
-}
-
-/// The portable kernel: the arithmetic of the module's doc, element by
-/// element.
-#[allow(clippy::needless_range_loop)] // indices as the doc writes them
-fn kernel<const G: usize, const C: usize>(t: &Tile<'_, G, C>) -> [[[f32; GROUP]; C]; G] {
-    let mut acc = [[[0f32; GROUP]; C]; G];
-    for b in 0..t.blocks {
-        for g in 0..G {
-            let (w, m) = (&t.w[g][b], &t.meta[g][b]);
-            for k in 0..C {
-                let x = &t.x[k][b * 64..][..64];
-                let bs = &t.bs[k][b * 4..][..4];
-                let dx = t.xd[k][b];
-                for r in 0..GROUP {
-                    let mut s = 0i32;
-                    for j in 0..8 {
-                        let (p, hi) = (j / 2, j % 2);
-                        let mut dot = 0i32;
-                        for wd in 0..8 {
-                            let xs = x[16 * p + 8 * hi + wd].to_le_bytes();
-                            for e in 0..4 {
-                                let byte = w[8 * p + wd][4 * r + e];
-                                let q = if hi == 0 { byte & 0xF } else { byte >> 4 };
-                                dot += i32::from(q) * i32::from(xs[e] as i8);
-                            }
-                        }
-                        s += i32::from(m.sc[j][r]) * dot;
-                    }
-                    let mut msum = 0i32;
-                    for (p, &pair) in bs.iter().enumerate() {
-                        let [b0, b1, b2, b3] = pair.to_le_bytes();
-                        msum += i32::from(m.m[p][2 * r]) * i32::from(i16::from_le_bytes([b0, b1]))
-                            + i32::from(m.m[p][2 * r + 1])
-                                * i32::from(i16::from_le_bytes([b2, b3]));
-                    }
-                    let dw = half::f16::from_bits(m.d[r]).to_f32();
-                    let dm = half::f16::from_bits(m.dmin[r]).to_f32();
-                    let a = &mut acc[g][k][r];
-                    *a = (s as f32).mul_add(dw * dx, *a);
-                    *a = (msum as f32).mul_add(dm * -dx, *a);
-                }
-            }
-        }
-    }
-    acc
 }
 
 /// Quantize `n` rows of `in_dim` (a multiple of 256) to Q8_K (as

@@ -1,0 +1,246 @@
+use super::*;
+use crate::native::act::{ActKind, Acts};
+use crate::native::blocks::{unpack, BlockType};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use rand::{Rng, SeedableRng};
+
+fn random(rng: &mut rand::rngs::StdRng, len: usize, scale: f32) -> Vec<f32> {
+    (0..len)
+        .map(|_| rng.random_range(-1.0f32..1.0) * scale)
+        .collect()
+}
+
+fn quantized(w: &[f32], out: usize, inp: usize, dtype: GgmlDType) -> Vec<u8> {
+    let t = Tensor::from_slice(w, (out, inp), &Device::Cpu).unwrap();
+    QTensor::quantize(&t, dtype)
+        .unwrap()
+        .data()
+        .unwrap()
+        .into_owned()
+}
+
+/// The formats' arithmetic from the file's own blocks (decoded by
+/// `native::blocks`, not the repacked layout), one element at a time.
+fn reference(t: BlockType, data: &[u8], x: &[f32], out: usize, inp: usize, n: usize) -> Vec<f32> {
+    let blocks = inp / QK_K;
+    let mut y = vec![0f32; n * out];
+    for c in 0..n {
+        let a = Acts::quantize(ActKind::Q8K, &x[c * inp..(c + 1) * inp], 1, inp);
+        for o in 0..out {
+            let mut acc = 0f32;
+            for b in 0..blocks {
+                let u = unpack(t, &data[(o * blocks + b) * t.bytes()..][..t.bytes()]);
+                let xq = &a.qs[b * QK_K..][..QK_K];
+                let s: i32 = (0..QK_K)
+                    .map(|e| u.sc[e / 16] * u.q[e] * i32::from(xq[e]))
+                    .sum();
+                acc = (s as f32).mul_add(u.d * a.d[b], acc);
+                if t == BlockType::Q4K {
+                    let m: i32 = (0..8).map(|j| u.m[j] * i32::from(a.bsums[b * 8 + j])).sum();
+                    acc = (m as f32).mul_add(u.min * -a.d[b], acc);
+                }
+            }
+            y[c * out + o] = acc;
+        }
+    }
+    y
+}
+
+fn assert_bits_eq(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.to_bits(), y.to_bits(), "{what}: element {i}: {x} vs {y}");
+    }
+}
+
+/// Forward of `F` repacked from `data`, on `path`.
+fn forward<F: Format>(
+    data: &[u8],
+    out: usize,
+    inp: usize,
+    x: &[f32],
+    n: usize,
+    path: Q8Path,
+) -> Vec<f32> {
+    KMatrix::<F>::from_ggml(data, out, inp)
+        .unwrap()
+        .forward_with(x, n, path)
+}
+
+/// Every path this CPU runs gives the bits of the reference computed from
+/// the file's own blocks, for row counts that are
+/// not whole groups, every tile shape and tail, and a zero activation row.
+#[test]
+fn every_path_gives_the_same_bits() {
+    let paths = Q8Path::available();
+    eprintln!("kernel paths on this CPU: {paths:?}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (t, dtype) = (BlockType::Q4K, GgmlDType::Q4K);
+    {
+        for &(out, inp) in &[(27, 512), (64, 2048), (9, 256)] {
+            let data = quantized(&random(&mut rng, out * inp, 0.1), out, inp, dtype);
+            for &n in &[1usize, 2, 3, 4, 5, 7, 9] {
+                let mut x = random(&mut rng, n * inp, 3.0);
+                if n > 2 {
+                    x[inp..2 * inp].fill(0.0);
+                }
+                let want = reference(t, &data, &x, out, inp, n);
+                for &p in &paths {
+                    let got = forward::<Q4k>(&data, out, inp, &x, n, p);
+                    assert_bits_eq(&got, &want, &format!("{t:?} {p:?} {out}x{inp} n={n}"));
+                }
+            }
+        }
+    }
+}
+
+/// Within float rounding of candle's Q4_K × Q8_K product (llama.cpp's
+/// `ggml_vec_dot_q4_K_q8_K`, which sums in another order),
+/// and of the dequantized weights times the activations.
+#[test]
+fn close_to_candle_and_to_the_dequantized_product() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+    let (out, inp, n) = (40, 1024, 3);
+    let (t, dtype) = (BlockType::Q4K, GgmlDType::Q4K);
+    {
+        let w = random(&mut rng, out * inp, 0.2);
+        let data = quantized(&w, out, inp, dtype);
+        let x = random(&mut rng, n * inp, 2.0);
+        let ours = forward::<Q4k>(&data, out, inp, &x, n, Q8Path::chosen());
+        let qt = QTensor::quantize(
+            &Tensor::from_slice(&w, (out, inp), &Device::Cpu).unwrap(),
+            dtype,
+        )
+        .unwrap();
+        let candle = QMatMul::from_qtensor(qt)
+            .unwrap()
+            .forward(&Tensor::from_slice(&x, (n, inp), &Device::Cpu).unwrap())
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let dq: Vec<f32> = data
+            .chunks_exact(inp / QK_K * t.bytes())
+            .flat_map(|row| crate::native::blocks::dequantize_row(t, row))
+            .collect();
+        let scale = ours.iter().fold(0f32, |a, v| a.max(v.abs()));
+        assert!(scale > 1.0, "a product worth comparing: {scale}");
+        for c in 0..n {
+            for o in 0..out {
+                let exact: f32 = (0..inp).map(|i| dq[o * inp + i] * x[c * inp + i]).sum();
+                let (a, b) = (ours[c * out + o], candle[c * out + o]);
+                assert!(
+                    (a - b).abs() <= 1e-4 * scale,
+                    "{t:?} vs candle at {c},{o}: {a} vs {b}"
+                );
+                // Activation quantization (8 bits per 256) is the larger error.
+                assert!(
+                    (a - exact).abs() <= 2e-2 * scale,
+                    "{t:?} vs f32 at {c},{o}: {a} vs {exact}"
+                );
+            }
+        }
+    }
+}
+
+/// A row's result is the same bits in any batch and on any thread count.
+#[test]
+fn batch_independent() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let (out, inp, n) = (83, 768, 13);
+    let data = quantized(&random(&mut rng, out * inp, 0.05), out, inp, GgmlDType::Q4K);
+    let m = Q4kMatrix::from_ggml(&data, out, inp).unwrap();
+    let x = random(&mut rng, n * inp, 3.0);
+    let all = m.forward(&x, n);
+    for r in 0..n {
+        let solo = m.forward(&x[r * inp..(r + 1) * inp], 1);
+        assert_bits_eq(&solo, &all[r * out..(r + 1) * out], "alone");
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    assert_bits_eq(&pool.install(|| m.forward(&x, n)), &all, "one thread");
+    assert!(m.forward(&[], 0).is_empty());
+}
+
+#[test]
+fn rejects_bad_shapes() {
+    let e = Q4kMatrix::from_ggml(&[0; 144], 1, 128).err().unwrap();
+    assert!(e.contains("not whole blocks of 256"), "{e}");
+    let e = Q4kMatrix::from_ggml(&[0; 143], 1, 256).err().unwrap();
+    assert!(e.contains("143 bytes, expected 144"), "{e}");
+    assert!(Q4kMatrix::stored_len(9, 300).is_none());
+    assert_eq!(Q4kMatrix::stored_len(9, 512), Some(4));
+}
+
+/// Repacked Q4_K against the Q8_0 copy of the same weights, layer shapes
+/// of the 1B Llama shape (fused QKV, fused gate and up), a distinct matrix
+/// per use (streamed from memory):
+/// `cargo test --release -p handoff-model kquant_timing -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn kquant_timing() {
+    use crate::linear::{Linear, Phase, PhaseFormats, WeightFormat};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+    let layers: usize = std::env::var("KQUANT_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(6);
+    let shapes = [
+        (2048, 2048, GgmlDType::Q4K),
+        (1024, 2048, GgmlDType::Q4K),
+        (2048, 2048, GgmlDType::Q4K),
+        (16384, 2048, GgmlDType::Q4K),
+        (2048, 8192, GgmlDType::Q4K),
+    ];
+    let both = |f| PhaseFormats {
+        prefill: f,
+        decode: f,
+    };
+    let (mut packed, mut q8) = (Vec::new(), Vec::new());
+    for _ in 0..layers {
+        for &(out, inp, dtype) in &shapes {
+            let w = random(&mut rng, out * inp, 0.1);
+            let t = QTensor::quantize(
+                &Tensor::from_slice(&w, (out, inp), &Device::Cpu).unwrap(),
+                dtype,
+            )
+            .unwrap();
+            packed.push(Linear::new(&t, both(WeightFormat::Repacked)).unwrap());
+            q8.push(Linear::new(&t, both(WeightFormat::Q8_0Rows)).unwrap());
+        }
+    }
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(2)
+        .build()
+        .unwrap();
+    for n in [1usize, 8, 64] {
+        let x = random(&mut rng, n * 8192, 1.0);
+        let mut best = [f64::MAX; 2];
+        for round in 0..5 {
+            for (i, set) in [&packed, &q8].iter().enumerate() {
+                let t = std::time::Instant::now();
+                pool.install(|| {
+                    for (m, &(_, inp, _)) in set.iter().zip(shapes.iter().cycle()) {
+                        std::hint::black_box(m.forward(&x[..n * inp], n, Phase::Decode).unwrap());
+                    }
+                });
+                if round > 0 {
+                    best[i] = best[i].min(t.elapsed().as_secs_f64());
+                }
+            }
+        }
+        let mb = |s: &Vec<Linear>| s.iter().map(|m| m.bytes()).sum::<usize>() >> 20;
+        println!(
+            "n={n}: repacked {:.1} ms ({} MiB), q8_0 {:.1} ms ({} MiB): time ratio {:.3}",
+            best[0] * 1e3,
+            mb(&packed),
+            best[1] * 1e3,
+            mb(&q8),
+            best[0] / best[1]
+        );
+    }
+}
