@@ -53,10 +53,13 @@ struct Bounds {
     min_argmax_agreement: f64,
 }
 
-// Bounds about 30% above what the default formats (Q8_0-rows prefill, Q8_0
-// decode, f16 K/V; a layer whose Q/K/V parts differ in type stacked as
-// Q8_0) measure (2026-12-06), so drift fails here rather than hiding under
-// slack. The noise is llama.cpp's as much as ours: it quantizes activations
+// Bounds about 30% above the larger of what two formats measure, so drift
+// fails here rather than hiding under slack: the default since 2026-12-07,
+// `repacked` (Q4_K matrices from their own quants against Q8_K activations,
+// as llama.cpp computes them; a Q/K/V of mixed types kept as parts), and the
+// Q8_0 copies it falls back to on a CPU without VNNI (`q8_0-rows` prefill,
+// `q8_0` decode; mixed Q/K/V stacked as Q8_0; measured 2026-12-06). f16 K/V
+// in both. The noise is llama.cpp's as much as ours: it quantizes activations
 // to 8 bits before every quantized matmul; the same files with the weights
 // dequantized to F32 move llama.cpp's own logits by a median 0.04-0.06.
 // What the checks catch (measured on these files with llama.cpp): leaving
@@ -64,49 +67,57 @@ struct Bounds {
 // ignoring linear or YaRN scaling by 1-10, gemma3 without its window or with
 // the global RoPE base on local layers by 1-6; 96 teacher-forced steps per
 // preset (4 prompts x 24 tokens).
-/// llama: measured median 0.0744, worst 0.3828, argmax 91/96.
+/// llama: measured median 0.0744, worst 0.3828, argmax 91/96 (Q8_0);
+/// 0.0651, 0.3761, 93/96 (repacked).
 const LLAMA: Bounds = Bounds {
     max_logit_diff: 0.50,
     median_logit_diff: 0.102,
     min_argmax_agreement: 0.93,
 };
-/// llama3 (rope_freqs.weight): measured median 0.0679, worst 0.3336, argmax 90/96.
+/// llama3 (rope_freqs.weight): measured median 0.0679, worst 0.3336, argmax
+/// 90/96 (Q8_0); 0.0642, 0.3234, 94/96 (repacked).
 const LLAMA3: Bounds = Bounds {
     max_logit_diff: 0.44,
     median_logit_diff: 0.093,
     min_argmax_agreement: 0.93,
 };
-/// llama, linear RoPE scaling: measured median 0.0716, worst 0.3295, argmax 93/96.
+/// llama, linear RoPE scaling: measured median 0.0716, worst 0.3295, argmax
+/// 93/96 (Q8_0); 0.0674, 0.4405, 93/96 (repacked).
 const LLAMA_LINEAR: Bounds = Bounds {
-    max_logit_diff: 0.43,
+    max_logit_diff: 0.57,
     median_logit_diff: 0.098,
     min_argmax_agreement: 0.93,
 };
-/// llama, YaRN: measured median 0.0994, worst 0.5665, argmax 93/96.
+/// llama, YaRN: measured median 0.0994, worst 0.5665, argmax 93/96 (Q8_0);
+/// 0.0764, 0.4118, 95/96 (repacked).
 const LLAMA_YARN: Bounds = Bounds {
     max_logit_diff: 0.74,
     median_logit_diff: 0.134,
     min_argmax_agreement: 0.93,
 };
-/// qwen2: measured median 0.0668, worst 0.3249, argmax 94/96.
+/// qwen2: measured median 0.0668, worst 0.3249, argmax 94/96 (Q8_0); 0.0581,
+/// 0.3343, 95/96 (repacked).
 const QWEN2: Bounds = Bounds {
     max_logit_diff: 0.43,
     median_logit_diff: 0.092,
     min_argmax_agreement: 0.93,
 };
-/// qwen3: measured median 0.0552, worst 0.3356, argmax 95/96.
+/// qwen3: measured median 0.0552, worst 0.3356, argmax 95/96 (Q8_0); 0.0531,
+/// 0.2925, 94/96 (repacked).
 const QWEN3: Bounds = Bounds {
     max_logit_diff: 0.44,
     median_logit_diff: 0.077,
     min_argmax_agreement: 0.93,
 };
-/// Mistral's layout (architecture llama): measured median 0.0715, worst 0.3712, argmax 93/96.
+/// Mistral's layout (architecture llama): measured median 0.0715, worst
+/// 0.3712, argmax 93/96 (Q8_0); 0.0562, 0.3728, 93/96 (repacked).
 const MISTRAL: Bounds = Bounds {
     max_logit_diff: 0.49,
     median_logit_diff: 0.098,
     min_argmax_agreement: 0.93,
 };
-/// gemma3: measured median 0.0641, worst 0.447, argmax 94/96.
+/// gemma3: measured median 0.0641, worst 0.447, argmax 94/96 (Q8_0); 0.0585,
+/// 0.3201, 95/96 (repacked).
 const GEMMA3: Bounds = Bounds {
     max_logit_diff: 0.59,
     median_logit_diff: 0.088,
