@@ -92,9 +92,9 @@ if [ ! -f "$BUILD/CMakeCache.txt" ] \
 fi
 
 # 4. build only the needed targets
-log "building llama llama-bench llama-batched-bench llama-simple llama-tokenize llama-server (-j$JOBS)"
+log "building llama llama-bench llama-batched-bench llama-simple llama-tokenize llama-server llama-quantize (-j$JOBS)"
 cmake --build "$BUILD" --config Release -j "$JOBS" \
-    --target llama llama-bench llama-batched-bench llama-simple llama-tokenize llama-server >&2
+    --target llama llama-bench llama-batched-bench llama-simple llama-tokenize llama-server llama-quantize >&2
 
 # 5. the greedy reference tool, linked statically against libllama + ggml
 GREEDY_BIN="$BIN/llamacpp-greedy"

@@ -208,19 +208,19 @@ fn formats() -> PhaseFormats {
     }
 }
 
+/// A reference JSON under `tests/data/`.
+fn reference(rel: &str, regenerate: &str) -> serde_json::Value {
+    let json_path = repo().join("crates/handoff-model/tests/data").join(rel);
+    serde_json::from_str(
+        &std::fs::read_to_string(&json_path)
+            .unwrap_or_else(|e| panic!("{}: {e} (run {regenerate})", json_path.display())),
+    )
+    .unwrap()
+}
+
 /// Runs one preset against its reference and panics with every violation.
 fn check_preset(preset: &str, bounds: Bounds) {
-    let json_path = repo().join(format!(
-        "crates/handoff-model/tests/data/arch/{preset}.json"
-    ));
-    let data: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json_path).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e} (run scripts/gen-arch-refs.sh)",
-                json_path.display()
-            )
-        }))
-        .unwrap();
+    let data = reference(&format!("arch/{preset}.json"), "scripts/gen-arch-refs.sh");
     let model_file = TempModel::write(preset);
     let want_sha = data["model"]["sha256"].as_str().unwrap();
     assert_eq!(
@@ -229,7 +229,13 @@ fn check_preset(preset: &str, bounds: Bounds) {
         "{preset}: handoff-testmodels wrote a different file than llama.cpp ran \
          (writer or candle changed? regenerate with scripts/gen-arch-refs.sh)"
     );
-    let (model, _) = match Llama::load(model_file.path(), formats()) {
+    check_model(preset, model_file.path(), &data, bounds);
+}
+
+/// The model at `path` against llama.cpp's outputs in `data`; panics with
+/// every violation of `bounds`.
+fn check_model(preset: &str, path: &Path, data: &serde_json::Value, bounds: Bounds) {
+    let (model, _) = match Llama::load(path, formats()) {
         Ok(m) => m,
         Err(e) => panic!("{preset}: Llama::load refused the file: {e}"),
     };
@@ -237,7 +243,7 @@ fn check_preset(preset: &str, bounds: Bounds) {
     let mut failures: Vec<String> = Vec::new();
     let mut diffs = Vec::new();
     let (mut worst, mut steps, mut argmax_same) = (0.0f32, 0usize, 0usize);
-    for case in load_cases(&data) {
+    for case in load_cases(data) {
         let name = &case.name;
         let total = case.prompt.len() + case.output.len();
         let n_pages = total.div_ceil(PAGE_SIZE);
@@ -400,6 +406,147 @@ fn arch_mistral_matches_llamacpp() {
 #[test]
 fn arch_gemma3_matches_llamacpp() {
     check_preset("gemma3", GEMMA3);
+}
+
+/// Bounds for the files of `llama-quantize --pure` (one type for every
+/// matrix and the embedding table; 2 prompts of 16 and 100 tokens, 16
+/// greedy tokens each, `scripts/gen-quant-refs.sh`), about 30% above what
+/// the default formats measure per type (2026-12-07, `repacked`: Q4_K from
+/// its own quants, every other type as Q8_0 copies; for Q4_K also its Q8_0
+/// fallback on a CPU without VNNI, the larger figures). `(type, median,
+/// worst)` measured. The argmax floor is lower than the presets': 32 steps
+/// on a tiny random vocabulary hold several near-ties (Q4_K's three
+/// disagreements are at llama.cpp margins of 0.009-0.2, each checked
+/// against `NEAR_TIE` as everywhere).
+const QUANT_MEASURED: [(&str, f32, f32); 10] = [
+    ("q4_0", 0.0348, 0.1324),
+    ("q4_1", 0.0303, 0.1476),
+    ("q5_0", 0.0341, 0.1199),
+    ("q5_1", 0.0331, 0.1897),
+    ("q8_0", 0.0148, 0.0879),
+    ("q2_k", 0.0422, 0.1712),
+    ("q3_k", 0.0451, 0.2103),
+    ("q4_k", 0.0374, 0.1805),
+    ("q5_k", 0.0397, 0.1438),
+    ("q6_k", 0.0489, 0.1491),
+];
+
+fn quant_bounds(t: &str) -> Bounds {
+    let &(_, median, worst) = QUANT_MEASURED
+        .iter()
+        .find(|(name, ..)| *name == t)
+        .expect("a measured type");
+    Bounds {
+        max_logit_diff: worst * 1.3,
+        median_logit_diff: median * 1.3,
+        min_argmax_agreement: 0.85,
+    }
+}
+
+/// sha256 of a GGUF's tensor data (for each tensor in name order, its name
+/// then its bytes), what `scripts/llamacpp-greedy/tensor_data_sha.py`
+/// computes: the same for two files whose metadata differ.
+fn tensor_data_sha256(path: &Path) -> String {
+    use candle_core::quantized::gguf_file::Content;
+    let bytes = std::fs::read(path).unwrap();
+    let content = Content::read(&mut std::io::Cursor::new(&bytes)).unwrap();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let mut h = Sha256::new();
+    for name in names {
+        let t = &content.tensor_infos[name];
+        let len = t.shape.elem_count() / t.ggml_dtype.block_size() * t.ggml_dtype.type_size();
+        let at = content.tensor_data_offset as usize + t.offset as usize;
+        h.update(name.as_bytes());
+        h.update(&bytes[at..at + len]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A file of GGUF type `t` made by the pinned `llama-quantize --pure`
+/// against llama.cpp's outputs on it. Where handoff-testmodels writes the
+/// same tensor data (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K), the file is
+/// written here; where it does not (Q2_K, Q4_K, Q5_K, Q6_K: candle ports an
+/// older llama.cpp K-quant search), llama-quantize's file is read from
+/// `tests/data/quant/`. Either way its tensor data hash is llama-quantize's.
+fn check_quant(t: &str) {
+    let data = reference(&format!("quant/{t}.json"), "scripts/gen-quant-refs.sh");
+    let kept = repo().join(format!(
+        "crates/handoff-model/tests/data/quant/llama-{t}.gguf"
+    ));
+    let written;
+    let path = if kept.exists() {
+        kept.as_path()
+    } else {
+        let dir = std::env::temp_dir().join(format!("handoff-quant-{}-{t}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut spec = handoff_testmodels::ModelSpec::preset("llama").unwrap();
+        spec.layers = 1;
+        spec.ffn = 256;
+        spec.types =
+            handoff_testmodels::WeightTypes::every(handoff_testmodels::dtype_named(t).unwrap());
+        written = TempModel(dir.join(format!("{t}.gguf")));
+        handoff_testmodels::write_model(written.path(), &spec).unwrap();
+        written.path()
+    };
+    assert_eq!(
+        tensor_data_sha256(path),
+        data["model"]["tensor_data_sha256"].as_str().unwrap(),
+        "{t}: {} holds other tensor data than llama-quantize made \
+         (regenerate with scripts/gen-quant-refs.sh)",
+        path.display()
+    );
+    check_model(&format!("quant {t}"), path, &data, quant_bounds(t));
+}
+
+#[test]
+fn quant_q4_0_matches_llamacpp() {
+    check_quant("q4_0");
+}
+
+#[test]
+fn quant_q4_1_matches_llamacpp() {
+    check_quant("q4_1");
+}
+
+#[test]
+fn quant_q5_0_matches_llamacpp() {
+    check_quant("q5_0");
+}
+
+#[test]
+fn quant_q5_1_matches_llamacpp() {
+    check_quant("q5_1");
+}
+
+#[test]
+fn quant_q8_0_matches_llamacpp() {
+    check_quant("q8_0");
+}
+
+#[test]
+fn quant_q2_k_matches_llamacpp() {
+    check_quant("q2_k");
+}
+
+#[test]
+fn quant_q3_k_matches_llamacpp() {
+    check_quant("q3_k");
+}
+
+#[test]
+fn quant_q4_k_matches_llamacpp() {
+    check_quant("q4_k");
+}
+
+#[test]
+fn quant_q5_k_matches_llamacpp() {
+    check_quant("q5_k");
+}
+
+#[test]
+fn quant_q6_k_matches_llamacpp() {
+    check_quant("q6_k");
 }
 
 /// `Llama::load`'s error for a bad preset; panics if it loads.

@@ -171,6 +171,40 @@ pub struct WeightTypes {
     pub overrides: Vec<(String, GgmlDType)>,
 }
 
+impl WeightTypes {
+    /// Every matrix and the embedding table of type `t`.
+    pub fn every(t: GgmlDType) -> Self {
+        Self {
+            matrix: t,
+            attn_v: t,
+            ffn_down: t,
+            output: t,
+            token_embd: t,
+            overrides: Vec::new(),
+        }
+    }
+}
+
+/// The GGUF type of a lower-case name as llama.cpp spells it (`q4_k`).
+pub fn dtype_named(name: &str) -> Option<GgmlDType> {
+    use GgmlDType as G;
+    Some(match name {
+        "f32" => G::F32,
+        "f16" => G::F16,
+        "q4_0" => G::Q4_0,
+        "q4_1" => G::Q4_1,
+        "q5_0" => G::Q5_0,
+        "q5_1" => G::Q5_1,
+        "q8_0" => G::Q8_0,
+        "q2_k" => G::Q2K,
+        "q3_k" => G::Q3K,
+        "q4_k" => G::Q4K,
+        "q5_k" => G::Q5K,
+        "q6_k" => G::Q6K,
+        _ => return None,
+    })
+}
+
 impl Default for WeightTypes {
     fn default() -> Self {
         Self {

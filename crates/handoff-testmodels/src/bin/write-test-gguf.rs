@@ -3,7 +3,8 @@
 //! vocabulary size they share. Knobs (for experiments; the reference data
 //! uses the presets as they are): seed, layers, hidden, heads, kv_heads,
 //! head_dim, ffn, window, rope_theta, rope_theta_swa, embed, attn_qk, attn_vo, ffn_scale,
-//! output, and `types=f32` (every tensor F32).
+//! output, and `types=T` (every matrix and the embedding table of GGUF
+//! type T: f32, f16, q4_0, ..., q6_k; what `llama-quantize --pure` makes).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -32,16 +33,11 @@ fn set(spec: &mut ModelSpec, kv: &str) -> Result<(), String> {
         "attn_vo" => spec.scales.attn_vo = f()?,
         "ffn_scale" => spec.scales.ffn = f()?,
         "output" => spec.scales.output = f()?,
-        "types" if v == "f32" => {
-            use candle_core::quantized::GgmlDType::F32;
-            spec.types = WeightTypes {
-                matrix: F32,
-                attn_v: F32,
-                ffn_down: F32,
-                output: F32,
-                token_embd: F32,
-                overrides: Vec::new(),
-            };
+        "types" => {
+            let t = handoff_testmodels::dtype_named(v).ok_or_else(|| {
+                format!("types={v}: expected f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_k, q3_k, q4_k, q5_k or q6_k")
+            })?;
+            spec.types = WeightTypes::every(t);
         }
         _ => return Err(format!("unknown knob {kv:?}")),
     }
