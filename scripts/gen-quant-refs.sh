@@ -11,8 +11,8 @@
 # (names and bytes, `tensor_data_sha256`). Where handoff-testmodels' writer
 # (`write-test-gguf llama OUT --set types=TYPE` with the same knobs) makes the
 # same tensor data, the test writes the file itself and checks that hash; where
-# it does not (the writer quantizes through candle, which ports an older
-# llama.cpp K-quant search), llama-quantize's file is kept beside the JSON
+# it does not (the writer quantizes through candle, whose K-quant quantizers
+# are not this llama.cpp's), llama-quantize's file is kept beside the JSON
 # (llama-<type>.gguf, a few hundred KB each) and the test reads it.
 #
 # Usage: scripts/gen-quant-refs.sh [TYPE...]   (default: all)

@@ -466,8 +466,8 @@ fn tensor_data_sha256(path: &Path) -> String {
 /// A file of GGUF type `t` made by the pinned `llama-quantize --pure`
 /// against llama.cpp's outputs on it. Where handoff-testmodels writes the
 /// same tensor data (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K), the file is
-/// written here; where it does not (Q2_K, Q4_K, Q5_K, Q6_K: candle ports an
-/// older llama.cpp K-quant search), llama-quantize's file is read from
+/// written here; where it does not (Q2_K, Q4_K, Q5_K, Q6_K: candle's
+/// K-quant quantizers are not this llama.cpp's), llama-quantize's file is read from
 /// `tests/data/quant/`. Either way its tensor data hash is llama-quantize's.
 fn check_quant(t: &str) {
     let data = reference(&format!("quant/{t}.json"), "scripts/gen-quant-refs.sh");
