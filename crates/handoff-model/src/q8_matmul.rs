@@ -335,30 +335,9 @@ impl Q8Matrix {
             return vec![0.0; n * self.out_dim];
         }
         let acts = quantize_rows(x, n, self.in_dim);
-        let groups = self.out_dim.div_ceil(GROUP);
-        // Results by group, `[group][n][8]`: each group owns a contiguous
-        // chunk, so groups can be split across threads safely.
-        let mut yg = vec![0f32; groups * n * GROUP];
-        let threads = rayon::current_num_threads().max(1);
-        // A few chunks per thread so that a thread slowed by another process
-        // does not hold the others up for long.
-        let per_chunk = groups.div_ceil(threads * 4).max(1);
-        yg.par_chunks_mut(per_chunk * n * GROUP)
-            .enumerate()
-            .for_each(|(chunk, out)| {
-                self.groups(&acts, n, chunk * per_chunk, out, path);
-            });
-        let mut y = vec![0f32; n * self.out_dim];
-        for (g, col) in yg.chunks_exact(n * GROUP).enumerate() {
-            let rows = (self.out_dim - g * GROUP).min(GROUP);
-            for (dst, src) in y
-                .chunks_exact_mut(self.out_dim)
-                .zip(col.chunks_exact(GROUP))
-            {
-                dst[g * GROUP..][..rows].copy_from_slice(&src[..rows]);
-            }
-        }
-        y
+        by_groups(self.out_dim, n, |g0, out| {
+            self.groups(&acts, n, g0, out, path)
+        })
     }
 
     /// Groups `g0..` (as many as `out` holds, `[group][n][8]`) against all
@@ -435,6 +414,35 @@ impl Q8Matrix {
             }
         }
     }
+}
+
+/// Runs `f(first_group, out)` for the groups of 8 rows of an `out_dim`-row
+/// matrix against `n` activation rows on the rayon pool, each call owning
+/// the results of consecutive groups (`out`: `[group][n][8]`, contiguous,
+/// so groups split across threads safely), a few chunks per thread so that
+/// a thread slowed by another process does not hold the others up for
+/// long; returns the results as `[n][out_dim]` (a padding row's dropped).
+/// Shared by `q8_matmul` and `kquant`.
+pub(crate) fn by_groups(
+    out_dim: usize,
+    n: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let groups = out_dim.div_ceil(GROUP);
+    let mut yg = vec![0f32; groups * n * GROUP];
+    let threads = rayon::current_num_threads().max(1);
+    let per_chunk = groups.div_ceil(threads * 4).max(1);
+    yg.par_chunks_mut(per_chunk * n * GROUP)
+        .enumerate()
+        .for_each(|(chunk, out)| f(chunk * per_chunk, out));
+    let mut y = vec![0f32; n * out_dim];
+    for (g, col) in yg.chunks_exact(n * GROUP).enumerate() {
+        let rows = (out_dim - g * GROUP).min(GROUP);
+        for (dst, src) in y.chunks_exact_mut(out_dim).zip(col.chunks_exact(GROUP)) {
+            dst[g * GROUP..][..rows].copy_from_slice(&src[..rows]);
+        }
+    }
+    y
 }
 
 /// Eight f16 scales (as bits) widened to f32: exact, and one `vcvtph2ps`

@@ -240,26 +240,9 @@ impl<F: Format> KMatrix<F> {
             return vec![0.0; n * self.out_dim];
         }
         let acts = quantize_rows(x, n, self.in_dim);
-        let groups = self.out_dim.div_ceil(GROUP);
-        let mut yg = vec![0f32; groups * n * GROUP];
-        let threads = rayon::current_num_threads().max(1);
-        // A few chunks per thread, so one slowed by another process does
-        // not hold the others up for long.
-        let per_chunk = groups.div_ceil(threads * 4).max(1);
-        yg.par_chunks_mut(per_chunk * n * GROUP)
-            .enumerate()
-            .for_each(|(chunk, out)| self.groups(&acts, n, chunk * per_chunk, out, path));
-        let mut y = vec![0f32; n * self.out_dim];
-        for (g, col) in yg.chunks_exact(n * GROUP).enumerate() {
-            let rows = (self.out_dim - g * GROUP).min(GROUP);
-            for (dst, src) in y
-                .chunks_exact_mut(self.out_dim)
-                .zip(col.chunks_exact(GROUP))
-            {
-                dst[g * GROUP..][..rows].copy_from_slice(&src[..rows]);
-            }
-        }
-        y
+        crate::q8_matmul::by_groups(self.out_dim, n, |g0, out| {
+            self.groups(&acts, n, g0, out, path)
+        })
     }
 
     /// Groups `g0..` (as many as `out` holds, `[group][n][8]`) against all

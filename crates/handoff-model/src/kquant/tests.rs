@@ -77,19 +77,17 @@ fn every_path_gives_the_same_bits() {
     eprintln!("kernel paths on this CPU: {paths:?}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     let (t, dtype) = (BlockType::Q4K, GgmlDType::Q4K);
-    {
-        for &(out, inp) in &[(27, 512), (64, 2048), (9, 256)] {
-            let data = quantized(&random(&mut rng, out * inp, 0.1), out, inp, dtype);
-            for &n in &[1usize, 2, 3, 4, 5, 7, 9] {
-                let mut x = random(&mut rng, n * inp, 3.0);
-                if n > 2 {
-                    x[inp..2 * inp].fill(0.0);
-                }
-                let want = reference(t, &data, &x, out, inp, n);
-                for &p in &paths {
-                    let got = forward::<Q4k>(&data, out, inp, &x, n, p);
-                    assert_bits_eq(&got, &want, &format!("{t:?} {p:?} {out}x{inp} n={n}"));
-                }
+    for &(out, inp) in &[(27, 512), (64, 2048), (9, 256)] {
+        let data = quantized(&random(&mut rng, out * inp, 0.1), out, inp, dtype);
+        for &n in &[1usize, 2, 3, 4, 5, 7, 9] {
+            let mut x = random(&mut rng, n * inp, 3.0);
+            if n > 2 {
+                x[inp..2 * inp].fill(0.0);
+            }
+            let want = reference(t, &data, &x, out, inp, n);
+            for &p in &paths {
+                let got = forward::<Q4k>(&data, out, inp, &x, n, p);
+                assert_bits_eq(&got, &want, &format!("{t:?} {p:?} {out}x{inp} n={n}"));
             }
         }
     }
@@ -103,44 +101,42 @@ fn close_to_candle_and_to_the_dequantized_product() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(6);
     let (out, inp, n) = (40, 1024, 3);
     let (t, dtype) = (BlockType::Q4K, GgmlDType::Q4K);
-    {
-        let w = random(&mut rng, out * inp, 0.2);
-        let data = quantized(&w, out, inp, dtype);
-        let x = random(&mut rng, n * inp, 2.0);
-        let ours = forward::<Q4k>(&data, out, inp, &x, n, Q8Path::chosen());
-        let qt = QTensor::quantize(
-            &Tensor::from_slice(&w, (out, inp), &Device::Cpu).unwrap(),
-            dtype,
-        )
+    let w = random(&mut rng, out * inp, 0.2);
+    let data = quantized(&w, out, inp, dtype);
+    let x = random(&mut rng, n * inp, 2.0);
+    let ours = forward::<Q4k>(&data, out, inp, &x, n, Q8Path::chosen());
+    let qt = QTensor::quantize(
+        &Tensor::from_slice(&w, (out, inp), &Device::Cpu).unwrap(),
+        dtype,
+    )
+    .unwrap();
+    let candle = QMatMul::from_qtensor(qt)
+        .unwrap()
+        .forward(&Tensor::from_slice(&x, (n, inp), &Device::Cpu).unwrap())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
         .unwrap();
-        let candle = QMatMul::from_qtensor(qt)
-            .unwrap()
-            .forward(&Tensor::from_slice(&x, (n, inp), &Device::Cpu).unwrap())
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let dq: Vec<f32> = data
-            .chunks_exact(inp / QK_K * t.bytes())
-            .flat_map(|row| crate::native::blocks::dequantize_row(t, row))
-            .collect();
-        let scale = ours.iter().fold(0f32, |a, v| a.max(v.abs()));
-        assert!(scale > 1.0, "a product worth comparing: {scale}");
-        for c in 0..n {
-            for o in 0..out {
-                let exact: f32 = (0..inp).map(|i| dq[o * inp + i] * x[c * inp + i]).sum();
-                let (a, b) = (ours[c * out + o], candle[c * out + o]);
-                assert!(
-                    (a - b).abs() <= 1e-4 * scale,
-                    "{t:?} vs candle at {c},{o}: {a} vs {b}"
-                );
-                // Activation quantization (8 bits per 256) is the larger error.
-                assert!(
-                    (a - exact).abs() <= 2e-2 * scale,
-                    "{t:?} vs f32 at {c},{o}: {a} vs {exact}"
-                );
-            }
+    let dq: Vec<f32> = data
+        .chunks_exact(inp / QK_K * t.bytes())
+        .flat_map(|row| crate::native::blocks::dequantize_row(t, row))
+        .collect();
+    let scale = ours.iter().fold(0f32, |a, v| a.max(v.abs()));
+    assert!(scale > 1.0, "a product worth comparing: {scale}");
+    for c in 0..n {
+        for o in 0..out {
+            let exact: f32 = (0..inp).map(|i| dq[o * inp + i] * x[c * inp + i]).sum();
+            let (a, b) = (ours[c * out + o], candle[c * out + o]);
+            assert!(
+                (a - b).abs() <= 1e-4 * scale,
+                "{t:?} vs candle at {c},{o}: {a} vs {b}"
+            );
+            // Activation quantization (8 bits per 256) is the larger error.
+            assert!(
+                (a - exact).abs() <= 2e-2 * scale,
+                "{t:?} vs f32 at {c},{o}: {a} vs {exact}"
+            );
         }
     }
 }

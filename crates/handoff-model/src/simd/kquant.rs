@@ -15,6 +15,7 @@ use core::arch::x86_64::{
 };
 use safe_arch::m256;
 
+use super::vnni::runs;
 use super::Q8Path;
 use crate::kquant::{Q4k, Tile, GROUP};
 
@@ -163,24 +164,6 @@ q4k_kernel!(
     "avx2,fma,f16c,avxvnni",
     core::arch::x86_64::_mm256_dpbusd_avx_epi32
 );
-
-/// Whether `path`'s kernels can run on this CPU (`false` for the
-/// baseline: the caller runs the portable kernel).
-fn runs(path: Q8Path) -> bool {
-    match path {
-        Q8Path::Baseline => false,
-        Q8Path::Avx512Vnni => {
-            std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("avx512vnni")
-                && std::arch::is_x86_feature_detected!("avx512vl")
-                && std::arch::is_x86_feature_detected!("avx512f")
-        }
-        Q8Path::AvxVnni => {
-            std::arch::is_x86_feature_detected!("f16c")
-                && std::arch::is_x86_feature_detected!("avxvnni")
-        }
-    }
-}
 
 /// The results of the Q4_K kernel by `path`; `None` for the baseline or a
 /// path this CPU lacks.

@@ -233,27 +233,35 @@ mod vnni {
         path: Q8Path,
         t: &Tile<'_, G, C>,
     ) -> Option<[[[f32; GROUP]; C]; G]> {
+        if !runs(path) {
+            return None;
+        }
+        Some(match path {
+            // SAFETY: the function is compiled for AVX2, FMA, F16C,
+            // AVX-512F, AVX-512VL and AVX-512 VNNI; `runs` just checked the
+            // CPU for the last four and the build's baseline guarantees
+            // AVX2 and FMA. It reads its arguments through references only.
+            Q8Path::Avx512Vnni => unsafe { products_avx512_vnni::<G, C>(t) },
+            // SAFETY: compiled for AVX2, FMA, F16C and AVX-VNNI; `runs` just
+            // checked F16C and AVX-VNNI. References only, as above.
+            _ => unsafe { products_avx_vnni::<G, C>(t) },
+        })
+    }
+
+    /// Whether `path`'s kernels (these and `kquant.rs`'s) can run on this
+    /// CPU (`false` for the baseline: the caller runs its own kernel).
+    pub(super) fn runs(path: Q8Path) -> bool {
         match path {
-            Q8Path::Baseline => None,
+            Q8Path::Baseline => false,
             Q8Path::Avx512Vnni => {
-                let ok = std::arch::is_x86_feature_detected!("f16c")
+                std::arch::is_x86_feature_detected!("f16c")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
                     && std::arch::is_x86_feature_detected!("avx512vl")
-                    && std::arch::is_x86_feature_detected!("avx512f");
-                // SAFETY: the function is compiled for AVX2, FMA, F16C,
-                // AVX-512F, AVX-512VL and AVX-512 VNNI, and the CPU was just
-                // checked for the last four (the build's baseline
-                // guarantees AVX2 and FMA). It reads its arguments through references only.
-                ok.then(|| unsafe { products_avx512_vnni::<G, C>(t) })
+                    && std::arch::is_x86_feature_detected!("avx512f")
             }
             Q8Path::AvxVnni => {
-                let ok = std::arch::is_x86_feature_detected!("f16c")
-                    && std::arch::is_x86_feature_detected!("avxvnni");
-                // SAFETY: compiled for AVX2, FMA, F16C and AVX-VNNI; the CPU
-                // was just checked for F16C and AVX-VNNI, and the build's
-                // baseline guarantees AVX2 and FMA. References only, as
-                // above.
-                ok.then(|| unsafe { products_avx_vnni::<G, C>(t) })
+                std::arch::is_x86_feature_detected!("f16c")
+                    && std::arch::is_x86_feature_detected!("avxvnni")
             }
         }
     }
