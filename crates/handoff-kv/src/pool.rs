@@ -23,49 +23,103 @@ enum Backing {
 }
 
 /// One block (or a run of it) of a pool, in the pool's element type.
+///
+/// Not a view: a block's elements are only ever copied out
+/// ([`Self::extend_f32`], [`Self::to_f32`]). A shared pool's bytes are
+/// reachable by safe writers on other threads ([`ShmRegion::write_at`],
+/// [`ShmRegion::copy_from`], [`ShmRegion::readv_into`], all raw copies
+/// under a page lease or writer guard), so no `&[u8]` of them may exist
+/// in safe code: a reference promises bytes that do not change while it
+/// lives. Reading through the region's bounds-checked raw copies keeps
+/// that promise out of the picture; which pages are written while the
+/// model reads others is the leases' business, not the type system's.
+///
+/// ```compile_fail
+/// # use handoff_kv::{KvBlock, KvDtype, KvGeometry, KvPart, KvPool, PageIndex};
+/// # let g = KvGeometry { layers: 1, kv_heads: 1, head_dim: 2, page_size: 2, dtype: KvDtype::F32 };
+/// let (pool, _) = KvPool::new_shared(g, 2).unwrap();
+/// // There is no slice to take out of a block.
+/// let view: &[f32] = match pool.block(0, PageIndex(0), KvPart::K) {
+///     KvBlock::F32(s) => s,
+///     _ => unreachable!(),
+/// };
+/// ```
 #[derive(Debug, Clone, Copy)]
-pub enum KvBlock<'a> {
-    /// f32 elements.
-    F32(&'a [f32]),
-    /// f16 elements.
-    F16(&'a [f16]),
+pub struct KvBlock<'a> {
+    memory: BlockMemory<'a>,
+    elem: Elem,
+    /// Byte offset in the pool's memory.
+    start: usize,
+    /// Elements.
+    len: usize,
+}
+
+/// Where a [`KvBlock`]'s bytes are read from.
+#[derive(Debug, Clone, Copy)]
+enum BlockMemory<'a> {
+    /// A heap pool's words (private to this process, borrowed).
+    Heap(&'a [u8]),
+    /// A shared pool's region, read by copies only.
+    Shared(&'a ShmRegion),
 }
 
 impl<'a> KvBlock<'a> {
+    /// Elements in the block.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the block has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Elements `range` of this block.
+    ///
+    /// # Panics
+    ///
+    /// When `range` does not lie inside the block.
     pub fn slice(self, range: std::ops::Range<usize>) -> KvBlock<'a> {
-        match self {
-            KvBlock::F32(s) => KvBlock::F32(&s[range]),
-            KvBlock::F16(s) => KvBlock::F16(&s[range]),
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "elements {range:?} of a block of {}",
+            self.len
+        );
+        KvBlock {
+            start: self.start + range.start * self.elem.bytes(),
+            len: range.len(),
+            ..self
         }
     }
 
-    /// The elements as f32: borrowed when they are f32, converted into
-    /// `scratch` when they are not.
-    pub fn to_f32<'s>(self, scratch: &'s mut Vec<f32>) -> &'s [f32]
-    where
-        'a: 's,
-    {
-        match self {
-            KvBlock::F32(s) => s,
-            KvBlock::F16(s) => {
-                scratch.clear();
-                scratch.resize(s.len(), 0.0);
-                s.convert_to_f32_slice(scratch);
-                scratch
-            }
-        }
+    /// The elements as f32, copied (converted from f16 when they are) into
+    /// `scratch`.
+    pub fn to_f32(self, scratch: &mut Vec<f32>) -> &[f32] {
+        scratch.clear();
+        self.extend_f32(scratch);
+        scratch
     }
 
     /// Append the elements, as f32, to `out`.
     pub fn extend_f32(self, out: &mut Vec<f32>) {
-        match self {
-            KvBlock::F32(s) => out.extend_from_slice(s),
-            KvBlock::F16(s) => {
-                let from = out.len();
-                out.resize(from + s.len(), 0.0);
-                s.convert_to_f32_slice(&mut out[from..]);
+        let from = out.len();
+        out.resize(from + self.len, 0.0);
+        let dst = &mut out[from..];
+        let bytes = self.len * self.elem.bytes();
+        match (self.memory, self.elem) {
+            (BlockMemory::Heap(b), Elem::F32) => {
+                dst.copy_from_slice(bytemuck::cast_slice(&b[self.start..self.start + bytes]))
             }
+            (BlockMemory::Heap(b), Elem::F16) => {
+                bytemuck::cast_slice::<u8, f16>(&b[self.start..self.start + bytes])
+                    .convert_to_f32_slice(dst)
+            }
+            (BlockMemory::Shared(r), Elem::F32) => r
+                .read_at(self.start, bytemuck::cast_slice_mut(dst))
+                .expect("block inside its pool"),
+            (BlockMemory::Shared(r), Elem::F16) => r
+                .read_f16_as_f32(self.start, dst)
+                .expect("block inside its pool"),
         }
     }
 }
@@ -179,21 +233,6 @@ impl KvPool {
         self.allocator.generations()
     }
 
-    /// Bytes `range` of the KV region as a view (for one block).
-    fn bytes(&self, range: std::ops::Range<usize>) -> &[u8] {
-        match &self.memory {
-            Backing::Heap(v) => &bytemuck::cast_slice::<f32, u8>(v)[range],
-            // SAFETY: `block` asks only for a block of a page, and a page's
-            // bytes are written only by the holder of its lease or writer
-            // guard: a transfer writes pages leased to a room, which the
-            // model does not read until the room commits; the model writes
-            // through `write_token` (raw copies under `&mut self`, so never
-            // while a view of this pool is alive). Peers map pools read-only.
-            #[allow(unsafe_code)]
-            Backing::Shared(r) => unsafe { r.view(range) }.expect("block inside its pool"),
-        }
-    }
-
     /// The pool's layout.
     pub fn layout(&self) -> &KvLayout {
         &self.layout
@@ -211,12 +250,25 @@ impl KvPool {
 
     /// One (layer, page, kind) block: `[kv_head][slot][head_dim]`.
     pub fn block(&self, layer: usize, page: PageIndex, kind: KvPart) -> KvBlock<'_> {
-        let off = self.layout.block_offset(layer, page, kind);
-        let n = self.layout.geometry.block_elems();
-        match self.elem {
-            Elem::F32 => KvBlock::F32(bytemuck::cast_slice(self.bytes(4 * off..4 * (off + n)))),
-            Elem::F16 => KvBlock::F16(bytemuck::cast_slice(self.bytes(2 * off..2 * (off + n)))),
-        }
+        let len = self.layout.geometry.block_elems();
+        let start = self.layout.block_offset(layer, page, kind) * self.elem.bytes();
+        let memory = match &self.memory {
+            Backing::Heap(words) => BlockMemory::Heap(bytemuck::cast_slice(words)),
+            Backing::Shared(r) => BlockMemory::Shared(r),
+        };
+        let block = KvBlock {
+            memory,
+            elem: self.elem,
+            start,
+            len,
+        };
+        // In bounds for every page the layout knows (checked once here, so
+        // a bad page index fails at the call, not at a later copy).
+        assert!(
+            start + len * self.elem.bytes() <= self.layout.pool_bytes(),
+            "block of page {page:?} inside its pool"
+        );
+        block
     }
 
     /// Bytes `range` of the KV region, copied out (what a transport
@@ -467,6 +519,68 @@ mod tests {
         assert_eq!(gens.unchanged_since(first, e2), Some(true));
         drop((b, c));
         assert!(KvPool::new(g, 4).unwrap().generations().is_none());
+    }
+
+    /// A block is read by copies: a write into the shared region after the
+    /// block was taken shows in what it reads next (it is not a snapshot,
+    /// and no reference to the bytes is held across the write), for both
+    /// element types; and no byte copy reaches the generation table, in
+    /// the owner's mapping or a peer's.
+    #[test]
+    fn blocks_read_by_copy_and_no_copy_touches_the_generation_table() {
+        for dtype in [KvDtype::F32, KvDtype::F16] {
+            let g = KvGeometry {
+                layers: 1,
+                kv_heads: 1,
+                head_dim: 300,
+                page_size: 2,
+                dtype,
+            };
+            let (pool, handle) = KvPool::new_shared(g, 2).unwrap();
+            let region = pool.shared_region().unwrap();
+            let block = pool.block(0, PageIndex(1), KvPart::V);
+            assert_eq!(block.len(), 600);
+            let mut out = Vec::new();
+            block.extend_f32(&mut out);
+            assert_eq!(out, vec![0.0; 600]);
+            // Write 600 values under the block, after it was taken.
+            let want: Vec<f32> = (0..600).map(|i| i as f32 - 300.0).collect();
+            let bytes: Vec<u8> = match dtype {
+                KvDtype::F32 => bytemuck::cast_slice(&want).to_vec(),
+                _ => want
+                    .iter()
+                    .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                    .collect(),
+            };
+            let at = pool
+                .layout()
+                .block_bytes(0, PageIndex(1), KvPart::V)
+                .unwrap();
+            region.write_at(at.start, &bytes).unwrap();
+            let mut scratch = Vec::new();
+            assert_eq!(block.to_f32(&mut scratch), &want[..]);
+            assert_eq!(block.slice(10..13).to_f32(&mut scratch), &want[10..13]);
+
+            let table = KvPool::generations_offset(pool.layout());
+            let peer = ShmRegion::open_read_only(&handle).unwrap();
+            PageGenerations::new(Arc::new(ShmRegion::open(&handle).unwrap()), table, 2).unwrap();
+            let peer_gens = Arc::new(peer);
+            PageGenerations::new(peer_gens.clone(), table, 2).unwrap();
+            let refused = |r: Result<(), KvError>| {
+                let e = r.expect_err("a copy over the generation table");
+                assert!(e.to_string().contains("atomic words"), "{e}");
+            };
+            let mut word = [0u8; 8];
+            refused(region.write_at(table, &[1u8; 8]));
+            refused(region.read_at(table + 8, &mut word));
+            refused(peer_gens.read_at(table - 4, &mut word));
+            refused(region.copy_from(0, &peer_gens, table, 8));
+            refused(region.copy_from(table, region, 0, 8));
+            // The byte before the table is still KV.
+            region.read_at(table - 1, &mut word[..1]).unwrap();
+            // Another table range on the same region is refused.
+            assert!(PageGenerations::new(region.clone(), table - 8, 2).is_err());
+        }
     }
 
     #[test]

@@ -12,11 +12,14 @@
 //! ([`ShmRegion::write_at`], [`ShmRegion::read_at`], [`ShmRegion::copy_from`],
 //! and [`ShmRegion::readv_into`], where the kernel writes), each
 //! bounds-checked; bytes are sent with [`ShmRegion::writev_to`], whose
-//! region pieces the kernel reads by raw pointer. The only shared views are
-//! the pool's per-block views through the `unsafe fn` [`ShmRegion::view`],
-//! whose contract is written on it. Which pages a writer may touch is
-//! decided by page leases (`crate::lease`). [`PageGenerations`] lets a
-//! reader in another process detect a page handed out again under its copy.
+//! region pieces the kernel reads by raw pointer. No function, safe or
+//! not, makes a reference to region bytes: the pool's blocks
+//! ([`crate::KvBlock`]) are read by the same copies. The one exception is
+//! [`PageGenerations`]' table, reached only as atomics; every byte copy
+//! refuses its range ([`ShmRegion::check_bytes`]), so a plain copy never
+//! races an atomic store. Which pages a writer may touch is decided by
+//! page leases (`crate::lease`); [`PageGenerations`] lets a reader in
+//! another process detect a page handed out again under its copy.
 //!
 //! This is the only module of the crate with `unsafe`; each block says why it
 //! holds.
@@ -26,7 +29,7 @@ use std::fs::{File, OpenOptions};
 use std::ops::Range;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use memmap2::MmapRaw;
 
@@ -87,6 +90,10 @@ pub struct ShmRegion {
     /// False for a peer's pool mapped read-only: writes are refused here,
     /// and the kernel would fault them anyway.
     writable: bool,
+    /// Bytes accessed only atomically (a [`PageGenerations`] table, set
+    /// once): every byte copy in or out of the region refuses them, so a
+    /// plain copy never races an atomic store.
+    atomics: OnceLock<Range<usize>>,
 }
 
 impl std::fmt::Debug for ShmRegion {
@@ -203,6 +210,7 @@ impl ShmRegion {
             file,
             len,
             writable,
+            atomics: OnceLock::new(),
         })
     }
 
@@ -256,10 +264,36 @@ impl ShmRegion {
         }
     }
 
+    /// Check `range` lies inside the region and outside its atomic words
+    /// (what every byte copy in or out of the region checks).
+    pub fn check_bytes(&self, range: &Range<usize>) -> Result<(), KvError> {
+        self.check(range)?;
+        match self.atomics.get() {
+            Some(a) if range.start < a.end && a.start < range.end => Err(KvError::Shm(format!(
+                "bytes {range:?} overlap the atomic words at {a:?}: they are never copied"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Mark `range` as accessed only atomically, once per region (the same
+    /// range again is accepted).
+    fn reserve_atomics(&self, range: Range<usize>) -> Result<(), KvError> {
+        self.check(&range)?;
+        let set = self.atomics.get_or_init(|| range.clone());
+        if *set == range {
+            Ok(())
+        } else {
+            Err(KvError::Shm(format!(
+                "atomic words at {range:?} asked for, {set:?} already kept"
+            )))
+        }
+    }
+
     /// Copy `src` into the region at `offset`, bounds-checked.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), KvError> {
         let end = offset.saturating_add(src.len());
-        self.check(&(offset..end))?;
+        self.check_bytes(&(offset..end))?;
         self.check_writable()?;
         // SAFETY: `offset..end` is inside the mapping (checked above), the
         // mapping lives as long as `self`, and `src` is a Rust slice that
@@ -279,7 +313,7 @@ impl ShmRegion {
     /// Copy region bytes at `offset` into `dst`, bounds-checked.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), KvError> {
         let end = offset.saturating_add(dst.len());
-        self.check(&(offset..end))?;
+        self.check_bytes(&(offset..end))?;
         // SAFETY: in bounds (checked), mapping alive for `self`'s lifetime;
         // `dst` is an exclusive Rust slice, so it cannot alias the source.
         unsafe {
@@ -288,6 +322,30 @@ impl ShmRegion {
                 dst.as_mut_ptr(),
                 dst.len(),
             );
+        }
+        Ok(())
+    }
+
+    /// Read `dst.len()` f16 elements at `offset`, converted to f32, into
+    /// `dst`: a copy like [`Self::read_at`] that converts as it copies (a
+    /// shared pool's f16 blocks are read this way, in one pass).
+    pub fn read_f16_as_f32(&self, offset: usize, dst: &mut [f32]) -> Result<(), KvError> {
+        let end = offset.saturating_add(2 * dst.len());
+        self.check_bytes(&(offset..end))?;
+        if !offset.is_multiple_of(2) {
+            return Err(KvError::Shm(format!("f16 elements at odd offset {offset}")));
+        }
+        // SAFETY: in bounds (checked) and 2-aligned (the mapping is
+        // page-aligned); the mapping lives as long as `self`. The slice
+        // exists only for this conversion and never leaves the function:
+        // it is this copy's source pointer, as `read_at`'s is, with the
+        // same rule that the bytes' writer is whoever holds their pages.
+        unsafe {
+            let src = std::slice::from_raw_parts(
+                self.map.as_ptr().add(offset).cast::<half::f16>(),
+                dst.len(),
+            );
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, dst);
         }
         Ok(())
     }
@@ -304,8 +362,8 @@ impl ShmRegion {
     ) -> Result<(), KvError> {
         let dst_end = dst_offset.saturating_add(len);
         let src_end = src_offset.saturating_add(len);
-        self.check(&(dst_offset..dst_end))?;
-        src.check(&(src_offset..src_end))?;
+        self.check_bytes(&(dst_offset..dst_end))?;
+        src.check_bytes(&(src_offset..src_end))?;
         self.check_writable()?;
         // SAFETY: both ranges are inside their mappings (checked) which live
         // for the borrows of `self` and `src`. If both are the same region
@@ -334,7 +392,7 @@ impl ShmRegion {
         tail: &mut [u8],
         fd: BorrowedFd<'_>,
     ) -> Result<std::io::Result<usize>, KvError> {
-        self.check(&range)?;
+        self.check_bytes(&range)?;
         self.check_writable()?;
         let iov = [
             libc::iovec {
@@ -373,7 +431,7 @@ impl ShmRegion {
     ) -> Result<std::io::Result<usize>, KvError> {
         for p in parts {
             if let WritePart::Region(r) = p {
-                self.check(r)?;
+                self.check_bytes(r)?;
             }
         }
         let mut skip = skip;
@@ -410,23 +468,6 @@ impl ShmRegion {
         } else {
             Ok(n as usize)
         })
-    }
-
-    /// A shared view of `range` (bounds-checked).
-    ///
-    /// # Safety
-    ///
-    /// No one may write these bytes while the view lives: not this
-    /// process (the pool writes through [`Self::write_at`], transports
-    /// through [`Self::copy_from`] and [`Self::readv_into`], only into
-    /// pages their lease or writer guard holds), and not another process
-    /// (peers map pools read-only: [`Self::open_read_only`]). The pool
-    /// takes a view only of a block of a page its caller owns.
-    pub(crate) unsafe fn view(&self, range: Range<usize>) -> Result<&[u8], KvError> {
-        self.check(&range)?;
-        // SAFETY: in bounds (checked), the mapping lives as long as `&self`;
-        // no writer for the bytes is the caller's contract.
-        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(range.start), range.len()) })
     }
 
     /// The atomic 64-bit word at `offset` (8-aligned, in bounds).
@@ -484,12 +525,12 @@ impl PageGenerations {
         let end = Self::table_bytes(pages)
             .checked_add(offset)
             .ok_or_else(|| KvError::Shm(format!("generation table of {pages} pages")))?;
-        region.check(&(offset..end))?;
         if !offset.is_multiple_of(8) {
             return Err(KvError::Shm(format!(
                 "generation table at {offset} is not 8-aligned"
             )));
         }
+        region.reserve_atomics(offset..end)?;
         Ok(Self {
             region,
             offset,

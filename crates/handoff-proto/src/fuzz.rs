@@ -409,6 +409,7 @@ pub fn placement_holds(h: &crate::datalink::SegmentHeader, data: &[u8]) -> bool 
         .take(8)
         .fold(0u64, |acc, &b| (acc << 8) | u64::from(b));
     let room: Vec<u32> = (0..64).filter(|p| bits >> p & 1 == 1).collect();
+    let room_set = crate::placement::RoomPages::new(&room);
     let plan = if data.get(8).is_some_and(|b| b & 1 == 1) {
         PairPlan::Sliced(vec![SliceTransfer {
             prefill_rank: RankId(0),
@@ -420,7 +421,7 @@ pub fn placement_holds(h: &crate::datalink::SegmentHeader, data: &[u8]) -> bool 
     } else {
         PairPlan::Whole
     };
-    let Some(r) = crate::placement::place(&pool, 2, &plan, Some(&room), h, len) else {
+    let Some(r) = crate::placement::place(&pool, 2, &plan, Some(&room_set), h, len) else {
         return false;
     };
     assert!(

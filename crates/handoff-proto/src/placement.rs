@@ -13,24 +13,54 @@ use crate::ids::PageIndex;
 use crate::layout::{KvPart, PageLayout};
 use crate::rank::PairPlan;
 
+/// A room's pages as a bitmap: whether a run of pages is the room's is a
+/// bit test per page, with no search however many pages the room holds
+/// (the check runs on every segment, and a 4 KiB page is one segment).
+/// Sized by the room's highest page, so at most a bit per pool page.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoomPages {
+    bits: Vec<u64>,
+}
+
+impl RoomPages {
+    /// The set of `pages` (any order, repeats allowed).
+    pub fn new(pages: &[u32]) -> Self {
+        let words = pages.iter().max().map_or(0, |&m| m as usize / 64 + 1);
+        let mut bits = vec![0u64; words];
+        for &p in pages {
+            bits[p as usize / 64] |= 1 << (p % 64);
+        }
+        Self { bits }
+    }
+
+    /// Whether page `p` is the room's.
+    pub fn contains(&self, p: u32) -> bool {
+        self.bits
+            .get(p as usize / 64)
+            .is_some_and(|w| w >> (p % 64) & 1 == 1)
+    }
+
+    /// Whether every page of `start..end` is the room's (true when empty).
+    pub fn contains_run(&self, run: Range<u32>) -> bool {
+        run.into_iter().all(|p| self.contains(p))
+    }
+}
+
 /// The byte range of `pool` (decode's layout: its heads per block, its page
 /// count) that segment `h` may write, or `None` to refuse it. `room_pages`
-/// are the pages of `h`'s room, sorted (`None`: no such room on this
-/// link); `decode_heads` are the heads in each block of decode's pool as
+/// are the pages of `h`'s room (`None`: no such room on this link); `decode_heads` are the heads in each block of decode's pool as
 /// the link's `plan` counts them; `pool_len` is the pool region's length.
 pub fn place(
     pool: &PageLayout,
     decode_heads: u32,
     plan: &PairPlan,
-    room_pages: Option<&[u32]>,
+    room_pages: Option<&RoomPages>,
     h: &SegmentHeader,
     pool_len: usize,
 ) -> Option<Range<usize>> {
     let pages = room_pages?;
     let end = h.dst_page.checked_add(h.n_pages)?;
-    let ok = h.layer < pool.layers
-        && end <= pool.num_pages
-        && (h.dst_page..end).all(|p| pages.binary_search(&p).is_ok());
+    let ok = h.layer < pool.layers && end <= pool.num_pages && pages.contains_run(h.dst_page..end);
     if !ok {
         return None;
     }
@@ -89,10 +119,22 @@ mod tests {
     }
 
     #[test]
+    fn room_pages_hold_exactly_their_pages() {
+        let r = RoomPages::new(&[130, 0, 63, 64, 64]);
+        let held: Vec<u32> = (0..200).filter(|&p| r.contains(p)).collect();
+        assert_eq!(held, [0, 63, 64, 130]);
+        assert!(r.contains_run(63..65));
+        assert!(!r.contains_run(63..66));
+        assert!(r.contains_run(5..5), "an empty run");
+        assert!(!r.contains(u32::MAX));
+        assert!(!RoomPages::new(&[]).contains(0));
+    }
+
+    #[test]
     fn whole_spans_land_on_the_rooms_pages_only() {
         let p = pool();
         let len = p.pool_bytes().unwrap();
-        let room = [2, 3, 4, 8];
+        let room = RoomPages::new(&[8, 2, 3, 4]);
         let span = 2 * p.block_bytes();
         let at = |layer, page| p.block_offset(layer, PageIndex(page), KvPart::K).unwrap();
         let place = |h| place(&p, 2, &PairPlan::Whole, Some(&room), &h, len);
@@ -120,7 +162,7 @@ mod tests {
                 &p,
                 2,
                 &PairPlan::Whole,
-                Some(&[9]),
+                Some(&RoomPages::new(&[9])),
                 &seg(2, 9, 1, None),
                 len - 1
             ),
@@ -131,7 +173,7 @@ mod tests {
             &p,
             2,
             &PairPlan::Whole,
-            Some(&[9]),
+            Some(&RoomPages::new(&[9])),
             &seg(2, 9, 1, None),
             len,
         );
@@ -156,7 +198,8 @@ mod tests {
                 count,
             })
         };
-        let place = |h| place(&p, 2, &plan, Some(&[5]), &h, len);
+        let room = RoomPages::new(&[5]);
+        let place = |h| place(&p, 2, &plan, Some(&room), &h, len);
         let want = p.head_range(0, PageIndex(5), KvPart::V, 1, 1).unwrap();
         assert_eq!(place(seg(0, 5, 1, slice(1, 1))), Some(want));
         for bad in [

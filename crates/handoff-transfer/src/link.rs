@@ -840,7 +840,7 @@ pub enum ReaderEvent {
 }
 
 struct Slot {
-    pages: Vec<u32>,
+    pages: handoff_proto::placement::RoomPages,
     aux_slot: u32,
     rejected: bool,
     /// The first position's most likely tokens read so far (`AuxTop`
@@ -897,7 +897,33 @@ pub struct LinkReader {
     /// Over shm, the prefill's pool (mapped read-only) this link pulls
     /// from.
     source: Option<Arc<SourcePool>>,
+    /// Bytes landed since the last [`Self::flush`], added to
+    /// `counters.bytes_landed` there: one atomic add per batch of records,
+    /// not one per page (a locked add right after a page copy waits for
+    /// the copy's stores to drain).
+    landed: u64,
+    /// Over shm: pulls checked and not yet copied ([`Self::run_pulls`]).
+    pulls: Vec<Pull>,
 }
+
+/// A checked shm pull waiting for its copy: `len` bytes from `src` (in
+/// the prefill's pool) to `dst` (our room's pages), then the source pages'
+/// generations checked against `epoch`.
+struct Pull {
+    room: RoomId,
+    dst: usize,
+    src: usize,
+    len: usize,
+    pages: std::ops::Range<u32>,
+    epoch: u64,
+    /// Whether the copy went through (set by [`LinkReader::run_pulls`]).
+    copied: bool,
+}
+
+/// Most pulls gathered before they are copied: small pages are copied
+/// back to back, then their generations checked together (what lets a
+/// 4 KiB page cost about a memcpy).
+const PULL_BATCH: usize = 64;
 
 /// Most bytes a reader moves before it looks at its commands again.
 const READ_BUDGET: usize = 16 << 20;
@@ -932,6 +958,8 @@ impl LinkReader {
             acks: Vec::new(),
             events: Vec::new(),
             source: None,
+            landed: 0,
+            pulls: Vec::with_capacity(PULL_BATCH),
         }
     }
 
@@ -982,7 +1010,7 @@ impl LinkReader {
                 self.rooms.insert(
                     room,
                     Slot {
-                        pages,
+                        pages: handoff_proto::placement::RoomPages::new(&pages),
                         aux_slot,
                         rejected: false,
                         top: handoff_proto::datalink::TopLogprobs::NONE,
@@ -1016,7 +1044,7 @@ impl LinkReader {
             &self.layout.page_layout(),
             self.plan.decode_heads,
             &self.plan.pair,
-            self.rooms.get(&h.room).map(|s| &s.pages[..]),
+            self.rooms.get(&h.room).map(|s| &s.pages),
             h,
             self.pool.len(),
         );
@@ -1122,6 +1150,11 @@ impl LinkReader {
     where
         F: Fn(ReaderEvent) -> bool,
     {
+        if self.landed > 0 {
+            self.counters
+                .bytes_landed
+                .fetch_add(std::mem::take(&mut self.landed), Ordering::Relaxed);
+        }
         for e in self.events.drain(..) {
             send(e);
         }
@@ -1142,9 +1175,7 @@ impl LinkReader {
         {
             *filled += n;
             if *keep {
-                self.counters
-                    .bytes_landed
-                    .fetch_add(n as u64, Ordering::Relaxed);
+                self.landed += n as u64;
             }
             if *filled == dst.len() {
                 self.state = ReadState::Header;
@@ -1153,7 +1184,15 @@ impl LinkReader {
     }
 
     /// Act on every complete record and payload byte in the staging buffer.
+    /// Over shm, the pulls it gathers are all copied and checked before it
+    /// returns.
     fn drain_staging(&mut self) -> Result<(), LinkReadError> {
+        let r = self.drain_records();
+        self.run_pulls();
+        r
+    }
+
+    fn drain_records(&mut self) -> Result<(), LinkReadError> {
         while self.pos < self.len {
             match &self.state {
                 ReadState::Header => {
@@ -1164,6 +1203,10 @@ impl LinkReader {
                     h.copy_from_slice(&self.buf[self.pos..self.pos + RECORD_LEN]);
                     self.pos += RECORD_LEN;
                     let rec = Record::decode(&h)?;
+                    // A room's aux and end act on what its pulls did.
+                    if !matches!(rec, Record::Segment(_)) {
+                        self.run_pulls();
+                    }
                     self.record(rec)?;
                 }
                 ReadState::Pull { room, layer, dst } => {
@@ -1315,36 +1358,70 @@ impl LinkReader {
 }
 
 impl LinkReader {
-    /// Over shm: copy a checked segment out of the prefill's pool into
-    /// `dst` (our room's pages), then keep it only if no source page was
-    /// handed out again since the segment was built; a source range outside
-    /// the prefill's KV bytes or a page changed under the copy rejects the
-    /// room (its end is then acknowledged as failed).
+    /// Over shm: check a segment's pull and queue it for copying out of the
+    /// prefill's pool into `dst` (our room's pages). A source range outside
+    /// the layer's blocks of the pages it names rejects the room (its end
+    /// is then acknowledged as failed).
     fn pull(&mut self, room: RoomId, layer: u32, dst: std::ops::Range<usize>, r: PullRef) {
         let layers = self.layout.page_layout().layers;
-        let good = self.source.as_ref().is_some_and(|src| {
-            let len = dst.len();
-            // The bytes must lie in this layer's blocks of the pages whose
-            // generations are checked below: a pull naming one page and
-            // reading another could copy a page reused under it.
-            let allowed = src.pages_range(layers, layer, r.src_page, r.src_pages);
-            let in_kv = usize::try_from(r.src_offset).ok().filter(|o| {
-                o.checked_add(len)
-                    .zip(allowed.as_ref())
-                    .is_some_and(|(end, a)| a.start <= *o && end <= a.end)
-            });
-            in_kv.is_some_and(|o| {
-                self.pool.copy_from(dst.start, &src.region, o, len).is_ok()
-                    && src.gens.unchanged_since(r.pages(), r.epoch) == Some(true)
-            })
+        let len = dst.len();
+        // The bytes must lie in this layer's blocks of the pages whose
+        // generations are checked after the copy: a pull naming one page
+        // and reading another could copy a page reused under it.
+        let src = self.source.as_ref().and_then(|src| {
+            let allowed = src.pages_range(layers, layer, r.src_page, r.src_pages)?;
+            let o = usize::try_from(r.src_offset).ok()?;
+            let end = o.checked_add(len)?;
+            (allowed.start <= o && end <= allowed.end).then_some(o)
         });
-        if good {
-            self.counters
-                .bytes_landed
-                .fetch_add(dst.len() as u64, Ordering::Relaxed);
-        } else {
-            self.reject(room);
+        match src {
+            Some(src) => {
+                self.pulls.push(Pull {
+                    room,
+                    dst: dst.start,
+                    src,
+                    len,
+                    pages: r.pages(),
+                    epoch: r.epoch,
+                    copied: false,
+                });
+                if self.pulls.len() == PULL_BATCH {
+                    self.run_pulls();
+                }
+            }
+            None => self.reject(room),
         }
+    }
+
+    /// Copy the queued pulls back to back, then keep each only if none of
+    /// its source pages was handed out again since its segment was built
+    /// (seqlock style: every check follows every copy; checking later only
+    /// rejects more). A changed page rejects its room.
+    fn run_pulls(&mut self) {
+        if self.pulls.is_empty() {
+            return;
+        }
+        let mut pulls = std::mem::take(&mut self.pulls);
+        let Some(src) = self.source.clone() else {
+            // `pull` queues nothing without a source.
+            pulls.clear();
+            self.pulls = pulls;
+            return;
+        };
+        for p in &mut pulls {
+            p.copied = self
+                .pool
+                .copy_from(p.dst, &src.region, p.src, p.len)
+                .is_ok();
+        }
+        for p in pulls.drain(..) {
+            if p.copied && src.gens.unchanged_since(p.pages, p.epoch) == Some(true) {
+                self.landed += p.len as u64;
+            } else {
+                self.reject(p.room);
+            }
+        }
+        self.pulls = pulls;
     }
 }
 

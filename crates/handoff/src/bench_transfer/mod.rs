@@ -40,7 +40,8 @@ mod report;
 mod workload;
 
 use anyhow::Context;
-use workload::{BenchConfig, Placement, PEER_CPU_ENV};
+use handoff_transfer::TransportKind;
+use workload::{BenchConfig, PageCase, Placement, PEER_CPU_ENV};
 
 /// Flags of `handoff bench-transfer`.
 #[derive(Debug, clap::Args)]
@@ -71,6 +72,50 @@ pub struct BenchTransferArgs {
     /// whether the two wake each other on one CPU or across two.
     #[arg(long, value_enum)]
     pin: Option<Pin>,
+    /// Run only these page cases (repeat the flag for several; default:
+    /// all four).
+    #[arg(long = "case", value_enum)]
+    cases: Vec<CaseArg>,
+    /// Run only this transport (and its baseline: memcpy for shm, raw TCP
+    /// for tcp); default: both.
+    #[arg(long, value_enum)]
+    transport: Option<TransportArg>,
+}
+
+/// A page case of `--case`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CaseArg {
+    /// One contiguous buffer.
+    Contiguous,
+    /// Scattered 4 KiB pages.
+    #[value(name = "4k")]
+    K4,
+    /// Scattered 64 KiB pages.
+    #[value(name = "64k")]
+    K64,
+    /// Scattered 256 KiB pages.
+    #[value(name = "256k")]
+    K256,
+}
+
+impl CaseArg {
+    fn case(self) -> PageCase {
+        match self {
+            CaseArg::Contiguous => PageCase::Contiguous,
+            CaseArg::K4 => PageCase::Paged(4 << 10),
+            CaseArg::K64 => PageCase::Paged(64 << 10),
+            CaseArg::K256 => PageCase::Paged(256 << 10),
+        }
+    }
+}
+
+/// A transport of `--transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    /// Shared memory (decode pulls), against memcpy.
+    Shm,
+    /// TCP, against raw TCP.
+    Tcp,
 }
 
 /// Where `--pin` puts the two benchmark processes.
@@ -157,6 +202,18 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
     cfg.tcp_streams = args.tcp_streams;
     cfg.latency_iters = args.latency_iters as usize;
     cfg.latency_only = args.only.as_deref() == Some("latency");
+    if !args.cases.is_empty() {
+        if cfg.latency_only && !args.cases.contains(&CaseArg::K4) {
+            anyhow::bail!("--only latency measures the 4 KiB case: --case must include 4k");
+        }
+        cfg.cases = args.cases.iter().map(|c| c.case()).collect();
+    }
+    if let Some(t) = args.transport {
+        cfg.transports = vec![match t {
+            TransportArg::Shm => TransportKind::Shm,
+            TransportArg::Tcp => TransportKind::Tcp,
+        }];
+    }
     if let Some(pin) = args.pin {
         let peer_cpu = match pin {
             Pin::Same => 0,
