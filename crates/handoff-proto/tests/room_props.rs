@@ -1,5 +1,5 @@
 //! Property tests for the room state machines: random event orders (legal
-//! or not) keep the room invariants (ARCHITECTURE.md) — states only move forward,
+//! or not) keep the room invariants (TESTING.md, "Invariants and where they hold") — states only move forward,
 //! terminal states are sticky, events never create or resurrect rooms, decode
 //! never releases pages a write may still land in, prefill never says
 //! Success before every destination is written nor reports a failure while
