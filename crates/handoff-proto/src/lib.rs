@@ -88,6 +88,7 @@ pub mod fuzz;
 pub mod handshake;
 pub mod heartbeat;
 pub mod ids;
+pub mod landing;
 pub mod layout;
 pub mod message;
 pub mod placement;

@@ -8,7 +8,7 @@
 
 use std::ops::Range;
 
-use crate::datalink::SegmentHeader;
+use crate::datalink::{PullRef, SegmentHeader};
 use crate::ids::PageIndex;
 use crate::layout::{KvPart, PageLayout};
 use crate::rank::PairPlan;
@@ -90,6 +90,50 @@ pub fn place(
     (!range.is_empty() && range.end <= pool_len).then_some(range)
 }
 
+/// A prefill pool as decode's shm pulls see it: `layers` layers of `pages`
+/// pages, its KV bytes `0..kv_end` (layer-major, then page, K before V, at
+/// the prefill's own head count, padded to 8 bytes at the end).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceShape {
+    /// Layers (the model's, the same on both sides).
+    pub layers: u32,
+    /// The prefill pool's pages.
+    pub pages: u32,
+    /// End of its KV bytes.
+    pub kv_end: usize,
+}
+
+impl SourceShape {
+    /// Bytes of one (layer, page) in the source pool, or `None` when the
+    /// shape does not describe a pool (no pages, or KV bytes that are not
+    /// a whole number of (layer, page) spans).
+    fn span(&self) -> Option<usize> {
+        let n = (self.layers as usize).checked_mul(self.pages as usize)?;
+        if n == 0 {
+            return None;
+        }
+        let per = self.kv_end / n;
+        (per.checked_mul(n)?.next_multiple_of(8) == self.kv_end).then_some(per)
+    }
+
+    /// Where a pull of `len` bytes for a segment of `layer` may read: its
+    /// `src_offset` when `src_offset..+len` lies in `layer`'s blocks of the
+    /// pages `src_page..src_page + src_pages` it names (the pages whose
+    /// generations decode checks after the copy), else `None`. A pull that
+    /// names one page and reads another could copy a page reused under it.
+    pub fn pull_source(&self, layer: u32, pull: &PullRef, len: usize) -> Option<usize> {
+        let per = self.span()?;
+        let end_page = pull.src_page.checked_add(pull.src_pages)?;
+        if layer >= self.layers || end_page > self.pages {
+            return None;
+        }
+        let at = |page: u32| (layer as usize * self.pages as usize + page as usize) * per;
+        let o = usize::try_from(pull.src_offset).ok()?;
+        let end = o.checked_add(len)?;
+        (at(pull.src_page) <= o && end <= at(end_page)).then_some(o)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,6 +159,66 @@ mod tests {
             dst_page,
             n_pages,
             heads,
+        }
+    }
+
+    #[test]
+    fn a_pull_reads_only_its_layers_blocks_of_the_pages_it_names() {
+        // 2 layers of 4 pages, 100 bytes a (layer, page), padded to 8.
+        let s = SourceShape {
+            layers: 2,
+            pages: 4,
+            kv_end: 800,
+        };
+        let pull = |src_offset, src_page, src_pages| PullRef {
+            src_offset,
+            src_page,
+            src_pages,
+            epoch: 1,
+        };
+        // Layer 1, pages 2..4: bytes 600..800.
+        assert_eq!(s.pull_source(1, &pull(600, 2, 2), 200), Some(600));
+        assert_eq!(s.pull_source(1, &pull(650, 2, 2), 100), Some(650));
+        for (what, layer, p, len) in [
+            ("past its pages", 1, pull(650, 2, 2), 200),
+            ("before its pages", 1, pull(500, 2, 2), 100),
+            ("another layer's bytes", 0, pull(600, 2, 2), 100),
+            ("no such layer", 2, pull(600, 2, 2), 100),
+            ("pages past the pool", 1, pull(600, 3, 2), 100),
+            ("an overflowing page run", 1, pull(600, u32::MAX, 2), 100),
+            ("an overflowing range", 1, pull(u64::MAX, 2, 2), 100),
+        ] {
+            assert_eq!(s.pull_source(layer, &p, len), None, "{what}");
+        }
+        let odd = SourceShape { kv_end: 803, ..s };
+        assert_eq!(
+            odd.pull_source(1, &pull(600, 2, 2), 100),
+            None,
+            "not a pool"
+        );
+        let empty = SourceShape { pages: 0, ..s };
+        assert_eq!(empty.pull_source(0, &pull(0, 0, 0), 0), None, "no pages");
+    }
+
+    proptest::proptest! {
+        /// Whatever a hostile prefill names, an accepted pull reads only
+        /// bytes of the named layer and pages, inside the KV bytes.
+        #[test]
+        fn an_accepted_pull_stays_in_its_named_blocks(
+            layers in 1u32..4, pages in 1u32..6, per in 1usize..5,
+            layer in 0u32..5, src_page in 0u32..8, src_pages in 0u32..8,
+            off in 0u64..200, len in 0usize..64,
+        ) {
+            let per = per * 8;
+            let s = SourceShape { layers, pages, kv_end: per * (layers * pages) as usize };
+            let p = PullRef { src_offset: off, src_page, src_pages, epoch: 0 };
+            if let Some(o) = s.pull_source(layer, &p, len) {
+                let base = (layer * pages) as usize * per;
+                proptest::prop_assert!(layer < layers && src_page + src_pages <= pages);
+                proptest::prop_assert!(o >= base + src_page as usize * per);
+                proptest::prop_assert!(o + len <= base + (src_page + src_pages) as usize * per);
+                proptest::prop_assert!(o + len <= s.kv_end);
+            }
         }
     }
 

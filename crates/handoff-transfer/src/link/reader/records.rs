@@ -1,0 +1,244 @@
+//! What decode's link reader does with the records it read: segments
+//! placed (or, over shm, pulled in batches), aux records joined to their
+//! room, ends acknowledged. The rules are `handoff-proto`'s
+//! (`placement::place`, `SourceShape::pull_source`, `RoomLanding`).
+
+use std::sync::atomic::Ordering;
+
+use handoff_proto::datalink::{Ack, PullRef, Record, RECORD_LEN};
+use handoff_proto::RoomId;
+
+use handoff_proto::landing::{prompt_pairs_cap, RoomLanding};
+
+use super::{LinkReader, Pull, ReadState, PULL_BATCH};
+use crate::link::error::LinkReadError;
+use crate::link::reader_api::ReaderEvent;
+use crate::link::span::page_span;
+use crate::transport::TransportKind;
+
+impl LinkReader {
+    /// Act on every complete record and payload byte in the staging buffer.
+    /// Over shm, the pulls it gathers are all copied and checked before it
+    /// returns.
+    pub(super) fn drain_staging(&mut self) -> Result<(), LinkReadError> {
+        let r = self.drain_records();
+        self.run_pulls();
+        r
+    }
+
+    fn drain_records(&mut self) -> Result<(), LinkReadError> {
+        while self.pos < self.len {
+            match &self.state {
+                ReadState::Header => {
+                    if self.len - self.pos < RECORD_LEN {
+                        return Ok(());
+                    }
+                    let mut h = [0u8; RECORD_LEN];
+                    h.copy_from_slice(&self.buf[self.pos..self.pos + RECORD_LEN]);
+                    self.pos += RECORD_LEN;
+                    let rec = Record::decode(&h)?;
+                    // A room's aux and end act on what its pulls did.
+                    if !matches!(rec, Record::Segment(_)) {
+                        self.run_pulls();
+                    }
+                    self.record(rec)?;
+                }
+                ReadState::Pull { room, layer, dst } => {
+                    if self.len - self.pos < PullRef::LEN {
+                        return Ok(());
+                    }
+                    let (room, layer, dst) = (*room, *layer, dst.clone());
+                    let mut b = [0u8; PullRef::LEN];
+                    b.copy_from_slice(&self.buf[self.pos..self.pos + PullRef::LEN]);
+                    self.pos += PullRef::LEN;
+                    self.state = ReadState::Header;
+                    let pull = PullRef::decode(&b)?;
+                    if let Some(dst) = dst {
+                        self.pull(room, layer, dst, pull);
+                    }
+                }
+                ReadState::Payload {
+                    dst, filled, keep, ..
+                } => {
+                    let n = (dst.len() - filled).min(self.len - self.pos);
+                    if *keep {
+                        self.pool
+                            .write_at(dst.start + filled, &self.buf[self.pos..self.pos + n])?;
+                    }
+                    self.pos += n;
+                    self.advance_payload(n);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn record(&mut self, rec: Record) -> Result<(), LinkReadError> {
+        match rec {
+            Record::Segment(h) => {
+                let head_bytes = self.layout.page_layout().head_bytes();
+                let len = h
+                    .payload_len(page_span(&self.layout), head_bytes)
+                    .filter(|l| *l <= self.pool.len())
+                    .ok_or(LinkReadError::SegmentTooLarge {
+                        n_pages: h.n_pages,
+                        heads: h.heads,
+                    })?;
+                let place = self.place(&h);
+                if self.kind == TransportKind::Shm {
+                    // The bytes stay in prefill's pool until we pull them.
+                    self.last_payload = PullRef::LEN;
+                    self.state = ReadState::Pull {
+                        room: h.room,
+                        layer: h.layer,
+                        dst: place,
+                    };
+                    return Ok(());
+                }
+                self.last_payload = len;
+                let (dst, keep) = match place {
+                    Some(r) => (r, true),
+                    None => (0..len, false),
+                };
+                if !dst.is_empty() {
+                    self.state = ReadState::Payload {
+                        room: h.room,
+                        dst,
+                        filled: 0,
+                        keep,
+                    };
+                }
+            }
+            Record::AuxTop {
+                room,
+                aux_slot,
+                index,
+                pairs,
+                count,
+            } => {
+                if let Some(l) = self.landing(room) {
+                    l.on_aux_top(aux_slot, index, &pairs[..usize::from(count)]);
+                }
+            }
+            Record::AuxPrompt {
+                room,
+                index,
+                pairs,
+                count,
+            } => {
+                // Bounded by what the whole pool holds, so a peer cannot
+                // make a room's list grow past it.
+                let cap = prompt_pairs_cap(self.layout.num_pages * self.layout.geometry.page_size);
+                if let Some(l) = self.landing(room) {
+                    l.on_aux_prompt(index, &pairs[..usize::from(count)], cap);
+                }
+            }
+            Record::Aux {
+                room,
+                aux_slot,
+                written_room,
+                aux,
+            } => {
+                if let Some(landed) = self
+                    .landing(room)
+                    .and_then(|l| l.on_aux(aux_slot, written_room, aux))
+                {
+                    self.events.push(ReaderEvent::Aux {
+                        room,
+                        written_room: landed.written_room,
+                        aux: landed.aux,
+                        prompt: landed.prompt,
+                    });
+                }
+            }
+            Record::End { room, .. } => {
+                // Nothing more lands for this room through this link, and
+                // its writer guard goes before the ack does: once prefill
+                // reports the room's success, no link holds its pages (the
+                // decode engine may hand them to its prefix cache).
+                let ok = self.rooms.remove(&room).is_some_and(|s| s.landing.end());
+                self.acks.extend_from_slice(&Ack { room, ok }.encode());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl LinkReader {
+    /// The landing state of `room`, or `None` (counted as a refused record)
+    /// for a room this link does not know.
+    fn landing(&mut self, room: RoomId) -> Option<&mut RoomLanding> {
+        match self.rooms.get_mut(&room) {
+            Some(slot) => Some(&mut slot.landing),
+            None => {
+                self.counters
+                    .rejected_segments
+                    .fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Over shm: check a segment's pull and queue it for copying out of the
+    /// prefill's pool into `dst` (our room's pages). A source range outside
+    /// the layer's blocks of the pages it names rejects the room (its end
+    /// is then acknowledged as failed).
+    fn pull(&mut self, room: RoomId, layer: u32, dst: std::ops::Range<usize>, r: PullRef) {
+        let layers = self.layout.page_layout().layers;
+        let len = dst.len();
+        // The bytes must lie in this layer's blocks of the pages whose
+        // generations are checked after the copy.
+        let src = self
+            .source
+            .as_ref()
+            .and_then(|src| src.shape(layers).pull_source(layer, &r, len));
+        match src {
+            Some(src) => {
+                self.pulls.push(Pull {
+                    room,
+                    dst: dst.start,
+                    src,
+                    len,
+                    pages: r.pages(),
+                    epoch: r.epoch,
+                    copied: false,
+                });
+                if self.pulls.len() == PULL_BATCH {
+                    self.run_pulls();
+                }
+            }
+            None => self.reject(room),
+        }
+    }
+
+    /// Copy the queued pulls back to back, then keep each only if none of
+    /// its source pages was handed out again since its segment was built
+    /// (seqlock style: every check follows every copy; checking later only
+    /// rejects more). A changed page rejects its room.
+    fn run_pulls(&mut self) {
+        if self.pulls.is_empty() {
+            return;
+        }
+        let mut pulls = std::mem::take(&mut self.pulls);
+        let Some(src) = self.source.clone() else {
+            // `pull` queues nothing without a source.
+            pulls.clear();
+            self.pulls = pulls;
+            return;
+        };
+        for p in &mut pulls {
+            p.copied = self
+                .pool
+                .copy_from(p.dst, &src.region, p.src, p.len)
+                .is_ok();
+        }
+        for p in pulls.drain(..) {
+            if p.copied && src.gens.unchanged_since(p.pages, p.epoch) == Some(true) {
+                self.landed += p.len as u64;
+            } else {
+                self.reject(p.room);
+            }
+        }
+        self.pulls = pulls;
+    }
+}
