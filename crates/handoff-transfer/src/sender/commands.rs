@@ -1,0 +1,65 @@
+//! What the prefill handle tells its driver task.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use handoff_kv::PageIndex;
+use handoff_proto::datalink::AuxData;
+use handoff_proto::{RoomId, TransferError};
+use tokio::sync::{mpsc, oneshot};
+
+use super::config::SenderPoll;
+use crate::conn::CtlEvent;
+use crate::link::{AcceptedLink, LinkEvent};
+use crate::EndpointStats;
+
+/// Where an answer goes: one reply, or a room's event stream.
+pub(super) enum Reply {
+    Once(oneshot::Sender<SenderPoll>),
+    Stream(mpsc::UnboundedSender<SenderPoll>),
+}
+
+impl Reply {
+    pub(super) fn send(self, poll: SenderPoll) {
+        match self {
+            Reply::Once(tx) => drop(tx.send(poll)),
+            Reply::Stream(tx) => drop(tx.send(poll)),
+        }
+    }
+}
+
+pub(super) type RoomEvents = mpsc::UnboundedReceiver<SenderPoll>;
+
+pub(super) enum Cmd {
+    Open(RoomId, oneshot::Sender<Result<(), TransferError>>),
+    Submit(RoomId, oneshot::Sender<Result<RoomEvents, TransferError>>),
+    Fail(RoomId, TransferError),
+    Refuse(RoomId, TransferError),
+    Send {
+        room: RoomId,
+        layers: Range<usize>,
+        pages: Range<usize>,
+        src: Arc<[PageIndex]>,
+        reply: oneshot::Sender<Result<(), TransferError>>,
+    },
+    Finish(
+        RoomId,
+        AuxData,
+        Arc<[(u32, f32)]>,
+        oneshot::Sender<Result<(), TransferError>>,
+    ),
+    Poll(RoomId, oneshot::Sender<SenderPoll>),
+    Wait(RoomId, oneshot::Sender<SenderPoll>),
+    WaitInput(RoomId, oneshot::Sender<SenderPoll>),
+    Stats(oneshot::Sender<EndpointStats>),
+    Shutdown,
+}
+
+pub(super) enum Ev {
+    Cmd(Cmd),
+    /// A control connection's event, with decode's connect number.
+    Ctl(CtlEvent, u64),
+    Link(LinkEvent),
+    /// A data link stream, with decode's connect number.
+    Accepted(Box<AcceptedLink>, u64),
+}

@@ -1,0 +1,109 @@
+//! The ids prefill gives decode endpoints.
+
+use std::collections::HashMap;
+
+use handoff_proto::PeerId;
+
+/// Decode endpoint id → the peer id the room table knows it by. An id is
+/// assigned when a connection's preface arrives, before its handshake, so
+/// unauthenticated connections can create ids: those stay *unconfirmed* and
+/// at most [`MAX_UNCONFIRMED`] of them are kept (oldest forgotten first).
+/// An id is *confirmed* once a data link of that endpoint passed its
+/// handshake; confirmed ids are never evicted by unconfirmed churn, so a
+/// flood of bogus prefaces cannot take a live decode's id away (a
+/// reconnecting decode whose id was forgotten simply gets a new one).
+#[derive(Default)]
+pub(super) struct PeerIds {
+    inner: std::sync::Mutex<PeerIdTable>,
+}
+
+#[derive(Default)]
+struct PeerIdTable {
+    ids: HashMap<u64, (PeerId, bool)>,
+    unconfirmed: std::collections::VecDeque<u64>,
+    confirmed: std::collections::VecDeque<u64>,
+    next: u32,
+}
+
+/// Most ids kept for endpoints that never completed a handshake.
+const MAX_UNCONFIRMED: usize = 4096;
+/// Most ids kept for endpoints that did.
+const MAX_CONFIRMED: usize = 65_536;
+
+impl PeerIds {
+    pub(super) fn assign(&self, endpoint: u64) -> PeerId {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let t = &mut *g;
+        if let Some((r, _)) = t.ids.get(&endpoint) {
+            return *r;
+        }
+        let r = PeerId(t.next);
+        t.next = t.next.wrapping_add(1);
+        t.ids.insert(endpoint, (r, false));
+        t.unconfirmed.push_back(endpoint);
+        while t.unconfirmed.len() > MAX_UNCONFIRMED {
+            if let Some(old) = t.unconfirmed.pop_front() {
+                if matches!(t.ids.get(&old), Some((_, false))) {
+                    t.ids.remove(&old);
+                }
+            }
+        }
+        r
+    }
+
+    /// `endpoint` passed a handshake: keep its id.
+    pub(super) fn confirm(&self, endpoint: u64) {
+        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let t = &mut *g;
+        let Some(entry) = t.ids.get_mut(&endpoint) else {
+            return;
+        };
+        if entry.1 {
+            return;
+        }
+        entry.1 = true;
+        t.unconfirmed.retain(|e| *e != endpoint);
+        t.confirmed.push_back(endpoint);
+        while t.confirmed.len() > MAX_CONFIRMED {
+            if let Some(old) = t.confirmed.pop_front() {
+                t.ids.remove(&old);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod peer_id_tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_of_unauthenticated_prefaces_keeps_a_confirmed_id() {
+        let ids = PeerIds::default();
+        let live = ids.assign(7);
+        ids.confirm(7);
+        for e in 1000..(1000 + 3 * MAX_UNCONFIRMED as u64) {
+            ids.assign(e);
+        }
+        assert_eq!(ids.assign(7), live, "the live decode kept its id");
+        let t = ids.inner.lock().unwrap();
+        assert!(
+            t.ids.len() <= MAX_UNCONFIRMED + 1,
+            "{} ids kept",
+            t.ids.len()
+        );
+    }
+
+    #[test]
+    fn unconfirmed_ids_are_forgotten_oldest_first() {
+        let ids = PeerIds::default();
+        let first = ids.assign(1);
+        for e in 2..=(MAX_UNCONFIRMED as u64 + 1) {
+            ids.assign(e);
+        }
+        assert_ne!(
+            ids.assign(1),
+            first,
+            "the oldest unconfirmed id was forgotten"
+        );
+    }
+}
