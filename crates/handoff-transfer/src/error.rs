@@ -1,7 +1,7 @@
 //! Errors of the I/O shell: who is to blame, a
 //! stable `error_type()` and the HTTP status a client would see.
 
-use handoff_proto::{HandshakeError, TransferError};
+use handoff_proto::{AbortOrigin, HandshakeError, TransferError};
 
 use crate::link::SetupRefusal;
 use crate::plan::PlanError;
@@ -75,6 +75,25 @@ impl TransportError {
 
     pub(crate) fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> TransportError {
         move |source| TransportError::Io { what, source }
+    }
+}
+
+/// The failure of a prefill room whose owner went away before the room
+/// ended (the prefill worker stopped the request).
+pub(crate) fn prefill_dropped() -> TransferError {
+    TransferError::Aborted {
+        origin: AbortOrigin::Shutdown,
+        reason: "the prefill worker stopped the request".into(),
+        http_status: 503,
+    }
+}
+
+/// The failure of a room whose owner went away (its client left).
+pub(crate) fn client_gone() -> TransferError {
+    TransferError::Aborted {
+        origin: AbortOrigin::Client,
+        reason: "the client went away".into(),
+        http_status: 499,
     }
 }
 

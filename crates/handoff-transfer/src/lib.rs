@@ -8,8 +8,10 @@
 //! * [`transport`] — the [`Transport`] trait, [`ShmTransport`], [`TcpTransport`].
 //! * [`sender`] — [`KvSender`], the prefill endpoint.
 //! * [`receiver`] — [`KvReceiver`], the decode endpoint.
-//! * [`room_handle`] — [`SenderRoom`], [`ReceiverRoom`]: one request's room,
-//!   owned by its request task, with its events on one channel.
+//! * [`SenderRoom`] (`sender/room.rs`), [`ReceiverRoom`] (`receiver/room.rs`):
+//!   one request's room, owned by its request task, with its events on one
+//!   channel.
+//! * [`segment`] — [`segment::Segment`], a run of KV bytes and where it goes.
 //! * `testing` (feature `testing`, tests only) — fixtures for tests.
 //!
 //! The protocol (rooms, deadlines, handshake, codec) lives in handoff-proto;
@@ -78,8 +80,9 @@ pub mod error;
 pub mod link;
 pub mod plan;
 pub mod receiver;
-pub mod room_handle;
+pub mod segment;
 pub mod sender;
+mod stats;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
@@ -87,42 +90,9 @@ mod wakeup;
 
 pub use error::TransportError;
 pub use handoff_proto::datalink::AuxData;
+pub use receiver::room::ReceiverRoom;
 pub use receiver::{KvReceiver, ReceiverConfig, ReceiverPoll};
-pub use room_handle::{ReceiverRoom, SenderRoom};
+pub use sender::room::SenderRoom;
 pub use sender::{KvSender, SenderConfig, SenderPoll};
+pub use stats::EndpointStats;
 pub use transport::{ShmTransport, TcpTransport, Transport, TransportKind};
-
-use handoff_proto::room::RoomStats;
-use handoff_proto::PeerId;
-
-/// Counters and gauges of one endpoint (prefill or decode).
-#[derive(Debug, Clone, Default)]
-pub struct EndpointStats {
-    /// Live rooms (Draining included).
-    pub live_rooms: usize,
-    /// Peers with an established control connection.
-    pub peers: usize,
-    /// Their ranks.
-    pub peers_ranks: Vec<PeerId>,
-    /// Data links up.
-    pub links: usize,
-    /// Their streams (a TCP link may have several; shm links have one).
-    pub link_streams: usize,
-    /// The room table's counters.
-    pub room_stats: RoomStats,
-    /// Malformed control frames counted and dropped.
-    pub malformed_frames: u64,
-    /// Data segments rejected by bounds checks.
-    pub rejected_segments: u64,
-    /// Handshakes refused (version, fingerprint, secret, garbage).
-    pub handshakes_failed: u64,
-    /// Live tasks.
-    pub tasks: usize,
-    /// How much later than due the driver woke, in all: its process or
-    /// machine stalled. Not counted as any peer's heartbeat silence.
-    pub stalled: std::time::Duration,
-    /// KV payload bytes queued onto data links since the start (prefill;
-    /// 0 on decode). A room whose decode already held a prefix moves only
-    /// the pages past it.
-    pub kv_bytes_sent: u64,
-}

@@ -19,7 +19,7 @@ use handoff_proto::layout::KvPart;
 use handoff_proto::rank::{PairPlan, RankError, RankMap, SliceTransfer};
 use handoff_proto::{RankId, RoomId};
 
-use crate::transport::Segment;
+use crate::segment::Segment;
 use handoff_proto::datalink::{HeadSlice, SegmentHeader};
 
 /// Why no plan fits a link: the error names the setting that is wrong.

@@ -25,7 +25,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 
 use crate::error::TransportError;
-use handoff_proto::datalink::{PullRef, Record, SegmentHeader, RECORD_LEN};
+pub use crate::segment::Segment;
+use handoff_proto::datalink::{PullRef, Record, RECORD_LEN};
 
 /// Which transport a data link uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -47,22 +48,6 @@ impl TransportKind {
             TransportKind::Tcp => "tcp",
         }
     }
-}
-
-/// One coalesced run of pages of one layer: where it comes from in the
-/// source pool and where it goes in the destination pool (byte ranges, both
-/// bounds-checked before the segment is built).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Segment {
-    /// Placement as the decode side sees it.
-    pub header: SegmentHeader,
-    /// Source byte range.
-    pub src: Range<usize>,
-    /// Source pages the range lies in (what a pull checks the generations
-    /// of).
-    pub src_pages: Range<u32>,
-    /// Destination byte range.
-    pub dst: Range<usize>,
 }
 
 /// The writing side of one data link.

@@ -5,7 +5,7 @@ use handoff_proto::datalink::{HeadSlice, RecordError};
 use crate::plan::PlanError;
 
 /// Refuse a link setup with `msg` (success is a single 0 byte, written by
-/// [`PendingWriter::confirm`]).
+/// `PendingWriter::confirm`).
 /// Why prefill refuses a decode peer's data link setup. Its text goes back
 /// to decode in the refusal, and the accepting side reports it typed.
 #[derive(Debug, thiserror::Error)]

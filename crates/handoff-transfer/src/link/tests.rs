@@ -19,7 +19,8 @@ use super::writer::{read_acks, run_writer};
 use super::*;
 use crate::error::TransportError;
 use crate::plan::LinkPlan;
-use crate::transport::{Segment, Transport, TransportKind};
+use crate::segment::Segment;
+use crate::transport::{Transport, TransportKind};
 
 /// What a writer asked of its transport.
 #[derive(Debug, PartialEq)]

@@ -12,7 +12,8 @@ use tokio::sync::mpsc;
 use super::setup::{AcceptedLink, LinkWriter};
 use super::socket::{read_once, read_past_readiness};
 use crate::error::TransportError;
-use crate::transport::{Segment, Transport};
+use crate::segment::Segment;
+use crate::transport::Transport;
 
 /// Work for a prefill link writer.
 #[derive(Debug)]

@@ -16,8 +16,8 @@ use super::config::ReceiverPoll;
 use crate::conn::CtlEvent;
 use crate::link::{ReaderEvent, SourcePool};
 use crate::plan::LinkPlan;
+use crate::stats::EndpointStats;
 use crate::transport::TransportKind;
-use crate::EndpointStats;
 
 /// A room's outcome goes here. `keep` says whether an outcome whose
 /// receiver is gone is kept for [`KvReceiver::poll`] (a `wait` caller may

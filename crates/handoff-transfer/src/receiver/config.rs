@@ -38,6 +38,6 @@ impl ReceiverConfig {
     }
 }
 
-/// What [`KvReceiver::poll`] says about a room: pending, committed (the
+/// What [`KvReceiver::poll`](crate::KvReceiver::poll) says about a room: pending, committed (the
 /// lease and aux come back), failed, or unknown.
 pub type ReceiverPoll = handoff_proto::receiver_endpoint::ReceiverPoll<PageLease>;

@@ -23,7 +23,7 @@ impl KvReceiver {
     /// Connect to the prefill peer listening at `addr`: a control
     /// connection and a data link, both authenticated by the handshake.
     /// Returns the peer id this endpoint gives that prefill peer (use it in
-    /// [`Source::peer`] of the rooms it serves) once both are up; a
+    /// [`Source::peer`](handoff_proto::receiver_room::Source::peer) of the rooms it serves) once both are up; a
     /// version, fingerprint or secret mismatch fails here, not at the first
     /// request.
     ///

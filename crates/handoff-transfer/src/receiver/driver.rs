@@ -15,8 +15,7 @@ use super::commands::{lock_board, Cmd, Ev, NewLink, PromptBoard, Waiter};
 use super::config::{ReceiverConfig, ReceiverPoll};
 use crate::conn::{CtlEvent, TaskCounter};
 use crate::link::{LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
-use crate::room_handle::ReceiverRoom;
-use crate::EndpointStats;
+use crate::stats::EndpointStats;
 
 /// The I/O handles of one data link to a prefill peer: one reader per
 /// stream.
@@ -225,7 +224,7 @@ impl Driver {
                 });
                 let opened = r.is_ok();
                 if reply.send(r.map_err(Into::into)).is_err() && opened {
-                    self.endpoint.abort(room, ReceiverRoom::gone(), t);
+                    self.endpoint.abort(room, crate::error::client_gone(), t);
                 }
             }
             Cmd::Refuse(room, sources, error) => {

@@ -1,12 +1,12 @@
 //! The decode side: [`KvReceiver`], a
 //! cheap handle around one driver task, the I/O shell of a
-//! [`ReceiverEndpoint`], which owns the rooms, the page leases of live rooms,
+//! [`ReceiverEndpoint`](handoff_proto::receiver_endpoint::ReceiverEndpoint), which owns the rooms, the page leases of live rooms,
 //! the aux records, heartbeats and what is known of every prefill peer; the
 //! driver holds the sockets' and tasks' handles only.
 //!
 //! An engine calls [`KvReceiver::connect`] once per prefill peer (address
 //! from bootstrap), [`KvReceiver::submit`] when it accepts a request, and
-//! drives the returned [`ReceiverRoom`]: `reserve` once it holds the pages
+//! drives the returned [`ReceiverRoom`](crate::ReceiverRoom): `reserve` once it holds the pages
 //! (backpressure: a room may wait in `Bootstrapping` for them), then
 //! `landed` for the lease and aux, or the failure as the side that saw it
 //! reported. Dropping the room aborts it; [`KvReceiver::refuse`] aborts a
@@ -28,8 +28,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::conn::TaskCounter;
 use crate::error::TransportError;
-use crate::room_handle::ReceiverRoom;
-use crate::EndpointStats;
+use crate::stats::EndpointStats;
 use commands::{Cmd, Ev, PromptBoard};
 use driver::Driver;
 
@@ -37,8 +36,8 @@ mod commands;
 mod config;
 mod connect;
 mod driver;
+pub(crate) mod room;
 
-pub(crate) use commands::lock_board;
 pub use config::{ReceiverConfig, ReceiverPoll};
 
 /// Handle to a decode transfer endpoint. Cheap to clone.
@@ -110,20 +109,6 @@ impl KvReceiver {
     /// sizes), so the room cannot succeed with part of its heads missing.
     pub async fn open(&self, room: RoomId, sources: Vec<Source>) -> Result<(), TransportError> {
         Ok(self.ask(|r| Cmd::Open(room, sources, r)).await??)
-    }
-
-    /// Accept a request for `room` needing KV from `sources` (as
-    /// [`Self::open`]) and own it: the returned [`ReceiverRoom`] reserves
-    /// its pages and yields how it ended (the pages and aux, or the failure),
-    /// and aborts the room if dropped before its end. Cancel-safe: a room
-    /// opened for a caller that is gone is aborted by the driver.
-    pub async fn submit(
-        &self,
-        room: RoomId,
-        sources: Vec<Source>,
-    ) -> Result<ReceiverRoom, TransportError> {
-        let outcome = self.ask(|r| Cmd::Submit(room, sources, r)).await??;
-        Ok(ReceiverRoom::new(self.clone(), room, outcome))
     }
 
     /// Refuse a request for `room` that never reaches [`Self::submit`] (it

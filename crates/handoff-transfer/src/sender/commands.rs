@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::config::SenderPoll;
 use crate::conn::CtlEvent;
 use crate::link::{AcceptedLink, LinkEvent};
-use crate::EndpointStats;
+use crate::stats::EndpointStats;
 
 /// Where an answer goes: one reply, or a room's event stream.
 pub(super) enum Reply {

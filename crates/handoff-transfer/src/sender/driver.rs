@@ -16,8 +16,7 @@ use super::config::SenderConfig;
 use crate::conn::{CtlEvent, TaskCounter};
 use crate::link::{AcceptedLink, LinkCounters, LinkEvent, LinkJob};
 use crate::plan::LinkPlan;
-use crate::room_handle::SenderRoom;
-use crate::EndpointStats;
+use crate::stats::EndpointStats;
 
 mod send;
 
@@ -213,7 +212,7 @@ impl Driver {
                 });
                 let opened = r.is_ok();
                 if reply.send(r).is_err() && opened {
-                    self.endpoint.fail(room, SenderRoom::gone(), t);
+                    self.endpoint.fail(room, crate::error::prefill_dropped(), t);
                 }
             }
             Cmd::Fail(room, error) => self.endpoint.fail(room, error, t),

@@ -1,11 +1,11 @@
 //! The prefill side: [`KvSender`], a cheap handle
 //! around one driver task (TGI's queue shape: commands in, state inside one
 //! task, replies on oneshots). The driver is the I/O shell of a
-//! [`SenderEndpoint`], which owns the rooms, heartbeats, connect admission
+//! [`SenderEndpoint`](handoff_proto::sender_endpoint::SenderEndpoint), which owns the rooms, heartbeats, connect admission
 //! and link assembly; the driver holds the sockets' and tasks' handles only.
 //!
 //! An engine calls [`KvSender::submit`] when it accepts a request and drives
-//! the returned [`SenderRoom`]: `ready` (every decode destination arrived:
+//! the returned [`SenderRoom`](crate::SenderRoom): `ready` (every decode destination arrived:
 //! compute may start), then `send` (a range of layers and pages, so
 //! layer-by-layer streaming works), `finish` (aux record) and `outcome`.
 //! [`KvSender::refuse`] fails a room it never took; its reason and status
@@ -30,8 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::conn::TaskCounter;
 use crate::error::TransportError;
 use crate::link::LinkCounters;
-use crate::room_handle::SenderRoom;
-use crate::EndpointStats;
+use crate::stats::EndpointStats;
 use accept::accept_loop;
 use commands::{Cmd, Ev};
 use driver::Driver;
@@ -41,6 +40,7 @@ mod commands;
 mod config;
 mod driver;
 mod peer_ids;
+pub(crate) mod room;
 mod segments;
 
 pub use config::{SenderConfig, SenderPoll};
@@ -107,16 +107,6 @@ impl KvSender {
     /// room decode already aborted, or capacity.
     pub async fn open(&self, room: RoomId) -> Result<(), TransportError> {
         Ok(self.ask(|r| Cmd::Open(room, r)).await??)
-    }
-
-    /// Accept a request for `room` and own it: the returned
-    /// [`SenderRoom`] says when compute may start and how the room ended,
-    /// on one event stream, and fails the room if dropped before its end.
-    /// Fails like [`Self::open`]. Cancel-safe: a room opened for a caller
-    /// that is gone is failed by the driver.
-    pub async fn submit(&self, room: RoomId) -> Result<SenderRoom, TransportError> {
-        let events = self.ask(|r| Cmd::Submit(room, r)).await??;
-        Ok(SenderRoom::new(self.clone(), room, events))
     }
 
     /// Fail `room` here (validation rejection, engine error): every decode

@@ -8,7 +8,7 @@ use handoff_proto::datalink::SegmentHeader;
 use handoff_proto::RoomId;
 
 use crate::link::{page_span, span_offset};
-use crate::transport::Segment;
+use crate::segment::Segment;
 
 /// Coalesce (layer, page) spans into runs contiguous on both sides.
 #[allow(clippy::too_many_arguments)]
