@@ -13,7 +13,7 @@
 
 use std::fmt;
 
-use crate::ids::{PeerId, Role};
+use crate::ids::{PeerId, RankId, Role};
 
 /// A frame or message payload that failed validation.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -733,6 +733,42 @@ impl RejectCode {
             RejectCode::InvalidRequest => None,
         }
     }
+}
+
+/// Why a mapping or range cannot be computed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RankError {
+    /// TP size or head count of zero.
+    #[error("TP size and KV heads must be at least 1 (tp {tp}, kv heads {kv_heads})")]
+    Zero {
+        /// TP size.
+        tp: u32,
+        /// KV heads.
+        kv_heads: u32,
+    },
+    /// TP size neither divides nor is a multiple of the KV heads.
+    #[error("TP size {tp} neither divides nor is a multiple of {kv_heads} KV heads")]
+    Indivisible {
+        /// TP size.
+        tp: u32,
+        /// KV heads.
+        kv_heads: u32,
+    },
+    /// A rank outside `0..tp`.
+    #[error("{rank} out of range for TP size {tp}")]
+    RankOutOfRange {
+        /// The rank.
+        rank: RankId,
+        /// TP size.
+        tp: u32,
+    },
+    /// A layer, page or head outside the layout, or arithmetic overflow.
+    #[error("{what} out of range")]
+    OutOfRange {
+        /// What.
+        what: &'static str,
+    },
 }
 
 #[cfg(test)]

@@ -16,25 +16,19 @@
 //! itself was sound) or by scanning for the next magic (when it was not), so
 //! the reader, and every room on the connection, carries on.
 
+use crate::capabilities::Capabilities;
 use crate::error::CodecError;
-use crate::handshake::Capabilities;
 use crate::message::{Message, MessageKind};
+
+pub use crate::version::{
+    DEFAULT_MAX_FRAME_LEN, HANDSHAKE_FRAME_VERSION, MIN_MAX_FRAME_LEN, PROTOCOL_VERSION,
+    PROTOCOL_VERSION_MIN,
+};
 
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"HOFF";
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 12;
-/// The protocol version this build prefers.
-pub const PROTOCOL_VERSION: u8 = 2;
-/// The oldest protocol version this build still speaks (N-1).
-pub const PROTOCOL_VERSION_MIN: u8 = 1;
-/// Version put in the header of handshake frames, which every version parses.
-pub const HANDSHAKE_FRAME_VERSION: u8 = PROTOCOL_VERSION_MIN;
-/// Default largest payload accepted (1 MiB: a quarter of a million pages).
-pub const DEFAULT_MAX_FRAME_LEN: u32 = 1 << 20;
-/// No end may announce a smaller limit than this.
-pub const MIN_MAX_FRAME_LEN: u32 = 4096;
-
 /// A parsed frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FrameHeader {

@@ -10,8 +10,8 @@
 
 use std::ops::Range;
 
+use crate::error::RankError;
 use crate::ids::PageIndex;
-use crate::rank::RankError;
 
 /// Element type of the KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

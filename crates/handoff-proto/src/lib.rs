@@ -77,10 +77,12 @@
 #![warn(missing_docs)]
 
 pub mod bootstrap_auth;
+pub mod capabilities;
 pub mod codec;
 pub mod connection;
 pub mod datalink;
 pub mod error;
+pub mod fingerprint;
 pub mod frame;
 // Unit tests (handshake, connection) use its sample fingerprint too.
 #[cfg(any(test, feature = "fuzz"))]
@@ -99,6 +101,7 @@ pub mod room;
 pub mod sender_endpoint;
 pub mod sender_room;
 pub mod timer;
+pub mod version;
 
 pub use error::{
     AbortOrigin, CodecError, FailureKind, HandshakeError, Misbehavior, Phase, RejectCode,

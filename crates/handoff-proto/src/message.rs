@@ -5,9 +5,10 @@
 //! older peer never sees a field it does not know (rolling upgrade, N ↔ N-1):
 //! they decode as `None` and the room tables fill in the documented default.
 
+use crate::capabilities::Capabilities;
 use crate::codec::{Reader, Writer};
 use crate::error::{AbortOrigin, CodecError, FailureKind, RejectCode};
-use crate::handshake::{Capabilities, Fingerprint, KvLayoutKind};
+use crate::fingerprint::{Fingerprint, KvLayoutKind};
 use crate::ids::{AuxSlot, PageIndex, Role, RoomId};
 use crate::layout::KvDtype;
 
@@ -384,7 +385,7 @@ impl Message {
                 w.raw(&m.nonce);
                 let mut exts: Vec<(u16, Vec<u8>)> = Vec::new();
                 if let Some(len) = m.max_frame_len {
-                    let len = len.max(crate::frame::MIN_MAX_FRAME_LEN);
+                    let len = len.max(crate::version::MIN_MAX_FRAME_LEN);
                     exts.push((EXT_MAX_FRAME_LEN, len.to_le_bytes().to_vec()));
                 }
                 w.u16(exts.len() as u16);
@@ -482,7 +483,7 @@ impl Message {
                         let mut br = Reader::new(body);
                         let v = br.u32("max_frame_len")?;
                         br.finish("max_frame_len extension")?;
-                        if v < crate::frame::MIN_MAX_FRAME_LEN {
+                        if v < crate::version::MIN_MAX_FRAME_LEN {
                             return Err(CodecError::BadValue {
                                 field: "max_frame_len",
                                 value: v.into(),
