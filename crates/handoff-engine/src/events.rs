@@ -9,7 +9,6 @@
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::handle::RequestStream;
 use crate::request::{StreamEvent, TokenOut};
 
 /// Tokens a request may have produced and its reader not yet taken; past
@@ -74,5 +73,44 @@ impl EventSender {
     pub fn end(self, ev: StreamEvent) {
         drop(self.tokens);
         let _ = self.last.send(ev);
+    }
+}
+
+/// The events of one request: its tokens, then one `Finished` or `Error`.
+/// Drop it to cancel the request. A reader that falls
+/// [`STREAM_BUFFER`] tokens behind pauses the
+/// request's generation until it catches up.
+#[derive(Debug)]
+pub struct RequestStream {
+    tokens: mpsc::Receiver<StreamEvent>,
+    last: Option<oneshot::Receiver<StreamEvent>>,
+}
+
+impl RequestStream {
+    pub(crate) fn new(
+        tokens: mpsc::Receiver<StreamEvent>,
+        last: oneshot::Receiver<StreamEvent>,
+    ) -> Self {
+        Self {
+            tokens,
+            last: Some(last),
+        }
+    }
+
+    /// Next event; `None` after `Finished`/`Error` has been yielded (or
+    /// when the engine dropped the request without a last event).
+    pub async fn next(&mut self) -> Option<StreamEvent> {
+        if let Some(ev) = self.tokens.recv().await {
+            return Some(ev);
+        }
+        self.last.take()?.await.ok()
+    }
+
+    /// Blocking variant of [`RequestStream::next`] for non-async callers (tests, benches).
+    pub fn blocking_next(&mut self) -> Option<StreamEvent> {
+        if let Some(ev) = self.tokens.blocking_recv() {
+            return Some(ev);
+        }
+        self.last.take()?.blocking_recv().ok()
     }
 }

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod command;
 pub mod config;
 pub mod engine;
 pub mod error;
@@ -14,11 +15,14 @@ pub mod fair;
 mod gbnf;
 pub mod grammar;
 pub mod handle;
+mod model_info;
 pub mod pd;
 mod prefill_pass;
 pub mod request;
 mod scheduler;
+mod shared;
 mod stop;
+mod validate;
 
 pub use config::EngineConfig;
 pub use engine::Engine;

@@ -10,92 +10,25 @@ use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc as std_mpsc, Arc};
 
-use handoff_kv::{KvPool, PageIndex, PageLease, PrefixCache, PrefixLock};
+use handoff_kv::{KvPool, PrefixCache, PrefixLock};
 use handoff_model::sampling::Sampler;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, Phase, SeqChunk};
 
-use crate::engine::Counters;
+use crate::command::{Command, Resumed, SeqPages};
 use crate::error::EngineError;
 use crate::events::{EventSender, NotSent};
 use crate::fair::FairOrder;
 use crate::grammar::{Allowed, Grammar, GrammarError};
 use crate::prefill_pass::{self, pack};
 use crate::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
+use crate::shared::Counters;
 use crate::stop::TextTracker;
 
 /// How long the scheduler waits when every running request is paused on a
 /// lagging reader before it looks again (a reader taking tokens does not
 /// wake it).
 const PAUSED_POLL: std::time::Duration = std::time::Duration::from_millis(2);
-
-/// What the handle sends the scheduler.
-pub(crate) enum Command {
-    /// A validated request and where its events go.
-    Submit(Box<GenerateRequest>, EventSender),
-    /// Disaggregated decode: a request whose prompt KV already sits in its
-    /// pages (written by a prefill worker) joins the running batch with the
-    /// first token the prefill sampled.
-    Resume(Box<Resumed>),
-    /// Empty the prefix cache of pages no request reads; answer how many.
-    FlushCache(tokio::sync::oneshot::Sender<usize>),
-    /// Disaggregated decode prefilling here (a short prompt, a failed
-    /// transfer, a migrated stream): a validated request whose pages are
-    /// already reserved (with the cached prefix they reuse); it prefills in
-    /// this scheduler exactly as a colocated request would.
-    Prefill(Box<GenerateRequest>, SeqPages, EventSender),
-}
-
-/// A sequence's pages: a locked cached prefix, then its own. Fields drop
-/// in order: the lock before the lease, so a request waiting for pages is
-/// woken by the lease's return and then finds the cached pages evictable
-/// too.
-pub(crate) struct SeqPages {
-    /// Every page in order (page `i` holds tokens `i*page_size..`).
-    pub pages: Vec<PageIndex>,
-    /// The cached pages it reads, kept from eviction.
-    pub prefix: PrefixLock,
-    /// Its own pages (those handed to the prefix cache left it).
-    pub lease: PageLease,
-    /// Prompt tokens whose K/V came from the cache.
-    pub prefix_tokens: usize,
-}
-
-impl SeqPages {
-    /// `prefix`'s pages, then `lease`'s; the prompt tokens `prefix` covers.
-    pub fn new(prefix: PrefixLock, lease: PageLease, page_size: usize) -> Self {
-        Self {
-            pages: prefix.followed_by(&lease),
-            prefix_tokens: prefix.tokens(page_size),
-            prefix,
-            lease,
-        }
-    }
-}
-
-impl Resumed {
-    /// Its sender; the rest (its pages) is dropped here.
-    pub fn into_sender(self) -> EventSender {
-        self.tx
-    }
-}
-
-/// A request prefilled elsewhere, ready to decode.
-pub(crate) struct Resumed {
-    pub req: GenerateRequest,
-    pub tx: EventSender,
-    /// Pages for prompt + max_new_tokens; the prompt's KV is in them.
-    pub pages: SeqPages,
-    /// The first token and its logprob, as the prefill sampled them.
-    pub first: (u32, f32),
-    /// The first position's most likely tokens, as the prefill computed
-    /// them (`top_logprobs` of them, or none).
-    pub first_top: Vec<(u32, f32)>,
-    /// The prompt's scores, as the prefill computed them (`prompt_logprobs`).
-    pub prompt_scores: Vec<crate::request::PromptLogprob>,
-    /// Seed of the request's sampler (the prefill used the same one).
-    pub seed: u64,
-}
 
 /// Send `e` to each request; each item is a request's sender, taken out of
 /// what it held (its page lease), which is dropped first: a client that sees

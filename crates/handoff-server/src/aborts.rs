@@ -1,6 +1,6 @@
-//! `/abort_request` (SGLang's route): the requests in flight on this worker
-//! by request id, so that an operator, a client or a router can end one it
-//! no longer wants. A [`Generation`](crate::generation::Generation) holds an
+//! The requests in flight on this worker by request id, for
+//! `/abort_request` (SGLang's route, `abort_api.rs`), so that an operator,
+//! a client or a router can end one it no longer wants. A [`Generation`](crate::generation::Generation) holds an
 //! [`AbortWatch`] for its id; the watch leaves the registry when it drops,
 //! so the registry holds exactly the requests in flight.
 //!
@@ -13,15 +13,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::State;
-use axum::Json;
-use serde::Deserialize;
-use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use crate::app::AppState;
 use crate::errors::ApiError;
-use crate::extract::JsonBody;
 
 /// Longest request id accepted (bytes).
 pub const MAX_RID_BYTES: usize = 256;
@@ -142,50 +136,6 @@ impl Drop for AbortWatch {
             }
         }
     }
-}
-
-/// `POST /abort_request`'s body (SGLang's `AbortReq` fields).
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct AbortBody {
-    /// The id of the request to abort.
-    #[serde(default)]
-    pub rid: Option<String>,
-    /// Abort every request in flight.
-    #[serde(default)]
-    pub abort_all: bool,
-}
-
-/// `POST /abort_request`: end the requests in flight under `rid` (or all,
-/// with `abort_all`). 200 with how many were aborted (0 when none was in
-/// flight: it may have finished already).
-pub async fn abort_request(
-    State(state): State<AppState>,
-    JsonBody(body): JsonBody<AbortBody>,
-) -> Result<Json<Value>, ApiError> {
-    let aborted = match (&body.rid, body.abort_all) {
-        (Some(rid), false) => {
-            check_rid(rid, "rid")?;
-            state.aborts.abort(rid)
-        }
-        (None, true) => state.aborts.abort_all(),
-        (Some(_), true) => {
-            return Err(ApiError::invalid_param(
-                "abort_all",
-                "send either `rid` or `abort_all: true`, not both",
-            ))
-        }
-        (None, false) => {
-            return Err(ApiError::invalid_param(
-                "rid",
-                "name the request to abort with `rid` (or send `abort_all: true`)",
-            ))
-        }
-    };
-    if aborted > 0 {
-        tracing::info!(rid = ?body.rid, aborted, "requests aborted by /abort_request");
-    }
-    Ok(Json(json!({ "aborted": aborted })))
 }
 
 /// The error a generation ends with once aborted.

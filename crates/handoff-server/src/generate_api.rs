@@ -14,7 +14,6 @@ use handoff_engine::request::GenerateRequest;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::backend::Bootstrap;
 use crate::errors::ApiError;
 use crate::extract::JsonBody;
@@ -23,6 +22,7 @@ use crate::generation::{sglang_finish_reason, Generation, Step};
 use crate::params::{RawSampling, StopInput};
 use crate::prompt;
 use crate::sse::{sse_response_marked, Disconnected, SseSender};
+use crate::state::AppState;
 
 const ENDPOINT: &str = "/generate";
 
@@ -475,7 +475,7 @@ fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Pr
             ))
         }
     }
-    let rid = crate::app::request_id(body.rid.as_ref(), "gen")?;
+    let rid = crate::request_ids::request_id(body.rid.as_ref(), "gen")?;
     Ok(Prepared {
         reqs: crate::choices::requests(prompts, &sampling, arrived),
         rid,

@@ -14,10 +14,10 @@ use handoff_engine::request::{FinishReason, Finished, GenerateRequest, StreamEve
 use handoff_model::tokenizer::Tokenizer;
 
 use crate::aborts::{aborted_error, AbortWatch};
-use crate::app::AppState;
 use crate::backend::{Bootstrap, Submitted};
 use crate::errors::ApiError;
 use crate::metrics::Metrics;
+use crate::state::AppState;
 
 /// Where a generation's events come from.
 #[derive(Debug)]

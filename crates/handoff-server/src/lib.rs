@@ -5,6 +5,7 @@
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
+pub mod abort_api;
 pub mod aborts;
 pub mod app;
 pub mod auth;
@@ -14,6 +15,7 @@ pub mod cors;
 pub mod discovery;
 pub mod drain;
 pub mod errors;
+pub mod exposition;
 pub mod extract;
 pub mod field_metrics;
 pub mod fields;
@@ -27,8 +29,10 @@ pub mod openai_types;
 pub mod otel;
 pub mod params;
 pub mod prompt;
+pub mod request_ids;
 pub mod router;
 pub mod sse;
+pub mod state;
 pub mod structured;
 pub mod tenancy;
 pub mod token_api;

@@ -15,6 +15,8 @@ use prometheus_client::registry::Registry;
 
 use crate::field_metrics::{FieldLoad, FieldMetrics};
 
+pub use crate::exposition::{encode, encode_part, EOF};
+
 /// Labels of the request counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RequestLabels {
@@ -348,28 +350,6 @@ impl Metrics {
         out.push_str(EOF);
         out
     }
-}
-
-/// The last line of an OpenMetrics exposition.
-const EOF: &str = "# EOF\n";
-
-/// The exposition of `registry` without its `# EOF` line, so that several
-/// registries (handoff's prefixed one, SGLang's names) make one answer.
-pub fn encode_part(registry: &Registry) -> String {
-    let mut out = encode(registry);
-    if out.ends_with(EOF) {
-        out.truncate(out.len() - EOF.len());
-    }
-    out
-}
-
-/// The Prometheus text exposition of `registry` (empty if encoding fails).
-pub fn encode(registry: &Registry) -> String {
-    let mut out = String::new();
-    if prometheus_client::encoding::text::encode(&mut out, registry).is_err() {
-        out.clear();
-    }
-    out
 }
 
 #[cfg(test)]

@@ -10,7 +10,6 @@ use futures_util::StreamExt;
 use handoff_engine::request::{Finished, GenerateRequest, TokenOut};
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::backend::Bootstrap;
 use crate::errors::ApiError;
 use crate::extract::JsonBody;
@@ -18,6 +17,7 @@ use crate::generation::{Generation, Step};
 use crate::openai_types::{ChatCompletionRequest, CompletionRequest};
 use crate::prompt;
 use crate::sse::{sse_response_marked, SseSender};
+use crate::state::AppState;
 
 const CHAT_ENDPOINT: &str = "/v1/chat/completions";
 
@@ -607,8 +607,8 @@ fn prepare_chat(
     crate::params::check_token_ids(&sampling, info.vocab_size)?;
     let answer = Answer {
         kind: Kind::Chat,
-        id: crate::app::request_id(req.rid.as_ref(), "chatcmpl")?,
-        created: crate::app::unix_now(),
+        id: crate::request_ids::request_id(req.rid.as_ref(), "chatcmpl")?,
+        created: crate::request_ids::unix_now(),
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs: req.logprobs.unwrap_or(false),
@@ -695,8 +695,8 @@ fn prepare_completion(
         .unwrap_or(false);
     let answer = Answer {
         kind: Kind::Completion,
-        id: crate::app::request_id(req.rid.as_ref(), "cmpl")?,
-        created: crate::app::unix_now(),
+        id: crate::request_ids::request_id(req.rid.as_ref(), "cmpl")?,
+        created: crate::request_ids::unix_now(),
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs,

@@ -9,11 +9,11 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::errors::ApiError;
 use crate::extract::JsonBody;
 use crate::openai_types::MessageInput;
 use crate::prompt;
+use crate::state::AppState;
 
 /// A text or several.
 #[derive(Debug, Clone, Deserialize)]

@@ -31,13 +31,14 @@ use super::{
     fingerprint, handshake_config, lease_prompt_pages, runtime, Gauge, OnTransferFailure,
     PageQueue, PdConfig, TransportChoice,
 };
+use crate::command::{Command, Resumed, SeqPages};
 use crate::config::EngineConfig;
-use crate::engine::{load, Shared};
+use crate::engine::load;
 use crate::error::EngineError;
 use crate::events::EventSender;
 use crate::handle::{LoadSnapshot, ModelInfo, RequestStream};
 use crate::request::{GenerateRequest, PromptLogprob, StreamEvent};
-use crate::scheduler::{Command, Resumed, SeqPages};
+use crate::shared::Shared;
 
 /// Starts decode engines.
 pub struct DecodeEngine;

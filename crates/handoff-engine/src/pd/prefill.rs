@@ -43,11 +43,12 @@ use super::{
     fingerprint, handshake_config, lease_prompt_pages, runtime, Gauge, PageQueue, PdConfig,
 };
 use crate::config::EngineConfig;
-use crate::engine::{load, validate, Loaded};
+use crate::engine::{load, Loaded};
 use crate::error::EngineError;
 use crate::handle::{LoadSnapshot, ModelInfo};
 use crate::prefill_pass::{pack, PassCounts};
 use crate::request::{GenerateRequest, PromptLogprob};
+use crate::validate::validate;
 
 /// A prefill that completed: decode holds the prompt's KV and the first token.
 #[derive(Debug, Clone, PartialEq)]

@@ -17,8 +17,8 @@ use crate::errors::ApiError;
 use crate::router::admission;
 use crate::router::prefix_index::prompt_blocks;
 use crate::router::relay::{
-    self, relay_headers, AttemptGuards, AttemptSpec, Failure, Migration, Pair, RelayBody,
-    RelayLimits,
+    self, local_body, relay_headers, AttemptGuards, AttemptSpec, Failure, Migration, Pair,
+    RelayBody, RelayLimits,
 };
 use crate::router::timeline::Timeline;
 use crate::router::workers::Worker;
@@ -98,7 +98,10 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             "/v1/completions" => "cmpl",
             _ => "chatcmpl",
         };
-        body.insert("rid".into(), json!(crate::app::new_request_id(prefix)));
+        body.insert(
+            "rid".into(),
+            json!(crate::request_ids::new_request_id(prefix)),
+        );
     }
     let slo = match admission::slo_of(&mut body, &headers, state.config.default_slo_ttft) {
         Ok(s) => s,
@@ -403,7 +406,7 @@ fn fail(tl: &mut Timeline, f: Failure) -> Response {
 /// otherwise.
 fn sign_bootstrap(state: &RouterState, body: &mut Map<String, Value>, room: u64, prefill: &Worker) {
     if let Some(secret) = &state.config.transfer_secret {
-        let ts = crate::app::unix_now();
+        let ts = crate::request_ids::unix_now();
         let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
             room,
             host: &prefill.host,
@@ -417,20 +420,6 @@ fn sign_bootstrap(state: &RouterState, body: &mut Map<String, Value>, room: u64,
         body.remove("bootstrap_ts");
         body.remove("bootstrap_sig");
     }
-}
-
-/// `body` for a decode worker prefilling itself: no bootstrap fields.
-pub(crate) fn local_body(body: &mut Map<String, Value>) {
-    for k in [
-        "bootstrap_host",
-        "bootstrap_port",
-        "bootstrap_room",
-        "bootstrap_ts",
-        "bootstrap_sig",
-    ] {
-        body.remove(k);
-    }
-    body.insert("local_prefill".into(), json!(true));
 }
 
 /// The prompt's length in tokens for the per-request PD decision: exact for

@@ -266,7 +266,7 @@ pub async fn health_generate(State(state): State<RouterState>) -> Response {
     let body = json!({
         "text": "Hi",
         "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": true},
-        "rid": crate::app::new_request_id("health"),
+        "rid": crate::request_ids::new_request_id("health"),
     });
     let req = Request::builder()
         .method("POST")

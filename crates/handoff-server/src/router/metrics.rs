@@ -298,8 +298,8 @@ impl RouterMetrics {
 
     /// The text exposition.
     pub fn render(&self) -> String {
-        let mut out = crate::metrics::encode_part(&self.registry);
-        out.push_str(&crate::metrics::encode_part(&self.field_registry));
+        let mut out = crate::exposition::encode_part(&self.registry);
+        out.push_str(&crate::exposition::encode_part(&self.field_registry));
         out.push_str("# EOF\n");
         out
     }

@@ -957,7 +957,7 @@ impl RelayBody {
                 )));
             };
             let mut body = m.body.clone();
-            crate::router::dispatch::local_body(&mut body);
+            local_body(&mut body);
             if !m.ids.is_empty() {
                 body.insert("resume_output_ids".into(), serde_json::json!(m.ids));
             }
@@ -1052,4 +1052,18 @@ pub fn relay_headers(resp: &mut Response, content_type: Option<HeaderValue>, str
         resp.headers_mut()
             .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     }
+}
+
+/// `body` for a decode worker prefilling itself: no bootstrap fields.
+pub(crate) fn local_body(body: &mut serde_json::Map<String, serde_json::Value>) {
+    for k in [
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+        "bootstrap_ts",
+        "bootstrap_sig",
+    ] {
+        body.remove(k);
+    }
+    body.insert("local_prefill".into(), serde_json::json!(true));
 }
