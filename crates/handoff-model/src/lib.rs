@@ -14,6 +14,7 @@ mod embedding;
 pub mod error;
 #[allow(unsafe_code)]
 pub mod heap;
+mod k_tile;
 pub mod kquant;
 pub mod linear;
 #[allow(unsafe_code)]
@@ -22,15 +23,18 @@ pub mod model;
 pub mod native;
 pub mod ops;
 pub mod q8_matmul;
+mod q8_tile;
 pub mod reference;
 pub mod rope;
 pub mod sampling;
 #[allow(unsafe_code)]
 pub mod simd;
+mod slab;
 #[cfg(any(test, feature = "testing"))]
 pub mod tiny;
 pub mod tokenizer;
 pub mod weight_cache;
+pub mod weight_format;
 
 pub use config::{Arch, LlamaConfig, SamplingDefaults};
 pub use error::ModelError;

@@ -45,17 +45,13 @@
 use half::f16;
 use rayon::prelude::*;
 
-use crate::weight_cache::Slab;
-use lanes::Quants;
+use crate::slab::Slab;
 
-/// Elements per Q8_0 block.
-pub const QK: usize = 32;
-/// Weight rows per group (one 32-bit lane each in a 256-bit vector).
-pub(crate) const GROUP: usize = 8;
+pub use crate::q8_tile::QK;
+pub(crate) use crate::q8_tile::{Quants, Tile, GROUP, WORDS};
+
 /// Bytes of one Q8_0 block in GGUF/candle storage: f16 scale + 32 × i8.
 pub(crate) const BLOCK_BYTES: usize = 2 + QK;
-/// Vectors per block of a group: 4 quants of each row per vector.
-pub(crate) const WORDS: usize = QK / 4;
 
 /// Block products as vector instructions (x86-64 with AVX2 and FMA).
 #[cfg(all(
@@ -71,10 +67,7 @@ mod lanes {
         sign_apply_i8_m256i, zeroed_m256, zeroed_m256i,
     };
 
-    use super::{Tile, GROUP, WORDS};
-
-    /// 32 bytes, 32-byte aligned: 4 quants of each of 8 rows.
-    pub type Quants = m256i;
+    use super::{Quants, Tile, GROUP, WORDS};
 
     /// Quants from bytes.
     #[inline(always)]
@@ -142,12 +135,7 @@ mod lanes {
     target_feature = "fma"
 )))]
 mod lanes {
-    use super::{Tile, GROUP, WORDS};
-
-    /// 32 bytes: 4 quants of each of 8 rows.
-    #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
-    #[repr(C, align(32))]
-    pub struct Quants([u8; 32]);
+    use super::{Quants, Tile, GROUP, WORDS};
 
     /// Quants from bytes.
     pub fn quants(q: [u8; 32]) -> Quants {
@@ -467,37 +455,6 @@ fn tile_groups(path: crate::simd::Q8Path) -> usize {
         crate::simd::Q8Path::Avx512Vnni => 3,
         _ => 1,
     }
-}
-
-/// What a register tile reads: `G` groups of 8 weight rows and `C`
-/// activation rows, `blocks` blocks each (every slice holds at least that
-/// many).
-#[derive(Clone, Copy)]
-// The portable kernel reads neither `ax` (the AVX2 baseline's) nor `corr`
-// (the VNNI kernels').
-#[cfg_attr(
-    not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )),
-    allow(dead_code)
-)]
-pub(crate) struct Tile<'a, const G: usize, const C: usize> {
-    /// Weight quants, `q + 128`, `[block]` per group.
-    pub w: [&'a [[Quants; WORDS]]; G],
-    /// Weight scales as f16 bits, `[block][row]` per group.
-    pub wd: [&'a [[u16; GROUP]]; G],
-    /// Activation quants as words of 4, `[block]` per row.
-    pub x: [&'a [[i32; WORDS]]; C],
-    /// Their absolute values, laid out the same way.
-    pub ax: [&'a [[i32; WORDS]]; C],
-    /// `-128 · Σ quants` per block.
-    pub corr: [&'a [i32]; C],
-    /// Activation scales per block.
-    pub xd: [&'a [f32]; C],
-    /// Blocks per row.
-    pub blocks: usize,
 }
 
 /// The results of a run-time chosen SIMD kernel (`None`: run the

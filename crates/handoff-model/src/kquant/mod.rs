@@ -31,12 +31,11 @@ use rayon::prelude::*;
 
 use crate::native::act::q8k_block;
 use crate::simd::Q8Path;
-use crate::weight_cache::Slab;
+use crate::slab::Slab;
 
-pub use q4k::Q4k;
+pub(crate) use crate::k_tile::GROUP;
+pub use crate::k_tile::{Format, Q4k, Tile};
 
-/// Weight rows per group (one 32-bit lane each in a 256-bit vector).
-pub(crate) const GROUP: usize = 8;
 /// Elements per K-quant block.
 pub const QK_K: usize = 256;
 
@@ -44,29 +43,6 @@ pub const QK_K: usize = 256;
 /// Q8_0 where it does not: the portable path is for tests).
 pub fn supported() -> bool {
     Q8Path::chosen() != Q8Path::Baseline
-}
-
-/// A repacked K-quant format.
-pub trait Format: Sized + Send + Sync + 'static {
-    /// Quants of one group and block.
-    type W: bytemuck::Pod + Send + Sync;
-    /// Scales of one group and block.
-    type M: bytemuck::Pod + Send + Sync;
-    /// Its GGUF type.
-    const DTYPE: candle_core::quantized::GgmlDType;
-    /// Bytes of one block in the file.
-    const BLOCK_BYTES: usize;
-    /// Repack one row's block `blk` (as the file holds it) as row `r` of
-    /// a group-block.
-    fn pack(blk: &[u8], r: usize, w: &mut Self::W, m: &mut Self::M);
-    /// The portable kernel: the format's arithmetic, element by element.
-    fn portable<const G: usize, const C: usize>(t: &Tile<'_, Self, G, C>)
-        -> [[[f32; GROUP]; C]; G];
-    /// A run-time chosen SIMD kernel (`None`: run the portable one).
-    fn simd<const G: usize, const C: usize>(
-        path: Q8Path,
-        t: &Tile<'_, Self, G, C>,
-    ) -> Option<[[[f32; GROUP]; C]; G]>;
 }
 
 /// Weights `[out, in]` of format `F` in groups of 8 rows (the last padded
@@ -94,30 +70,6 @@ pub struct Q8kRows {
     /// Scales, `[n][blocks]`.
     pub(crate) d: Vec<f32>,
 }
-
-/// What a register tile reads: `G` groups and `C` activation rows (every
-/// slice holds at least `blocks` of its units).
-pub struct Tile<'a, F: Format, const G: usize, const C: usize> {
-    /// Quants, `[block]` per group.
-    pub(crate) w: [&'a [F::W]; G],
-    /// Scales, `[block]` per group.
-    pub(crate) meta: [&'a [F::M]; G],
-    /// Activation words, `[block · 64]` per row.
-    pub(crate) x: [&'a [i32]; C],
-    /// Activation pair sums, `[block · 4]` per row.
-    pub(crate) bs: [&'a [i32]; C],
-    /// Activation scales, `[block]` per row.
-    pub(crate) xd: [&'a [f32]; C],
-    /// Blocks per row.
-    pub(crate) blocks: usize,
-}
-
-impl<F: Format, const G: usize, const C: usize> Clone for Tile<'_, F, G, C> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<F: Format, const G: usize, const C: usize> Copy for Tile<'_, F, G, C> {}
 
 impl<F: Format> KMatrix<F> {
     /// Elements of each of the quants and scales a `rows` × `cols` matrix

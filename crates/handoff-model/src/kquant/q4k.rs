@@ -3,7 +3,7 @@
 //!
 //! Layout: per group of [`GROUP`] = 8 rows and 256-element block, the
 //! block's 128 bytes of nibbles of each row are interleaved into
-//! [`VECS`] = 32 vectors of 32 bytes: vector `8p + w` holds, in bytes
+//! [`VECS`](crate::k_tile::VECS) = 32 vectors of 32 bytes: vector `8p + w` holds, in bytes
 //! `4r..4r + 4`, bytes `32p + 4w..32p + 4w + 4` of row `r`'s nibbles. Their
 //! low nibbles are 4 quants of sub-block `2p`, their high nibbles 4 quants
 //! of sub-block `2p + 1`, so one dot instruction against the broadcast 4
@@ -25,33 +25,9 @@
 //! The VNNI kernels (`simd/kquant.rs`): `vpdpbusd` takes the unsigned
 //! nibbles as they are, `vpmulld` the scales, `vpmaddwd` the minimums.
 
-use super::{Format, Tile, GROUP};
+use crate::k_tile::{Format, Meta, Nibbles, Q4k, Tile, GROUP};
 use crate::native::blocks::k4_scales;
 use crate::simd::Q8Path;
-
-/// Vectors per group and block: 4 pairs of sub-blocks × 8 words.
-pub(crate) const VECS: usize = 32;
-
-/// One group-block's nibbles, interleaved.
-pub(crate) type Nibbles = [[u8; 32]; VECS];
-
-/// One group-block's scales.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-#[repr(C)]
-pub struct Meta {
-    /// Each row's `d`, f16 bits.
-    pub(crate) d: [u16; GROUP],
-    /// Each row's `dmin`, f16 bits.
-    pub(crate) dmin: [u16; GROUP],
-    /// `[sub-block][row]`: the 6-bit scales.
-    pub(crate) sc: [[u8; GROUP]; 8],
-    /// `[pair][2·row + k]`: the 6-bit minimum of sub-block `2·pair + k`,
-    /// as i16 (pairs against the activation's pair of sums: `vpmaddwd`).
-    pub(crate) m: [[i16; 2 * GROUP]; 4],
-}
-
-/// The Q4_K format.
-pub struct Q4k;
 
 impl Format for Q4k {
     type W = Nibbles;

@@ -17,7 +17,7 @@ use safe_arch::m256;
 
 use super::vnni::runs;
 use super::Q8Path;
-use crate::kquant::{Q4k, Tile, GROUP};
+use crate::k_tile::{Q4k, Tile, GROUP};
 
 macro_rules! q4k_kernel {
     ($name:ident, $features:literal, $dot:path) => {

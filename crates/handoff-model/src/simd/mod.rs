@@ -127,7 +127,7 @@ mod vnni {
     use safe_arch::m256;
 
     use super::Q8Path;
-    use crate::q8_matmul::{Tile, GROUP, WORDS};
+    use crate::q8_tile::{Tile, GROUP, WORDS};
 
     /// One kernel per instruction set: `G` groups of 8 weight rows against
     /// `C` activation rows over `blocks` blocks; `[G][C][8]` results.

@@ -1,0 +1,80 @@
+//! What a K-quant register tile reads: the format trait, the tile and the
+//! Q4_K group-block layout, shared by the matrix (`kquant/`) and its
+//! kernels (`simd/kquant.rs`). The Q4_K layout is described in
+//! `kquant/q4k.rs`, beside its packing and arithmetic.
+
+use crate::simd::Q8Path;
+
+/// Weight rows per group (one 32-bit lane each in a 256-bit vector).
+pub(crate) const GROUP: usize = 8;
+
+/// A repacked K-quant format.
+pub trait Format: Sized + Send + Sync + 'static {
+    /// Quants of one group and block.
+    type W: bytemuck::Pod + Send + Sync;
+    /// Scales of one group and block.
+    type M: bytemuck::Pod + Send + Sync;
+    /// Its GGUF type.
+    const DTYPE: candle_core::quantized::GgmlDType;
+    /// Bytes of one block in the file.
+    const BLOCK_BYTES: usize;
+    /// Repack one row's block `blk` (as the file holds it) as row `r` of
+    /// a group-block.
+    fn pack(blk: &[u8], r: usize, w: &mut Self::W, m: &mut Self::M);
+    /// The portable kernel: the format's arithmetic, element by element.
+    fn portable<const G: usize, const C: usize>(t: &Tile<'_, Self, G, C>)
+        -> [[[f32; GROUP]; C]; G];
+    /// A run-time chosen SIMD kernel (`None`: run the portable one).
+    fn simd<const G: usize, const C: usize>(
+        path: Q8Path,
+        t: &Tile<'_, Self, G, C>,
+    ) -> Option<[[[f32; GROUP]; C]; G]>;
+}
+
+/// What a register tile reads: `G` groups and `C` activation rows (every
+/// slice holds at least `blocks` of its units).
+pub struct Tile<'a, F: Format, const G: usize, const C: usize> {
+    /// Quants, `[block]` per group.
+    pub(crate) w: [&'a [F::W]; G],
+    /// Scales, `[block]` per group.
+    pub(crate) meta: [&'a [F::M]; G],
+    /// Activation words, `[block · 64]` per row.
+    pub(crate) x: [&'a [i32]; C],
+    /// Activation pair sums, `[block · 4]` per row.
+    pub(crate) bs: [&'a [i32]; C],
+    /// Activation scales, `[block]` per row.
+    pub(crate) xd: [&'a [f32]; C],
+    /// Blocks per row.
+    pub(crate) blocks: usize,
+}
+
+impl<F: Format, const G: usize, const C: usize> Clone for Tile<'_, F, G, C> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<F: Format, const G: usize, const C: usize> Copy for Tile<'_, F, G, C> {}
+
+/// Vectors per group and block: 4 pairs of sub-blocks × 8 words.
+pub(crate) const VECS: usize = 32;
+
+/// One group-block's nibbles, interleaved.
+pub(crate) type Nibbles = [[u8; 32]; VECS];
+
+/// One group-block's scales.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct Meta {
+    /// Each row's `d`, f16 bits.
+    pub(crate) d: [u16; GROUP],
+    /// Each row's `dmin`, f16 bits.
+    pub(crate) dmin: [u16; GROUP],
+    /// `[sub-block][row]`: the 6-bit scales.
+    pub(crate) sc: [[u8; GROUP]; 8],
+    /// `[pair][2·row + k]`: the 6-bit minimum of sub-block `2·pair + k`,
+    /// as i16 (pairs against the activation's pair of sums: `vpmaddwd`).
+    pub(crate) m: [[i16; 2 * GROUP]; 4],
+}
+
+/// The Q4_K format.
+pub struct Q4k;
