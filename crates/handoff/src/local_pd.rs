@@ -44,17 +44,8 @@ pub fn run(
     replicas: Replicas,
 ) -> anyhow::Result<()> {
     // Flags of a lone worker that `handoff serve`'s own pair would not
-    // honour: refused rather than accepted and ignored.
-    if pd.discovery.is_some() {
-        anyhow::bail!(
-            "--discovery is not implemented for `handoff serve`'s own workers (they are not registered and its router does not watch etcd): run `handoff prefill|decode --discovery ...` and `handoff router --discovery ...` instead, or `handoff serve --disaggregation-mode prefill|decode --discovery ...` for one worker"
-        );
-    }
-    if !pd.prefill_allow.is_empty() {
-        anyhow::bail!(
-            "--prefill-allow names prefills a lone decode worker may dial; `handoff serve`'s decode dials only its own prefills (signed by its router): drop the flag, or run `handoff decode --prefill-allow ...`"
-        );
-    }
+    // honour (`--discovery`, `--prefill-allow`) were refused before this
+    // (`flag_scope::refuse_unread`).
     let api_key = http.limits.api_key()?;
     let api_key_text = api_key.as_ref().map(|k| k.secret().to_string());
     // Fetch the default model once, before the workers start.

@@ -9,6 +9,7 @@ mod bench;
 mod bench_model;
 mod bench_transfer;
 mod engine_args;
+mod flag_scope;
 mod fleet;
 mod local_pd;
 mod model_check;
@@ -132,6 +133,18 @@ fn run() -> anyhow::Result<()> {
         Ok(None) => None,
         Err(e) => anyhow::bail!("OTLP trace export: {e}"),
     };
+    // A flag the command's shape does not read is refused, not ignored.
+    let shape = match &cli.command {
+        Command::Serve(args) => Some(("serve", args.shape())),
+        Command::Prefill(_) => Some(("prefill", flag_scope::Shape::Prefill)),
+        Command::Decode(_) => Some(("decode", flag_scope::Shape::Decode)),
+        _ => None,
+    };
+    if let Some((name, shape)) = shape {
+        if let Some(sub) = matches.subcommand_matches(name) {
+            flag_scope::refuse_unread(shape, sub)?;
+        }
+    }
     match cli.command {
         Command::Serve(args) => {
             set_compute_threads(args.engine.threads);

@@ -53,6 +53,17 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// What it runs.
+    pub fn shape(&self) -> crate::flag_scope::Shape {
+        use crate::flag_scope::Shape;
+        match (self.colocated, self.disaggregation_mode) {
+            (true, _) | (false, Some(Mode::Null)) => Shape::Colocated,
+            (false, Some(Mode::Prefill)) => Shape::Prefill,
+            (false, Some(Mode::Decode)) => Shape::Decode,
+            (false, None) => Shape::LocalPd,
+        }
+    }
+
     /// Its service name in traces: the router of a PD serve, else the
     /// worker it runs.
     pub fn service_name(&self) -> &'static str {

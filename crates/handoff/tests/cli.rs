@@ -744,11 +744,11 @@ fn an_unsupported_model_is_refused_in_one_line_with_exit_status_3() {
 fn serve_refuses_discovery_flags_it_would_ignore() {
     fails_with(
         &["serve", "--discovery", "etcd://127.0.0.1:2379"],
-        "--discovery is not implemented for `handoff serve`'s own workers",
+        "--discovery is not read by `handoff serve`'s own prefill/decode pair (only by a prefill worker, a decode worker): `handoff serve`'s own workers are not registered",
     );
     fails_with(
         &["serve", "--prefill-allow", "127.0.0.1:8998"],
-        "--prefill-allow names prefills a lone decode worker may dial",
+        "--prefill-allow is not read by `handoff serve`'s own prefill/decode pair (only by a decode worker)",
     );
     fails_with(
         &["serve", "--advertise-host", "10.1.2.3"],
@@ -757,6 +757,16 @@ fn serve_refuses_discovery_flags_it_would_ignore() {
     fails_with(
         &["decode", "--discovery-ttl-secs", "5"],
         "--discovery <etcd://HOST:PORT[/PREFIX]>",
+    );
+    // A worker refuses the flags of the other role, and a colocated serve
+    // those of PD (flag_scope.rs has the whole table).
+    fails_with(
+        &["prefill", "--prefill-allow", "127.0.0.1:8998"],
+        "--prefill-allow is not read by a prefill worker (only by a decode worker): drop it",
+    );
+    fails_with(
+        &["serve", "--colocated", "--decode-replicas", "2"],
+        "--decode-replicas is not read by a colocated engine",
     );
 }
 

@@ -151,11 +151,13 @@ fn worker(role: &str, model: &Path, discovery: &str) -> Proc {
         "256",
         "--discovery",
         discovery,
-        "--disaggregation-transfer-backend",
-        "tcp",
     ];
+    // Each role takes only its own transfer flags (a flag a role does not
+    // read is refused).
     if role == "prefill" {
         args.extend(["--disaggregation-bootstrap-port", "0"]);
+    } else {
+        args.extend(["--disaggregation-transfer-backend", "tcp"]);
     }
     start(role, &args)
 }
