@@ -248,3 +248,134 @@ pub fn run(args: RouterArgs, matches: Option<&clap::ArgMatches>) -> anyhow::Resu
         Ok::<_, anyhow::Error>(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, FromArgMatches};
+
+    use super::*;
+
+    /// What `handoff router` runs with for `flags`: its listen address and
+    /// its configuration.
+    fn effective(flags: &[&str]) -> String {
+        let line = [
+            "handoff",
+            "router",
+            "--prefill",
+            "http://p:1",
+            "--decode",
+            "http://d:1",
+        ]
+        .into_iter()
+        .chain(flags.iter().copied());
+        let m = crate::Cli::command().try_get_matches_from(line).unwrap();
+        let sub = m.subcommand_matches("router").unwrap();
+        let args = RouterArgs::from_arg_matches(sub).unwrap();
+        let groups = prefill_groups(&args, Some(sub));
+        let c = config(&args, &groups).unwrap();
+        format!("{} {} {c:?}", args.host, args.port)
+    }
+
+    /// Every flag of `handoff router` changes what the router runs with
+    /// (the walk covers every flag clap knows, so a new one fails this test
+    /// until it is shown to change something), but `--pd-disaggregation`,
+    /// which asks for what this router always does.
+    #[test]
+    fn every_router_flag_changes_the_router() {
+        let dir = std::env::temp_dir().join(format!("handoff-router-flags-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let secret = dir.join("secret");
+        std::fs::write(&secret, "s3cret").unwrap();
+        let keys = dir.join("keys");
+        std::fs::write(&keys, "k1").unwrap();
+        let (secret, keys) = (secret.to_str().unwrap(), keys.to_str().unwrap());
+        // Flag id → (flags of the baseline, flags that must change it).
+        let cases: &[(&str, &[&str], &[&str])] = &[
+            ("host", &[], &["--host", "127.0.0.2"]),
+            ("port", &[], &["--port", "31234"]),
+            ("prefill", &[], &["--prefill", "http://p2:1", "9000"]),
+            ("decode", &[], &["--decode", "http://d2:1"]),
+            ("discovery", &[], &["--discovery", "etcd://127.0.0.1:2379"]),
+            ("policy", &[], &["--policy", "least_load"]),
+            ("prefill_policy", &[], &["--prefill-policy", "least_load"]),
+            ("decode_policy", &[], &["--decode-policy", "least_load"]),
+            (
+                "request_timeout_secs",
+                &[],
+                &["--request-timeout-secs", "7"],
+            ),
+            (
+                "health_check_interval_secs",
+                &[],
+                &["--health-check-interval-secs", "7"],
+            ),
+            (
+                "transfer_secret_file",
+                &[],
+                &["--transfer-secret-file", secret],
+            ),
+            ("queue_timeout_secs", &[], &["--queue-timeout-secs", "7"]),
+            ("max_retries", &[], &["--max-retries", "7"]),
+            ("migration_limit", &[], &["--migration-limit", "7"]),
+            ("local_prefill_below", &[], &["--local-prefill-below", "7"]),
+            (
+                "local_prefill_wait_ms",
+                &[],
+                &["--local-prefill-wait-ms", "7"],
+            ),
+            ("slo_ttft_ms", &[], &["--slo-ttft-ms", "7"]),
+            (
+                "http_header_timeout_secs",
+                &[],
+                &["--http-header-timeout-secs", "7"],
+            ),
+            (
+                "http_body_timeout_secs",
+                &[],
+                &["--http-body-timeout-secs", "7"],
+            ),
+            (
+                "stream_write_timeout_secs",
+                &[],
+                &["--stream-write-timeout-secs", "7"],
+            ),
+            ("max_connections", &[], &["--max-connections", "7"]),
+            ("drain_timeout_secs", &[], &["--drain-timeout-secs", "7"]),
+            (
+                "stream_stall_timeout_secs",
+                &[],
+                &["--stream-stall-timeout-secs", "7"],
+            ),
+            ("api_key", &[], &["--api-key", "k"]),
+            ("api_key_file", &[], &["--api-key-file", keys]),
+            ("open_paths", &["--api-key", "k"], &["--open-path", "/x"]),
+            (
+                "allow_origin",
+                &[],
+                &["--allow-origin", "https://chat.example.com"],
+            ),
+        ];
+        let same: &[(&str, &str)] = &[(
+            "pd_disaggregation",
+            "SGLang's launcher flag for the only mode this router has",
+        )];
+        let cmd = crate::Cli::command();
+        let router = cmd.find_subcommand("router").unwrap();
+        for arg in router.get_arguments() {
+            let id = arg.get_id().as_str();
+            if id == "help" {
+                continue;
+            }
+            assert!(
+                cases.iter().any(|(f, _, _)| *f == id) || same.iter().any(|(f, _)| *f == id),
+                "`handoff router --{}` is not walked: show that it changes the router",
+                arg.get_long().unwrap_or(id)
+            );
+        }
+        for (id, base, flag) in cases {
+            let with: Vec<&str> = base.iter().chain(flag.iter()).copied().collect();
+            assert_ne!(effective(base), effective(&with), "--{id} changed nothing");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
