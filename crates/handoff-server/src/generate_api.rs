@@ -14,12 +14,12 @@ use handoff_engine::request::GenerateRequest;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::backend::Bootstrap;
 use crate::errors::ApiError;
 use crate::extract::JsonBody;
 use crate::fields::Endpoint;
 use crate::generation::{sglang_finish_reason, Generation, Step};
 use crate::params::{RawSampling, StopInput};
+use crate::pd_fields::PdFields;
 use crate::prompt;
 use crate::sse::{sse_response_marked, Disconnected, SseSender};
 use crate::state::AppState;
@@ -145,41 +145,13 @@ pub struct GenerateBody {
     /// token's text (null otherwise).
     #[serde(default)]
     pub return_text_in_logprobs: Option<bool>,
-    /// PD bootstrap host (unused when colocated).
-    #[serde(default)]
-    pub bootstrap_host: Option<String>,
-    /// PD bootstrap port (unused when colocated).
-    #[serde(default)]
-    pub bootstrap_port: Option<Value>,
-    /// PD room id (unused when colocated).
-    #[serde(default)]
-    pub bootstrap_room: Option<Value>,
-    /// PD: the router's signature of the bootstrap fields.
-    #[serde(default)]
-    pub bootstrap_sig: Option<String>,
-    /// PD: when the router signed them (Unix seconds).
-    #[serde(default)]
-    pub bootstrap_ts: Option<Value>,
-    /// handoff (set by the router): output ids another decode worker already
-    /// streamed; this one continues after them.
-    #[serde(default)]
-    pub resume_output_ids: Option<Value>,
-    /// handoff (set by the router): a decode worker prefills this prompt
-    /// itself, with no prefill worker.
-    #[serde(default)]
-    pub local_prefill: Option<Value>,
-    /// handoff: what a decode worker does when the KV transfer fails
-    /// (`recompute` or `fail`).
-    #[serde(default)]
-    pub on_transfer_failure: Option<Value>,
-    /// handoff (set by the router): mark each streamed event with the ids
-    /// of its tokens.
-    #[serde(default)]
-    pub stream_marks: Option<Value>,
     /// Larger is served sooner (SGLang's `priority`); at most the API
     /// key's limit ([`crate::tenancy`]).
     #[serde(default)]
     pub priority: Option<Value>,
+    /// The PD fields (set by the router).
+    #[serde(flatten)]
+    pub pd: PdFields,
     /// Every other field: refused or accepted by [`crate::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
@@ -252,19 +224,7 @@ pub async fn generate(
     JsonBody(body): JsonBody<GenerateBody>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let mut pd = Bootstrap::parse(
-        body.bootstrap_host.as_ref(),
-        body.bootstrap_port.as_ref(),
-        body.bootstrap_room.as_ref(),
-        body.bootstrap_sig.as_ref(),
-        body.bootstrap_ts.as_ref(),
-    )?
-    .with_handover(crate::backend::Handover::parse(
-        body.resume_output_ids.as_ref(),
-        body.local_prefill.as_ref(),
-        body.on_transfer_failure.as_ref(),
-        body.stream_marks.as_ref(),
-    )?);
+    let mut pd = body.pd.bootstrap()?;
     pd.handover.from_headers(&headers, body.priority.as_ref())?;
     state.check_bootstrap(&mut pd)?;
     let (stream_it, body_wants_logprobs) = (

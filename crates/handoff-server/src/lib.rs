@@ -28,6 +28,7 @@ pub mod openai_api;
 pub mod openai_types;
 pub mod otel;
 pub mod params;
+pub mod pd_fields;
 pub mod prompt;
 pub mod request_ids;
 pub mod router;

@@ -548,7 +548,7 @@ pub async fn chat_completions(
     JsonBody(req): JsonBody<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let mut pd = req.bootstrap()?;
+    let mut pd = req.pd.bootstrap()?;
     pd.handover.from_headers(&headers, req.priority.as_ref())?;
     state.check_bootstrap(&mut pd)?;
     let st = state.clone();
@@ -644,7 +644,7 @@ pub async fn completions(
     JsonBody(req): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let mut pd = req.bootstrap()?;
+    let mut pd = req.pd.bootstrap()?;
     pd.handover.from_headers(&headers, req.priority.as_ref())?;
     state.check_bootstrap(&mut pd)?;
     let st = state.clone();

@@ -7,9 +7,8 @@
 
 use serde::Deserialize;
 
-use crate::backend::Bootstrap;
-use crate::errors::ApiError;
 use crate::params::{RawSampling, StopInput};
+use crate::pd_fields::PdFields;
 
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -155,40 +154,12 @@ pub struct ChatCompletionRequest {
     /// Spaces around special tokens in the text (default true; vLLM).
     #[serde(default)]
     pub spaces_between_special_tokens: Option<bool>,
+    /// The PD fields (set by the router).
+    #[serde(flatten)]
+    pub pd: PdFields,
     /// Every other field: refused or accepted by [`crate::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
-    /// PD: the prefill's host (set by the router).
-    #[serde(default)]
-    pub bootstrap_host: Option<String>,
-    /// PD: the prefill's bootstrap port (set by the router).
-    #[serde(default)]
-    pub bootstrap_port: Option<serde_json::Value>,
-    /// PD: the room pairing prefill and decode (set by the router).
-    #[serde(default)]
-    pub bootstrap_room: Option<serde_json::Value>,
-    /// PD: the router's signature of the bootstrap fields.
-    #[serde(default)]
-    pub bootstrap_sig: Option<String>,
-    /// PD: when the router signed them (Unix seconds).
-    #[serde(default)]
-    pub bootstrap_ts: Option<serde_json::Value>,
-    /// handoff (set by the router): output ids another decode worker already
-    /// streamed; this one continues after them.
-    #[serde(default)]
-    pub resume_output_ids: Option<serde_json::Value>,
-    /// handoff (set by the router): a decode worker prefills this prompt
-    /// itself, with no prefill worker.
-    #[serde(default)]
-    pub local_prefill: Option<serde_json::Value>,
-    /// handoff: what a decode worker does when the KV transfer fails
-    /// (`recompute` or `fail`).
-    #[serde(default)]
-    pub on_transfer_failure: Option<serde_json::Value>,
-    /// handoff (set by the router): mark each streamed event with the ids
-    /// of its tokens.
-    #[serde(default)]
-    pub stream_marks: Option<serde_json::Value>,
     /// Larger is served sooner (SGLang's `priority`); at most the API
     /// key's limit ([`crate::tenancy`]).
     #[serde(default)]
@@ -196,25 +167,6 @@ pub struct ChatCompletionRequest {
 }
 
 impl ChatCompletionRequest {
-    /// The PD fields, checked.
-    pub fn bootstrap(&self) -> Result<Bootstrap, ApiError> {
-        Bootstrap::parse(
-            self.bootstrap_host.as_ref(),
-            self.bootstrap_port.as_ref(),
-            self.bootstrap_room.as_ref(),
-            self.bootstrap_sig.as_ref(),
-            self.bootstrap_ts.as_ref(),
-        )
-        .and_then(|b| {
-            Ok(b.with_handover(crate::backend::Handover::parse(
-                self.resume_output_ids.as_ref(),
-                self.local_prefill.as_ref(),
-                self.on_transfer_failure.as_ref(),
-                self.stream_marks.as_ref(),
-            )?))
-        })
-    }
-
     /// The sampling fields.
     pub fn sampling(&self) -> RawSampling {
         let (field, max) = match (self.max_completion_tokens, self.max_tokens) {
@@ -343,40 +295,12 @@ pub struct CompletionRequest {
     /// Spaces around special tokens in the text (default true; vLLM).
     #[serde(default)]
     pub spaces_between_special_tokens: Option<bool>,
+    /// The PD fields (set by the router).
+    #[serde(flatten)]
+    pub pd: PdFields,
     /// Every other field: refused or accepted by [`crate::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
-    /// PD: the prefill's host (set by the router).
-    #[serde(default)]
-    pub bootstrap_host: Option<String>,
-    /// PD: the prefill's bootstrap port (set by the router).
-    #[serde(default)]
-    pub bootstrap_port: Option<serde_json::Value>,
-    /// PD: the room pairing prefill and decode (set by the router).
-    #[serde(default)]
-    pub bootstrap_room: Option<serde_json::Value>,
-    /// PD: the router's signature of the bootstrap fields.
-    #[serde(default)]
-    pub bootstrap_sig: Option<String>,
-    /// PD: when the router signed them (Unix seconds).
-    #[serde(default)]
-    pub bootstrap_ts: Option<serde_json::Value>,
-    /// handoff (set by the router): output ids another decode worker already
-    /// streamed; this one continues after them.
-    #[serde(default)]
-    pub resume_output_ids: Option<serde_json::Value>,
-    /// handoff (set by the router): a decode worker prefills this prompt
-    /// itself, with no prefill worker.
-    #[serde(default)]
-    pub local_prefill: Option<serde_json::Value>,
-    /// handoff: what a decode worker does when the KV transfer fails
-    /// (`recompute` or `fail`).
-    #[serde(default)]
-    pub on_transfer_failure: Option<serde_json::Value>,
-    /// handoff (set by the router): mark each streamed event with the ids
-    /// of its tokens.
-    #[serde(default)]
-    pub stream_marks: Option<serde_json::Value>,
     /// Larger is served sooner (SGLang's `priority`); at most the API
     /// key's limit ([`crate::tenancy`]).
     #[serde(default)]
@@ -384,25 +308,6 @@ pub struct CompletionRequest {
 }
 
 impl CompletionRequest {
-    /// The PD fields, checked.
-    pub fn bootstrap(&self) -> Result<Bootstrap, ApiError> {
-        Bootstrap::parse(
-            self.bootstrap_host.as_ref(),
-            self.bootstrap_port.as_ref(),
-            self.bootstrap_room.as_ref(),
-            self.bootstrap_sig.as_ref(),
-            self.bootstrap_ts.as_ref(),
-        )
-        .and_then(|b| {
-            Ok(b.with_handover(crate::backend::Handover::parse(
-                self.resume_output_ids.as_ref(),
-                self.local_prefill.as_ref(),
-                self.on_transfer_failure.as_ref(),
-                self.stream_marks.as_ref(),
-            )?))
-        })
-    }
-
     /// The sampling fields.
     pub fn sampling(&self) -> RawSampling {
         RawSampling {
