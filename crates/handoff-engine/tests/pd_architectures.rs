@@ -218,6 +218,9 @@ fn check_model(
         })
         .collect();
     assert_same(&format!("{name}: PD (shm)"), &got, &want);
+    // The KV came over the transfer (a decode that recomputes after a
+    // failed transfer gives the same answer).
+    assert_eq!(decode.local_prefills().recomputed, 0, "{name}: recomputed");
 
     // Structured output through both: a regex over the model's own text.
     let grammars = Grammars::new(decode.tokenizer().clone());

@@ -330,6 +330,14 @@ impl Pair {
 
     /// Nothing left behind on either side.
     fn assert_idle(&self, what: &str) {
+        // Every request's KV came over the transfer: the decode worker
+        // recomputes a prompt only when a transfer fails, and its output is
+        // the same then, so an equal answer alone would not show it.
+        assert_eq!(
+            self.decode.local_prefills().recomputed,
+            0,
+            "{what}: the decode worker recomputed a prompt"
+        );
         let t = Instant::now();
         loop {
             let (p, d) = (self.prefill.load(), self.decode.load());
@@ -649,6 +657,13 @@ fn prompt_logprobs_are_the_reference_log_softmax_and_pd_equals_colocated() {
                 .collect()
         };
         assert_eq!(bits(&got), bits(&want), "{kind:?}");
+        // They travelled: the decode did not recompute the prompt (what it
+        // does, by default, when a transfer fails).
+        assert_eq!(
+            pair.decode.local_prefills().recomputed,
+            0,
+            "{kind:?}: the decode worker recomputed the prompt"
+        );
         pair.assert_idle(&format!("{kind:?} prompt logprobs"));
     }
 }

@@ -29,6 +29,7 @@ use crate::error::TransferError;
 use crate::handshake::{Capabilities, Fingerprint};
 use crate::heartbeat::Liveness;
 use crate::ids::{AuxSlot, PageIndex, PeerId, RankId, RoomId};
+use crate::landing::LandedAux;
 use crate::rank::{RankError, RankMap};
 use crate::receiver_room::{ReceiverAction, ReceiverRooms, Source};
 use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Transmit};
@@ -131,6 +132,9 @@ pub enum ReceiverPoll<L> {
         lease: L,
         /// The aux slot's data (first token, logprob).
         aux: AuxData,
+        /// The prompt scores that came with the aux record (flat (token,
+        /// log-probability) pairs; empty unless asked for).
+        prompt: Vec<(u32, f32)>,
     },
     /// Failed (reported once). Pages return to the pool on their own once
     /// no writer may still be writing.
@@ -291,7 +295,8 @@ pub struct ReceiverEndpoint<L, W> {
     sources: HashMap<RoomId, Vec<PeerId>>,
     held: HashMap<RoomId, Held<L>>,
     /// Aux records that arrived: the room id written in the slot, the data.
-    aux: HashMap<RoomId, (u64, AuxData)>,
+    /// Each room's aux record as it arrived.
+    aux: HashMap<RoomId, LandedAux>,
     /// Outcomes not yet taken; they expire with the unknown-room TTL (a
     /// lease in an expired success goes back to the pool).
     outcomes: Expiring<ReceiverPoll<L>>,
@@ -459,10 +464,25 @@ impl<L, W> ReceiverEndpoint<L, W> {
     }
 
     /// The aux record of `room` arrived on a link, with the room id written
-    /// in the slot. Kept only for a room that holds pages.
-    pub fn handle_aux(&mut self, room: RoomId, written_room: u64, aux: AuxData) {
+    /// in the slot and the prompt scores sent ahead of it. Kept only for a
+    /// room that holds pages; they reach the engine with the room's
+    /// success ([`ReceiverPoll::Success`]), or go with the room.
+    pub fn handle_aux(
+        &mut self,
+        room: RoomId,
+        written_room: u64,
+        aux: AuxData,
+        prompt: Vec<(u32, f32)>,
+    ) {
         if self.held.contains_key(&room) {
-            self.aux.insert(room, (written_room, aux));
+            self.aux.insert(
+                room,
+                LandedAux {
+                    written_room,
+                    aux,
+                    prompt,
+                },
+            );
         }
     }
 
@@ -686,18 +706,21 @@ impl<L, W> ReceiverEndpoint<L, W> {
         while let Some(a) = self.rooms.poll_action() {
             match a {
                 ReceiverAction::CheckAux { room, .. } => {
-                    let found = self.aux.get(&room).map_or(0, |(w, _)| *w);
+                    let found = self.aux.get(&room).map_or(0, |l| l.written_room);
                     self.rooms.handle_aux_checked(room, found, now);
                 }
                 ReceiverAction::Commit { room, .. } => {
-                    let aux = self.aux.remove(&room).map(|(_, a)| a);
+                    let landed = self.aux.remove(&room).map(|l| (l.aux, l.prompt));
                     if let Some(lease) = self.release(room, false) {
-                        let aux = aux.unwrap_or(AuxData {
-                            first_token: 0,
-                            logprob: 0.0,
-                            top: crate::datalink::TopLogprobs::NONE,
-                        });
-                        self.outcome(room, ReceiverPoll::Success { lease, aux }, now);
+                        let (aux, prompt) = landed.unwrap_or((
+                            AuxData {
+                                first_token: 0,
+                                logprob: 0.0,
+                                top: crate::datalink::TopLogprobs::NONE,
+                            },
+                            Vec::new(),
+                        ));
+                        self.outcome(room, ReceiverPoll::Success { lease, aux, prompt }, now);
                     }
                 }
                 ReceiverAction::FailRequest { room, error } => {
@@ -852,7 +875,8 @@ mod tests {
                 logprob: -0.25,
                 top: crate::datalink::TopLogprobs::NONE,
             };
-            self.ep.handle_aux(room, written_room, aux);
+            self.ep
+                .handle_aux(room, written_room, aux, vec![(first_token, -0.5)]);
             let status = Status {
                 room,
                 outcome: Outcome::Success,
@@ -906,9 +930,11 @@ mod tests {
             }, ReceiverEvent::Outcome {
                 room: o,
                 waiter: 77,
-                outcome: ReceiverPoll::Success { aux, .. },
+                outcome: ReceiverPoll::Success { aux, prompt, .. },
             }] => {
                 assert_eq!((*peer, *room, *o), (P, r, r));
+                // The prompt scores ride with the aux record to the outcome.
+                assert_eq!(prompt, &[(5, -0.5)]);
                 assert_eq!(aux.first_token, 5);
             }
             other => panic!("{other:?}"),

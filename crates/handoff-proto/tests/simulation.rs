@@ -598,7 +598,7 @@ impl Sim {
                             logprob: 0.0,
                             top: handoff_proto::datalink::TopLogprobs::NONE,
                         };
-                        n.ep.handle_aux(r, r.get(), aux);
+                        n.ep.handle_aux(r, r.get(), aux, Vec::new());
                     }
                 }
                 let Some(n) = self.prefill[p as usize].as_mut() else {
@@ -796,7 +796,7 @@ impl Sim {
                 assert_eq!(waiter, Waiter::Outcome(r));
                 let at = self.elapsed();
                 let result = match outcome {
-                    ReceiverPoll::Success { lease, aux } => {
+                    ReceiverPoll::Success { lease, aux, .. } => {
                         self.assert_no_write_into(d, r, &lease.pages, "committed");
                         assert_eq!(aux.first_token, 1);
                         self.engine.insert((d, r), lease);

@@ -63,7 +63,7 @@
 //! }
 //! prefill.finish(room, AuxData { first_token: 42, logprob: -0.1, top: handoff_proto::datalink::TopLogprobs::NONE }).await?;
 //! assert_eq!(prefill.wait(room).await?, SenderPoll::Success);
-//! let ReceiverPoll::Success { lease, aux } = decode.wait(room).await? else { panic!() };
+//! let ReceiverPoll::Success { lease, aux, .. } = decode.wait(room).await? else { panic!() };
 //! assert_eq!((lease.len(), aux.first_token), (2, 42)); // decode owns the pages now
 //! # drop(lease);
 //! # prefill.shutdown();

@@ -220,7 +220,7 @@ async fn finish_and_commit(p: &Pair, r: RoomId, aux: AuxData) -> (handoff_kv::Pa
         sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
         SenderPoll::Success
     );
-    let ReceiverPoll::Success { lease, aux } =
+    let ReceiverPoll::Success { lease, aux, .. } =
         receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
     else {
         panic!("decode did not commit room {}", r.get())
@@ -508,7 +508,7 @@ async fn concurrent_rooms_over_a_link_of_several_tcp_streams_are_byte_exact() {
             sender_outcome(&p.tx, *r, Duration::from_secs(3)).await,
             SenderPoll::Success
         );
-        let ReceiverPoll::Success { lease, aux } =
+        let ReceiverPoll::Success { lease, aux, .. } =
             receiver_outcome(&p.rx, *r, Duration::from_secs(3)).await
         else {
             panic!("decode did not commit room {}", r.get())
@@ -1793,7 +1793,7 @@ async fn one_room(
     .await
     .unwrap();
     assert_eq!(tx.wait(r).await.unwrap(), SenderPoll::Success);
-    let ReceiverPoll::Success { lease, aux } = rx.wait(r).await.unwrap() else {
+    let ReceiverPoll::Success { lease, aux, .. } = rx.wait(r).await.unwrap() else {
         panic!("room {} did not commit", r.get())
     };
     assert_eq!(aux.first_token, r.get() as u32);
@@ -2285,7 +2285,7 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
         sender_outcome(&txs[1], r, Duration::from_secs(3)).await,
         SenderPoll::Success
     );
-    let ReceiverPoll::Success { lease, aux } =
+    let ReceiverPoll::Success { lease, aux, .. } =
         receiver_outcome(&rx, r, Duration::from_secs(3)).await
     else {
         panic!("decode did not commit")
@@ -2400,7 +2400,7 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
         SenderPoll::Success
     );
     for (d, rx) in rxs.iter().enumerate() {
-        let ReceiverPoll::Success { lease, aux } =
+        let ReceiverPoll::Success { lease, aux, .. } =
             receiver_outcome(rx, r, Duration::from_secs(3)).await
         else {
             panic!("decode rank {d} did not commit")

@@ -1,7 +1,5 @@
-//! What the decode handle tells its driver task, and the board prompt
-//! scores wait on.
+//! What the decode handle tells its driver task.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use handoff_kv::PageLease;
@@ -29,11 +27,6 @@ pub(super) struct Waiter {
 }
 
 pub(super) type Outcome = oneshot::Receiver<ReceiverPoll>;
-
-/// Prompt scores that arrived with a room's aux record, until the room's
-/// owner takes them ([`crate::ReceiverRoom::take_prompt_scores`]) or the
-/// room ends without them being taken.
-pub(crate) type PromptBoard = Arc<std::sync::Mutex<HashMap<RoomId, Vec<(u32, f32)>>>>;
 
 pub(super) enum Cmd {
     Open(
@@ -81,11 +74,4 @@ pub(super) struct NewLink {
     pub(super) tp: TpPosition,
     /// Over shm, the prefill's pool this link pulls from.
     pub(super) source: Option<Arc<SourcePool>>,
-}
-
-/// The board, even after a panic elsewhere (it holds plain data).
-pub(crate) fn lock_board(
-    b: &PromptBoard,
-) -> std::sync::MutexGuard<'_, HashMap<RoomId, Vec<(u32, f32)>>> {
-    b.lock().unwrap_or_else(|e| e.into_inner())
 }

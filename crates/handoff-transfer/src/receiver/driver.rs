@@ -11,8 +11,8 @@ use handoff_proto::receiver_endpoint::{ReceiverEndpoint, ReceiverEvent};
 use handoff_proto::{PageIndex, PeerId, RoomId};
 use tokio::sync::{mpsc, oneshot};
 
-use super::commands::{lock_board, Cmd, Ev, NewLink, PromptBoard, Waiter};
-use super::config::{ReceiverConfig, ReceiverPoll};
+use super::commands::{Cmd, Ev, NewLink, Waiter};
+use super::config::ReceiverConfig;
 use crate::conn::{CtlEvent, TaskCounter};
 use crate::link::{LinkCounters, LinkReader, ReaderCmd, ReaderEvent};
 use crate::stats::EndpointStats;
@@ -45,7 +45,6 @@ pub(super) struct Driver {
     layout: KvLayout,
     next_link: u64,
     self_tx: mpsc::WeakUnboundedSender<Ev>,
-    prompts: PromptBoard,
 }
 
 fn now() -> std::time::Instant {
@@ -61,7 +60,6 @@ impl Driver {
         pool: Arc<ShmRegion>,
         layout: KvLayout,
         self_tx: mpsc::WeakUnboundedSender<Ev>,
-        prompts: PromptBoard,
     ) -> Self {
         Self {
             endpoint: ReceiverEndpoint::new(
@@ -78,7 +76,6 @@ impl Driver {
             layout,
             next_link: 0,
             self_tx,
-            prompts,
         }
     }
 
@@ -145,12 +142,7 @@ impl Driver {
                 written_room,
                 aux,
                 prompt,
-            } => {
-                if !prompt.is_empty() {
-                    lock_board(&self.prompts).insert(room, prompt);
-                }
-                self.endpoint.handle_aux(room, written_room, aux)
-            }
+            } => self.endpoint.handle_aux(room, written_room, aux, prompt),
             ReaderEvent::Closed { reason } => {
                 if self.links.get(&peer).is_some_and(|l| l.id == id) {
                     tracing::warn!(peer = peer.0, %reason, "data link closed");
@@ -320,19 +312,12 @@ impl Driver {
                 } => {
                     tracing::warn!(room = room.get(), "abort fence expired; pages released");
                 }
-                ReceiverEvent::Released { room, .. } => {
-                    lock_board(&self.prompts).remove(&room);
-                }
+                ReceiverEvent::Released { .. } => {}
                 ReceiverEvent::Outcome {
                     room,
                     waiter,
                     outcome,
-                } => {
-                    if !matches!(outcome, ReceiverPoll::Success { .. }) {
-                        lock_board(&self.prompts).remove(&room);
-                    }
-                    outcomes.push((room, waiter, outcome))
-                }
+                } => outcomes.push((room, waiter, outcome)),
             }
         }
         while let Some(tr) = self.endpoint.poll_transmit(t) {

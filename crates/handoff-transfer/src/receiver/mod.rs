@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::conn::TaskCounter;
 use crate::error::TransportError;
 use crate::stats::EndpointStats;
-use commands::{Cmd, Ev, PromptBoard};
+use commands::{Cmd, Ev};
 use driver::Driver;
 
 mod commands;
@@ -50,7 +50,6 @@ pub struct KvReceiver {
     conn_ids: Arc<std::sync::atomic::AtomicU64>,
     next_peer: Arc<std::sync::atomic::AtomicU32>,
     endpoint: u64,
-    pub(crate) prompts: PromptBoard,
 }
 
 impl std::fmt::Debug for KvReceiver {
@@ -67,15 +66,7 @@ impl KvReceiver {
     pub fn start(config: ReceiverConfig, pool: Arc<ShmRegion>, layout: KvLayout) -> KvReceiver {
         let (tx, rx) = mpsc::unbounded_channel();
         let tasks = TaskCounter::default();
-        let prompts = PromptBoard::default();
-        let driver = Driver::new(
-            &config,
-            tasks.clone(),
-            pool,
-            layout,
-            tx.downgrade(),
-            prompts.clone(),
-        );
+        let driver = Driver::new(&config, tasks.clone(), pool, layout, tx.downgrade());
         tasks.spawn(driver.run(rx));
         KvReceiver {
             tx,
@@ -85,7 +76,6 @@ impl KvReceiver {
             conn_ids: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             next_peer: Arc::new(std::sync::atomic::AtomicU32::new(0)),
             endpoint: rand::random(),
-            prompts,
         }
     }
 

@@ -12,7 +12,7 @@ use handoff_proto::receiver_room::Source;
 use handoff_proto::{AbortOrigin, AuxSlot, RoomId, TransferError};
 use tokio::sync::oneshot;
 
-use super::commands::{lock_board, Cmd};
+use super::commands::Cmd;
 use super::config::ReceiverPoll;
 use super::KvReceiver;
 use crate::error::TransportError;
@@ -39,6 +39,8 @@ pub struct ReceiverRoom {
     receiver: KvReceiver,
     room: RoomId,
     outcome: Option<oneshot::Receiver<ReceiverPoll>>,
+    /// The prompt scores that came with the room's success.
+    prompt: Vec<(u32, f32)>,
 }
 
 impl ReceiverRoom {
@@ -51,6 +53,7 @@ impl ReceiverRoom {
             receiver,
             room,
             outcome: Some(outcome),
+            prompt: Vec::new(),
         }
     }
 
@@ -107,7 +110,10 @@ impl ReceiverRoom {
         let outcome = rx.await;
         self.outcome = None;
         match outcome {
-            Ok(ReceiverPoll::Success { lease, aux }) => Ok((lease, aux)),
+            Ok(ReceiverPoll::Success { lease, aux, prompt }) => {
+                self.prompt = prompt;
+                Ok((lease, aux))
+            }
             Ok(ReceiverPoll::Failed(e)) => Err(e),
             Ok(other) => Err(TransferError::Internal {
                 reason: format!("room ended without an outcome: {other:?}"),
@@ -125,16 +131,13 @@ impl ReceiverRoom {
     /// The prompt scores that came with the room's aux record (flat (token,
     /// log-probability) pairs; empty when none were sent). Take them after
     /// [`Self::landed`].
-    pub fn take_prompt_scores(&self) -> Vec<(u32, f32)> {
-        lock_board(&self.receiver.prompts)
-            .remove(&self.room)
-            .unwrap_or_default()
+    pub fn take_prompt_scores(&mut self) -> Vec<(u32, f32)> {
+        std::mem::take(&mut self.prompt)
     }
 }
 
 impl Drop for ReceiverRoom {
     fn drop(&mut self) {
-        lock_board(&self.receiver.prompts).remove(&self.room);
         // An outcome not yet taken: the room is live (or its end is still in
         // the channel, and goes with it: a lease in it returns its pages).
         if self.outcome.is_some() {
