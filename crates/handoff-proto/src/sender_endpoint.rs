@@ -62,6 +62,9 @@ pub enum SenderEvent<W, C> {
         room: RoomId,
         /// The aux slot and data; `None` when the writes were cancelled.
         aux: Option<(u32, AuxData)>,
+        /// The room's prompt scores (flat (token, log-probability) pairs),
+        /// sent ahead of the aux record; empty without an aux.
+        prompt: std::sync::Arc<[(u32, f32)]>,
         /// The room's cancel token.
         cancel: C,
     },
@@ -601,10 +604,17 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         Ok((out, cancel))
     }
 
-    /// Every `send` of `room` is queued: each destination gets the aux
-    /// record and the room's end ([`SenderEvent::Finish`] events). Success is
-    /// reported once decode acknowledged.
-    pub fn finish(&mut self, room: RoomId, aux: AuxData, now: Instant) -> Result<(), SendRefused> {
+    /// Every `send` of `room` is queued: each destination gets the prompt
+    /// scores (`prompt`, flat pairs; empty for none), the aux record and
+    /// the room's end ([`SenderEvent::Finish`] events). Success is reported
+    /// once decode acknowledged.
+    pub fn finish(
+        &mut self,
+        room: RoomId,
+        aux: AuxData,
+        prompt: std::sync::Arc<[(u32, f32)]>,
+        now: Instant,
+    ) -> Result<(), SendRefused> {
         self.start_writes(room, now)?;
         if let Some(w) = self.writing.get_mut(&room) {
             if !w.ended {
@@ -615,6 +625,7 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
                             peer: *peer,
                             room,
                             aux: Some((d.aux_slot.0, aux)),
+                            prompt: prompt.clone(),
                             cancel: w.cancel.clone(),
                         });
                     }
@@ -844,6 +855,7 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
                     peer: *peer,
                     room,
                     aux: None,
+                    prompt: std::sync::Arc::from([]),
                     cancel: w.cancel.clone(),
                 }),
                 Some(_) => {}
@@ -934,13 +946,14 @@ mod tests {
                 logprob: -1.0,
                 top: crate::datalink::TopLogprobs::NONE,
             },
+            std::sync::Arc::from([(3, -0.5)]),
             now,
         )
         .unwrap();
         assert!(matches!(
             &events(&mut ep)[..],
-            [SenderEvent::Finish { peer, aux: Some((5, a)), cancel: 1, .. }]
-                if *peer == D && a.first_token == 7
+            [SenderEvent::Finish { peer, aux: Some((5, a)), prompt, cancel: 1, .. }]
+                if *peer == D && a.first_token == 7 && prompt[..] == [(3, -0.5)]
         ));
         assert_eq!(ep.send(r, 0..1, 0..1, now).unwrap_err(), SendRefused::Ended);
         ep.handle_ack(D, r, true, now);

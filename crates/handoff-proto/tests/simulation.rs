@@ -558,7 +558,8 @@ impl Sim {
                     logprob: 0.0,
                     top: handoff_proto::datalink::TopLogprobs::NONE,
                 };
-                n.ep.finish(r, aux, now).expect("writes started");
+                n.ep.finish(r, aux, std::sync::Arc::from([]), now)
+                    .expect("writes started");
                 let expected = self.map.destination_ranks(RankId(p)).unwrap();
                 for w in dests {
                     let (d, dest) = (w.peer, w.destination);

@@ -36,9 +36,6 @@ impl Link {
     }
 }
 
-/// A room's prompt scores: flat (token, log-probability) pairs.
-type Scores = Arc<[(u32, f32)]>;
-
 /// The prefill driver: the I/O shell around [`SenderEndpoint`], which owns
 /// every decision; this only holds the sockets' and tasks' handles.
 pub(super) struct Driver {
@@ -50,9 +47,6 @@ pub(super) struct Driver {
     counters: Arc<LinkCounters>,
     tasks: TaskCounter,
     next_link: u64,
-    /// The prompt scores of the room being finished, for its aux-bearing
-    /// finish job.
-    finishing: Option<(RoomId, Scores)>,
 }
 
 fn now() -> std::time::Instant {
@@ -81,7 +75,6 @@ impl Driver {
             counters,
             tasks,
             next_link: 0,
-            finishing: None,
         }
     }
 
@@ -235,14 +228,13 @@ impl Driver {
                 let _ = reply.send(self.send(room, layers, pages, &src));
             }
             Cmd::Finish(room, aux, prompt, reply) => {
-                // The endpoint emits the room's finish jobs at once: the
-                // one that carries the aux takes the prompt scores.
-                self.finishing = Some((room, prompt));
-                let r = self.endpoint.finish(room, aux, t).map_err(Into::into);
+                let r = self
+                    .endpoint
+                    .finish(room, aux, prompt, t)
+                    .map_err(Into::into);
                 // The writers get the room's end before the caller hears back
                 // (waking the caller first delays the writer).
                 self.flush();
-                self.finishing = None;
                 let _ = reply.send(r);
             }
             Cmd::Poll(room, reply) => {
@@ -285,12 +277,9 @@ impl Driver {
                     peer,
                     room,
                     aux,
+                    prompt,
                     cancel,
                 } => {
-                    let prompt = match (&aux, &self.finishing) {
-                        (Some(_), Some((r, p))) if *r == room => p.clone(),
-                        _ => Arc::from([]),
-                    };
                     if let Some(l) = self.links.get(&peer) {
                         let _ = l.tx(room).send(LinkJob::Finish {
                             room,
