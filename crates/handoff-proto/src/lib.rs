@@ -93,6 +93,7 @@ pub mod ids;
 pub mod landing;
 pub mod layout;
 pub mod message;
+pub mod peer_ids;
 pub mod placement;
 pub mod rank;
 pub mod receiver_endpoint;

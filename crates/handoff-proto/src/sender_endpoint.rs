@@ -28,6 +28,7 @@ use crate::error::{Misbehavior, TransferError};
 use crate::heartbeat::Liveness;
 use crate::ids::{PeerId, RoomId};
 use crate::message::{Destination, Message};
+use crate::peer_ids::PeerIds;
 use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Transmit};
 use crate::sender_room::{SenderAction, SenderRooms};
 use crate::timer::Timer;
@@ -225,6 +226,8 @@ pub struct SenderEndpoint<S, W, C> {
     peers: HashMap<PeerId, Peer<S>>,
     /// Per decode peer seen, the newest connect number.
     newest: HashMap<PeerId, u64>,
+    /// Decode endpoint ids → the peer ids they go by here.
+    peer_ids: PeerIds,
     /// Rooms opened but not yet writing: their cancel tokens.
     tokens: HashMap<RoomId, C>,
     writing: HashMap<RoomId, Writing<C>>,
@@ -254,6 +257,7 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             rooms: SenderRooms::new(config),
             peers: HashMap::new(),
             newest: HashMap::new(),
+            peer_ids: PeerIds::default(),
             tokens: HashMap::new(),
             writing: HashMap::new(),
             waiters: HashMap::new(),
@@ -264,6 +268,21 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             malformed_frames: 0,
             handshakes_failed: 0,
         }
+    }
+
+    // ----- peer identity -----
+
+    /// The peer id of the decode endpoint whose connection's preface named
+    /// `endpoint` (assigned before any handshake: kept among a bounded set
+    /// of unconfirmed ids until a data link of it authenticates).
+    pub fn peer_id(&mut self, endpoint: u64) -> PeerId {
+        self.peer_ids.assign(endpoint)
+    }
+
+    /// A data link of decode endpoint `endpoint` passed its handshake: its
+    /// id is kept (no flood of unauthenticated prefaces evicts it).
+    pub fn confirm_peer(&mut self, endpoint: u64) {
+        self.peer_ids.confirm(endpoint);
     }
 
     // ----- what the shell drains -----

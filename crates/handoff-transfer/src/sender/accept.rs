@@ -8,11 +8,10 @@ use handoff_kv::{KvLayout, ShmRegion};
 use handoff_proto::datalink::{decode_preface, PREFACE_CONTROL, PREFACE_DATA, PREFACE_LEN};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
-use super::commands::Ev;
+use super::commands::{Cmd, Ev};
 use super::config::SenderConfig;
-use super::peer_ids::PeerIds;
 use crate::conn::{run_control, CtlEvent, TaskCounter};
 use crate::link::{accept_link, LinkCounters};
 
@@ -26,7 +25,6 @@ pub(super) async fn accept_loop(
     counters: Arc<LinkCounters>,
 ) {
     let mut conn_id = 0u64;
-    let peers = Arc::new(PeerIds::default());
     loop {
         let Ok((mut stream, _addr)) = listener.accept().await else {
             continue;
@@ -38,7 +36,6 @@ pub(super) async fn accept_loop(
         let pool = pool.clone();
         let counters = counters.clone();
         let t2 = tasks.clone();
-        let peers = peers.clone();
         tasks.spawn(async move {
             let mut preface = [0u8; PREFACE_LEN];
             let got =
@@ -49,7 +46,13 @@ pub(super) async fn accept_loop(
                 return;
             }
             let (kind, endpoint_id, connect) = decode_preface(&preface);
-            let peer = peers.assign(endpoint_id);
+            // The endpoint owns peer identity: ask it (the driver is gone
+            // when it does not answer, and so is this connection).
+            let (reply, id_rx) = oneshot::channel();
+            if tx.send(Ev::Cmd(Cmd::PeerId(endpoint_id, reply))).is_err() {
+                return;
+            }
+            let Ok(peer) = id_rx.await else { return };
             match kind {
                 PREFACE_CONTROL => {
                     let send = move |e: CtlEvent| tx.send(Ev::Ctl(e, connect)).map_err(|_| ());
@@ -76,8 +79,7 @@ pub(super) async fn accept_loop(
                     .await
                     {
                         Ok(link) => {
-                            peers.confirm(endpoint_id);
-                            let _ = tx.send(Ev::Accepted(Box::new(link), connect));
+                            let _ = tx.send(Ev::Accepted(Box::new(link), endpoint_id, connect));
                         }
                         Err(e) => {
                             counters.handshakes_failed.fetch_add(1, Ordering::Relaxed);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use handoff_kv::PageIndex;
 use handoff_proto::datalink::AuxData;
-use handoff_proto::{RoomId, TransferError};
+use handoff_proto::{PeerId, RoomId, TransferError};
 use tokio::sync::{mpsc, oneshot};
 
 use super::config::SenderPoll;
@@ -52,6 +52,8 @@ pub(super) enum Cmd {
     Wait(RoomId, oneshot::Sender<SenderPoll>),
     WaitInput(RoomId, oneshot::Sender<SenderPoll>),
     Stats(oneshot::Sender<EndpointStats>),
+    /// The peer id of the decode endpoint a connection's preface named.
+    PeerId(u64, oneshot::Sender<PeerId>),
     Shutdown,
 }
 
@@ -60,6 +62,6 @@ pub(super) enum Ev {
     /// A control connection's event, with decode's connect number.
     Ctl(CtlEvent, u64),
     Link(LinkEvent),
-    /// A data link stream, with decode's connect number.
-    Accepted(Box<AcceptedLink>, u64),
+    /// A data link stream, with decode's endpoint id and connect number.
+    Accepted(Box<AcceptedLink>, u64, u64),
 }

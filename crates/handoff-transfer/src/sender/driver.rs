@@ -105,7 +105,10 @@ impl Driver {
                 Ev::Cmd(c) => self.command(c),
                 Ev::Ctl(e, connect) => self.control(e, connect),
                 Ev::Link(e) => self.link_event(e),
-                Ev::Accepted(l, connect) => self.accepted(*l, connect, &self_tx),
+                Ev::Accepted(l, endpoint, connect) => {
+                    self.endpoint.confirm_peer(endpoint);
+                    self.accepted(*l, connect, &self_tx)
+                }
             }
             self.flush();
         }
@@ -242,6 +245,9 @@ impl Driver {
             }
             Cmd::WaitInput(room, reply) => self.endpoint.wait_input(room, Reply::Once(reply)),
             Cmd::Wait(room, reply) => self.endpoint.wait(room, Reply::Once(reply)),
+            Cmd::PeerId(endpoint, reply) => {
+                let _ = reply.send(self.endpoint.peer_id(endpoint));
+            }
             Cmd::Stats(reply) => {
                 let s = self.endpoint.stats();
                 let _ = reply.send(EndpointStats {

@@ -13,7 +13,7 @@
 //! remain for tests and the transfer benchmark.
 //!
 //! The files: this one is the handle's API; `accept.rs` takes decode's
-//! connections (with `peer_ids.rs`, the ids it gives them); `driver.rs` is
+//! connections (the ids it gives them are the endpoint's); `driver.rs` is
 //! the driver task; `segments.rs` turns a send into segments; `commands.rs`
 //! what the handle tells the driver; `config.rs` the settings.
 
@@ -39,7 +39,6 @@ mod accept;
 mod commands;
 mod config;
 mod driver;
-mod peer_ids;
 pub(crate) mod room;
 mod segments;
 

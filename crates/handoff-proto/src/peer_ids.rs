@@ -1,8 +1,9 @@
-//! The ids prefill gives decode endpoints.
+//! The ids prefill gives decode endpoints (sans-IO; the sender endpoint
+//! owns the table, [`crate::sender_endpoint::SenderEndpoint::peer_id`]).
 
 use std::collections::HashMap;
 
-use handoff_proto::PeerId;
+use crate::ids::PeerId;
 
 /// Decode endpoint id → the peer id the room table knows it by. An id is
 /// assigned when a connection's preface arrives, before its handshake, so
@@ -12,13 +13,8 @@ use handoff_proto::PeerId;
 /// handshake; confirmed ids are never evicted by unconfirmed churn, so a
 /// flood of bogus prefaces cannot take a live decode's id away (a
 /// reconnecting decode whose id was forgotten simply gets a new one).
-#[derive(Default)]
-pub(super) struct PeerIds {
-    inner: std::sync::Mutex<PeerIdTable>,
-}
-
-#[derive(Default)]
-struct PeerIdTable {
+#[derive(Debug, Default)]
+pub struct PeerIds {
     ids: HashMap<u64, (PeerId, bool)>,
     unconfirmed: std::collections::VecDeque<u64>,
     confirmed: std::collections::VecDeque<u64>,
@@ -26,14 +22,14 @@ struct PeerIdTable {
 }
 
 /// Most ids kept for endpoints that never completed a handshake.
-const MAX_UNCONFIRMED: usize = 4096;
+pub const MAX_UNCONFIRMED: usize = 4096;
 /// Most ids kept for endpoints that did.
 const MAX_CONFIRMED: usize = 65_536;
 
 impl PeerIds {
-    pub(super) fn assign(&self, endpoint: u64) -> PeerId {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let t = &mut *g;
+    /// The id of decode endpoint `endpoint` (a new one the first time).
+    pub fn assign(&mut self, endpoint: u64) -> PeerId {
+        let t = self;
         if let Some((r, _)) = t.ids.get(&endpoint) {
             return *r;
         }
@@ -52,9 +48,8 @@ impl PeerIds {
     }
 
     /// `endpoint` passed a handshake: keep its id.
-    pub(super) fn confirm(&self, endpoint: u64) {
-        let mut g = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        let t = &mut *g;
+    pub fn confirm(&mut self, endpoint: u64) {
+        let t = self;
         let Some(entry) = t.ids.get_mut(&endpoint) else {
             return;
         };
@@ -73,29 +68,28 @@ impl PeerIds {
 }
 
 #[cfg(test)]
-mod peer_id_tests {
+mod tests {
     use super::*;
 
     #[test]
     fn a_flood_of_unauthenticated_prefaces_keeps_a_confirmed_id() {
-        let ids = PeerIds::default();
+        let mut ids = PeerIds::default();
         let live = ids.assign(7);
         ids.confirm(7);
         for e in 1000..(1000 + 3 * MAX_UNCONFIRMED as u64) {
             ids.assign(e);
         }
         assert_eq!(ids.assign(7), live, "the live decode kept its id");
-        let t = ids.inner.lock().unwrap();
         assert!(
-            t.ids.len() <= MAX_UNCONFIRMED + 1,
+            ids.ids.len() <= MAX_UNCONFIRMED + 1,
             "{} ids kept",
-            t.ids.len()
+            ids.ids.len()
         );
     }
 
     #[test]
     fn unconfirmed_ids_are_forgotten_oldest_first() {
-        let ids = PeerIds::default();
+        let mut ids = PeerIds::default();
         let first = ids.assign(1);
         for e in 2..=(MAX_UNCONFIRMED as u64 + 1) {
             ids.assign(e);
