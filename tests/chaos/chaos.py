@@ -391,7 +391,7 @@ def one(kind, prompt, deadline, disconnect=False):
                 obj = json.loads(raw)
             except ValueError:
                 return "garbage", f"status {r.status} with a non-JSON body {raw[:200]!r}"
-            return ("error", f"{r.status} {json.dumps(obj)[:200]}") if is_error(obj) else \
+            return ("error", f"{r.status} {json.dumps(obj)[:1000]}") if is_error(obj) else \
                 ("garbage", f"status {r.status} without a JSON error: {raw[:200]!r}")
         if not payload.get("stream"):
             raw = r.read()
@@ -414,7 +414,7 @@ def one(kind, prompt, deadline, disconnect=False):
                 break
             obj = json.loads(data)
             if "error" in obj:
-                return ("error", json.dumps(obj)[:200]) if is_error(obj) else \
+                return ("error", json.dumps(obj)[:1000]) if is_error(obj) else \
                     ("garbage", f"malformed error event {data[:200]!r}")
             for ch in obj.get("choices", []):
                 text += ch.get("text") or (ch.get("delta") or {}).get("content") or ""

@@ -929,6 +929,14 @@ impl RelayBody {
             return Ok(Migrated::Ended);
         }
         let route = m.route;
+        if max_tokens_asked(route, &m.body).is_some_and(|limit| m.ids.len() >= limit) {
+            // Every token the request asked for reached the client; only
+            // the event that ends the generation went down with the decode.
+            // A continuation would have nothing to generate (a decode
+            // refuses it): end the stream here, as it would have ended.
+            m.state.metrics.count_migration(route, "ended");
+            return Ok(Migrated::Ended);
+        }
         let old = Arc::clone(&self.pair.decode);
         old.mark_unreachable();
         m.failed.push(old);
@@ -1054,6 +1062,26 @@ pub fn relay_headers(resp: &mut Response, content_type: Option<HeaderValue>, str
     }
 }
 
+/// The output limit a request of `route` names in `body`, if it names one
+/// (the worker's default applies otherwise, which the router does not know).
+fn max_tokens_asked(
+    route: &str,
+    body: &serde_json::Map<String, serde_json::Value>,
+) -> Option<usize> {
+    let field = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_u64()).map(|n| n as usize);
+    match route {
+        "/v1/chat/completions" => {
+            field(body.get("max_completion_tokens")).or(field(body.get("max_tokens")))
+        }
+        "/v1/completions" => field(body.get("max_tokens")),
+        "/generate" => field(
+            body.get("sampling_params")
+                .and_then(|p| p.get("max_new_tokens")),
+        ),
+        _ => None,
+    }
+}
+
 /// `body` for a decode worker prefilling itself: no bootstrap fields.
 pub(crate) fn local_body(body: &mut serde_json::Map<String, serde_json::Value>) {
     for k in [
@@ -1066,4 +1094,50 @@ pub(crate) fn local_body(body: &mut serde_json::Map<String, serde_json::Value>) 
         body.remove(k);
     }
     body.insert("local_prefill".into(), serde_json::json!(true));
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::max_tokens_asked;
+
+    /// The limit a migration compares the streamed tokens with: the one the
+    /// request names for its route, none when it names none.
+    #[test]
+    fn the_output_limit_is_the_one_the_request_names() {
+        let body = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let chat = "/v1/chat/completions";
+        assert_eq!(
+            max_tokens_asked(chat, &body(json!({"max_tokens": 8}))),
+            Some(8)
+        );
+        assert_eq!(
+            max_tokens_asked(
+                chat,
+                &body(json!({"max_tokens": 8, "max_completion_tokens": 5}))
+            ),
+            Some(5)
+        );
+        assert_eq!(
+            max_tokens_asked("/v1/completions", &body(json!({"max_tokens": 3}))),
+            Some(3)
+        );
+        assert_eq!(
+            max_tokens_asked(
+                "/generate",
+                &body(json!({"sampling_params": {"max_new_tokens": 4}}))
+            ),
+            Some(4)
+        );
+        assert_eq!(
+            max_tokens_asked(chat, &body(json!({}))),
+            None,
+            "the worker's default"
+        );
+        assert_eq!(
+            max_tokens_asked("/generate", &body(json!({"max_tokens": 4}))),
+            None
+        );
+    }
 }
