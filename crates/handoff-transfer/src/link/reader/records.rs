@@ -216,16 +216,11 @@ impl LinkReader {
     /// (seqlock style: every check follows every copy; checking later only
     /// rejects more). A changed page rejects its room.
     fn run_pulls(&mut self) {
-        if self.pulls.is_empty() {
-            return;
-        }
-        let mut pulls = std::mem::take(&mut self.pulls);
+        // `pull` queues nothing without a source.
         let Some(src) = self.source.clone() else {
-            // `pull` queues nothing without a source.
-            pulls.clear();
-            self.pulls = pulls;
             return;
         };
+        let mut pulls = std::mem::take(&mut self.pulls);
         for p in &mut pulls {
             p.copied = self
                 .pool
