@@ -18,9 +18,9 @@ use crate::errors::ApiError;
 use crate::extract::JsonBody;
 use crate::fields::Endpoint;
 use crate::generation::{sglang_finish_reason, Generation, Step};
-use crate::params::{RawSampling, StopInput};
 use crate::pd_fields::PdFields;
 use crate::prompt;
+use crate::sampling_fields::{Limits, SamplingFields};
 use crate::sse::{sse_response_marked, Disconnected, SseSender};
 use crate::state::AppState;
 
@@ -55,57 +55,18 @@ pub struct GenerateSampling {
     /// Output limit (default 128).
     #[serde(default)]
     pub max_new_tokens: Option<i64>,
-    /// Temperature (default 1; 0 is greedy).
-    #[serde(default)]
-    pub temperature: Option<f64>,
-    /// Nucleus mass.
-    #[serde(default)]
-    pub top_p: Option<f64>,
-    /// Top-k (-1 disables it).
-    #[serde(default)]
-    pub top_k: Option<i64>,
-    /// Stop strings.
-    #[serde(default)]
-    pub stop: Option<StopInput>,
-    /// Stop token ids.
-    #[serde(default)]
-    pub stop_token_ids: Option<Vec<u32>>,
-    /// Keep generating after EOS.
-    #[serde(default)]
-    pub ignore_eos: Option<bool>,
-    /// RNG seed.
-    #[serde(default)]
-    pub seed: Option<i64>,
     /// RNG seed (SGLang's name).
     #[serde(default)]
     pub sampling_seed: Option<i64>,
     /// Choices (1 to 16; [`crate::choices`]).
     #[serde(default)]
     pub n: Option<i64>,
-    /// Min-p filter.
-    #[serde(default)]
-    pub min_p: Option<f64>,
-    /// Presence penalty.
-    #[serde(default)]
-    pub presence_penalty: Option<f64>,
-    /// Frequency penalty.
-    #[serde(default)]
-    pub frequency_penalty: Option<f64>,
-    /// Repetition penalty.
-    #[serde(default)]
-    pub repetition_penalty: Option<f64>,
-    /// Token id → bias in [-100, 100].
-    #[serde(default)]
-    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
     /// Minimum output before any end of generation.
     #[serde(default)]
     pub min_new_tokens: Option<i64>,
-    /// Special tokens add no text (default true).
-    #[serde(default)]
-    pub skip_special_tokens: Option<bool>,
-    /// Spaces around special tokens in the text (default true).
-    #[serde(default)]
-    pub spaces_between_special_tokens: Option<bool>,
+    /// The sampling fields every API shares.
+    #[serde(flatten)]
+    pub shared: SamplingFields,
     /// Every other field: refused or accepted by [`crate::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
@@ -380,26 +341,16 @@ fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Pr
             "a batch or sampling_params.n > 1 is answered whole on /generate: send stream false (or stream several choices from /v1/completions)",
         ));
     }
-    let raw = RawSampling {
-        max_tokens_field: "max_new_tokens",
-        max_tokens: sp.max_new_tokens,
-        temperature: sp.temperature,
-        top_p: sp.top_p,
-        top_k: sp.top_k,
-        seed: sp.seed.or(sp.sampling_seed),
-        stop: sp.stop,
-        stop_token_ids: sp.stop_token_ids,
-        ignore_eos: sp.ignore_eos,
-        min_tokens_field: "sampling_params.min_new_tokens",
-        min_tokens: sp.min_new_tokens,
-        min_p: sp.min_p,
-        presence_penalty: sp.presence_penalty,
-        frequency_penalty: sp.frequency_penalty,
-        repetition_penalty: sp.repetition_penalty,
-        logit_bias: sp.logit_bias,
-        skip_special_tokens: sp.skip_special_tokens,
-        spaces_between_special_tokens: sp.spaces_between_special_tokens,
-    };
+    let mut raw = sp.shared.raw(
+        "sampling_params.",
+        Limits {
+            max_tokens_field: "max_new_tokens",
+            max_tokens: sp.max_new_tokens,
+            min_tokens_field: "sampling_params.min_new_tokens",
+            min_tokens: sp.min_new_tokens,
+        },
+    )?;
+    raw.seed = raw.seed.or(sp.sampling_seed);
     let mut sampling = raw.into_params(
         DEFAULT_MAX_NEW_TOKENS,
         &crate::params::Defaults::of_backend(&state.engine),

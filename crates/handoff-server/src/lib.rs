@@ -32,6 +32,7 @@ pub mod pd_fields;
 pub mod prompt;
 pub mod request_ids;
 pub mod router;
+pub mod sampling_fields;
 pub mod sse;
 pub mod state;
 pub mod structured;

@@ -598,7 +598,7 @@ fn prepare_chat(
     let default_max = DEFAULT_CHAT_MAX_TOKENS
         .min(info.context_length.saturating_sub(prompt_ids.len()))
         .min(pool_tokens.saturating_sub(prompt_ids.len()));
-    let mut sampling = req.sampling().into_params(
+    let mut sampling = req.sampling()?.into_params(
         default_max,
         &crate::params::Defaults::of_backend(&state.engine),
     )?;
@@ -680,7 +680,7 @@ fn prepare_completion(
     let top_logprobs = crate::params::top_logprobs("logprobs", req.logprobs)?;
     let echo = req.echo == Some(true);
     let mut sampling = req
-        .sampling()
+        .sampling()?
         .into_params(16, &crate::params::Defaults::of_backend(&state.engine))?;
     sampling.top_logprobs = top_logprobs;
     sampling.grammar = grammar;

@@ -7,8 +7,10 @@
 
 use serde::Deserialize;
 
-use crate::params::{RawSampling, StopInput};
+use crate::errors::ApiError;
+use crate::params::RawSampling;
 use crate::pd_fields::PdFields;
+use crate::sampling_fields::{Limits, SamplingFields};
 
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -94,27 +96,6 @@ pub struct ChatCompletionRequest {
     /// Output limit.
     #[serde(default)]
     pub max_completion_tokens: Option<i64>,
-    /// Temperature (default 1; 0 is greedy).
-    #[serde(default)]
-    pub temperature: Option<f64>,
-    /// Nucleus mass.
-    #[serde(default)]
-    pub top_p: Option<f64>,
-    /// Top-k (extension).
-    #[serde(default)]
-    pub top_k: Option<i64>,
-    /// RNG seed.
-    #[serde(default)]
-    pub seed: Option<i64>,
-    /// Stop strings.
-    #[serde(default)]
-    pub stop: Option<StopInput>,
-    /// Stop token ids (extension).
-    #[serde(default)]
-    pub stop_token_ids: Option<Vec<u32>>,
-    /// Keep generating after EOS (extension).
-    #[serde(default)]
-    pub ignore_eos: Option<bool>,
     /// Stream the answer as SSE.
     #[serde(default)]
     pub stream: Option<bool>,
@@ -130,30 +111,12 @@ pub struct ChatCompletionRequest {
     /// Alternatives per position.
     #[serde(default)]
     pub top_logprobs: Option<i64>,
-    /// Min-p filter (SGLang, vLLM).
-    #[serde(default)]
-    pub min_p: Option<f64>,
-    /// Presence penalty.
-    #[serde(default)]
-    pub presence_penalty: Option<f64>,
-    /// Frequency penalty.
-    #[serde(default)]
-    pub frequency_penalty: Option<f64>,
-    /// Repetition penalty (SGLang, vLLM).
-    #[serde(default)]
-    pub repetition_penalty: Option<f64>,
-    /// Token id → bias in [-100, 100].
-    #[serde(default)]
-    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
     /// Minimum output before any end of generation (SGLang, vLLM).
     #[serde(default)]
     pub min_tokens: Option<i64>,
-    /// Special tokens add no text (default true; SGLang, vLLM).
-    #[serde(default)]
-    pub skip_special_tokens: Option<bool>,
-    /// Spaces around special tokens in the text (default true; vLLM).
-    #[serde(default)]
-    pub spaces_between_special_tokens: Option<bool>,
+    /// The sampling fields every API shares.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     /// The PD fields (set by the router).
     #[serde(flatten)]
     pub pd: PdFields,
@@ -167,32 +130,21 @@ pub struct ChatCompletionRequest {
 }
 
 impl ChatCompletionRequest {
-    /// The sampling fields.
-    pub fn sampling(&self) -> RawSampling {
+    /// The sampling fields, typed (a 400 names a field of the wrong type).
+    pub fn sampling(&self) -> Result<RawSampling, ApiError> {
         let (field, max) = match (self.max_completion_tokens, self.max_tokens) {
             (Some(n), _) => ("max_completion_tokens", Some(n)),
             (None, n) => ("max_tokens", n),
         };
-        RawSampling {
-            max_tokens_field: field,
-            max_tokens: max,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            seed: self.seed,
-            stop: self.stop.clone(),
-            stop_token_ids: self.stop_token_ids.clone(),
-            ignore_eos: self.ignore_eos,
-            min_tokens_field: "min_tokens",
-            min_tokens: self.min_tokens,
-            min_p: self.min_p,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            repetition_penalty: self.repetition_penalty,
-            logit_bias: self.logit_bias.clone(),
-            skip_special_tokens: self.skip_special_tokens,
-            spaces_between_special_tokens: self.spaces_between_special_tokens,
-        }
+        self.sampling.raw(
+            "",
+            Limits {
+                max_tokens_field: field,
+                max_tokens: max,
+                min_tokens_field: "min_tokens",
+                min_tokens: self.min_tokens,
+            },
+        )
     }
 }
 
@@ -229,27 +181,6 @@ pub struct CompletionRequest {
     /// Output limit (default 16, as OpenAI).
     #[serde(default)]
     pub max_tokens: Option<i64>,
-    /// Temperature (default 1; 0 is greedy).
-    #[serde(default)]
-    pub temperature: Option<f64>,
-    /// Nucleus mass.
-    #[serde(default)]
-    pub top_p: Option<f64>,
-    /// Top-k (extension).
-    #[serde(default)]
-    pub top_k: Option<i64>,
-    /// RNG seed.
-    #[serde(default)]
-    pub seed: Option<i64>,
-    /// Stop strings.
-    #[serde(default)]
-    pub stop: Option<StopInput>,
-    /// Stop token ids (extension).
-    #[serde(default)]
-    pub stop_token_ids: Option<Vec<u32>>,
-    /// Keep generating after EOS (extension).
-    #[serde(default)]
-    pub ignore_eos: Option<bool>,
     /// Stream the answer as SSE.
     #[serde(default)]
     pub stream: Option<bool>,
@@ -271,30 +202,12 @@ pub struct CompletionRequest {
     /// Suffix (not supported).
     #[serde(default)]
     pub suffix: Option<String>,
-    /// Min-p filter (SGLang, vLLM).
-    #[serde(default)]
-    pub min_p: Option<f64>,
-    /// Presence penalty.
-    #[serde(default)]
-    pub presence_penalty: Option<f64>,
-    /// Frequency penalty.
-    #[serde(default)]
-    pub frequency_penalty: Option<f64>,
-    /// Repetition penalty (SGLang, vLLM).
-    #[serde(default)]
-    pub repetition_penalty: Option<f64>,
-    /// Token id → bias in [-100, 100].
-    #[serde(default)]
-    pub logit_bias: Option<std::collections::HashMap<String, f64>>,
     /// Minimum output before any end of generation (SGLang, vLLM).
     #[serde(default)]
     pub min_tokens: Option<i64>,
-    /// Special tokens add no text (default true; SGLang, vLLM).
-    #[serde(default)]
-    pub skip_special_tokens: Option<bool>,
-    /// Spaces around special tokens in the text (default true; vLLM).
-    #[serde(default)]
-    pub spaces_between_special_tokens: Option<bool>,
+    /// The sampling fields every API shares.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     /// The PD fields (set by the router).
     #[serde(flatten)]
     pub pd: PdFields,
@@ -308,27 +221,16 @@ pub struct CompletionRequest {
 }
 
 impl CompletionRequest {
-    /// The sampling fields.
-    pub fn sampling(&self) -> RawSampling {
-        RawSampling {
-            max_tokens_field: "max_tokens",
-            max_tokens: self.max_tokens,
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            seed: self.seed,
-            stop: self.stop.clone(),
-            stop_token_ids: self.stop_token_ids.clone(),
-            ignore_eos: self.ignore_eos,
-            min_tokens_field: "min_tokens",
-            min_tokens: self.min_tokens,
-            min_p: self.min_p,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            repetition_penalty: self.repetition_penalty,
-            logit_bias: self.logit_bias.clone(),
-            skip_special_tokens: self.skip_special_tokens,
-            spaces_between_special_tokens: self.spaces_between_special_tokens,
-        }
+    /// The sampling fields, typed (a 400 names a field of the wrong type).
+    pub fn sampling(&self) -> Result<RawSampling, ApiError> {
+        self.sampling.raw(
+            "",
+            Limits {
+                max_tokens_field: "max_tokens",
+                max_tokens: self.max_tokens,
+                min_tokens_field: "min_tokens",
+                min_tokens: self.min_tokens,
+            },
+        )
     }
 }

@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use crate::backend::{Bootstrap, Handover};
 use crate::errors::ApiError;
+use crate::sampling_fields::typed;
 
 /// The PD fields of a generation request (all set by a router).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -48,26 +49,16 @@ pub struct PdFields {
     pub stream_marks: Option<Value>,
 }
 
-/// `v` of `field` as a string (`null`: absent), else a 400 naming it.
-fn string<'a>(field: &str, v: Option<&'a Value>) -> Result<Option<&'a String>, ApiError> {
-    match v.filter(|v| !v.is_null()) {
-        None => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(v) => Err(ApiError::invalid_param(
-            field,
-            format!("{field} must be a string, got {v}"),
-        )),
-    }
-}
-
 impl PdFields {
     /// The fields, checked: each bad value is a 400 naming its field.
     pub fn bootstrap(&self) -> Result<Bootstrap, ApiError> {
+        let host: Option<String> = typed("bootstrap_host", self.bootstrap_host.as_ref())?;
+        let sig: Option<String> = typed("bootstrap_sig", self.bootstrap_sig.as_ref())?;
         let bootstrap = Bootstrap::parse(
-            string("bootstrap_host", self.bootstrap_host.as_ref())?,
+            host.as_ref(),
             self.bootstrap_port.as_ref(),
             self.bootstrap_room.as_ref(),
-            string("bootstrap_sig", self.bootstrap_sig.as_ref())?,
+            sig.as_ref(),
             self.bootstrap_ts.as_ref(),
         )?;
         Ok(bootstrap.with_handover(Handover::parse(
@@ -116,12 +107,12 @@ mod tests {
             (
                 "bootstrap_host",
                 json!(5),
-                "bootstrap_host must be a string, got 5",
+                "invalid value for `bootstrap_host`: invalid type: integer `5`, expected a string",
             ),
             (
                 "bootstrap_sig",
                 json!([1]),
-                "bootstrap_sig must be a string, got [1]",
+                "invalid value for `bootstrap_sig`: invalid type: sequence, expected a string",
             ),
             (
                 "bootstrap_port",
