@@ -42,13 +42,6 @@ pub enum EngineError {
         /// Vocabulary size.
         vocab_size: usize,
     },
-    /// Decode already holds connections to this many prefill addresses and
-    /// the request names another one.
-    #[error("decode already keeps connections to {limit} prefill addresses, its limit")]
-    TooManyPrefillPeers {
-        /// The limit.
-        limit: usize,
-    },
     /// Too many requests are already waiting; try again later.
     #[error("server overloaded: {waiting} requests are already waiting (limit {limit})")]
     Overloaded {
@@ -142,9 +135,7 @@ impl EngineError {
             | EngineError::ExceedsKvCapacity { .. }
             | EngineError::InvalidParams(_)
             | EngineError::TokenOutOfRange { .. } => 400,
-            EngineError::ShuttingDown
-            | EngineError::Overloaded { .. }
-            | EngineError::TooManyPrefillPeers { .. } => 503,
+            EngineError::ShuttingDown | EngineError::Overloaded { .. } => 503,
             EngineError::Model(_) | EngineError::Load(_) | EngineError::Grammar(_) => 500,
             EngineError::Transfer(e) => e.http_status(),
             EngineError::Transport(t) => t.get().http_status(),
@@ -200,7 +191,6 @@ impl EngineError {
             EngineError::TokenOutOfRange { .. } => "invalid_token_id",
             EngineError::ShuttingDown => "shutting_down",
             EngineError::Overloaded { .. } => "overloaded",
-            EngineError::TooManyPrefillPeers { .. } => "too_many_prefill_peers",
             EngineError::Model(_) => "model_error",
             EngineError::Load(_) => "model_load_error",
             EngineError::Grammar(_) => "grammar_error",

@@ -25,15 +25,14 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use crate::datalink::AuxData;
-use crate::error::TransferError;
+use crate::error::{FailureKind, TransferError};
 use crate::handshake::{Capabilities, Fingerprint};
 use crate::heartbeat::Liveness;
 use crate::ids::{AuxSlot, PageIndex, PeerId, RankId, RoomId};
 use crate::landing::LandedAux;
 use crate::rank::{RankError, RankMap};
 use crate::receiver_room::{ReceiverAction, ReceiverRooms, Source};
-use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Transmit};
-use crate::timer::Timer;
+use crate::room::{RoomConfig, RoomState, RoomStats, Transmit};
 
 /// A peer's place in its TP group (from its handshake fingerprint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,12 +119,10 @@ pub fn check_room_sources(
     }
 }
 
-/// What decode knows about a room ([`ReceiverEndpoint::poll`],
-/// [`ReceiverEndpoint::wait`]).
+/// How a decode room ended, as its event sink hears it (see
+/// [`ReceiverEndpoint::open`]).
 #[derive(Debug)]
-pub enum ReceiverPoll<L> {
-    /// Live, in this state.
-    Pending(RoomState),
+pub enum ReceiverOutcome<L> {
     /// Committed: the pages hold the prompt's KV; the engine owns them now.
     Success {
         /// The pages, back to the engine.
@@ -136,11 +133,9 @@ pub enum ReceiverPoll<L> {
         /// log-probability) pairs; empty unless asked for).
         prompt: Vec<(u32, f32)>,
     },
-    /// Failed (reported once). Pages return to the pool on their own once
-    /// no writer may still be writing.
+    /// Failed. Pages return to the pool on their own once no writer may
+    /// still be writing.
     Failed(TransferError),
-    /// Not known (never opened, or its outcome was already taken).
-    Unknown,
 }
 
 /// What the shell must do, besides sending control messages.
@@ -196,7 +191,7 @@ pub enum ReceiverEvent<L, W> {
         /// The waiter's token.
         waiter: W,
         /// What happened.
-        outcome: ReceiverPoll<L>,
+        outcome: ReceiverOutcome<L>,
     },
 }
 
@@ -256,8 +251,6 @@ pub struct ReceiverStats {
     pub stalled: Duration,
     /// Rooms holding a lease.
     pub leased_rooms: usize,
-    /// Outcomes not yet taken.
-    pub unclaimed_outcomes: usize,
     /// Waiters registered.
     pub waiters: usize,
 }
@@ -271,6 +264,10 @@ struct Peer {
     capabilities: Capabilities,
     /// Its data link: the shell's id for it and the peer's TP position.
     link: Option<(u64, TpPosition)>,
+    /// The prefill reported a room failed because its end of our
+    /// connection died: whatever still looks live here, the peer must be
+    /// connected again.
+    stale: bool,
 }
 
 /// A room's lease and the peers whose links may write it.
@@ -297,10 +294,8 @@ pub struct ReceiverEndpoint<L, W> {
     /// Aux records that arrived: the room id written in the slot, the data.
     /// Each room's aux record as it arrived.
     aux: HashMap<RoomId, LandedAux>,
-    /// Outcomes not yet taken; they expire with the unknown-room TTL (a
-    /// lease in an expired success goes back to the pool).
-    outcomes: Expiring<ReceiverPoll<L>>,
-    outcome_ttl: Duration,
+    /// Each live room's event sink (the engine's room handle): it hears
+    /// how the room ended; nothing else answers for the room.
     waiters: HashMap<RoomId, W>,
     events: VecDeque<ReceiverEvent<L, W>>,
     /// Our handshake fingerprint (model KV heads, our TP rank and size).
@@ -316,8 +311,6 @@ impl<L, W> ReceiverEndpoint<L, W> {
     pub fn new(config: RoomConfig, fingerprint: Fingerprint, handshake_timeout: Duration) -> Self {
         Self {
             liveness: Liveness::new(config.timers),
-            outcomes: Expiring::new(config.max_live_rooms),
-            outcome_ttl: config.timers.get(Timer::UnknownRoomTtl),
             rooms: ReceiverRooms::new(config),
             peers: HashMap::new(),
             abandoned: HashMap::new(),
@@ -355,16 +348,14 @@ impl<L, W> ReceiverEndpoint<L, W> {
             .poll_timeout()
             .into_iter()
             .chain(self.liveness.poll_timeout())
-            .chain(self.outcomes.next_expiry())
             .min()
     }
 
-    /// Deadlines that passed: rooms fail, outcomes expire, silent peers are
-    /// declared dead (their rooms fail; their pages wait for the fence).
+    /// Deadlines that passed: rooms fail, silent peers are declared dead
+    /// (their rooms fail; their pages wait for the fence).
     /// Returns the peers declared dead.
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<PeerId> {
         self.rooms.handle_timeout(now);
-        self.outcomes.expire(now);
         let dead = self.liveness.handle_timeout(now);
         for &peer in &dead {
             self.peers.remove(&peer);
@@ -413,6 +404,19 @@ impl<L, W> ReceiverEndpoint<L, W> {
     /// A control message from `peer`.
     pub fn handle_message(&mut self, peer: PeerId, msg: crate::message::Message, now: Instant) {
         self.liveness.handle_seen(peer, now);
+        if let crate::message::Message::Status(crate::message::Status {
+            outcome:
+                crate::message::Outcome::Failed {
+                    kind: FailureKind::PeerDead,
+                    ..
+                },
+            ..
+        }) = &msg
+        {
+            if let Some(p) = self.peers.get_mut(&peer) {
+                p.stale = true;
+            }
+        }
         self.rooms.handle_message(peer, msg, now);
         self.drive(now);
     }
@@ -466,7 +470,7 @@ impl<L, W> ReceiverEndpoint<L, W> {
     /// The aux record of `room` arrived on a link, with the room id written
     /// in the slot and the prompt scores sent ahead of it. Kept only for a
     /// room that holds pages; they reach the engine with the room's
-    /// success ([`ReceiverPoll::Success`]), or go with the room.
+    /// success ([`ReceiverOutcome::Success`]), or go with the room.
     pub fn handle_aux(
         &mut self,
         room: RoomId,
@@ -510,11 +514,13 @@ impl<L, W> ReceiverEndpoint<L, W> {
         self.rooms.state(room)
     }
 
-    /// Whether `peer` has both its control connection and data link up.
+    /// Whether `peer` has both its control connection and data link up,
+    /// and has not reported its end of them dead: otherwise the shell
+    /// connects again before a room may use the prefill.
     pub fn is_connected(&self, peer: PeerId) -> bool {
         self.peers
             .get(&peer)
-            .is_some_and(|p| p.control.is_some() && p.link.is_some())
+            .is_some_and(|p| p.control.is_some() && p.link.is_some() && !p.stale)
     }
 
     /// Whether `peer` has an established control connection.
@@ -522,7 +528,9 @@ impl<L, W> ReceiverEndpoint<L, W> {
         self.peers.get(&peer).is_some_and(|p| p.control.is_some())
     }
 
-    /// Accept a request for `room` needing KV from `sources`. Refused when
+    /// Accept a request for `room` needing KV from `sources`, with its own
+    /// event sink `sink`: it comes back in a [`ReceiverEvent::Outcome`]
+    /// when the room commits or fails. Refused when
     /// a source is not connected (the room could only end at its bootstrap
     /// deadline), when the sources cannot serve this decode peer, or by the
     /// room table (duplicate live room, capacity).
@@ -530,6 +538,7 @@ impl<L, W> ReceiverEndpoint<L, W> {
         &mut self,
         room: RoomId,
         sources: Vec<Source>,
+        sink: W,
         now: Instant,
     ) -> Result<(), RefusedRoom> {
         let ranks: Vec<PeerId> = sources.iter().map(|s| s.peer).collect();
@@ -548,6 +557,7 @@ impl<L, W> ReceiverEndpoint<L, W> {
         check_room_sources(&self.fingerprint, &tps)?;
         self.rooms.open(room, sources, now)?;
         self.sources.insert(room, ranks);
+        self.waiters.insert(room, sink);
         Ok(())
     }
 
@@ -627,45 +637,6 @@ impl<L, W> ReceiverEndpoint<L, W> {
         self.drive(now);
     }
 
-    /// The room's state or outcome (an outcome is taken: reported once). A
-    /// failure is reported at once, even while the room's pages still wait
-    /// for writers to drain.
-    pub fn poll(&mut self, room: RoomId) -> ReceiverPoll<L> {
-        match (self.outcomes.remove(room), self.rooms.state(room)) {
-            (Some(o), _) => o,
-            (None, Some(s)) if !s.is_terminal() => ReceiverPoll::Pending(s),
-            (None, _) => ReceiverPoll::Unknown,
-        }
-    }
-
-    /// Wait for `room`'s outcome: `waiter` comes back in an
-    /// [`ReceiverEvent::Outcome`] when the room commits or fails (at once
-    /// for an outcome already known, or `Unknown` for a room that is neither
-    /// live nor ended). One waiter per room: a later one replaces it.
-    pub fn wait(&mut self, room: RoomId, waiter: W) {
-        let outcome = match self.outcomes.remove(room) {
-            Some(o) => o,
-            None if self.rooms.state(room).is_some_and(|s| !s.is_terminal()) => {
-                self.waiters.insert(room, waiter);
-                return;
-            }
-            None => ReceiverPoll::Unknown,
-        };
-        self.events.push_back(ReceiverEvent::Outcome {
-            room,
-            waiter,
-            outcome,
-        });
-    }
-
-    /// The waiter of an [`ReceiverEvent::Outcome`] was gone: keep the
-    /// outcome for [`Self::poll`] until the unknown-room TTL.
-    pub fn unclaimed(&mut self, room: RoomId, outcome: ReceiverPoll<L>, now: Instant) {
-        if !matches!(outcome, ReceiverPoll::Unknown) {
-            self.outcomes.insert(room, outcome, now + self.outcome_ttl);
-        }
-    }
-
     /// Counters and gauges.
     pub fn stats(&self) -> ReceiverStats {
         ReceiverStats {
@@ -682,7 +653,6 @@ impl<L, W> ReceiverEndpoint<L, W> {
             handshakes_failed: self.handshakes_failed,
             stalled: self.liveness.stalled(),
             leased_rooms: self.held.len(),
-            unclaimed_outcomes: self.outcomes.len(),
             waiters: self.waiters.len(),
         }
     }
@@ -696,7 +666,6 @@ impl<L, W> ReceiverEndpoint<L, W> {
         self.sources.clear();
         self.waiters.clear();
         self.events.clear();
-        self.outcomes = Expiring::new(0);
     }
 
     // ----- inside -----
@@ -720,12 +689,12 @@ impl<L, W> ReceiverEndpoint<L, W> {
                             },
                             Vec::new(),
                         ));
-                        self.outcome(room, ReceiverPoll::Success { lease, aux, prompt }, now);
+                        self.outcome(room, ReceiverOutcome::Success { lease, aux, prompt });
                     }
                 }
                 ReceiverAction::FailRequest { room, error } => {
                     self.sources.remove(&room);
-                    self.outcome(room, ReceiverPoll::Failed(error), now);
+                    self.outcome(room, ReceiverOutcome::Failed(error));
                 }
                 ReceiverAction::ReleasePages {
                     room,
@@ -757,14 +726,15 @@ impl<L, W> ReceiverEndpoint<L, W> {
         Some(held.lease)
     }
 
-    fn outcome(&mut self, room: RoomId, outcome: ReceiverPoll<L>, now: Instant) {
-        match self.waiters.remove(&room) {
-            Some(waiter) => self.events.push_back(ReceiverEvent::Outcome {
+    /// `room` ended: its sink hears how. Without one (the shell is
+    /// stopping) the outcome is dropped, and a lease in it with it.
+    fn outcome(&mut self, room: RoomId, outcome: ReceiverOutcome<L>) {
+        if let Some(waiter) = self.waiters.remove(&room) {
+            self.events.push_back(ReceiverEvent::Outcome {
                 room,
                 waiter,
                 outcome,
-            }),
-            None => self.outcomes.insert(room, outcome, now + self.outcome_ttl),
+            });
         }
     }
 }
@@ -859,7 +829,10 @@ mod tests {
                 peer: P,
                 required_destinations: 1,
             }];
-            self.ep.open(room, sources, self.now).unwrap();
+            // The room's sink: its number.
+            self.ep
+                .open(room, sources, room.get() as u32, self.now)
+                .unwrap();
             let lease = self.lease();
             let pages = pages.iter().map(|p| PageIndex(*p)).collect();
             self.ep
@@ -886,6 +859,27 @@ mod tests {
 
         fn events(&mut self) -> Vec<ReceiverEvent<Lease, u32>> {
             std::iter::from_fn(|| self.ep.poll_event()).collect()
+        }
+
+        /// The one outcome among the events, heard by `room`'s sink.
+        fn outcome(&mut self, room: RoomId) -> ReceiverOutcome<Lease> {
+            let mut outcomes: Vec<_> = self
+                .events()
+                .into_iter()
+                .filter_map(|e| match e {
+                    ReceiverEvent::Outcome {
+                        room: r,
+                        waiter,
+                        outcome,
+                    } => {
+                        assert_eq!((r, waiter), (room, room.get() as u32));
+                        Some(outcome)
+                    }
+                    _ => None,
+                })
+                .collect();
+            assert_eq!(outcomes.len(), 1, "one outcome");
+            outcomes.pop().unwrap()
         }
 
         fn transmits(&mut self) -> Vec<Transmit> {
@@ -918,8 +912,7 @@ mod tests {
             matches!(&tx[..], [Transmit { to, message: Message::Destination(d) }] if *to == P && d.room == r),
             "{tx:?}"
         );
-        f.ep.wait(r, 77);
-        assert!(f.events().is_empty(), "a live room's waiter waits");
+        assert!(f.events().is_empty(), "a live room's sink waits");
         f.land(r, r.get(), 5);
         let ev = f.events();
         match &ev[..] {
@@ -929,8 +922,8 @@ mod tests {
                 may_write: false,
             }, ReceiverEvent::Outcome {
                 room: o,
-                waiter: 77,
-                outcome: ReceiverPoll::Success { aux, prompt, .. },
+                waiter: 9,
+                outcome: ReceiverOutcome::Success { aux, prompt, .. },
             }] => {
                 assert_eq!((*peer, *room, *o), (P, r, r));
                 // The prompt scores ride with the aux record to the outcome.
@@ -941,15 +934,7 @@ mod tests {
         }
         assert_eq!(f.live.get(), 1, "the engine owns the lease now");
         let s = f.ep.stats();
-        assert_eq!(
-            (
-                s.live_rooms,
-                s.leased_rooms,
-                s.unclaimed_outcomes,
-                s.waiters
-            ),
-            (0, 0, 0, 0)
-        );
+        assert_eq!((s.live_rooms, s.leased_rooms, s.waiters), (0, 0, 0));
         drop(ev);
         assert_eq!(f.live.get(), 0);
     }
@@ -961,14 +946,14 @@ mod tests {
         f.open_and_reserve(r, &[1]);
         f.events();
         f.land(r, 12345, 5);
-        match f.ep.poll(r) {
-            ReceiverPoll::Failed(e) => {
+        match f.outcome(r) {
+            ReceiverOutcome::Failed(e) => {
                 assert!(matches!(e, TransferError::PeerMisbehaved { .. }), "{e}")
             }
             other => panic!("{other:?}"),
         }
         assert_eq!(f.live.get(), 0, "the writer finished: pages are free");
-        assert!(matches!(f.ep.poll(r), ReceiverPoll::Unknown), "taken once");
+        assert!(f.events().is_empty(), "one outcome");
     }
 
     #[test]
@@ -987,7 +972,7 @@ mod tests {
             },
             f.now,
         );
-        assert!(matches!(f.ep.poll(r), ReceiverPoll::Failed(_)));
+        assert!(matches!(f.outcome(r), ReceiverOutcome::Failed(_)));
         assert_eq!(f.live.get(), 1, "a write may be in flight");
         assert!(f
             .transmits()
@@ -1011,12 +996,39 @@ mod tests {
     }
 
     #[test]
+    fn a_prefill_reporting_its_end_dead_must_be_connected_again() {
+        let mut f = Fixture::new();
+        let r = room(6);
+        f.open_and_reserve(r, &[1]);
+        f.events();
+        // Another failure kind from the peer leaves its connection in use.
+        let failed = |kind| {
+            Message::Status(Status {
+                room: r,
+                outcome: Outcome::Failed {
+                    kind,
+                    reason: "x".into(),
+                    http_status: Some(503),
+                    code: None,
+                },
+            })
+        };
+        f.ep.handle_message(P, failed(FailureKind::Timeout), f.now);
+        assert!(f.ep.is_connected(P));
+        f.ep.handle_message(P, failed(FailureKind::PeerDead), f.now);
+        assert!(!f.ep.is_connected(P), "a new room must reconnect first");
+        assert!(
+            f.ep.has_control(P),
+            "the connection itself is not closed here"
+        );
+    }
+
+    #[test]
     fn a_closed_control_connection_fails_its_rooms_and_closes_the_peer() {
         let mut f = Fixture::new();
         let r = room(5);
         f.open_and_reserve(r, &[1]);
         f.events();
-        f.ep.wait(r, 1);
         // An older connection of the same peer closing changes nothing.
         f.ep.handle_control_closed(P, 99, f.now);
         assert!(f.ep.is_connected(P));
@@ -1027,8 +1039,8 @@ mod tests {
             ev.iter().any(|e| matches!(
                 e,
                 ReceiverEvent::Outcome {
-                    waiter: 1,
-                    outcome: ReceiverPoll::Failed(TransferError::PeerDead { .. }),
+                    waiter: 5,
+                    outcome: ReceiverOutcome::Failed(TransferError::PeerDead { .. }),
                     ..
                 }
             )),
@@ -1044,6 +1056,7 @@ mod tests {
                     peer: P,
                     required_destinations: 1,
                 }],
+                6,
                 f.now,
             )
             .unwrap_err();
@@ -1062,7 +1075,7 @@ mod tests {
             }]
         };
         let reserve = |f: &mut Fixture, r: RoomId, prefix| {
-            f.ep.open(r, sources(), f.now).unwrap();
+            f.ep.open(r, sources(), 0, f.now).unwrap();
             let lease = f.lease();
             f.ep.reserve(r, lease, vec![PageIndex(4)], AuxSlot(1), prefix, f.now)
         };
@@ -1117,27 +1130,5 @@ mod tests {
         ep.abandon(PeerId(7), now + Duration::from_secs(11));
         assert!(!ep.has_control(PeerId(7)));
         assert_eq!(ep.abandoned.len(), 1);
-    }
-
-    #[test]
-    fn an_outcome_whose_waiter_left_is_kept_until_its_ttl() {
-        let mut f = Fixture::new();
-        let r = room(8);
-        f.open_and_reserve(r, &[1]);
-        f.events();
-        f.ep.wait(r, 1);
-        f.land(r, r.get(), 1);
-        let outcome = f
-            .events()
-            .into_iter()
-            .find_map(|e| match e {
-                ReceiverEvent::Outcome { outcome, .. } => Some(outcome),
-                _ => None,
-            })
-            .unwrap();
-        f.ep.unclaimed(r, outcome, f.now);
-        assert_eq!(f.live.get(), 1);
-        f.ep.handle_timeout(f.now + Duration::from_secs(3600));
-        assert_eq!(f.live.get(), 0, "an expired success returns its pages");
     }
 }

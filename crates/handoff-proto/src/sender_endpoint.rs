@@ -5,10 +5,10 @@
 //! which connect of each decode endpoint is the newest (a connect that
 //! decode cancelled but that completes late here never replaces a newer
 //! one), the assembly of multi-stream data links, each room's destinations
-//! and whether its writes ended or were cancelled, the outcomes nobody has
-//! taken yet and the waiters for them. It is generic over the link stream
-//! type `S` (the shell's accepted socket), the waiter token `W` (the
-//! shell's reply channel) and the per-room cancel token `C` (the flag the
+//! and whether its writes ended or were cancelled, and each room's event
+//! sink. It is generic over the link stream
+//! type `S` (the shell's accepted socket), the event sink `W` (the room
+//! handle's channel) and the per-room cancel token `C` (the flag the
 //! shell's link writers check), so nothing here does I/O: time is passed
 //! in, control messages come out of [`SenderEndpoint::poll_transmit`] and
 //! everything else the shell must do out of [`SenderEndpoint::poll_event`].
@@ -18,7 +18,7 @@
 //! returns the destinations to write; a destination the shell cannot write
 //! is reported with [`SenderEndpoint::handle_write_failed`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -29,26 +29,23 @@ use crate::heartbeat::Liveness;
 use crate::ids::{PeerId, RoomId};
 use crate::message::{Destination, Message};
 use crate::peer_ids::PeerIds;
-use crate::room::{Expiring, RoomConfig, RoomState, RoomStats, Transmit};
+use crate::room::{RoomConfig, RoomState, RoomStats, Transmit};
 use crate::sender_room::{SenderAction, SenderRooms};
-use crate::timer::Timer;
 
 /// Decode peers whose newest connect number is kept even with nothing left
 /// of them.
 const MAX_NEWEST: usize = 4096;
 
-/// What prefill knows about a room ([`SenderEndpoint::poll`],
-/// [`SenderEndpoint::wait`], [`SenderEndpoint::wait_input`]).
+/// What a prefill room's event sink hears (see [`SenderEndpoint::open`]):
+/// `Ready` at most once, then its end, once.
 #[derive(Debug, Clone, PartialEq)]
-pub enum SenderPoll {
-    /// Live, in this state (`WaitingForInput`: compute may start).
-    Pending(RoomState),
+pub enum SenderRoomEvent {
+    /// Every destination arrived: compute may start.
+    Ready,
     /// Every destination has all KV and aux.
     Success,
-    /// Failed (reported once; the room is released).
+    /// Failed (the room is released).
     Failed(TransferError),
-    /// Not known (never opened, or its outcome was already taken).
-    Unknown,
 }
 
 /// What the prefill shell must do, besides sending control messages.
@@ -87,12 +84,12 @@ pub enum SenderEvent<W, C> {
         /// Its data link, if one is to close.
         link: Option<u64>,
     },
-    /// A waiter's answer.
-    Answer {
-        /// The waiter's token.
-        waiter: W,
-        /// The answer.
-        poll: SenderPoll,
+    /// An event of a room, for its sink.
+    Room {
+        /// The room's sink.
+        sink: W,
+        /// What happened.
+        event: SenderRoomEvent,
     },
 }
 
@@ -159,10 +156,8 @@ pub struct SenderStats {
     pub stalled: Duration,
     /// Rooms whose writes started.
     pub writing_rooms: usize,
-    /// Outcomes not yet taken.
-    pub unclaimed_outcomes: usize,
-    /// Waiters registered (outcome and input).
-    pub waiters: usize,
+    /// Rooms with an event sink (live rooms).
+    pub sinks: usize,
 }
 
 /// What prefill knows of one decode peer.
@@ -231,12 +226,11 @@ pub struct SenderEndpoint<S, W, C> {
     /// Rooms opened but not yet writing: their cancel tokens.
     tokens: HashMap<RoomId, C>,
     writing: HashMap<RoomId, Writing<C>>,
-    /// Outcomes not yet taken; they expire with the unknown-room TTL.
-    outcomes: Expiring<Result<(), TransferError>>,
-    outcome_ttl: Duration,
-    waiters: HashMap<RoomId, Vec<W>>,
-    /// Waiting for their room to leave `Bootstrapping`.
-    input_waiters: HashMap<RoomId, Vec<W>>,
+    /// Each live room's event sink (the engine's room handle): it hears
+    /// when the room leaves `Bootstrapping`, then how it ended.
+    sinks: HashMap<RoomId, W>,
+    /// Rooms whose sink has not yet heard that they left `Bootstrapping`.
+    awaiting_input: HashSet<RoomId>,
     events: VecDeque<SenderEvent<W, C>>,
     /// Layers of the prefill pool.
     layers: usize,
@@ -246,22 +240,20 @@ pub struct SenderEndpoint<S, W, C> {
     handshakes_failed: u64,
 }
 
-impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
+impl<S, W: Clone, C: Clone> SenderEndpoint<S, W, C> {
     /// An endpoint with room limits and timers `config` over a prefill pool
     /// of `layers` layers and `page_size` tokens per page.
     pub fn new(config: RoomConfig, layers: usize, page_size: usize) -> Self {
         Self {
             liveness: Liveness::new(config.timers),
-            outcomes: Expiring::new(config.max_live_rooms),
-            outcome_ttl: config.timers.get(Timer::UnknownRoomTtl),
             rooms: SenderRooms::new(config),
             peers: HashMap::new(),
             newest: HashMap::new(),
             peer_ids: PeerIds::default(),
             tokens: HashMap::new(),
             writing: HashMap::new(),
-            waiters: HashMap::new(),
-            input_waiters: HashMap::new(),
+            sinks: HashMap::new(),
+            awaiting_input: HashSet::new(),
             events: VecDeque::new(),
             layers,
             page_size: page_size.max(1),
@@ -306,16 +298,14 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             .poll_timeout()
             .into_iter()
             .chain(self.liveness.poll_timeout())
-            .chain(self.outcomes.next_expiry())
             .min()
     }
 
-    /// Deadlines that passed: rooms fail, outcomes expire, silent peers are
+    /// Deadlines that passed: rooms fail, silent peers are
     /// declared dead (their connections go, their rooms fail).
     /// Returns the peers declared dead.
     pub fn handle_timeout(&mut self, now: Instant) -> Vec<PeerId> {
         self.rooms.handle_timeout(now);
-        self.outcomes.expire(now);
         let dead = self.liveness.handle_timeout(now);
         for &peer in &dead {
             self.drop_peer(peer, now);
@@ -508,12 +498,24 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
 
     // ----- what the engine asks -----
 
-    /// Accept a request for `room`, whose writes will carry `cancel`. Fails
+    /// Accept a request for `room`, whose writes will carry `cancel`, with
+    /// its own event sink `sink`: it comes back in a
+    /// [`SenderEvent::Answer`] with `Pending(WaitingForInput)` once every
+    /// destination arrived (compute may start), then with `Success` or
+    /// `Failed` (the room's end); nothing else answers for the room. Fails
     /// for a duplicate live room id, a room decode already aborted, or
     /// capacity.
-    pub fn open(&mut self, room: RoomId, cancel: C, now: Instant) -> Result<(), TransferError> {
+    pub fn open(
+        &mut self,
+        room: RoomId,
+        cancel: C,
+        sink: W,
+        now: Instant,
+    ) -> Result<(), TransferError> {
         self.rooms.open(room, now)?;
         self.tokens.insert(room, cancel);
+        self.sinks.insert(room, sink);
+        self.awaiting_input.insert(room);
         self.drive(now);
         Ok(())
     }
@@ -659,40 +661,6 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
         self.rooms.state(room)
     }
 
-    /// The room's state or outcome (an outcome is taken: reported once).
-    pub fn poll(&mut self, room: RoomId) -> SenderPoll {
-        match self.rooms.state(room) {
-            Some(s) if !s.is_terminal() => SenderPoll::Pending(s),
-            _ => Self::answer(self.outcomes.remove(room)),
-        }
-    }
-
-    /// Wait until `room` ends: `waiter` comes back with its outcome in a
-    /// [`SenderEvent::Answer`] (taken, like [`Self::poll`]); at once with
-    /// `Unknown` for a room that is neither live nor ended.
-    pub fn wait(&mut self, room: RoomId, waiter: W) {
-        let poll = match self.outcomes.remove(room) {
-            Some(o) => Self::answer(Some(o)),
-            None if self.rooms.state(room).is_some_and(|s| !s.is_terminal()) => {
-                self.waiters.entry(room).or_default().push(waiter);
-                return;
-            }
-            None => SenderPoll::Unknown,
-        };
-        self.events.push_back(SenderEvent::Answer { waiter, poll });
-    }
-
-    /// Wait until `room` leaves `Bootstrapping`: `waiter` comes back with
-    /// `Pending(WaitingForInput)` (every destination arrived: compute may
-    /// start) or `Unknown` (the room ended; its outcome is left for
-    /// [`Self::poll`] / [`Self::wait`]).
-    pub fn wait_input(&mut self, room: RoomId, waiter: W) {
-        match self.input_state(room) {
-            Some(poll) => self.events.push_back(SenderEvent::Answer { waiter, poll }),
-            None => self.input_waiters.entry(room).or_default().push(waiter),
-        }
-    }
-
     /// Counters and gauges.
     pub fn stats(&self) -> SenderStats {
         SenderStats {
@@ -710,9 +678,7 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
             handshakes_failed: self.handshakes_failed,
             stalled: self.liveness.stalled(),
             writing_rooms: self.writing.len(),
-            unclaimed_outcomes: self.outcomes.len(),
-            waiters: self.waiters.values().map(Vec::len).sum::<usize>()
-                + self.input_waiters.values().map(Vec::len).sum::<usize>(),
+            sinks: self.sinks.len(),
         }
     }
 
@@ -720,8 +686,8 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
     /// every room's writes are cancelled ([`SenderEvent::Cancel`]).
     pub fn shutdown(&mut self) {
         self.peers.clear();
-        self.waiters.clear();
-        self.input_waiters.clear();
+        self.sinks.clear();
+        self.awaiting_input.clear();
         self.events.clear();
         for (room, w) in self.writing.drain() {
             self.events.push_back(SenderEvent::Cancel {
@@ -733,24 +699,6 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
     }
 
     // ----- inside -----
-
-    fn answer(outcome: Option<Result<(), TransferError>>) -> SenderPoll {
-        match outcome {
-            Some(Ok(())) => SenderPoll::Success,
-            Some(Err(e)) => SenderPoll::Failed(e),
-            None => SenderPoll::Unknown,
-        }
-    }
-
-    /// The answer of `wait_input` for `room`, or `None` while it is still
-    /// bootstrapping.
-    fn input_state(&self, room: RoomId) -> Option<SenderPoll> {
-        match self.rooms.state(room) {
-            Some(RoomState::Bootstrapping) => None,
-            Some(s) if !s.is_terminal() => Some(SenderPoll::Pending(s)),
-            _ => Some(SenderPoll::Unknown),
-        }
-    }
 
     /// Move `room` to Transferring (compute done) if it is not yet.
     fn start_writes(&mut self, room: RoomId, now: Instant) -> Result<(), SendRefused> {
@@ -823,32 +771,35 @@ impl<S, W, C: Clone> SenderEndpoint<S, W, C> {
                 SenderAction::Finished { room, result } => {
                     self.writing.remove(&room);
                     self.tokens.remove(&room);
-                    match self.waiters.remove(&room) {
-                        Some(waiters) => {
-                            let poll = Self::answer(Some(result));
-                            for waiter in waiters {
-                                self.events.push_back(SenderEvent::Answer {
-                                    waiter,
-                                    poll: poll.clone(),
-                                });
-                            }
-                        }
-                        None => self.outcomes.insert(room, result, now + self.outcome_ttl),
+                    self.awaiting_input.remove(&room);
+                    if let Some(sink) = self.sinks.remove(&room) {
+                        let event = match result {
+                            Ok(()) => SenderRoomEvent::Success,
+                            Err(e) => SenderRoomEvent::Failed(e),
+                        };
+                        self.events.push_back(SenderEvent::Room { sink, event });
                     }
                 }
             }
         }
-        if !self.input_waiters.is_empty() {
-            let ready: Vec<(RoomId, SenderPoll)> = self
-                .input_waiters
-                .keys()
-                .filter_map(|&room| self.input_state(room).map(|p| (room, p)))
+        if !self.awaiting_input.is_empty() {
+            let rooms = &self.rooms;
+            let ready: Vec<RoomId> = self
+                .awaiting_input
+                .iter()
+                .copied()
+                .filter(|&room| {
+                    rooms
+                        .state(room)
+                        .is_some_and(|s| s != RoomState::Bootstrapping && !s.is_terminal())
+                })
                 .collect();
-            for (room, poll) in ready {
-                for waiter in self.input_waiters.remove(&room).unwrap_or_default() {
-                    self.events.push_back(SenderEvent::Answer {
-                        waiter,
-                        poll: poll.clone(),
+            for room in ready {
+                self.awaiting_input.remove(&room);
+                if let Some(sink) = self.sinks.get(&room).cloned() {
+                    self.events.push_back(SenderEvent::Room {
+                        sink,
+                        event: SenderRoomEvent::Ready,
                     });
                 }
             }
@@ -931,14 +882,47 @@ mod tests {
         std::iter::from_fn(|| ep.poll_event()).collect()
     }
 
+    /// The room's end, from the answers among `events` (a room ends once).
+    fn end(events: &mut impl Events) -> SenderRoomEvent {
+        let ends: Vec<SenderRoomEvent> = events
+            .take_all()
+            .into_iter()
+            .filter_map(|e| match e {
+                SenderEvent::Room { event, .. }
+                    if matches!(event, SenderRoomEvent::Success | SenderRoomEvent::Failed(_)) =>
+                {
+                    Some(event)
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ends.len(), 1, "one end: {ends:?}");
+        ends.into_iter().next().unwrap()
+    }
+
+    /// Where [`end`] reads events from: the endpoint or events taken.
+    trait Events {
+        fn take_all(&mut self) -> Vec<SenderEvent<u32, u8>>;
+    }
+
+    impl Events for Ep {
+        fn take_all(&mut self) -> Vec<SenderEvent<u32, u8>> {
+            events(self)
+        }
+    }
+
+    impl Events for std::vec::IntoIter<SenderEvent<u32, u8>> {
+        fn take_all(&mut self) -> Vec<SenderEvent<u32, u8>> {
+            self.collect()
+        }
+    }
+
     #[test]
     fn a_room_waits_for_its_destination_then_writes_and_succeeds_on_the_ack() {
         let now = Instant::now();
         let mut ep = connected(now);
         let r = room(9);
-        ep.open(r, 1, now).unwrap();
-        ep.wait_input(r, 100);
-        ep.wait(r, 101);
+        ep.open(r, 1, 100, now).unwrap();
         assert!(events(&mut ep).is_empty(), "bootstrapping: nobody answered");
         assert_eq!(
             ep.send(r, 0..1, 0..1, now).unwrap_err(),
@@ -947,9 +931,9 @@ mod tests {
         ep.handle_message(D, destination(r, &[4, 5]), now);
         assert!(matches!(
             &events(&mut ep)[..],
-            [SenderEvent::Answer {
-                waiter: 100,
-                poll: SenderPoll::Pending(RoomState::WaitingForInput)
+            [SenderEvent::Room {
+                sink: 100,
+                event: SenderRoomEvent::Ready
             }]
         ));
         let (dests, cancel) = ep.send(r, 0..2, 0..2, now).unwrap();
@@ -957,7 +941,7 @@ mod tests {
         assert_eq!(dests.len(), 1);
         assert_eq!((dests[0].peer, dests[0].dest_pool_pages), (D, 8));
         assert_eq!((dests[0].pages.clone(), dests[0].skip), (0..2, 0));
-        assert_eq!(ep.poll(r), SenderPoll::Pending(RoomState::Transferring));
+        assert_eq!(ep.state(r), Some(RoomState::Transferring));
         ep.finish(
             r,
             AuxData {
@@ -978,9 +962,9 @@ mod tests {
         ep.handle_ack(D, r, true, now);
         assert!(matches!(
             &events(&mut ep)[..],
-            [SenderEvent::Answer {
-                waiter: 101,
-                poll: SenderPoll::Success
+            [SenderEvent::Room {
+                sink: 100,
+                event: SenderRoomEvent::Success
             }]
         ));
         let tx: Vec<Transmit> = std::iter::from_fn(|| ep.poll_transmit(now)).collect();
@@ -992,15 +976,7 @@ mod tests {
             })
         )));
         let s = ep.stats();
-        assert_eq!(
-            (
-                s.live_rooms,
-                s.writing_rooms,
-                s.waiters,
-                s.unclaimed_outcomes
-            ),
-            (0, 0, 0, 0)
-        );
+        assert_eq!((s.live_rooms, s.writing_rooms, s.sinks), (0, 0, 0));
         assert!(ep.tokens.is_empty());
     }
 
@@ -1019,7 +995,7 @@ mod tests {
         let now = Instant::now();
         let mut ep = connected(now); // 4 tokens per page
         let r = room(21);
-        ep.open(r, 1, now).unwrap();
+        ep.open(r, 1, 1, now).unwrap();
         // Decode holds the first 2 pages (8 tokens); its list starts at
         // room page 2.
         ep.handle_message(D, destination_after(r, &[6, 7, 3], 8), now);
@@ -1028,12 +1004,12 @@ mod tests {
         let (dests, _) = ep.send(r, 0..2, 1..4, now).unwrap();
         assert_eq!(dests.len(), 1);
         assert_eq!((dests[0].pages.clone(), dests[0].skip), (2..4, 2));
-        assert_eq!(ep.poll(r), SenderPoll::Pending(RoomState::Transferring));
+        assert_eq!(ep.state(r), Some(RoomState::Transferring));
         // Past the destination's list: too short, counted from its start.
         let (dests, _) = ep.send(r, 0..1, 4..6, now).unwrap();
         assert!(dests.is_empty());
-        match ep.poll(r) {
-            SenderPoll::Failed(TransferError::PeerMisbehaved { what }) => {
+        match end(&mut ep) {
+            SenderRoomEvent::Failed(TransferError::PeerMisbehaved { what }) => {
                 assert_eq!(what, Misbehavior::DestinationTooShort { has: 3, sends: 4 })
             }
             other => panic!("{other:?}"),
@@ -1045,12 +1021,12 @@ mod tests {
         let now = Instant::now();
         let mut ep = connected(now);
         let r = room(22);
-        ep.open(r, 1, now).unwrap();
+        ep.open(r, 1, 1, now).unwrap();
         ep.handle_message(D, destination_after(r, &[6, 7], 6), now);
         let (dests, _) = ep.send(r, 0..1, 0..2, now).unwrap();
         assert!(dests.is_empty());
-        match ep.poll(r) {
-            SenderPoll::Failed(TransferError::PeerMisbehaved { what }) => {
+        match end(&mut ep) {
+            SenderRoomEvent::Failed(TransferError::PeerMisbehaved { what }) => {
                 assert_eq!(
                     what,
                     Misbehavior::PrefixNotPageAligned {
@@ -1071,12 +1047,12 @@ mod tests {
         let now = Instant::now();
         let mut ep = connected(now);
         let r = room(2);
-        ep.open(r, 1, now).unwrap();
+        ep.open(r, 1, 1, now).unwrap();
         ep.handle_message(D, destination(r, &[1, 8]), now); // pool has 8 pages
         let (dests, _) = ep.send(r, 0..1, 0..2, now).unwrap();
         assert!(dests.is_empty(), "nothing to write");
-        match ep.poll(r) {
-            SenderPoll::Failed(TransferError::PeerMisbehaved { what }) => {
+        match end(&mut ep) {
+            SenderRoomEvent::Failed(TransferError::PeerMisbehaved { what }) => {
                 assert_eq!(
                     what,
                     Misbehavior::PageOutsidePool {
@@ -1103,10 +1079,10 @@ mod tests {
         let now = Instant::now();
         let mut ep = connected(now);
         let r = room(4);
-        ep.open(r, 9, now).unwrap();
+        ep.open(r, 9, 1, now).unwrap();
         ep.handle_message(D, destination(r, &[1]), now);
         ep.send(r, 0..2, 0..1, now).unwrap();
-        ep.wait(r, 1);
+        events(&mut ep);
         ep.handle_message(
             D,
             Message::Abort(Abort {
@@ -1128,14 +1104,14 @@ mod tests {
             ),
             "{ev:?}"
         );
-        assert_eq!(ep.poll(r), SenderPoll::Pending(RoomState::Draining));
+        assert_eq!(ep.state(r), Some(RoomState::Draining));
         // The writer's ack of the cancelled end: the room fails, once.
         ep.handle_ack(D, r, true, now);
         assert!(matches!(
             &events(&mut ep)[..],
-            [SenderEvent::Answer {
-                waiter: 1,
-                poll: SenderPoll::Failed(_)
+            [SenderEvent::Room {
+                sink: 1,
+                event: SenderRoomEvent::Failed(_)
             }]
         ));
     }
@@ -1147,7 +1123,7 @@ mod tests {
         assert!(ep.handle_control_up(D, 1, 5, now));
         ep.handle_link_up(D, 11, 8);
         let r = room(6);
-        ep.open(r, 0, now).unwrap();
+        ep.open(r, 0, 1, now).unwrap();
         ep.handle_message(D, destination(r, &[1]), now);
         // Connect 3, cancelled on decode, completes late: refused.
         assert!(!ep.handle_control_up(D, 2, 3, now));
@@ -1168,8 +1144,8 @@ mod tests {
             "{ev:?}"
         );
         assert!(matches!(
-            ep.poll(r),
-            SenderPoll::Failed(TransferError::PeerDead { .. })
+            end(&mut ev.into_iter()),
+            SenderRoomEvent::Failed(TransferError::PeerDead { .. })
         ));
         assert_eq!(ep.stats().links, 0, "connect 6 has no link yet");
         assert!(ep.stats().peers_ranks.contains(&D));

@@ -27,10 +27,12 @@ use handoff_proto::fuzz::sample_fingerprint;
 use handoff_proto::handshake::{Capabilities, Handshake, HandshakeConfig, Negotiated};
 use handoff_proto::message::{Abort, Message};
 use handoff_proto::rank::RankMap;
-use handoff_proto::receiver_endpoint::{ReceiverEndpoint, ReceiverEvent, ReceiverPoll, TpPosition};
+use handoff_proto::receiver_endpoint::{
+    ReceiverEndpoint, ReceiverEvent, ReceiverOutcome, TpPosition,
+};
 use handoff_proto::receiver_room::Source;
 use handoff_proto::room::{RoomConfig, RoomState, Transmit};
-use handoff_proto::sender_endpoint::{SenderEndpoint, SenderEvent, SenderPoll};
+use handoff_proto::sender_endpoint::{SenderEndpoint, SenderEvent, SenderRoomEvent};
 use handoff_proto::{AuxSlot, PageIndex, PeerId, RankId, Role, RoomId};
 
 /// splitmix64: deterministic, dependency-free.
@@ -116,14 +118,9 @@ enum Task {
     Crash(Node),
 }
 
-/// Who waits for what (the endpoints' waiter tokens).
+/// A room's event sink (the request task's handle): its room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Waiter {
-    /// The prefill request task waiting for its destinations.
-    Input(RoomId),
-    /// A request task waiting for its room's outcome.
-    Outcome(RoomId),
-}
+struct Waiter(RoomId);
 
 /// In-flight writes: (prefill rank, decode rank, room) -> destination pages.
 type Writes = Rc<RefCell<BTreeMap<(u32, u32, RoomId), Vec<PageIndex>>>>;
@@ -472,11 +469,8 @@ impl Sim {
             }
             Task::OpenPrefill { p, room: r } => {
                 if let Some(n) = self.prefill[p as usize].as_mut() {
-                    match n.ep.open(r, (), now) {
-                        Ok(()) => {
-                            n.ep.wait_input(r, Waiter::Input(r));
-                            n.ep.wait(r, Waiter::Outcome(r));
-                        }
+                    match n.ep.open(r, (), Waiter(r), now) {
+                        Ok(()) => {}
                         // Decode aborted first: the request is answered now.
                         Err(e) => {
                             self.prefill_result.insert((p, r), (now - self.t0, Err(e)));
@@ -490,8 +484,7 @@ impl Sim {
                 let Some(n) = self.decode[d as usize].as_mut() else {
                     return;
                 };
-                n.ep.open(r, sources, now).expect("fresh room");
-                n.ep.wait(r, Waiter::Outcome(r));
+                n.ep.open(r, sources, Waiter(r), now).expect("fresh room");
                 // Page reservation takes a moment (prealloc queue).
                 self.schedule(
                     Duration::from_millis(2),
@@ -738,22 +731,20 @@ impl Sim {
                     self.schedule(Duration::from_millis(1), Task::WriteDone { p, d, room: r });
                 }
             }
-            SenderEvent::Answer {
-                waiter: Waiter::Input(r),
-                poll,
+            SenderEvent::Room {
+                sink: Waiter(r),
+                event: SenderRoomEvent::Ready,
             } => {
-                if poll == SenderPoll::Pending(RoomState::WaitingForInput) {
-                    let ms = self.compute_ms;
-                    self.schedule(Duration::from_millis(ms), Task::ComputeDone { p, room: r });
-                }
+                let ms = self.compute_ms;
+                self.schedule(Duration::from_millis(ms), Task::ComputeDone { p, room: r });
             }
-            SenderEvent::Answer {
-                waiter: Waiter::Outcome(r),
-                poll,
+            SenderEvent::Room {
+                sink: Waiter(r),
+                event,
             } => {
-                let result = match poll {
-                    SenderPoll::Success => Ok(()),
-                    SenderPoll::Failed(e) => Err(e),
+                let result = match event {
+                    SenderRoomEvent::Success => Ok(()),
+                    SenderRoomEvent::Failed(e) => Err(e),
                     other => panic!("prefill {p} room {r} ended as {other:?}"),
                 };
                 let at = self.elapsed();
@@ -794,18 +785,17 @@ impl Sim {
                 waiter,
                 outcome,
             } => {
-                assert_eq!(waiter, Waiter::Outcome(r));
+                assert_eq!(waiter, Waiter(r));
                 let at = self.elapsed();
                 let result = match outcome {
-                    ReceiverPoll::Success { lease, aux, .. } => {
+                    ReceiverOutcome::Success { lease, aux, .. } => {
                         self.assert_no_write_into(d, r, &lease.pages, "committed");
                         assert_eq!(aux.first_token, 1);
                         self.engine.insert((d, r), lease);
                         self.schedule(Duration::from_millis(10), Task::EngineFinish { d, room: r });
                         Ok(())
                     }
-                    ReceiverPoll::Failed(e) => Err(e),
-                    other => panic!("decode {d} room {r} ended as {other:?}"),
+                    ReceiverOutcome::Failed(e) => Err(e),
                 };
                 assert!(
                     self.decode_result.insert((d, r), (at, result)).is_none(),
@@ -876,14 +866,9 @@ impl Sim {
             let Some(n) = n else { continue };
             let s = n.ep.stats();
             assert_eq!(
-                (
-                    s.live_rooms,
-                    s.writing_rooms,
-                    s.waiters,
-                    s.unclaimed_outcomes
-                ),
-                (0, 0, 0, 0),
-                "prefill {p} kept rooms, writes, waiters or outcomes"
+                (s.live_rooms, s.writing_rooms, s.sinks),
+                (0, 0, 0),
+                "prefill {p} kept rooms, writes or sinks"
             );
             assert!(n.decoders.values().all(|d| d.stats().errors == 0));
             for r in &self.submitted {
@@ -897,14 +882,9 @@ impl Sim {
             let Some(n) = n else { continue };
             let s = n.ep.stats();
             assert_eq!(
-                (
-                    s.live_rooms,
-                    s.leased_rooms,
-                    s.waiters,
-                    s.unclaimed_outcomes
-                ),
-                (0, 0, 0, 0),
-                "decode {d} kept rooms, leases, waiters or outcomes"
+                (s.live_rooms, s.leased_rooms, s.waiters),
+                (0, 0, 0),
+                "decode {d} kept rooms, leases or sinks"
             );
             let pool = n.pool.borrow();
             assert_eq!(
@@ -1286,7 +1266,7 @@ fn duplicate_live_room_is_rejected_not_crashed() {
         .as_mut()
         .unwrap()
         .ep
-        .open(room(5), (), now)
+        .open(room(5), (), Waiter(room(5)), now)
         .unwrap_err();
     assert_eq!(
         (err.error_type(), err.http_status()),
@@ -1300,7 +1280,7 @@ fn duplicate_live_room_is_rejected_not_crashed() {
         .as_mut()
         .unwrap()
         .ep
-        .open(room(5), sources, now)
+        .open(room(5), sources, Waiter(room(5)), now)
         .unwrap_err();
     assert_eq!(TransferError::from(err).error_type(), "duplicate_room");
     sim.finish();

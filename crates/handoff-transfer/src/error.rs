@@ -34,6 +34,13 @@ pub enum TransportError {
     /// A room-level failure.
     #[error(transparent)]
     Room(#[from] TransferError),
+    /// The endpoint already keeps connections to this many peer
+    /// addresses and was asked for another one.
+    #[error("the endpoint already keeps connections to {limit} peer addresses, its limit")]
+    TooManyPeers {
+        /// The limit.
+        limit: usize,
+    },
     /// The endpoint was shut down.
     #[error("transfer endpoint is shut down")]
     Shutdown,
@@ -57,6 +64,7 @@ impl TransportError {
             TransportError::LinkSetup(_) => "peer_misbehaved",
             TransportError::Kv(_) => "shared_memory",
             TransportError::Room(e) => e.error_type(),
+            TransportError::TooManyPeers { .. } => "too_many_peers",
             TransportError::Shutdown => "shutdown",
             TransportError::Bootstrap(_) => "bootstrap",
             TransportError::Config(_) => "config",
@@ -68,7 +76,9 @@ impl TransportError {
         match self {
             TransportError::Room(e) => e.http_status(),
             TransportError::Handshake(e) => e.http_status(),
-            TransportError::Shutdown | TransportError::Bootstrap(_) => 503,
+            TransportError::Shutdown
+            | TransportError::Bootstrap(_)
+            | TransportError::TooManyPeers { .. } => 503,
             _ => 500,
         }
     }

@@ -24,7 +24,6 @@
 //! use std::sync::Arc;
 //! use handoff_kv::{KvDtype, KvGeometry, KvPool, PageIndex};
 //! use handoff_proto::receiver_room::Source;
-//! use handoff_proto::room::RoomState;
 //! use handoff_proto::{AuxSlot, RoomId};
 //! use handoff_transfer::testing::{receiver_config, sender_config};
 //! use handoff_transfer::*;
@@ -44,26 +43,26 @@
 //!     decode_pool.shared_region().unwrap().clone(),
 //!     *decode_pool.layout(),
 //! );
-//! // Decode connects to each prefill rank (address from bootstrap).
-//! let peer = decode.connect(prefill.local_addr()).await?;
+//! // Decode connects to each prefill (address from bootstrap) once, and
+//! // again after the connection died.
+//! let peer = decode.peer(prefill.local_addr(), TransportKind::Tcp).await?;
 //!
+//! // Each side owns its room through a handle; dropping it aborts the room.
 //! let room = RoomId::new(7).unwrap();
-//! prefill.open(room).await?; // prefill accepted the request
-//! decode.open(room, vec![Source { peer, required_destinations: 1 }]).await?;
+//! let mut p = prefill.submit(room).await?; // prefill accepted the request
+//! let mut d = decode.submit(room, vec![Source { peer, required_destinations: 1 }]).await?;
 //! let lease = decode_pool.allocator().lease(2)?; // backpressure lives here
-//! decode.reserve(room, lease, AuxSlot(0), 0).await?;
-//! // Prefill computes once the destination arrived (WaitingForInput) ...
-//! while prefill.poll(room).await? != SenderPoll::Pending(RoomState::WaitingForInput) {
-//!     tokio::task::yield_now().await;
-//! }
+//! d.reserve(lease, AuxSlot(0), 0).await?;
+//! // Prefill computes once the destination arrived ...
+//! p.ready().await?;
 //! // ... and streams KV layer by layer, then the aux record.
 //! let src: Arc<[PageIndex]> = vec![PageIndex(10), PageIndex(11)].into();
 //! for layer in 0..g.layers {
-//!     prefill.send(room, layer..layer + 1, 0..2, src.clone()).await?;
+//!     p.send(layer..layer + 1, 0..2, src.clone()).await?;
 //! }
-//! prefill.finish(room, AuxData { first_token: 42, logprob: -0.1, top: handoff_proto::datalink::TopLogprobs::NONE }).await?;
-//! assert_eq!(prefill.wait(room).await?, SenderPoll::Success);
-//! let ReceiverPoll::Success { lease, aux, .. } = decode.wait(room).await? else { panic!() };
+//! p.finish(AuxData { first_token: 42, logprob: -0.1, top: handoff_proto::datalink::TopLogprobs::NONE }).await?;
+//! p.outcome().await?;
+//! let (lease, aux) = d.landed().await?;
 //! assert_eq!((lease.len(), aux.first_token), (2, 42)); // decode owns the pages now
 //! # drop(lease);
 //! # prefill.shutdown();
@@ -91,8 +90,8 @@ mod wakeup;
 pub use error::TransportError;
 pub use handoff_proto::datalink::AuxData;
 pub use receiver::room::ReceiverRoom;
-pub use receiver::{KvReceiver, ReceiverConfig, ReceiverPoll};
+pub use receiver::{KvReceiver, ReceiverConfig, ReceiverOutcome, MAX_PEER_ADDRESSES};
 pub use sender::room::SenderRoom;
-pub use sender::{KvSender, SenderConfig, SenderPoll};
+pub use sender::{KvSender, SenderConfig, SenderRoomEvent};
 pub use stats::EndpointStats;
 pub use transport::{ShmTransport, TcpTransport, Transport, TransportKind};

@@ -8,11 +8,11 @@ use std::time::Duration;
 use handoff_kv::{KvDtype, KvGeometry, KvPool, ShmRegionHandle};
 use handoff_proto::handshake::{Fingerprint, HandshakeConfig, KvLayoutKind};
 use handoff_proto::receiver_room::Source;
-use handoff_proto::room::{RoomConfig, RoomState};
+use handoff_proto::room::RoomConfig;
 use handoff_proto::timer::TimerConfig;
-use handoff_proto::{PeerId, Role, RoomId};
+use handoff_proto::{PeerId, Role};
 
-use crate::{KvSender, ReceiverConfig, SenderConfig, SenderPoll, TransportError, TransportKind};
+use crate::{ReceiverConfig, SenderConfig, TransportKind};
 
 /// Pages in a test pool.
 pub const TEST_PAGES: usize = 64;
@@ -157,26 +157,4 @@ pub fn sources(peer: PeerId) -> Vec<Source> {
         peer,
         required_destinations: 1,
     }]
-}
-
-/// Poll until the prefill room is in `state` (or 3 s pass).
-pub async fn wait_sender_state(
-    tx: &KvSender,
-    room: RoomId,
-    state: RoomState,
-) -> Result<(), TransportError> {
-    let end = tokio::time::Instant::now() + Duration::from_secs(3);
-    loop {
-        match tx.poll(room).await? {
-            SenderPoll::Pending(s) if s == state => return Ok(()),
-            SenderPoll::Pending(_) if tokio::time::Instant::now() < end => {}
-            other => {
-                return Err(TransportError::Bootstrap(format!(
-                    "room not {}: {other:?}",
-                    state.name()
-                )))
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
 }

@@ -12,14 +12,13 @@ use handoff_kv::{KvPool, PageIndex};
 use handoff_proto::connection::{Connection, ConnectionEvent};
 use handoff_proto::handshake::HandshakeConfig;
 use handoff_proto::message::{Abort, Destination, Message};
-use handoff_proto::room::RoomState;
 use handoff_proto::{
     AbortOrigin, AuxSlot, FailureKind, HandshakeError, Misbehavior, PeerId, RankId, RoomId,
     TransferError,
 };
 use handoff_transfer::testing::{self, sources};
 use handoff_transfer::{
-    AuxData, KvReceiver, KvSender, ReceiverPoll, SenderPoll, TransportError, TransportKind,
+    AuxData, KvReceiver, KvSender, ReceiverRoom, SenderRoom, TransportError, TransportKind,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -164,39 +163,54 @@ async fn teardown(p: Pair) {
     drop(p_pool);
 }
 
-async fn sender_outcome(tx: &KvSender, r: RoomId, within: Duration) -> SenderPoll {
-    let end = Instant::now() + within;
-    loop {
-        match tx.poll(r).await.unwrap() {
-            SenderPoll::Pending(s) => assert!(Instant::now() < end, "prefill room still {s:?}"),
-            other => return other,
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
+/// The prefill room's end, within `within` (a room still pending then
+/// fails the test).
+async fn sender_outcome(sr: &mut SenderRoom, within: Duration) -> Result<(), TransferError> {
+    let r = sr.room().get();
+    tokio::time::timeout(within, sr.outcome())
+        .await
+        .unwrap_or_else(|_| panic!("prefill room {r} still pending after {within:?}"))
+}
+
+/// The decode room's end, within `within` (a room still pending then fails
+/// the test).
+async fn receiver_outcome(
+    dr: &mut ReceiverRoom,
+    within: Duration,
+) -> Result<(handoff_kv::PageLease, AuxData), TransferError> {
+    let r = dr.room().get();
+    tokio::time::timeout(within, dr.landed())
+        .await
+        .unwrap_or_else(|_| panic!("decode room {r} still pending after {within:?}"))
+}
+
+/// Whether the decode room is still pending (no end) for `d` from now.
+/// Leaves the room as it is.
+async fn receiver_pending(dr: &mut ReceiverRoom, d: Duration) -> bool {
+    tokio::time::timeout(d, dr.landed()).await.is_err()
+}
+
+/// Wait (5 s at most) until every decode destination of the prefill room
+/// arrived: compute may start.
+async fn ready(sr: &mut SenderRoom) {
+    let r = sr.room().get();
+    match tokio::time::timeout(Duration::from_secs(5), sr.ready()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => panic!("prefill room {r} ended before its compute: {e}"),
+        Err(_) => panic!("prefill room {r} still waits for its destinations"),
     }
 }
 
-async fn receiver_outcome(rx: &KvReceiver, r: RoomId, within: Duration) -> ReceiverPoll {
-    let end = Instant::now() + within;
-    loop {
-        match rx.poll(r).await.unwrap() {
-            ReceiverPoll::Pending(s) => assert!(Instant::now() < end, "decode room still {s:?}"),
-            other => return other,
-        }
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-}
-
-/// Open `r` on both sides and reserve `n` decode pages; prefill waits for compute.
-async fn open_both(p: &Pair, r: RoomId, n: usize) -> Vec<PageIndex> {
-    p.tx.open(r).await.unwrap();
-    p.rx.open(r, sources(p.rank)).await.unwrap();
+/// Submit `r` on both sides and reserve `n` decode pages; prefill waits for
+/// compute. Returns both handles and the decode pages.
+async fn open_both(p: &Pair, r: RoomId, n: usize) -> (SenderRoom, ReceiverRoom, Vec<PageIndex>) {
+    let mut sr = p.tx.submit(r).await.unwrap();
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
     let lease = p.d_pool.allocator().lease(n).unwrap();
     let pages = lease.pages().to_vec();
-    p.rx.reserve(r, lease, AuxSlot(5), 0).await.unwrap();
-    testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
-        .await
-        .unwrap();
-    pages
+    dr.reserve(lease, AuxSlot(5), 0).await.unwrap();
+    ready(&mut sr).await;
+    (sr, dr, pages)
 }
 
 fn span_bytes(pool: &KvPool, layer: usize, page: PageIndex) -> Vec<u8> {
@@ -212,18 +226,17 @@ fn span_bytes(pool: &KvPool, layer: usize, page: PageIndex) -> Vec<u8> {
     out
 }
 
-/// Finish room `r` with `aux` on prefill, wait until both sides report
+/// Finish the room with `aux` on prefill, wait until both sides report
 /// success, and return what decode committed.
-async fn finish_and_commit(p: &Pair, r: RoomId, aux: AuxData) -> (handoff_kv::PageLease, AuxData) {
-    p.tx.finish(r, aux).await.unwrap();
-    assert_eq!(
-        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
-        SenderPoll::Success
-    );
-    let ReceiverPoll::Success { lease, aux, .. } =
-        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
-    else {
-        panic!("decode did not commit room {}", r.get())
+async fn finish_and_commit(
+    sr: &mut SenderRoom,
+    dr: &mut ReceiverRoom,
+    aux: AuxData,
+) -> (handoff_kv::PageLease, AuxData) {
+    sr.finish(aux).await.unwrap();
+    assert_eq!(sender_outcome(sr, Duration::from_secs(3)).await, Ok(()));
+    let Ok((lease, aux)) = receiver_outcome(dr, Duration::from_secs(3)).await else {
+        panic!("decode did not commit room {}", dr.room().get())
     };
     (lease, aux)
 }
@@ -253,19 +266,19 @@ async fn a_decode_speaking_the_previous_version_completes_a_room(kind: Transport
     cfg.handshake.capabilities = handoff_proto::handshake::Capabilities::V1;
     let p = pair_with(cfg).await;
     let r = room(12);
-    let dst = open_both(&p, r, 3).await;
+    let (mut sr, mut dr, dst) = open_both(&p, r, 3).await;
     let src: Arc<[PageIndex]> = [9, 4, 30]
         .into_iter()
         .map(PageIndex)
         .collect::<Vec<_>>()
         .into();
-    p.tx.send(r, 0..2, 0..3, src.clone()).await.unwrap();
+    sr.send(0..2, 0..3, src.clone()).await.unwrap();
     let aux = AuxData {
         first_token: 99,
         logprob: -1.5,
         top: handoff_proto::datalink::TopLogprobs::NONE,
     };
-    let (lease, got) = finish_and_commit(&p, r, aux).await;
+    let (lease, got) = finish_and_commit(&mut sr, &mut dr, aux).await;
     assert_eq!((lease.pages(), got.first_token), (&dst[..], 99));
     assert_moved(&p, 2, &src, &dst);
     drop(lease);
@@ -279,7 +292,7 @@ async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
     let _keep = p.d_pool.allocator().lease(3).unwrap();
     drop(hole);
     let r = room(11);
-    let dst = open_both(&p, r, 9).await;
+    let (mut sr, mut dr, dst) = open_both(&p, r, 9).await;
     drop(_keep);
     let src: Vec<PageIndex> = [40, 41, 42, 7, 3, 20, 21, 60, 12]
         .into_iter()
@@ -287,9 +300,9 @@ async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
         .collect();
     let src: Arc<[PageIndex]> = src.into();
     // Layer by layer, the second layer in two page ranges.
-    p.tx.send(r, 0..1, 0..9, src.clone()).await.unwrap();
-    p.tx.send(r, 1..2, 0..4, src.clone()).await.unwrap();
-    p.tx.send(r, 1..2, 4..9, src.clone()).await.unwrap();
+    sr.send(0..1, 0..9, src.clone()).await.unwrap();
+    sr.send(1..2, 0..4, src.clone()).await.unwrap();
+    sr.send(1..2, 4..9, src.clone()).await.unwrap();
     // With the first position's alternatives (an odd count: the last
     // record holds one pair).
     let top: Vec<(u32, f32)> = (0..5).map(|i| (4242 + i, -0.25 - i as f32)).collect();
@@ -298,7 +311,7 @@ async fn success_with_scattered_pages_is_byte_exact(kind: TransportKind) {
         logprob: -0.25,
         top: handoff_proto::datalink::TopLogprobs::from_slice(&top),
     };
-    let (lease, aux) = finish_and_commit(&p, r, sent).await;
+    let (lease, aux) = finish_and_commit(&mut sr, &mut dr, sent).await;
     assert_eq!(lease.pages(), &dst[..]);
     assert_eq!(
         aux, sent,
@@ -483,39 +496,31 @@ async fn concurrent_rooms_over_a_link_of_several_tcp_streams_are_byte_exact() {
     let mut rooms = Vec::new();
     for (i, n) in (21..=28).enumerate() {
         let r = room(n);
-        let dst = open_both(&p, r, 3).await;
+        let (sr, dr, dst) = open_both(&p, r, 3).await;
         let src: Arc<[PageIndex]> = (0..3u32)
             .map(|k| PageIndex(60 - 3 * i as u32 - k))
             .collect();
-        rooms.push((r, src, dst));
+        rooms.push((r, sr, dr, src, dst));
     }
     // Every room's writes and end are queued before any completes.
-    for (r, src, _) in &rooms {
-        p.tx.send(*r, 0..2, 0..3, src.clone()).await.unwrap();
-        p.tx.finish(
-            *r,
-            AuxData {
-                first_token: r.get() as u32,
-                logprob: -1.0,
-                top: handoff_proto::datalink::TopLogprobs::NONE,
-            },
-        )
+    for (r, sr, _, src, _) in &rooms {
+        sr.send(0..2, 0..3, src.clone()).await.unwrap();
+        sr.finish(AuxData {
+            first_token: r.get() as u32,
+            logprob: -1.0,
+            top: handoff_proto::datalink::TopLogprobs::NONE,
+        })
         .await
         .unwrap();
     }
-    for (r, src, dst) in &rooms {
-        assert_eq!(
-            sender_outcome(&p.tx, *r, Duration::from_secs(3)).await,
-            SenderPoll::Success
-        );
-        let ReceiverPoll::Success { lease, aux, .. } =
-            receiver_outcome(&p.rx, *r, Duration::from_secs(3)).await
-        else {
+    for (r, sr, dr, src, dst) in &mut rooms {
+        assert_eq!(sender_outcome(sr, Duration::from_secs(3)).await, Ok(()));
+        let Ok((lease, aux)) = receiver_outcome(dr, Duration::from_secs(3)).await else {
             panic!("decode did not commit room {}", r.get())
         };
         assert_eq!(aux.first_token, r.get() as u32);
         for layer in 0..2 {
-            for (s, d) in src.iter().zip(dst) {
+            for (s, d) in src.iter().zip(dst.iter()) {
                 assert_eq!(
                     span_bytes(&p.p_pool, layer, *s),
                     span_bytes(&p.d_pool, layer, *d),
@@ -526,6 +531,7 @@ async fn concurrent_rooms_over_a_link_of_several_tcp_streams_are_byte_exact() {
         }
         drop(lease);
     }
+    drop(rooms);
     teardown(p).await;
 }
 
@@ -536,7 +542,7 @@ async fn concurrent_rooms_over_a_link_of_several_tcp_streams_are_byte_exact() {
 async fn bad_send_ranges_are_refused_and_the_room_carries_on() {
     let p = pair(TransportKind::Tcp).await;
     let r = room(31);
-    let dst = open_both(&p, r, 3).await;
+    let (mut sr, mut dr, dst) = open_both(&p, r, 3).await;
     let src: Arc<[PageIndex]> = [PageIndex(9), PageIndex(10), PageIndex(11)].into();
     let outside: Arc<[PageIndex]> = [PageIndex(9), PageIndex(10_000), PageIndex(11)].into();
     #[allow(clippy::reversed_empty_ranges)]
@@ -548,10 +554,7 @@ async fn bad_send_ranges_are_refused_and_the_room_carries_on() {
         (0..1, 1..2, outside.clone()),
     ];
     for (layers, pages, s) in bad {
-        let e =
-            p.tx.send(r, layers.clone(), pages.clone(), s)
-                .await
-                .unwrap_err();
+        let e = sr.send(layers.clone(), pages.clone(), s).await.unwrap_err();
         assert!(
             e.to_string()
                 .contains("outside the room or the prefill pool"),
@@ -559,25 +562,20 @@ async fn bad_send_ranges_are_refused_and_the_room_carries_on() {
         );
     }
     // The pages that are in range still go.
-    p.tx.send(r, 0..2, 0..1, outside.clone()).await.unwrap();
-    p.tx.send(r, 0..2, 1..3, src.clone()).await.unwrap();
-    p.tx.finish(
-        r,
-        AuxData {
-            first_token: 1,
-            logprob: 0.0,
-            top: handoff_proto::datalink::TopLogprobs::NONE,
-        },
-    )
+    sr.send(0..2, 0..1, outside.clone()).await.unwrap();
+    sr.send(0..2, 1..3, src.clone()).await.unwrap();
+    sr.finish(AuxData {
+        first_token: 1,
+        logprob: 0.0,
+        top: handoff_proto::datalink::TopLogprobs::NONE,
+    })
     .await
     .unwrap();
     assert_eq!(
-        sender_outcome(&p.tx, r, Duration::from_secs(3)).await,
-        SenderPoll::Success
+        sender_outcome(&mut sr, Duration::from_secs(3)).await,
+        Ok(())
     );
-    let ReceiverPoll::Success { lease, .. } =
-        receiver_outcome(&p.rx, r, Duration::from_secs(3)).await
-    else {
+    let Ok((lease, _)) = receiver_outcome(&mut dr, Duration::from_secs(3)).await else {
         panic!("decode did not commit")
     };
     for layer in 0..2 {
@@ -599,28 +597,24 @@ async fn decode_abort_in_each_state_releases_prefill_room_fast(kind: TransportKi
         .enumerate()
     {
         let r = room(100 + i as u64);
-        p.tx.open(r).await.unwrap();
-        p.rx.open(r, sources(p.rank)).await.unwrap();
+        let mut sr = p.tx.submit(r).await.unwrap();
+        let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
         if *state != "bootstrapping" {
             let lease = p.d_pool.allocator().lease(4).unwrap();
-            p.rx.reserve(r, lease, AuxSlot(1), 0).await.unwrap();
-            testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
-                .await
-                .unwrap();
+            dr.reserve(lease, AuxSlot(1), 0).await.unwrap();
+            ready(&mut sr).await;
         }
         if *state == "transferring" {
+            // The first send moves the room to Transferring (not visible
+            // through the handle).
             let src: Arc<[PageIndex]> = (0..4).map(PageIndex).collect::<Vec<_>>().into();
-            p.tx.send(r, 0..1, 0..4, src).await.unwrap();
-            assert_eq!(
-                p.tx.poll(r).await.unwrap(),
-                SenderPoll::Pending(RoomState::Transferring)
-            );
+            sr.send(0..1, 0..4, src).await.unwrap();
         }
         let t0 = Instant::now();
-        p.rx.abort(r, client_abort());
-        let out = sender_outcome(&p.tx, r, Duration::from_secs(3)).await;
+        dr.abort(client_abort());
+        let out = sender_outcome(&mut sr, Duration::from_secs(3)).await;
         let took = t0.elapsed();
-        let SenderPoll::Failed(TransferError::Aborted {
+        let Err(TransferError::Aborted {
             reason,
             http_status,
             ..
@@ -640,8 +634,7 @@ async fn decode_abort_in_each_state_releases_prefill_room_fast(kind: TransportKi
             took < Duration::from_millis(600),
             "{state}: prefill released after {took:?}"
         );
-        let ReceiverPoll::Failed(e) = receiver_outcome(&p.rx, r, Duration::from_secs(1)).await
-        else {
+        let Err(e) = receiver_outcome(&mut dr, Duration::from_secs(1)).await else {
             panic!("decode not failed")
         };
         assert_eq!(e.http_status(), 499);
@@ -659,28 +652,25 @@ async fn prefill_rejection_reaches_decode_with_reason_and_status(kind: Transport
     // Rejected before decode's destination arrived, and after.
     for (i, early) in [true, false].into_iter().enumerate() {
         let r = room(200 + i as u64);
-        p.tx.open(r).await.unwrap();
-        p.rx.open(r, sources(p.rank)).await.unwrap();
+        let mut sr = p.tx.submit(r).await.unwrap();
+        let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
         let reject = TransferError::Rejected {
             http_status: 400,
             reason: "prompt of 9000 tokens exceeds the context of 8192".into(),
             code: None,
         };
         if early {
-            p.tx.fail(r, reject.clone());
+            sr.fail(reject.clone());
             let lease = p.d_pool.allocator().lease(2).unwrap();
-            p.rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
+            dr.reserve(lease, AuxSlot(0), 0).await.unwrap();
         } else {
             let lease = p.d_pool.allocator().lease(2).unwrap();
-            p.rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
-            testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
-                .await
-                .unwrap();
-            p.tx.fail(r, reject.clone());
+            dr.reserve(lease, AuxSlot(0), 0).await.unwrap();
+            ready(&mut sr).await;
+            sr.fail(reject.clone());
         }
         let t0 = Instant::now();
-        let ReceiverPoll::Failed(e) = receiver_outcome(&p.rx, r, Duration::from_secs(2)).await
-        else {
+        let Err(e) = receiver_outcome(&mut dr, Duration::from_secs(2)).await else {
             panic!("decode did not fail")
         };
         assert!(
@@ -695,8 +685,8 @@ async fn prefill_rejection_reaches_decode_with_reason_and_status(kind: Transport
         );
         assert_eq!(e.kind(), FailureKind::Rejected);
         assert_eq!(
-            sender_outcome(&p.tx, r, Duration::from_secs(1)).await,
-            SenderPoll::Failed(reject)
+            sender_outcome(&mut sr, Duration::from_secs(1)).await,
+            Err(reject)
         );
     }
     teardown(p).await;
@@ -848,15 +838,41 @@ async fn abort_for_unknown_room_is_acked_and_creates_nothing(kind: TransportKind
         Some(Message::AbortAck(a)) => assert_eq!((a.room, a.drained), (r, true)),
         other => panic!("expected AbortAck, got {other:?}"),
     }
-    assert_eq!(p.tx.stats().await.unwrap().live_rooms, 0);
-    assert_eq!(p.tx.poll(r).await.unwrap(), SenderPoll::Unknown);
-    // Decode side: aborting an unknown room is a no-op.
-    p.rx.abort(room(301), client_abort());
-    assert!(matches!(
-        p.rx.poll(room(301)).await.unwrap(),
-        ReceiverPoll::Unknown
-    ));
-    assert_eq!(p.rx.stats().await.unwrap().live_rooms, 0);
+    let st = p.tx.stats().await.unwrap();
+    assert_eq!(st.live_rooms, 0);
+    assert_eq!(st.room_stats.unknown_room_events, 1, "{st:?}");
+    // Decode side: aborting a room decode does not hold (a handle whose
+    // room already ended there, its end not yet taken) is a no-op: nothing
+    // is created and the room's end stays what it was.
+    let r = room(301);
+    p.tx.refuse(
+        r,
+        TransferError::Rejected {
+            http_status: 400,
+            reason: "prompt too long".into(),
+            code: None,
+        },
+    );
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
+    dr.reserve(p.d_pool.allocator().lease(1).unwrap(), AuxSlot(1), 0)
+        .await
+        .unwrap();
+    eventually("decode room ended", Duration::from_secs(3), || async {
+        p.rx.stats().await.unwrap().live_rooms == 0
+    })
+    .await;
+    let before = p.rx.stats().await.unwrap().room_stats.unknown_room_events;
+    dr.abort(client_abort());
+    let st = p.rx.stats().await.unwrap();
+    assert_eq!(st.live_rooms, 0);
+    assert_eq!(st.room_stats.unknown_room_events, before + 1, "{st:?}");
+    let e = receiver_outcome(&mut dr, Duration::from_secs(1))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.http_status(), e.reason()),
+        (400, "prompt too long".to_string())
+    );
     drop(raw);
     teardown(p).await;
 }
@@ -864,58 +880,57 @@ async fn abort_for_unknown_room_is_acked_and_creates_nothing(kind: TransportKind
 async fn late_success_after_failure_stays_failed(kind: TransportKind) {
     let p = pair(kind).await;
     let r = room(400);
-    open_both(&p, r, 3).await;
+    let (mut sr, mut dr, _) = open_both(&p, r, 3).await;
     // Prefill fails the room, then its engine (not yet told) sends and finishes.
-    p.tx.fail(
-        r,
-        TransferError::Internal {
-            reason: "engine error".into(),
-        },
-    );
+    sr.fail(TransferError::Internal {
+        reason: "engine error".into(),
+    });
     let src: Arc<[PageIndex]> = (0..3).map(PageIndex).collect::<Vec<_>>().into();
-    assert!(p.tx.send(r, 0..2, 0..3, src).await.is_err());
-    assert!(p
-        .tx
-        .finish(
-            r,
-            AuxData {
-                first_token: 1,
-                logprob: 0.0,
-                top: handoff_proto::datalink::TopLogprobs::NONE,
-            }
-        )
+    assert!(sr.send(0..2, 0..3, src).await.is_err());
+    assert!(sr
+        .finish(AuxData {
+            first_token: 1,
+            logprob: 0.0,
+            top: handoff_proto::datalink::TopLogprobs::NONE,
+        })
         .await
         .is_err());
-    let out = sender_outcome(&p.tx, r, Duration::from_secs(1)).await;
-    assert!(matches!(out, SenderPoll::Failed(_)), "{out:?}");
-    let ReceiverPoll::Failed(e) = receiver_outcome(&p.rx, r, Duration::from_secs(1)).await else {
+    let out = sender_outcome(&mut sr, Duration::from_secs(1)).await;
+    assert!(out.is_err(), "{out:?}");
+    // Decode: a room that failed is not resurrected by aborting it (once its
+    // failure reached decode, before its end is taken): nothing is live and
+    // its end is still the prefill's failure.
+    eventually("decode room failed", Duration::from_secs(3), || async {
+        p.rx.stats().await.unwrap().live_rooms == 0
+    })
+    .await;
+    dr.abort(client_abort());
+    assert_eq!(p.rx.stats().await.unwrap().live_rooms, 0);
+    let Err(e) = receiver_outcome(&mut dr, Duration::from_secs(1)).await else {
         panic!("decode did not fail")
     };
     assert_eq!(e.reason(), "engine error");
-    // Decode: a room that failed is not resurrected by polling or aborting.
-    p.rx.abort(r, client_abort());
-    assert!(matches!(p.rx.poll(r).await.unwrap(), ReceiverPoll::Unknown));
     teardown(p).await;
 }
 
 async fn duplicate_room_is_rejected(kind: TransportKind) {
     let p = pair(kind).await;
     let r = room(500);
-    p.tx.open(r).await.unwrap();
-    let e = p.tx.open(r).await.unwrap_err();
+    let mut sr = p.tx.submit(r).await.unwrap();
+    let e = p.tx.submit(r).await.unwrap_err();
     assert_eq!(e.error_type(), "duplicate_room");
     assert_eq!(e.http_status(), 409);
-    p.rx.open(r, sources(p.rank)).await.unwrap();
+    let mut dr = p.rx.submit(r, sources(p.rank)).await.unwrap();
     assert_eq!(
-        p.rx.open(r, sources(p.rank))
+        p.rx.submit(r, sources(p.rank))
             .await
             .unwrap_err()
             .error_type(),
         "duplicate_room"
     );
-    p.rx.abort(r, client_abort());
-    let _ = sender_outcome(&p.tx, r, Duration::from_secs(1)).await;
-    let _ = receiver_outcome(&p.rx, r, Duration::from_secs(1)).await;
+    dr.abort(client_abort());
+    let _ = sender_outcome(&mut sr, Duration::from_secs(1)).await;
+    let _ = receiver_outcome(&mut dr, Duration::from_secs(1)).await;
     teardown(p).await;
 }
 
@@ -923,7 +938,7 @@ async fn bad_frames_are_counted_and_dropped(kind: TransportKind) {
     let p = pair(kind).await;
     // A live room on the real decode connection must be unaffected.
     let live = room(600);
-    open_both(&p, live, 2).await;
+    let (mut sr, mut dr, _) = open_both(&p, live, 2).await;
     let mut raw = RawDecode::connect(p.tx.local_addr(), decode_handshake())
         .await
         .unwrap();
@@ -965,25 +980,21 @@ async fn bad_frames_are_counted_and_dropped(kind: TransportKind) {
         .map(PageIndex)
         .collect::<Vec<_>>()
         .into();
-    p.tx.send(live, 0..2, 0..2, src).await.unwrap();
-    p.tx.finish(
-        live,
-        AuxData {
-            first_token: 1,
-            logprob: 0.0,
-            top: handoff_proto::datalink::TopLogprobs::NONE,
-        },
-    )
+    sr.send(0..2, 0..2, src).await.unwrap();
+    sr.finish(AuxData {
+        first_token: 1,
+        logprob: 0.0,
+        top: handoff_proto::datalink::TopLogprobs::NONE,
+    })
     .await
     .unwrap();
     assert_eq!(
-        sender_outcome(&p.tx, live, Duration::from_secs(2)).await,
-        SenderPoll::Success
+        sender_outcome(&mut sr, Duration::from_secs(2)).await,
+        Ok(())
     );
-    assert!(matches!(
-        receiver_outcome(&p.rx, live, Duration::from_secs(2)).await,
-        ReceiverPoll::Success { .. }
-    ));
+    receiver_outcome(&mut dr, Duration::from_secs(2))
+        .await
+        .expect("decode did not commit");
     drop(raw);
     teardown(p).await;
 }
@@ -1110,7 +1121,7 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
     .await
     .unwrap();
     let r = room(700);
-    p.tx.open(r).await.unwrap();
+    let mut sr = p.tx.submit(r).await.unwrap();
     raw.send(Message::Destination(Destination {
         room: r,
         pages: vec![
@@ -1122,13 +1133,11 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
         prefix_tokens: None,
     }))
     .await;
-    testing::wait_sender_state(&p.tx, r, RoomState::WaitingForInput)
-        .await
-        .unwrap();
+    ready(&mut sr).await;
     let src: Arc<[PageIndex]> = [1, 2].into_iter().map(PageIndex).collect::<Vec<_>>().into();
-    p.tx.send(r, 0..2, 0..2, src).await.unwrap();
-    let out = sender_outcome(&p.tx, r, Duration::from_secs(1)).await;
-    let SenderPoll::Failed(TransferError::PeerMisbehaved { what }) = out else {
+    sr.send(0..2, 0..2, src).await.unwrap();
+    let out = sender_outcome(&mut sr, Duration::from_secs(1)).await;
+    let Err(TransferError::PeerMisbehaved { what }) = out else {
         panic!("{out:?}")
     };
     assert!(
@@ -1196,7 +1205,7 @@ async fn killed_decode_fails_prefill_room_in_each_state(kind: TransportKind) {
         .enumerate()
     {
         let r = room(77 + i as u64);
-        tx.open(r).await.unwrap();
+        let mut sr = tx.submit(r).await.unwrap();
         let mut child = ChildGuard(
             Command::new(peer_bin())
                 .args([
@@ -1213,27 +1222,25 @@ async fn killed_decode_fails_prefill_room_in_each_state(kind: TransportKind) {
         let lines = Lines::of(&mut child.0);
         assert_eq!(lines.next(), "READY");
         if state != "bootstrapping" {
-            testing::wait_sender_state(&tx, r, RoomState::WaitingForInput)
-                .await
-                .unwrap();
+            ready(&mut sr).await;
         }
         if state == "transferring" {
             let src: Arc<[PageIndex]> = (0..4).map(PageIndex).collect::<Vec<_>>().into();
-            tx.send(r, 0..1, 0..4, src).await.unwrap();
+            sr.send(0..1, 0..4, src).await.unwrap();
         }
         let t0 = Instant::now();
         child.0.kill().unwrap();
-        let out = sender_outcome(&tx, r, Duration::from_secs(5)).await;
+        let out = sender_outcome(&mut sr, Duration::from_secs(5)).await;
         let took = t0.elapsed();
         if state == "bootstrapping" {
             // No destination came from the dead decode: the room is nobody's
             // yet, and fails at its (seconds, not minutes) bootstrap deadline.
-            let SenderPoll::Failed(e) = out else {
+            let Err(e) = out else {
                 panic!("{state}: {out:?}")
             };
             assert_eq!(e.kind(), FailureKind::Timeout, "{state}: {e}");
         } else {
-            let SenderPoll::Failed(e) = out else {
+            let Err(e) = out else {
                 panic!("{state}: {out:?}")
             };
             assert_eq!(e.kind(), FailureKind::PeerDead, "{state}: {e}");
@@ -1242,10 +1249,13 @@ async fn killed_decode_fails_prefill_room_in_each_state(kind: TransportKind) {
                 "{state}: {took:?}"
             );
         }
-        if tx.stats().await.unwrap().live_rooms > 0 {
-            tx.fail(r, client_abort());
-            let _ = sender_outcome(&tx, r, Duration::from_secs(2)).await;
-        }
+        // The room ended: its handle goes without failing anything, and
+        // prefill holds nothing of it.
+        drop(sr);
+        eventually("prefill room gone", Duration::from_secs(3), || async {
+            tx.stats().await.unwrap().live_rooms == 0
+        })
+        .await;
         drop(child);
     }
     tx.shutdown();
@@ -1274,17 +1284,17 @@ async fn killed_prefill_fails_decode_room_in_each_state(kind: TransportKind) {
         );
         let rank = rx.connect(addr).await.unwrap();
         let r = room(77);
-        rx.open(r, sources(rank)).await.unwrap();
+        let mut dr = rx.submit(r, sources(rank)).await.unwrap();
         if state != "bootstrapping" {
             let lease = d_pool.allocator().lease(4).unwrap();
-            rx.reserve(r, lease, AuxSlot(1), 0).await.unwrap();
+            dr.reserve(lease, AuxSlot(1), 0).await.unwrap();
         }
         if state != "bootstrapping" {
             assert_eq!(lines.next(), "READY");
         }
         let t0 = Instant::now();
         child.0.kill().unwrap();
-        let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r, Duration::from_secs(2)).await else {
+        let Err(e) = receiver_outcome(&mut dr, Duration::from_secs(2)).await else {
             panic!("{state}: decode did not fail")
         };
         assert_eq!(e.kind(), FailureKind::PeerDead, "{state}: {e}");
@@ -1301,6 +1311,7 @@ async fn killed_prefill_fails_decode_room_in_each_state(kind: TransportKind) {
         )
         .await;
         assert_eq!(rx.stats().await.unwrap().live_rooms, 0);
+        drop(dr);
         rx.shutdown();
         eventually("no task left", Duration::from_secs(3), || async {
             rx.live_tasks() == 0
@@ -1331,9 +1342,9 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
     );
     let rank = rx.connect(addr).await.unwrap();
     let r = room(77);
-    rx.open(r, sources(rank)).await.unwrap();
+    let mut dr = rx.submit(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(4).unwrap();
-    rx.reserve(r, lease, AuxSlot(1), 0).await.unwrap();
+    dr.reserve(lease, AuxSlot(1), 0).await.unwrap();
     assert_eq!(lines.next(), "READY");
     // Let some writes land, then freeze the writer mid-stream: it can
     // neither write nor acknowledge.
@@ -1345,11 +1356,10 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
         .unwrap()
         .success());
     let t0 = Instant::now();
-    rx.abort(r, client_abort());
-    assert!(matches!(
-        receiver_outcome(&rx, r, Duration::from_secs(1)).await,
-        ReceiverPoll::Failed(_)
-    ));
+    dr.abort(client_abort());
+    assert!(receiver_outcome(&mut dr, Duration::from_secs(1))
+        .await
+        .is_err());
     // Decode's link reader is the only writer of its pages on both
     // transports (over shm it pulls from the prefill's pool), and it stopped
     // writing the room when the room failed: the fence releases the pages
@@ -1386,6 +1396,7 @@ async fn pages_are_not_reused_while_a_frozen_writer_may_write(kind: TransportKin
         "a resumed writer wrote {landed} bytes into reused pages ({stopped})"
     );
     drop(reused);
+    drop(dr);
     drop(child);
     rx.shutdown();
     eventually("no task left", Duration::from_secs(3), || async {
@@ -1404,6 +1415,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
         d_pool,
         src,
         rx,
+        mut dr,
         mut control,
         mut data,
         mine,
@@ -1427,7 +1439,7 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
     assert_pool_untouched(&d_pool, "nothing written");
     assert_eq!(rx.stats().await.unwrap().rejected_segments, 3);
     // The lying prefill reports failure; decode fails the room and frees it.
-    raw_prefill_gives_up(&mut control, &rx, r).await;
+    raw_prefill_gives_up(&mut control, &mut dr).await;
     eventually("pages back", Duration::from_secs(1), || async {
         d_pool.allocator().stats().leased == 0
     })
@@ -1447,15 +1459,12 @@ async fn decode_rejects_segments_outside_the_room_and_writes_nothing(kind: Trans
         Some(Message::AbortAck(a)) => assert_eq!((a.room, a.drained), (unknown, true)),
         other => panic!("expected AbortAck, got {other:?}"),
     }
-    assert!(matches!(rx.poll(r).await.unwrap(), ReceiverPoll::Unknown));
-    assert!(matches!(
-        rx.poll(unknown).await.unwrap(),
-        ReceiverPoll::Unknown
-    ));
+    // Neither the late Success nor the abort created a room: both were
+    // counted as for a room decode does not hold.
     let st = rx.stats().await.unwrap();
     assert_eq!(st.live_rooms, 0);
     assert!(st.room_stats.unknown_room_events >= 2, "{st:?}");
-    drop((control, data));
+    drop((dr, control, data));
     shut_down(&rx).await;
 }
 
@@ -1469,6 +1478,7 @@ async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: Tra
     let RawRoom {
         d_pool,
         rx,
+        mut dr,
         mut control,
         mut data,
         _others,
@@ -1496,14 +1506,14 @@ async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: Tra
     let st = rx.stats().await.unwrap();
     assert!(st.malformed_frames >= 3, "{st:?}");
     assert!(
-        matches!(rx.poll(r).await.unwrap(), ReceiverPoll::Pending(_)),
+        receiver_pending(&mut dr, Duration::from_millis(20)).await,
         "garbage on the control connection must not touch a live room"
     );
     // Data link: a record header that decodes to nothing.
     data.write_all(&[0xEE; handoff_proto::datalink::RECORD_LEN])
         .await
         .unwrap();
-    let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r, Duration::from_secs(2)).await else {
+    let Err(e) = receiver_outcome(&mut dr, Duration::from_secs(2)).await else {
         panic!("decode kept a room whose link sent garbage")
     };
     assert!(
@@ -1521,11 +1531,11 @@ async fn malformed_frames_and_records_from_a_prefill_harm_nothing_else(kind: Tra
     // The endpoint still answers and holds nothing of that room.
     let st = rx.stats().await.unwrap();
     assert_eq!(st.live_rooms, 0, "{st:?}");
-    drop((control, data));
+    drop((dr, control, data));
     shut_down(&rx).await;
 }
 
-/// A decode endpoint with room `r` open and two pages reserved for it,
+/// A decode endpoint with room `r` submitted and two pages reserved for it,
 /// connected to a raw prefill (this test's sockets) that has read the
 /// room's destination.
 struct RawRoom {
@@ -1533,6 +1543,8 @@ struct RawRoom {
     /// The raw prefill's pool (what decode pulls from over shm).
     src: KvPool,
     rx: KvReceiver,
+    /// The room's handle.
+    dr: ReceiverRoom,
     control: RawDecode,
     data: TcpStream,
     /// The pages reserved for the room.
@@ -1556,10 +1568,10 @@ async fn raw_decode_room(kind: TransportKind, r: RoomId) -> RawRoom {
     let (mut control, data, _others) =
         raw_prefill(&listener, testing::sender_config().handshake, r, &src).await;
     let rank = connecting.await.unwrap().unwrap();
-    rx.open(r, sources(rank)).await.unwrap();
+    let mut dr = rx.submit(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let mine = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
+    dr.reserve(lease, AuxSlot(0), 0).await.unwrap();
     let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
         panic!("no destination")
     };
@@ -1568,6 +1580,7 @@ async fn raw_decode_room(kind: TransportKind, r: RoomId) -> RawRoom {
         d_pool,
         src,
         rx,
+        dr,
         control,
         data,
         mine,
@@ -1672,14 +1685,14 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
     );
     let rank = rx.connect(addr).await.unwrap();
     let r = room(77);
-    rx.open(r, sources(rank)).await.unwrap();
-    rx.reserve(r, d_pool.allocator().lease(4).unwrap(), AuxSlot(1), 0)
+    let mut dr = rx.submit(r, sources(rank)).await.unwrap();
+    dr.reserve(d_pool.allocator().lease(4).unwrap(), AuxSlot(1), 0)
         .await
         .unwrap();
     assert_eq!(lines.next(), "READY");
     signal(&child.0, "-STOP");
     let t0 = Instant::now();
-    let ReceiverPoll::Failed(e) = rx.wait(r).await.unwrap() else {
+    let Err(e) = receiver_outcome(&mut dr, Duration::from_secs(10)).await else {
         panic!("decode room did not fail")
     };
     let took = t0.elapsed();
@@ -1703,6 +1716,7 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
     )
     .await;
     signal(&child.0, "-CONT");
+    drop(dr);
     drop(child);
     rx.shutdown();
     // Frozen decode.
@@ -1715,7 +1729,7 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
     .await
     .unwrap();
     let r = room(78);
-    tx.open(r).await.unwrap();
+    let mut sr = tx.submit(r).await.unwrap();
     let mut child = ChildGuard(
         Command::new(peer_bin())
             .args([
@@ -1731,12 +1745,10 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
     );
     let lines = Lines::of(&mut child.0);
     assert_eq!(lines.next(), "READY");
-    testing::wait_sender_state(&tx, r, RoomState::WaitingForInput)
-        .await
-        .unwrap();
+    ready(&mut sr).await;
     signal(&child.0, "-STOP");
     let t0 = Instant::now();
-    let SenderPoll::Failed(e) = tx.wait(r).await.unwrap() else {
+    let Err(e) = sender_outcome(&mut sr, Duration::from_secs(10)).await else {
         panic!("prefill room did not fail")
     };
     let took = t0.elapsed();
@@ -1750,6 +1762,7 @@ async fn frozen_peers_are_declared_dead_by_heartbeat(kind: TransportKind) {
         "prefill still holds the dead decode"
     );
     signal(&child.0, "-CONT");
+    drop(sr);
     drop(child);
     tx.shutdown();
     eventually("no task left", Duration::from_secs(3), || async {
@@ -1768,32 +1781,30 @@ async fn one_room(
     p_pool: &KvPool,
     r: RoomId,
 ) {
-    tx.open(r).await.unwrap();
-    rx.open(r, sources(rank)).await.unwrap();
+    let mut sr = tx.submit(r).await.unwrap();
+    let mut dr = rx.submit(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let dst = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
-    testing::wait_sender_state(tx, r, RoomState::WaitingForInput)
-        .await
-        .unwrap();
+    dr.reserve(lease, AuxSlot(0), 0).await.unwrap();
+    ready(&mut sr).await;
     let src: Arc<[PageIndex]> = [30, 9]
         .into_iter()
         .map(PageIndex)
         .collect::<Vec<_>>()
         .into();
-    tx.send(r, 0..2, 0..2, src.clone()).await.unwrap();
-    tx.finish(
-        r,
-        AuxData {
-            first_token: r.get() as u32,
-            logprob: 0.0,
-            top: handoff_proto::datalink::TopLogprobs::NONE,
-        },
-    )
+    sr.send(0..2, 0..2, src.clone()).await.unwrap();
+    sr.finish(AuxData {
+        first_token: r.get() as u32,
+        logprob: 0.0,
+        top: handoff_proto::datalink::TopLogprobs::NONE,
+    })
     .await
     .unwrap();
-    assert_eq!(tx.wait(r).await.unwrap(), SenderPoll::Success);
-    let ReceiverPoll::Success { lease, aux, .. } = rx.wait(r).await.unwrap() else {
+    assert_eq!(
+        sender_outcome(&mut sr, Duration::from_secs(10)).await,
+        Ok(())
+    );
+    let Ok((lease, aux)) = receiver_outcome(&mut dr, Duration::from_secs(10)).await else {
         panic!("room {} did not commit", r.get())
     };
     assert_eq!(aux.first_token, r.get() as u32);
@@ -2246,48 +2257,46 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
         Source::for_decode_rank(&map, RankId(0), |r| peers[r.0 as usize]).unwrap();
     assert_eq!(srcs.len(), 2);
     // A room naming only prefill rank 0 could never hold heads 2..4: refused.
-    let err = rx.open(room(901), vec![srcs[0]]).await.unwrap_err();
+    let err = rx.submit(room(901), vec![srcs[0]]).await.unwrap_err();
     assert!(err.to_string().contains("lack [1]"), "{err}");
 
     let r = room(900);
+    let mut srs = Vec::new();
     for tx in &txs {
-        tx.open(r).await.unwrap();
+        srs.push(tx.submit(r).await.unwrap());
     }
-    rx.open(r, srcs.clone()).await.unwrap();
+    let mut dr = rx.submit(r, srcs.clone()).await.unwrap();
     let lease = scattered_lease(&d_pool, 6);
     let dst = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(2), 0).await.unwrap();
-    for tx in &txs {
-        testing::wait_sender_state(tx, r, RoomState::WaitingForInput)
-            .await
-            .unwrap();
+    dr.reserve(lease, AuxSlot(2), 0).await.unwrap();
+    for sr in &mut srs {
+        ready(sr).await;
     }
     let src = [
         pages(&[9, 10, 11, 30, 2, 50]),
         pages(&[40, 3, 4, 5, 61, 17]),
     ];
     // Prefill rank 0 streams layer by layer and finishes first.
-    txs[0].send(r, 0..1, 0..6, src[0].clone()).await.unwrap();
-    txs[0].send(r, 1..2, 0..6, src[0].clone()).await.unwrap();
-    txs[0].finish(r, TP_AUX).await.unwrap();
+    srs[0].send(0..1, 0..6, src[0].clone()).await.unwrap();
+    srs[0].send(1..2, 0..6, src[0].clone()).await.unwrap();
+    srs[0].finish(TP_AUX).await.unwrap();
     assert_eq!(
-        sender_outcome(&txs[0], r, Duration::from_secs(3)).await,
-        SenderPoll::Success
+        sender_outcome(&mut srs[0], Duration::from_secs(3)).await,
+        Ok(())
     );
     // Half the heads landed: decode must keep waiting for prefill rank 1.
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let mid = rx.poll(r).await.unwrap();
-    assert!(matches!(mid, ReceiverPoll::Pending(_)), "{mid:?}");
-    txs[1].send(r, 0..2, 0..3, src[1].clone()).await.unwrap();
-    txs[1].send(r, 0..2, 3..6, src[1].clone()).await.unwrap();
-    txs[1].finish(r, TP_AUX).await.unwrap();
-    assert_eq!(
-        sender_outcome(&txs[1], r, Duration::from_secs(3)).await,
-        SenderPoll::Success
+    assert!(
+        receiver_pending(&mut dr, Duration::from_millis(20)).await,
+        "decode ended a room with half its heads"
     );
-    let ReceiverPoll::Success { lease, aux, .. } =
-        receiver_outcome(&rx, r, Duration::from_secs(3)).await
-    else {
+    srs[1].send(0..2, 0..3, src[1].clone()).await.unwrap();
+    srs[1].send(0..2, 3..6, src[1].clone()).await.unwrap();
+    srs[1].finish(TP_AUX).await.unwrap();
+    assert_eq!(
+        sender_outcome(&mut srs[1], Duration::from_secs(3)).await,
+        Ok(())
+    );
+    let Ok((lease, aux)) = receiver_outcome(&mut dr, Duration::from_secs(3)).await else {
         panic!("decode did not commit")
     };
     assert_eq!(lease.pages(), &dst[..]);
@@ -2295,46 +2304,43 @@ async fn fan_in_two_prefill_ranks_fill_one_decode_rank(kind: TransportKind) {
     verify_tp(&d_pool, 0, 1, 2, &dst, &src);
     let st = rx.stats().await.unwrap();
     assert_eq!(st.rejected_segments, 0);
-    drop(lease);
+    drop((lease, srs, dr));
 
     // A second room: prefill rank 0 delivers its heads, rank 1 refuses the
     // request. Half the heads are no room: decode fails with rank 1's
     // reason and status, and its pages go back.
     let r2 = room(902);
+    let mut srs = Vec::new();
     for tx in &txs {
-        tx.open(r2).await.unwrap();
+        srs.push(tx.submit(r2).await.unwrap());
     }
-    rx.open(r2, srcs).await.unwrap();
+    let mut dr = rx.submit(r2, srcs).await.unwrap();
     let lease = d_pool.allocator().lease(3).unwrap();
-    rx.reserve(r2, lease, AuxSlot(3), 0).await.unwrap();
-    for tx in &txs {
-        testing::wait_sender_state(tx, r2, RoomState::WaitingForInput)
-            .await
-            .unwrap();
+    dr.reserve(lease, AuxSlot(3), 0).await.unwrap();
+    for sr in &mut srs {
+        ready(sr).await;
     }
-    txs[0].send(r2, 0..2, 0..3, src[0].clone()).await.unwrap();
-    txs[0].finish(r2, TP_AUX).await.unwrap();
+    srs[0].send(0..2, 0..3, src[0].clone()).await.unwrap();
+    srs[0].finish(TP_AUX).await.unwrap();
     assert_eq!(
-        sender_outcome(&txs[0], r2, Duration::from_secs(3)).await,
-        SenderPoll::Success
+        sender_outcome(&mut srs[0], Duration::from_secs(3)).await,
+        Ok(())
     );
-    txs[1].fail(
-        r2,
-        TransferError::Rejected {
-            http_status: 400,
-            reason: "prompt too long".into(),
-            code: None,
-        },
-    );
-    let ReceiverPoll::Failed(e) = receiver_outcome(&rx, r2, Duration::from_secs(3)).await else {
+    srs[1].fail(TransferError::Rejected {
+        http_status: 400,
+        reason: "prompt too long".into(),
+        code: None,
+    });
+    let Err(e) = receiver_outcome(&mut dr, Duration::from_secs(3)).await else {
         panic!("decode committed a room missing half its heads")
     };
     assert_eq!(e.http_status(), 400, "{e}");
     assert!(e.to_string().contains("prompt too long"), "{e}");
     assert!(matches!(
-        sender_outcome(&txs[1], r2, Duration::from_secs(3)).await,
-        SenderPoll::Failed(TransferError::Rejected { .. })
+        sender_outcome(&mut srs[1], Duration::from_secs(3)).await,
+        Err(TransferError::Rejected { .. })
     ));
+    drop((srs, dr));
     teardown_tp(&txs, &[rx], &[d_pool]).await;
     drop(p_pools);
 }
@@ -2354,8 +2360,9 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
     .unwrap();
     let map = RankMap::new(testing::TP_KV_HEADS as u32, 1, 2).unwrap();
     let r = room(910);
-    tx.open(r).await.unwrap();
+    let mut sr = tx.submit(r).await.unwrap();
     let mut rxs = Vec::new();
+    let mut drs = Vec::new();
     let mut d_pools = Vec::new();
     let mut dsts = Vec::new();
     for d in 0..2u32 {
@@ -2369,40 +2376,39 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
         let srcs: Vec<Source> = Source::for_decode_rank(&map, RankId(d), |_| peer).unwrap();
         assert_eq!(srcs.len(), 1);
         assert_eq!(srcs[0].required_destinations, 2);
-        rx.open(r, srcs).await.unwrap();
+        let mut dr = rx.submit(r, srcs).await.unwrap();
         // Each decode rank scatters its pages differently.
         let skip = (d == 1).then(|| pool.allocator().lease(7).unwrap());
         let lease = scattered_lease(&pool, 5);
         dsts.push(lease.pages().to_vec());
-        rx.reserve(r, lease, AuxSlot(d), 0).await.unwrap();
+        dr.reserve(lease, AuxSlot(d), 0).await.unwrap();
         drop(skip);
         if d == 0 {
-            // One destination of two: prefill must not start yet.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            assert_eq!(
-                tx.poll(r).await.unwrap(),
-                SenderPoll::Pending(RoomState::Bootstrapping)
+            // One destination of two: prefill must not start yet (still
+            // bootstrapping: neither ready nor ended).
+            assert!(
+                tokio::time::timeout(Duration::from_millis(20), sr.ready())
+                    .await
+                    .is_err(),
+                "prefill started with one destination of two"
             );
         }
         rxs.push(rx);
+        drs.push(dr);
         d_pools.push(pool);
     }
-    testing::wait_sender_state(&tx, r, RoomState::WaitingForInput)
-        .await
-        .unwrap();
+    ready(&mut sr).await;
     let src = [pages(&[12, 13, 14, 63, 0])];
-    tx.send(r, 0..1, 0..5, src[0].clone()).await.unwrap();
-    tx.send(r, 1..2, 0..2, src[0].clone()).await.unwrap();
-    tx.send(r, 1..2, 2..5, src[0].clone()).await.unwrap();
-    tx.finish(r, TP_AUX).await.unwrap();
+    sr.send(0..1, 0..5, src[0].clone()).await.unwrap();
+    sr.send(1..2, 0..2, src[0].clone()).await.unwrap();
+    sr.send(1..2, 2..5, src[0].clone()).await.unwrap();
+    sr.finish(TP_AUX).await.unwrap();
     assert_eq!(
-        sender_outcome(&tx, r, Duration::from_secs(3)).await,
-        SenderPoll::Success
+        sender_outcome(&mut sr, Duration::from_secs(3)).await,
+        Ok(())
     );
-    for (d, rx) in rxs.iter().enumerate() {
-        let ReceiverPoll::Success { lease, aux, .. } =
-            receiver_outcome(rx, r, Duration::from_secs(3)).await
-        else {
+    for (d, (rx, dr)) in rxs.iter().zip(&mut drs).enumerate() {
+        let Ok((lease, aux)) = receiver_outcome(dr, Duration::from_secs(3)).await else {
             panic!("decode rank {d} did not commit")
         };
         assert_eq!(lease.pages(), &dsts[d][..]);
@@ -2410,15 +2416,16 @@ async fn fan_out_one_prefill_rank_feeds_two_decode_ranks(kind: TransportKind) {
         verify_tp(&d_pools[d], d, 2, 1, &dsts[d], &src);
         assert_eq!(rx.stats().await.unwrap().rejected_segments, 0);
     }
+    drop((sr, drs));
     teardown_tp(&[tx], &rxs, &d_pools).await;
     drop(p_pool);
 }
 
-/// As a raw prefill: report `room` failed on `control`; decode fails it.
-async fn raw_prefill_gives_up(control: &mut RawDecode, rx: &KvReceiver, room: RoomId) {
+/// As a raw prefill: report `dr`'s room failed on `control`; decode fails it.
+async fn raw_prefill_gives_up(control: &mut RawDecode, dr: &mut ReceiverRoom) {
     control
         .send(Message::Status(handoff_proto::message::Status {
-            room,
+            room: dr.room(),
             outcome: handoff_proto::message::Outcome::Failed {
                 kind: FailureKind::Internal,
                 reason: "gave up".into(),
@@ -2427,10 +2434,7 @@ async fn raw_prefill_gives_up(control: &mut RawDecode, rx: &KvReceiver, room: Ro
             },
         }))
         .await;
-    assert!(matches!(
-        receiver_outcome(rx, room, Duration::from_secs(1)).await,
-        ReceiverPoll::Failed(_)
-    ));
+    assert!(receiver_outcome(dr, Duration::from_secs(1)).await.is_err());
 }
 
 /// As a raw prefill: end `room` on `data` and check decode acknowledges it
@@ -2583,10 +2587,10 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
     )
     .await;
     let rank = connecting.await.unwrap().unwrap();
-    rx.open(r, sources(rank)).await.unwrap();
+    let mut dr = rx.submit(r, sources(rank)).await.unwrap();
     let lease = d_pool.allocator().lease(2).unwrap();
     let mine = lease.pages().to_vec();
-    rx.reserve(r, lease, AuxSlot(0), 0).await.unwrap();
+    dr.reserve(lease, AuxSlot(0), 0).await.unwrap();
     let Some(Message::Destination(dest)) = control.recv(Duration::from_secs(1)).await else {
         panic!("no destination")
     };
@@ -2650,7 +2654,8 @@ async fn decode_rejects_head_slices_it_does_not_hold_and_writes_nothing_else(kin
         rx.stats().await.unwrap().rejected_segments,
         bad.len() as u64
     );
-    raw_prefill_gives_up(&mut control, &rx, r).await;
+    raw_prefill_gives_up(&mut control, &mut dr).await;
+    drop(dr);
     drop(control);
     drop(data);
     teardown_tp(&[], &[rx], &[d_pool]).await;

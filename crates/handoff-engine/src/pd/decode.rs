@@ -13,7 +13,6 @@
 //! protocol (seed 000); the transfer layer returns the pages once the
 //! prefill's writer drained.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex};
@@ -23,7 +22,7 @@ use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use handoff_proto::receiver_room::Source;
 use handoff_proto::{
-    AbortOrigin, AuxSlot, FailureKind, Misbehavior, PeerId, RejectCode, Role, RoomId, TransferError,
+    AbortOrigin, AuxSlot, Misbehavior, PeerId, RejectCode, Role, RoomId, TransferError,
 };
 use handoff_transfer::{AuxData, KvReceiver, ReceiverConfig};
 
@@ -86,7 +85,6 @@ impl DecodeEngine {
                 ctx: Arc::new(Ctx {
                     shared,
                     receiver,
-                    peers: Mutex::new(HashMap::new()),
                     pages,
                     pending: AtomicUsize::new(0),
                     next_slot: AtomicU32::new(0),
@@ -127,8 +125,6 @@ impl Drop for Inner {
 struct Ctx {
     shared: Shared,
     receiver: KvReceiver,
-    /// Prefill bootstrap address → the peer id of its connection.
-    peers: Mutex<HashMap<SocketAddr, PeerSlot>>,
     /// The prealloc queue: requests waiting for pages.
     pages: PageQueue,
     /// Requests between submit and joining the batch.
@@ -351,67 +347,13 @@ fn sources(peer: PeerId) -> Vec<Source> {
 }
 
 impl Ctx {
-    /// The connection to the prefill at `addr`, made once and reused. The
-    /// connect runs in its own task, so a request cancelled meanwhile never
-    /// leaves a half-made connection. Requests to one address wait for one
-    /// connect; other addresses are not held up (a prefill that never
-    /// answers costs its own requests the handshake deadline, no one else).
-    async fn peer(self: &Arc<Self>, addr: SocketAddr) -> Result<PeerId, EngineError> {
-        let ctx = self.clone();
-        let slot = ctx.peer_slot(addr)?;
-        tokio::spawn(async move {
-            let mut known = slot.lock().await;
-            if let Some(r) = *known {
-                // A prefill that died (or restarted on the same address)
-                // left a dead connection behind: connect again.
-                if ctx.receiver.is_connected(r).await? {
-                    return Ok(r);
-                }
-                tracing::info!(prefill = %addr, peer = r.0, "prefill connection lost: reconnecting");
-                *known = None;
-            }
-            let kind = ctx.transport.for_peer(addr);
-            let peer = ctx.receiver.connect_with(addr, kind).await?;
-            tracing::info!(prefill = %addr, peer = peer.0, transport = kind.name(), "connected to a prefill");
-            *known = Some(peer);
-            Ok(peer)
-        })
-        .await
-        .unwrap_or(Err(EngineError::ShuttingDown))
-    }
-
-    /// The connection slot of the prefill at `addr`; refused past
-    /// [`MAX_PREFILL_PEERS`] addresses.
-    fn peer_slot(&self, addr: SocketAddr) -> Result<PeerSlot, EngineError> {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        // The addresses the router sends (its configured or discovered
-        // prefill workers); a slot in no use and never connected is dropped.
-        peers.retain(|_, s| Arc::strong_count(s) > 1 || s.try_lock().is_ok_and(|p| p.is_some()));
-        if !peers.contains_key(&addr) && peers.len() >= MAX_PREFILL_PEERS {
-            return Err(EngineError::TooManyPrefillPeers {
-                limit: MAX_PREFILL_PEERS,
-            });
-        }
-        Ok(peers.entry(addr).or_default().clone())
-    }
-
-    /// Forget a dead prefill's connection: the next request reconnects.
-    async fn forget_peer(&self, addr: SocketAddr, peer: PeerId) {
-        let Ok(slot) = self.peer_slot(addr) else {
-            return;
-        };
-        let mut known = slot.lock().await;
-        if *known == Some(peer) {
-            *known = None;
-        }
+    /// The connection to the prefill at `addr` (the receiver connects once,
+    /// reuses it, and connects again once it found it dead).
+    async fn peer(&self, addr: SocketAddr) -> Result<PeerId, EngineError> {
+        let kind = self.transport.for_peer(addr);
+        Ok(self.receiver.peer(addr, kind).await?)
     }
 }
-
-/// Most prefill addresses decode keeps a connection slot for at once.
-const MAX_PREFILL_PEERS: usize = 256;
-
-/// One prefill address's connection, once made.
-type PeerSlot = Arc<tokio::sync::Mutex<Option<PeerId>>>;
 
 /// What a room brought: the sequence's pages, the aux data, and the
 /// prompt's scores (when the request asked for them).
@@ -543,7 +485,7 @@ fn recomputable(e: &EngineError) -> bool {
             TransferError::ApiMisuse { .. } => false,
             _ => true,
         },
-        EngineError::Transport(_) | EngineError::TooManyPrefillPeers { .. } => true,
+        EngineError::Transport(_) => true,
         _ => false,
     }
 }
@@ -557,29 +499,7 @@ async fn transfer(
     prefill: SocketAddr,
 ) -> Result<Landed, EngineError> {
     let peer = ctx.peer(prefill).await?;
-    let r = joined(ctx, room, peer, req).await;
-    if r.as_ref().is_err_and(connection_lost) {
-        // The next request to this address reconnects.
-        ctx.forget_peer(prefill, peer).await;
-    }
-    r
-}
-
-/// Whether `e` says this decode's connection to the prefill is gone, so the
-/// next request to that address must reconnect: decode found the prefill
-/// dead, or the prefill reported that its end of the connection (its link
-/// to this decode) died.
-fn connection_lost(e: &EngineError) -> bool {
-    matches!(
-        e,
-        EngineError::Transfer(
-            TransferError::PeerDead { .. }
-                | TransferError::Remote {
-                    kind: FailureKind::PeerDead,
-                    ..
-                }
-        )
-    )
+    joined(ctx, room, peer, req).await
 }
 
 /// [`transfer`] once connected to the prefill as peer `peer`. The request
@@ -652,73 +572,4 @@ async fn joined(
         "decode room: KV landed"
     );
     Ok((seq, aux, prompt_scores))
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use handoff_proto::Phase;
-    use handoff_transfer::TransportError;
-
-    use super::*;
-
-    #[test]
-    fn a_dead_peer_by_type_makes_the_next_request_reconnect() {
-        // Decode found the prefill dead.
-        let local = EngineError::from(TransferError::PeerDead {
-            peer: PeerId(0),
-            detail: "prefill peer stopped answering".into(),
-        });
-        assert!(connection_lost(&local));
-        // The prefill reported that its link to this decode died.
-        let remote = EngineError::from(TransferError::from_wire(
-            FailureKind::PeerDead,
-            "data link closed".into(),
-            503,
-            None,
-            Role::Prefill,
-        ));
-        assert!(connection_lost(&remote), "{remote:?}");
-        // Through the transport error, as `receiver.wait` returns it.
-        let wrapped = EngineError::from(TransportError::Room(TransferError::PeerDead {
-            peer: PeerId(3),
-            detail: "no live connection".into(),
-        }));
-        assert!(connection_lost(&wrapped), "{wrapped:?}");
-    }
-
-    #[test]
-    fn other_failures_keep_the_connection() {
-        let keep = [
-            EngineError::from(TransferError::Timeout {
-                phase: Phase::Transferring,
-                after: Duration::from_secs(1),
-            }),
-            EngineError::from(TransferError::from_wire(
-                FailureKind::Timeout,
-                "timed out in transferring".into(),
-                504,
-                None,
-                Role::Prefill,
-            )),
-            EngineError::from(TransferError::from_wire(
-                FailureKind::Internal,
-                "peer_dead".into(),
-                500,
-                None,
-                Role::Prefill,
-            )),
-            EngineError::from(TransferError::Rejected {
-                http_status: 400,
-                reason: "prompt too long".into(),
-                code: None,
-            }),
-            EngineError::from(TransportError::Shutdown),
-            EngineError::ShuttingDown,
-        ];
-        for e in keep {
-            assert!(!connection_lost(&e), "{e:?}");
-        }
-    }
 }

@@ -36,7 +36,7 @@ use handoff_model::sampling::{Sampler, SamplerConfig};
 use handoff_model::tokenizer::Tokenizer;
 use handoff_model::{Llama, SeqChunk};
 use handoff_proto::{RejectCode, Role, RoomId, TransferError};
-use handoff_transfer::{AuxData, KvSender, SenderConfig, TransportError};
+use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderRoom, TransportError};
 use tokio::sync::oneshot;
 
 use super::{
@@ -426,7 +426,7 @@ async fn prefill_room(
         tokio::select! {
             biased;
             Some((end, layer)) = progress.recv(), if queued.is_ok() => {
-                queued = stream.advance(&ctx.sender, room, &src, end, layer).await;
+                queued = stream.advance(&handle, &src, end, layer).await;
             }
             r = &mut done => break Ok(r),
             end = handle.outcome() => break Err(end.err().map_or_else(before_compute, Into::into)),
@@ -435,7 +435,7 @@ async fn prefill_room(
     // The compute is over: what it reported and we did not read yet.
     if matches!(computed, Ok(Ok(_))) {
         while let (true, Ok((end, layer))) = (queued.is_ok(), progress.try_recv()) {
-            queued = stream.advance(&ctx.sender, room, &src, end, layer).await;
+            queued = stream.advance(&handle, &src, end, layer).await;
         }
     }
     let sent = stream.sent;
@@ -539,8 +539,7 @@ impl LayerStream {
     /// layer (and any earlier one not sent yet) of the pages it completes.
     async fn advance(
         &mut self,
-        sender: &KvSender,
-        room: RoomId,
+        room: &SenderRoom,
         src: &Arc<[PageIndex]>,
         end: usize,
         layer: usize,
@@ -552,13 +551,8 @@ impl LayerStream {
         };
         let mut r = Ok(());
         if upto > self.sent && layer + 1 > self.layers_sent {
-            r = sender
-                .send(
-                    room,
-                    self.layers_sent..layer + 1,
-                    self.sent..upto,
-                    src.clone(),
-                )
+            r = room
+                .send(self.layers_sent..layer + 1, self.sent..upto, src.clone())
                 .await;
             self.layers_sent = layer + 1;
         }

@@ -59,12 +59,13 @@ async fn run(args: &[String]) -> Result<(), String> {
             let region = pool.shared_region().ok_or("shared")?.clone();
             let rx = KvReceiver::start(testing::receiver_config(k), region, *pool.layout());
             let rank = rx.connect(addr).await.map_err(|e| e.to_string())?;
-            rx.open(room, testing::sources(rank))
+            let mut r = rx
+                .submit(room, testing::sources(rank))
                 .await
                 .map_err(|e| e.to_string())?;
             if state != "bootstrapping" {
                 let lease = pool.allocator().lease(4).map_err(|e| e.to_string())?;
-                rx.reserve(room, lease, handoff_proto::AuxSlot(1), 0)
+                r.reserve(lease, handoff_proto::AuxSlot(1), 0)
                     .await
                     .map_err(|e| e.to_string())?;
             }
@@ -84,20 +85,14 @@ async fn run(args: &[String]) -> Result<(), String> {
                 .await
                 .map_err(|e| e.to_string())?;
             println!("{}", tx.local_addr());
-            tx.open(room).await.map_err(|e| e.to_string())?;
+            let mut r = tx.submit(room).await.map_err(|e| e.to_string())?;
             if state != "bootstrapping" {
-                testing::wait_sender_state(
-                    &tx,
-                    room,
-                    handoff_proto::room::RoomState::WaitingForInput,
-                )
-                .await
-                .map_err(|e| e.to_string())?;
+                r.ready().await.map_err(|e| e.to_string())?;
             }
             let src: Arc<[handoff_kv::PageIndex]> =
                 (0..4).map(handoff_kv::PageIndex).collect::<Vec<_>>().into();
             if state == "transferring" || state == "streaming" {
-                tx.send(room, 0..1, 0..4, src.clone())
+                r.send(0..1, 0..4, src.clone())
                     .await
                     .map_err(|e| e.to_string())?;
             }
@@ -113,7 +108,7 @@ async fn run(args: &[String]) -> Result<(), String> {
                     resumed |= last.elapsed() > std::time::Duration::from_secs(1);
                     last = std::time::Instant::now();
                     let layer = (sends as usize) % layers;
-                    if let Err(e) = tx.send(room, layer..layer + 1, 0..4, src.clone()).await {
+                    if let Err(e) = r.send(layer..layer + 1, 0..4, src.clone()).await {
                         println!("STOPPED sends={sends} resumed={resumed} error={e}");
                         break;
                     }
@@ -131,7 +126,7 @@ async fn run(args: &[String]) -> Result<(), String> {
 }
 
 async fn pair(k: TransportKind) -> Result<(), handoff_transfer::TransportError> {
-    use handoff_transfer::{AuxData, ReceiverPoll, SenderPoll};
+    use handoff_transfer::AuxData;
     let room = handoff_proto::RoomId::new(77).expect("non-zero");
     let (p_pool, _) = testing::pool();
     let (d_pool, _) = testing::pool();
@@ -143,18 +138,21 @@ async fn pair(k: TransportKind) -> Result<(), handoff_transfer::TransportError> 
         *d_pool.layout(),
     );
     let rank = rx.connect(tx.local_addr()).await?;
-    rx.open(room, testing::sources(rank)).await?;
-    tx.open(room).await?;
+    let mut d = rx.submit(room, testing::sources(rank)).await?;
+    let mut p = tx.submit(room).await?;
     let lease = d_pool
         .allocator()
         .lease(4)
         .map_err(|e| handoff_transfer::TransportError::Bootstrap(e.to_string()))?;
-    rx.reserve(room, lease, handoff_proto::AuxSlot(1), 0)
-        .await?;
-    testing::wait_sender_state(&tx, room, handoff_proto::room::RoomState::WaitingForInput).await?;
+    d.reserve(lease, handoff_proto::AuxSlot(1), 0)
+        .await
+        .map_err(handoff_transfer::TransportError::Room)?;
+    p.ready()
+        .await
+        .map_err(handoff_transfer::TransportError::Room)?;
     let src: Arc<[handoff_kv::PageIndex]> =
         (0..4).map(handoff_kv::PageIndex).collect::<Vec<_>>().into();
-    tx.send(room, 0..1, 0..4, src.clone()).await?;
+    p.send(0..1, 0..4, src.clone()).await?;
     println!("READY");
     let (go, went) = tokio::sync::oneshot::channel();
     std::thread::spawn(move || {
@@ -164,24 +162,21 @@ async fn pair(k: TransportKind) -> Result<(), handoff_transfer::TransportError> 
     });
     let _ = went.await;
     // The room's rest goes only if the stall left the peers paired.
-    let _ = tx.send(room, 1..2, 0..4, src).await;
-    let _ = tx
-        .finish(
-            room,
-            AuxData {
-                first_token: 7,
-                logprob: 0.0,
-                top: handoff_proto::datalink::TopLogprobs::NONE,
-            },
-        )
+    let _ = p.send(1..2, 0..4, src).await;
+    let _ = p
+        .finish(AuxData {
+            first_token: 7,
+            logprob: 0.0,
+            top: handoff_proto::datalink::TopLogprobs::NONE,
+        })
         .await;
-    let decode = match rx.wait(room).await? {
-        ReceiverPoll::Success { .. } => "success".to_string(),
-        other => format!("{other:?}"),
+    let decode = match d.landed().await {
+        Ok(_) => "success".to_string(),
+        Err(e) => format!("Failed({e:?})"),
     };
-    let prefill = match tx.wait(room).await? {
-        SenderPoll::Success => "success".to_string(),
-        other => format!("{other:?}"),
+    let prefill = match p.outcome().await {
+        Ok(()) => "success".to_string(),
+        Err(e) => format!("Failed({e:?})"),
     };
     let (ps, ds) = (tx.stats().await?, rx.stats().await?);
     println!(

@@ -10,30 +10,20 @@ use handoff_proto::{AuxSlot, PeerId, RoomId, TransferError};
 use tokio::net::TcpStream;
 use tokio::sync::oneshot;
 
-use super::config::ReceiverPoll;
+use super::config::ReceiverOutcome;
 use crate::conn::CtlEvent;
 use crate::link::{ReaderEvent, SourcePool};
 use crate::plan::LinkPlan;
 use crate::stats::EndpointStats;
 use crate::transport::TransportKind;
 
-/// A room's outcome goes here. `keep` says whether an outcome whose
-/// receiver is gone is kept for [`KvReceiver::poll`] (a `wait` caller may
-/// poll later) or dropped (a [`ReceiverRoom`] owner is gone for good: its
-/// lease goes back at once).
-pub(super) struct Waiter {
-    pub(super) tx: oneshot::Sender<ReceiverPoll>,
-    pub(super) keep: bool,
-}
+/// A room's outcome goes here: the room handle's end of the channel. An
+/// outcome whose handle is gone is dropped (its lease goes back at once).
+pub(super) type Waiter = oneshot::Sender<ReceiverOutcome>;
 
-pub(super) type Outcome = oneshot::Receiver<ReceiverPoll>;
+pub(super) type Outcome = oneshot::Receiver<ReceiverOutcome>;
 
 pub(super) enum Cmd {
-    Open(
-        RoomId,
-        Vec<Source>,
-        oneshot::Sender<Result<(), TransferError>>,
-    ),
     Submit(
         RoomId,
         Vec<Source>,
@@ -48,8 +38,6 @@ pub(super) enum Cmd {
         reply: oneshot::Sender<Result<(), TransferError>>,
     },
     Abort(RoomId, TransferError),
-    Poll(RoomId, oneshot::Sender<ReceiverPoll>),
-    Wait(RoomId, oneshot::Sender<ReceiverPoll>),
     AddLink(PeerId, NewLink),
     Connected(PeerId, oneshot::Sender<bool>),
     Capabilities(PeerId, oneshot::Sender<Option<Capabilities>>),

@@ -40,4 +40,4 @@ impl ReceiverConfig {
 
 /// What [`KvReceiver::poll`](crate::KvReceiver::poll) says about a room: pending, committed (the
 /// lease and aux come back), failed, or unknown.
-pub type ReceiverPoll = handoff_proto::receiver_endpoint::ReceiverPoll<PageLease>;
+pub type ReceiverOutcome = handoff_proto::receiver_endpoint::ReceiverOutcome<PageLease>;

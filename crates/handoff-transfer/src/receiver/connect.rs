@@ -45,7 +45,7 @@ impl KvReceiver {
         // This connect's number, before anything is sent: prefill keeps the
         // connections of the newest connect of this endpoint, so one
         // cancelled here but completed late there replaces nothing newer.
-        let id = self.conn_ids.fetch_add(1, Ordering::Relaxed) + 1;
+        let id = self.peers.conn_ids.fetch_add(1, Ordering::Relaxed) + 1;
         // An address that never answers costs the handshake deadline, not
         // the OS's SYN timeout.
         let timeout = self.config.handshake_timeout;
@@ -63,7 +63,7 @@ impl KvReceiver {
             .map_err(TransportError::io("control preface"))?;
         // Our own id for this prefill endpoint (two prefill workers of the
         // same TP rank are different peers).
-        let peer = PeerId(self.next_peer.fetch_add(1, Ordering::Relaxed));
+        let peer = PeerId(self.peers.next_peer.fetch_add(1, Ordering::Relaxed));
         let tx = self.tx.downgrade();
         let send = move |e: CtlEvent| match tx.upgrade() {
             Some(tx) => tx.send(Ev::Ctl(e)).map_err(|_| ()),

@@ -183,9 +183,6 @@ impl Driver {
     fn command(&mut self, c: Cmd) {
         let t = now();
         match c {
-            Cmd::Open(room, sources, reply) => {
-                let _ = reply.send(self.endpoint.open(room, sources, t).map_err(Into::into));
-            }
             Cmd::Reserve {
                 room,
                 lease,
@@ -204,16 +201,9 @@ impl Driver {
                 let _ = reply.send(r.map_err(Into::into));
             }
             Cmd::Abort(room, error) => self.endpoint.abort(room, error, t),
-            Cmd::Poll(room, reply) => {
-                let _ = reply.send(self.endpoint.poll(room));
-            }
-            Cmd::Wait(room, tx) => self.endpoint.wait(room, Waiter { tx, keep: true }),
             Cmd::Submit(room, sources, reply) => {
-                let r = self.endpoint.open(room, sources, t).map(|()| {
-                    let (tx, rx) = oneshot::channel();
-                    self.endpoint.wait(room, Waiter { tx, keep: false });
-                    rx
-                });
+                let (tx, rx) = oneshot::channel();
+                let r = self.endpoint.open(room, sources, tx, t).map(|()| rx);
                 let opened = r.is_ok();
                 if reply.send(r.map_err(Into::into)).is_err() && opened {
                     self.endpoint.abort(room, crate::error::client_gone(), t);
@@ -221,8 +211,10 @@ impl Driver {
             }
             Cmd::Refuse(room, sources, error) => {
                 // A room known here (live or ended) stays as it is.
+                // Nobody hears its end: the sink's receiver is dropped here.
+                let (sink, _) = oneshot::channel();
                 if self.endpoint.state(room).is_none()
-                    && self.endpoint.open(room, sources, t).is_ok()
+                    && self.endpoint.open(room, sources, sink, t).is_ok()
                 {
                     self.endpoint.abort(room, error, t);
                 }
@@ -326,12 +318,10 @@ impl Driver {
             }
         }
         // Outcomes last (see the sender's `flush`).
-        for (room, waiter, outcome) in outcomes {
-            if let Err(outcome) = waiter.tx.send(outcome) {
-                if waiter.keep {
-                    self.endpoint.unclaimed(room, outcome, t);
-                }
-            }
+        // An outcome whose room handle is gone is dropped with the
+        // channel (a lease in it returns its pages).
+        for (_, waiter, outcome) in outcomes {
+            let _ = waiter.send(outcome);
         }
     }
 }

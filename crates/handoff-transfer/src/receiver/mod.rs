@@ -4,8 +4,10 @@
 //! the aux records, heartbeats and what is known of every prefill peer; the
 //! driver holds the sockets' and tasks' handles only.
 //!
-//! An engine calls [`KvReceiver::connect`] once per prefill peer (address
-//! from bootstrap), [`KvReceiver::submit`] when it accepts a request, and
+//! An engine asks [`KvReceiver::peer`] for the prefill at a bootstrap
+//! address (connected once, again after the endpoint found it dead; the
+//! index of addresses, connect numbers and ids lives in `peers.rs`),
+//! calls [`KvReceiver::submit`] when it accepts a request, and
 //! drives the returned [`ReceiverRoom`](crate::ReceiverRoom): `reserve` once it holds the pages
 //! (backpressure: a room may wait in `Bootstrapping` for them), then
 //! `landed` for the lease and aux, or the failure as the side that saw it
@@ -13,8 +15,9 @@
 //! room never submitted. The pages of an aborted room return to the pool
 //! only after every prefill writer drained or the abort fence passed.
 //!
-//! The files: this one is the handle's API; `connect.rs` connects to a
-//! prefill (control connection, then the data link); `driver.rs` is the
+//! The files: this one is the handle's API; `peers.rs` the peers by
+//! address; `connect.rs` connects to a prefill (control connection, then
+//! the data link); `driver.rs` is the
 //! driver task; `commands.rs` what the handle tells the driver;
 //! `config.rs` the settings.
 
@@ -36,9 +39,11 @@ mod commands;
 mod config;
 mod connect;
 mod driver;
+mod peers;
 pub(crate) mod room;
 
-pub use config::{ReceiverConfig, ReceiverPoll};
+pub use config::{ReceiverConfig, ReceiverOutcome};
+pub use peers::MAX_PEER_ADDRESSES;
 
 /// Handle to a decode transfer endpoint. Cheap to clone.
 #[derive(Clone)]
@@ -47,8 +52,7 @@ pub struct KvReceiver {
     config: ReceiverConfig,
     layout: KvLayout,
     tasks: TaskCounter,
-    conn_ids: Arc<std::sync::atomic::AtomicU64>,
-    next_peer: Arc<std::sync::atomic::AtomicU32>,
+    peers: Arc<peers::Peers>,
     endpoint: u64,
 }
 
@@ -73,8 +77,7 @@ impl KvReceiver {
             config,
             layout,
             tasks,
-            conn_ids: Arc::new(std::sync::atomic::AtomicU64::new(0)),
-            next_peer: Arc::new(std::sync::atomic::AtomicU32::new(0)),
+            peers: Arc::default(),
             endpoint: rand::random(),
         }
     }
@@ -93,14 +96,6 @@ impl KvReceiver {
         self.ask(|r| Cmd::Connected(peer, r)).await
     }
 
-    /// Accept a request for `room` needing KV from `sources`. Their TP
-    /// peers must cover every prefill peer this decode peer needs heads from
-    /// ([`handoff_proto::rank::RankMap::required_prefill_ranks`]; one source with equal TP
-    /// sizes), so the room cannot succeed with part of its heads missing.
-    pub async fn open(&self, room: RoomId, sources: Vec<Source>) -> Result<(), TransportError> {
-        Ok(self.ask(|r| Cmd::Open(room, sources, r)).await??)
-    }
-
     /// Refuse a request for `room` that never reaches [`Self::submit`] (it
     /// failed validation, or its client left before): the room is opened and
     /// aborted with `error` at once, so every source learns it. A room that
@@ -116,7 +111,7 @@ impl KvReceiver {
     /// only what follows (delta transfer; refused unless every source's
     /// connection negotiated it, see [`Self::delta_capable`]). On error the
     /// lease is dropped (the pages were never advertised).
-    pub async fn reserve(
+    pub(crate) async fn reserve(
         &self,
         room: RoomId,
         lease: PageLease,
@@ -152,19 +147,8 @@ impl KvReceiver {
 
     /// Abort `room` (client gone, validation, shutdown): it fails now, every
     /// source is told, pages wait for the writers to drain.
-    pub fn abort(&self, room: RoomId, error: TransferError) {
+    pub(crate) fn abort(&self, room: RoomId, error: TransferError) {
         let _ = self.tx.send(Ev::Cmd(Cmd::Abort(room, error)));
-    }
-
-    /// The room's state or outcome (an outcome is reported once).
-    pub async fn poll(&self, room: RoomId) -> Result<ReceiverPoll, TransportError> {
-        self.ask(|r| Cmd::Poll(room, r)).await
-    }
-
-    /// Wait until `room` commits or fails and return the outcome (taken,
-    /// like `poll`). Returns `Unknown` at once for an unknown room.
-    pub async fn wait(&self, room: RoomId) -> Result<ReceiverPoll, TransportError> {
-        self.ask(|r| Cmd::Wait(room, r)).await
     }
 
     /// Counters and gauges.

@@ -13,7 +13,7 @@ use handoff_proto::{AbortOrigin, AuxSlot, RoomId, TransferError};
 use tokio::sync::oneshot;
 
 use super::commands::Cmd;
-use super::config::ReceiverPoll;
+use super::config::ReceiverOutcome;
 use super::KvReceiver;
 use crate::error::TransportError;
 
@@ -38,22 +38,25 @@ impl KvReceiver {
 pub struct ReceiverRoom {
     receiver: KvReceiver,
     room: RoomId,
-    outcome: Option<oneshot::Receiver<ReceiverPoll>>,
+    outcome: Option<oneshot::Receiver<ReceiverOutcome>>,
     /// The prompt scores that came with the room's success.
     prompt: Vec<(u32, f32)>,
+    /// We aborted it ourselves: dropping needs no other abort.
+    aborted: bool,
 }
 
 impl ReceiverRoom {
     pub(crate) fn new(
         receiver: KvReceiver,
         room: RoomId,
-        outcome: oneshot::Receiver<ReceiverPoll>,
+        outcome: oneshot::Receiver<ReceiverOutcome>,
     ) -> Self {
         Self {
             receiver,
             room,
             outcome: Some(outcome),
             prompt: Vec::new(),
+            aborted: false,
         }
     }
 
@@ -82,7 +85,7 @@ impl ReceiverRoom {
             Err(e) => {
                 // The room failed while waiting for pages (a deadline, a
                 // dead peer): report that failure, not the refusal.
-                if let Some(Ok(ReceiverPoll::Failed(f))) =
+                if let Some(Ok(ReceiverOutcome::Failed(f))) =
                     self.outcome.as_mut().map(oneshot::Receiver::try_recv)
                 {
                     self.outcome = None;
@@ -100,7 +103,7 @@ impl ReceiverRoom {
 
     /// Wait for the room's end: the committed pages (the prompt's KV) and
     /// the aux data, or the failure as the side that saw it reported it.
-    /// Cancel safe: dropped while waiting, the room is aborted.
+    /// Cancel safe: the room stays as it is (dropping the room aborts it).
     pub async fn landed(&mut self) -> Result<(PageLease, AuxData), TransferError> {
         let Some(rx) = self.outcome.as_mut() else {
             return Err(TransferError::Internal {
@@ -110,14 +113,11 @@ impl ReceiverRoom {
         let outcome = rx.await;
         self.outcome = None;
         match outcome {
-            Ok(ReceiverPoll::Success { lease, aux, prompt }) => {
+            Ok(ReceiverOutcome::Success { lease, aux, prompt }) => {
                 self.prompt = prompt;
                 Ok((lease, aux))
             }
-            Ok(ReceiverPoll::Failed(e)) => Err(e),
-            Ok(other) => Err(TransferError::Internal {
-                reason: format!("room ended without an outcome: {other:?}"),
-            }),
+            Ok(ReceiverOutcome::Failed(e)) => Err(e),
             Err(_) => Err(TransferError::Aborted {
                 origin: AbortOrigin::Shutdown,
                 reason: "the decode transfer endpoint stopped".into(),
@@ -128,6 +128,18 @@ impl ReceiverRoom {
 }
 
 impl ReceiverRoom {
+    /// Abort the room with `error` (validation, shutdown, a client gone
+    /// with a reason of its own): it fails now, every source is told, and
+    /// its pages return once the writers drained. Dropping the room does
+    /// the same with a "client gone" error.
+    /// Its end still comes through [`Self::landed`].
+    pub fn abort(&mut self, error: TransferError) {
+        if self.outcome.is_some() && !self.aborted {
+            self.aborted = true;
+            self.receiver.abort(self.room, error);
+        }
+    }
+
     /// The prompt scores that came with the room's aux record (flat (token,
     /// log-probability) pairs; empty when none were sent). Take them after
     /// [`Self::landed`].
@@ -140,7 +152,7 @@ impl Drop for ReceiverRoom {
     fn drop(&mut self) {
         // An outcome not yet taken: the room is live (or its end is still in
         // the channel, and goes with it: a lease in it returns its pages).
-        if self.outcome.is_some() {
+        if self.outcome.is_some() && !self.aborted {
             self.receiver.abort(self.room, crate::error::client_gone());
         }
     }

@@ -8,30 +8,17 @@ use handoff_proto::datalink::AuxData;
 use handoff_proto::{PeerId, RoomId, TransferError};
 use tokio::sync::{mpsc, oneshot};
 
-use super::config::SenderPoll;
+use super::config::SenderRoomEvent;
 use crate::conn::CtlEvent;
 use crate::link::{AcceptedLink, LinkEvent};
 use crate::stats::EndpointStats;
 
-/// Where an answer goes: one reply, or a room's event stream.
-pub(super) enum Reply {
-    Once(oneshot::Sender<SenderPoll>),
-    Stream(mpsc::UnboundedSender<SenderPoll>),
-}
+/// Where a room's events go: its handle's stream.
+pub(super) type Reply = mpsc::UnboundedSender<SenderRoomEvent>;
 
-impl Reply {
-    pub(super) fn send(self, poll: SenderPoll) {
-        match self {
-            Reply::Once(tx) => drop(tx.send(poll)),
-            Reply::Stream(tx) => drop(tx.send(poll)),
-        }
-    }
-}
-
-pub(super) type RoomEvents = mpsc::UnboundedReceiver<SenderPoll>;
+pub(super) type RoomEvents = mpsc::UnboundedReceiver<SenderRoomEvent>;
 
 pub(super) enum Cmd {
-    Open(RoomId, oneshot::Sender<Result<(), TransferError>>),
     Submit(RoomId, oneshot::Sender<Result<RoomEvents, TransferError>>),
     Fail(RoomId, TransferError),
     Refuse(RoomId, TransferError),
@@ -48,9 +35,6 @@ pub(super) enum Cmd {
         Arc<[(u32, f32)]>,
         oneshot::Sender<Result<(), TransferError>>,
     ),
-    Poll(RoomId, oneshot::Sender<SenderPoll>),
-    Wait(RoomId, oneshot::Sender<SenderPoll>),
-    WaitInput(RoomId, oneshot::Sender<SenderPoll>),
     Stats(oneshot::Sender<EndpointStats>),
     /// The peer id of the decode endpoint a connection's preface named.
     PeerId(u64, oneshot::Sender<PeerId>),

@@ -34,4 +34,4 @@ impl SenderConfig {
     }
 }
 
-pub use handoff_proto::sender_endpoint::SenderPoll;
+pub use handoff_proto::sender_endpoint::SenderRoomEvent;

@@ -194,18 +194,10 @@ impl Driver {
     fn command(&mut self, c: Cmd) {
         let t = now();
         match c {
-            Cmd::Open(room, reply) => {
-                let cancel = Arc::new(AtomicBool::new(false));
-                let _ = reply.send(self.endpoint.open(room, cancel, t));
-            }
             Cmd::Submit(room, reply) => {
                 let cancel = Arc::new(AtomicBool::new(false));
-                let r = self.endpoint.open(room, cancel, t).map(|()| {
-                    let (tx, rx) = mpsc::unbounded_channel();
-                    self.endpoint.wait_input(room, Reply::Stream(tx.clone()));
-                    self.endpoint.wait(room, Reply::Stream(tx));
-                    rx
-                });
+                let (tx, rx) = mpsc::unbounded_channel();
+                let r = self.endpoint.open(room, cancel, tx, t).map(|()| rx);
                 let opened = r.is_ok();
                 if reply.send(r).is_err() && opened {
                     self.endpoint.fail(room, crate::error::prefill_dropped(), t);
@@ -214,9 +206,11 @@ impl Driver {
             Cmd::Fail(room, error) => self.endpoint.fail(room, error, t),
             Cmd::Refuse(room, error) => {
                 // A room known here (live or ended) stays as it is.
+                // Nobody hears its end: the sink's receiver is dropped here.
                 let cancel = Arc::new(AtomicBool::new(false));
+                let (sink, _) = mpsc::unbounded_channel();
                 if self.endpoint.state(room).is_none()
-                    && self.endpoint.open(room, cancel, t).is_ok()
+                    && self.endpoint.open(room, cancel, sink, t).is_ok()
                 {
                     self.endpoint.fail(room, error, t);
                 }
@@ -240,11 +234,6 @@ impl Driver {
                 self.flush();
                 let _ = reply.send(r);
             }
-            Cmd::Poll(room, reply) => {
-                let _ = reply.send(self.endpoint.poll(room));
-            }
-            Cmd::WaitInput(room, reply) => self.endpoint.wait_input(room, Reply::Once(reply)),
-            Cmd::Wait(room, reply) => self.endpoint.wait(room, Reply::Once(reply)),
             Cmd::PeerId(endpoint, reply) => {
                 let _ = reply.send(self.endpoint.peer_id(endpoint));
             }
@@ -310,7 +299,7 @@ impl Driver {
                         self.links.remove(&peer);
                     }
                 }
-                SenderEvent::Answer { waiter, poll } => answers.push((waiter, poll)),
+                SenderEvent::Room { sink, event } => answers.push((sink, event)),
             }
         }
         let t = now();
@@ -319,8 +308,8 @@ impl Driver {
                 let _ = tx.send(tr.message);
             }
         }
-        for (waiter, poll) in answers {
-            waiter.send(poll);
+        for (sink, event) in answers {
+            let _ = sink.send(event);
         }
     }
 }

@@ -9,8 +9,8 @@
 //! compute may start), then `send` (a range of layers and pages, so
 //! layer-by-layer streaming works), `finish` (aux record) and `outcome`.
 //! [`KvSender::refuse`] fails a room it never took; its reason and status
-//! reach every decode peer. The lower-level `open` / `poll` / `wait` calls
-//! remain for tests and the transfer benchmark.
+//! reach every decode peer. Nothing else answers for a room: tests and the
+//! transfer benchmark drive the same handles.
 //!
 //! The files: this one is the handle's API; `accept.rs` takes decode's
 //! connections (the ids it gives them are the endpoint's); `driver.rs` is
@@ -42,7 +42,7 @@ mod driver;
 pub(crate) mod room;
 mod segments;
 
-pub use config::{SenderConfig, SenderPoll};
+pub use config::{SenderConfig, SenderRoomEvent};
 
 /// Handle to a prefill transfer endpoint. Cheap to clone.
 #[derive(Clone)]
@@ -102,15 +102,9 @@ impl KvSender {
         rx.await.map_err(|_| TransportError::Shutdown)
     }
 
-    /// Accept a request for `room`. Fails for a duplicate live room id, a
-    /// room decode already aborted, or capacity.
-    pub async fn open(&self, room: RoomId) -> Result<(), TransportError> {
-        Ok(self.ask(|r| Cmd::Open(room, r)).await??)
-    }
-
     /// Fail `room` here (validation rejection, engine error): every decode
     /// destination learns `error`'s reason and status.
-    pub fn fail(&self, room: RoomId, error: TransferError) {
+    pub(crate) fn fail(&self, room: RoomId, error: TransferError) {
         let _ = self.tx.send(Ev::Cmd(Cmd::Fail(room, error)));
     }
 
@@ -125,7 +119,7 @@ impl KvSender {
     /// Write `layers` × room pages `pages` (indices into the room's page
     /// list) from source pages `src` (the room's prefill pages, in token
     /// order). The first call marks compute done. Returns once queued.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         room: RoomId,
         layers: Range<usize>,
@@ -145,37 +139,19 @@ impl KvSender {
 
     /// Every `send` of `room` is queued: write the aux record and end the
     /// room on every link. Success is reported once decode acknowledged.
-    pub async fn finish(&self, room: RoomId, aux: AuxData) -> Result<(), TransportError> {
+    pub(crate) async fn finish(&self, room: RoomId, aux: AuxData) -> Result<(), TransportError> {
         self.finish_scored(room, aux, Arc::from([])).await
     }
 
     /// [`Self::finish`] with the room's prompt scores (flat (token,
     /// log-probability) pairs), sent ahead of the aux record.
-    pub async fn finish_scored(
+    pub(crate) async fn finish_scored(
         &self,
         room: RoomId,
         aux: AuxData,
         prompt: Arc<[(u32, f32)]>,
     ) -> Result<(), TransportError> {
         Ok(self.ask(|r| Cmd::Finish(room, aux, prompt, r)).await??)
-    }
-
-    /// The room's state or outcome (an outcome is reported once).
-    pub async fn poll(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
-        self.ask(|r| Cmd::Poll(room, r)).await
-    }
-
-    /// Wait until `room` ends and return its outcome (taken, like `poll`).
-    /// Returns `Unknown` at once for a room that is neither live nor ended.
-    pub async fn wait(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
-        self.ask(|r| Cmd::Wait(room, r)).await
-    }
-
-    /// Wait until `room` leaves `Bootstrapping`: every destination arrived
-    /// (`Pending(WaitingForInput)`: compute may start) or the room ended
-    /// (`Unknown`: its outcome is left for [`Self::poll`] / [`Self::wait`]).
-    pub async fn wait_input(&self, room: RoomId) -> Result<SenderPoll, TransportError> {
-        self.ask(|r| Cmd::WaitInput(room, r)).await
     }
 
     /// Counters and gauges.

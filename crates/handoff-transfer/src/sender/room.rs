@@ -12,12 +12,11 @@ use std::sync::Arc;
 
 use handoff_kv::PageIndex;
 use handoff_proto::datalink::AuxData;
-use handoff_proto::room::RoomState;
 use handoff_proto::{AbortOrigin, RoomId, TransferError};
 use tokio::sync::mpsc;
 
 use super::commands::Cmd;
-use super::config::SenderPoll;
+use super::config::SenderRoomEvent;
 use super::KvSender;
 use crate::error::TransportError;
 
@@ -38,9 +37,10 @@ impl KvSender {
 pub struct SenderRoom {
     sender: KvSender,
     room: RoomId,
-    events: mpsc::UnboundedReceiver<SenderPoll>,
-    /// The room's outcome arrived on `events` (or the endpoint is gone).
-    ended: bool,
+    events: mpsc::UnboundedReceiver<SenderRoomEvent>,
+    /// The room's end, once it arrived on `events` (or the endpoint is
+    /// gone).
+    end: Option<Result<(), TransferError>>,
     /// We failed it ourselves: dropping needs no other failure.
     failed: bool,
 }
@@ -50,13 +50,13 @@ impl SenderRoom {
     pub(crate) fn new(
         sender: KvSender,
         room: RoomId,
-        events: mpsc::UnboundedReceiver<SenderPoll>,
+        events: mpsc::UnboundedReceiver<SenderRoomEvent>,
     ) -> Self {
         Self {
             sender,
             room,
             events,
-            ended: false,
+            end: None,
             failed: false,
         }
     }
@@ -66,25 +66,28 @@ impl SenderRoom {
         self.room
     }
 
-    /// The room's next event: `Pending(WaitingForInput)` once every
-    /// destination arrived (compute may start), `Unknown` if it ended first
-    /// (its outcome follows), then `Success` or `Failed` (its end). Cancel
-    /// safe.
-    async fn next(&mut self) -> SenderPoll {
-        if self.ended {
-            return SenderPoll::Unknown;
+    /// Wait for the room's next event and return it; its end is kept, so
+    /// [`Self::ready`] and [`Self::outcome`] both see it. Cancel safe.
+    async fn next(&mut self) -> SenderRoomEvent {
+        if let Some(end) = &self.end {
+            return match end {
+                Ok(()) => SenderRoomEvent::Success,
+                Err(e) => SenderRoomEvent::Failed(e.clone()),
+            };
         }
-        let ev = self
-            .events
-            .recv()
-            .await
-            .unwrap_or(SenderPoll::Failed(TransferError::Aborted {
-                origin: AbortOrigin::Shutdown,
-                reason: "the prefill transfer endpoint stopped".into(),
-                http_status: 503,
-            }));
-        if matches!(ev, SenderPoll::Success | SenderPoll::Failed(_)) {
-            self.ended = true;
+        let ev =
+            self.events
+                .recv()
+                .await
+                .unwrap_or(SenderRoomEvent::Failed(TransferError::Aborted {
+                    origin: AbortOrigin::Shutdown,
+                    reason: "the prefill transfer endpoint stopped".into(),
+                    http_status: 503,
+                }));
+        match &ev {
+            SenderRoomEvent::Success => self.end = Some(Ok(())),
+            SenderRoomEvent::Failed(e) => self.end = Some(Err(e.clone())),
+            SenderRoomEvent::Ready => {}
         }
         ev
     }
@@ -93,17 +96,9 @@ impl SenderRoom {
     /// compute). `Err` is the room's end if it came first (decode aborted,
     /// a deadline passed, the peer died). Cancel safe.
     pub async fn ready(&mut self) -> Result<(), TransferError> {
-        loop {
-            match self.next().await {
-                SenderPoll::Pending(RoomState::WaitingForInput) => return Ok(()),
-                SenderPoll::Failed(e) => return Err(e),
-                SenderPoll::Success => {
-                    return Err(TransferError::Internal {
-                        reason: "room succeeded before its compute".into(),
-                    })
-                }
-                SenderPoll::Pending(_) | SenderPoll::Unknown => {}
-            }
+        match self.next().await {
+            SenderRoomEvent::Ready | SenderRoomEvent::Success => Ok(()),
+            SenderRoomEvent::Failed(e) => Err(e),
         }
     }
 
@@ -112,14 +107,9 @@ impl SenderRoom {
     pub async fn outcome(&mut self) -> Result<(), TransferError> {
         loop {
             match self.next().await {
-                SenderPoll::Success => return Ok(()),
-                SenderPoll::Failed(e) => return Err(e),
-                SenderPoll::Pending(_) | SenderPoll::Unknown if self.ended => {
-                    return Err(TransferError::Internal {
-                        reason: "room outcome already taken".into(),
-                    })
-                }
-                SenderPoll::Pending(_) | SenderPoll::Unknown => {}
+                SenderRoomEvent::Ready => {}
+                SenderRoomEvent::Success => return Ok(()),
+                SenderRoomEvent::Failed(e) => return Err(e),
             }
         }
     }
@@ -156,7 +146,7 @@ impl SenderRoom {
     /// `error`. Its end still comes through [`Self::outcome`] once no write
     /// is in flight.
     pub fn fail(&mut self, error: TransferError) {
-        if !self.ended && !self.failed {
+        if self.end.is_none() && !self.failed {
             self.failed = true;
             self.sender.fail(self.room, error);
         }
@@ -165,7 +155,7 @@ impl SenderRoom {
 
 impl Drop for SenderRoom {
     fn drop(&mut self) {
-        if !self.ended && !self.failed {
+        if self.end.is_none() && !self.failed {
             self.sender.fail(self.room, crate::error::prefill_dropped());
         }
     }

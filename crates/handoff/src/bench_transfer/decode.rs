@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use handoff_kv::{KvLayout, KvPool, PageIndex, PageLease};
 use handoff_proto::receiver_room::Source;
 use handoff_proto::{AbortOrigin, AuxSlot, Role, RoomId, TransferError};
-use handoff_transfer::{KvReceiver, ReceiverConfig, ReceiverPoll, TransportKind};
+use handoff_transfer::{KvReceiver, ReceiverConfig, ReceiverRoom, TransportKind};
 
 use super::workload::{geometry, handshake, placement, IoRuntime, PinThreads};
 
@@ -33,19 +33,21 @@ fn read_exact_into(
     Ok(())
 }
 
-/// Decode side: open `room` from `sources` and reserve `lease` for it.
+/// Decode side: accept `room` from `sources` and reserve `lease` for it.
 async fn open_reserved(
     rx: &KvReceiver,
     room: RoomId,
     sources: &[Source],
     lease: PageLease,
-) -> Result<(), String> {
-    rx.open(room, sources.to_vec())
+) -> Result<ReceiverRoom, String> {
+    let mut r = rx
+        .submit(room, sources.to_vec())
         .await
         .map_err(|e| e.to_string())?;
-    rx.reserve(room, lease, AuxSlot(0), 0)
+    r.reserve(lease, AuxSlot(0), 0)
         .await
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+    Ok(r)
 }
 
 /// The decode process: `bench-peer <prefill addr> <shm|tcp> <page bytes>
@@ -135,11 +137,10 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
                 for (room, dst) in rooms {
                     let room = RoomId::new(room).ok_or("room 0")?;
                     let lease = alloc.lease_exact(&dst).map_err(|e| e.to_string())?;
-                    open_reserved(&rx, room, &sources, lease).await?;
-                    let rx2 = rx.clone();
+                    let mut r = open_reserved(&rx, room, &sources, lease).await?;
                     committing.push(tokio::spawn(async move {
                         // Success hands the lease back; dropping it frees the pages.
-                        let _ = rx2.wait(room).await;
+                        let _ = r.landed().await;
                     }));
                 }
                 println!("OK");
@@ -152,18 +153,15 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
                         .lease_exact(&[PageIndex(i as u32)])
                         .map_err(|e| e.to_string())?;
                     let base = alloc.stats().leased - 1;
-                    open_reserved(&rx, room, &sources, lease).await?;
+                    let mut r = open_reserved(&rx, room, &sources, lease).await?;
                     // Let the destination reach prefill (WaitingForInput there).
                     tokio::time::sleep(Duration::from_millis(2)).await;
                     let t0 = Instant::now();
-                    rx.abort(
-                        room,
-                        TransferError::Aborted {
-                            origin: AbortOrigin::Client,
-                            reason: "bench abort".into(),
-                            http_status: 499,
-                        },
-                    );
+                    r.abort(TransferError::Aborted {
+                        origin: AbortOrigin::Client,
+                        reason: "bench abort".into(),
+                        http_status: 499,
+                    });
                     let a2 = alloc.clone();
                     let released = tokio::task::spawn_blocking(move || {
                         a2.wait_leased_at_most(base, Duration::from_secs(10))
@@ -173,9 +171,7 @@ pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), S
                     .map_err(|e| e.to_string())?
                     .ok_or("pages never released")?;
                     out.push((released - t0).as_secs_f64() * 1e6);
-                    if let Ok(ReceiverPoll::Pending(_)) = rx.poll(room).await {
-                        let _ = rx.wait(room).await;
-                    }
+                    let _ = r.landed().await;
                 }
                 let s: Vec<String> = out.iter().map(|x| format!("{x:.1}")).collect();
                 println!("ABORTS {}", s.join(" "));

@@ -10,9 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use handoff_kv::{KvPool, PageIndex, ShmRegion, ShmRegionHandle};
-use handoff_proto::room::RoomState;
 use handoff_proto::{Role, RoomId};
-use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderPoll, TransportKind};
+use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderRoom, TransportKind};
 
 use super::report::{latency, BenchReport, CaseReport, LatencyReport, PlacedLatency, Sample};
 use super::workload::{
@@ -142,16 +141,15 @@ impl Drop for Peer {
     }
 }
 
-async fn wait_waiting(tx: &KvSender, room: RoomId) -> Result<(), String> {
-    let end = Instant::now() + Duration::from_secs(60);
-    loop {
-        match tx.poll(room).await.map_err(|e| e.to_string())? {
-            SenderPoll::Pending(RoomState::WaitingForInput) => return Ok(()),
-            SenderPoll::Pending(_) if Instant::now() < end => {
-                tokio::time::sleep(Duration::from_micros(100)).await
-            }
-            other => return Err(format!("room {}: {other:?}", room.get())),
-        }
+/// Wait until decode's destination for `room` arrived (a minute at most).
+async fn wait_waiting(room: &mut SenderRoom) -> Result<(), String> {
+    match tokio::time::timeout(Duration::from_secs(60), room.ready()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(format!("room {}: {e}", room.room().get())),
+        Err(_) => Err(format!(
+            "room {}: no destination in 60 s",
+            room.room().get()
+        )),
     }
 }
 
@@ -237,49 +235,47 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
             };
             for run in 0..runs {
                 zero(&peer.region, &d, page);
-                let rooms: Vec<RoomId> = (0..k).map(|_| ctx.room()).collect();
-                for room in &rooms {
-                    tx.open(*room).await.map_err(|e| e.to_string())?;
+                let mut rooms = Vec::with_capacity(k);
+                for _ in 0..k {
+                    let r = tx.submit(ctx.room()).await.map_err(|e| e.to_string())?;
+                    rooms.push(r);
                 }
                 let ok = peer.cmd(&format!(
                     "ROOMS {} {k} {}",
-                    rooms[0].get(),
+                    rooms[0].room().get(),
                     u8::from(contiguous)
                 ))?;
                 if ok != "OK" {
                     return Err(format!("decode peer: {ok}"));
                 }
-                for room in &rooms {
-                    wait_waiting(&tx, *room).await?;
+                for room in &mut rooms {
+                    wait_waiting(room).await?;
                 }
                 let cpu0 = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid());
                 let t0 = Instant::now();
                 // Every room's write and end are queued before any wait.
                 for (room, share) in rooms.iter().zip(&shares) {
                     let (a, b) = tokio::join!(
-                        tx.send(*room, 0..1, 0..share.len(), share.clone()),
-                        tx.finish(
-                            *room,
-                            AuxData {
-                                first_token: 1,
-                                logprob: 0.0,
-                                top: handoff_proto::datalink::TopLogprobs::NONE,
-                            }
-                        )
+                        room.send(0..1, 0..share.len(), share.clone()),
+                        room.finish(AuxData {
+                            first_token: 1,
+                            logprob: 0.0,
+                            top: handoff_proto::datalink::TopLogprobs::NONE,
+                        })
                     );
                     a.and(b).map_err(|e| e.to_string())?;
                 }
-                let mut out = SenderPoll::Success;
-                for room in &rooms {
-                    let o = tx.wait(*room).await.map_err(|e| e.to_string())?;
-                    if o != SenderPoll::Success {
+                let mut out = Ok(());
+                for room in &mut rooms {
+                    let o = room.outcome().await;
+                    if o.is_err() {
                         out = o;
                     }
                 }
                 let dt = t0.elapsed();
                 let cpu = cpu_seconds(std::process::id()) + cpu_seconds(peer.pid()) - cpu0;
-                if out != SenderPoll::Success {
-                    return Err(format!("{} {}: {out:?}", kind.name(), case.label()));
+                if let Err(e) = out {
+                    return Err(format!("{} {}: {e}", kind.name(), case.label()));
                 }
                 let timed = run >= cfg.warmup;
                 rep.record(
@@ -526,28 +522,24 @@ impl TcpVsPing<'_> {
 
 /// The timed part of one latency room: send, finish and wait issued
 /// together, as a room's last write, its end and its outcome.
-async fn one_room(
-    tx: &KvSender,
-    room: RoomId,
-    src: Arc<[PageIndex]>,
-) -> (Duration, Result<SenderPoll, String>) {
+async fn one_room(mut room: SenderRoom, src: Arc<[PageIndex]>) -> (Duration, Result<(), String>) {
     let t0 = Instant::now();
-    // The three commands are queued at once, in order: the driver
-    // queues the write, the end, and registers the waiter in one go.
-    let (a, b, out) = tokio::join!(
-        tx.send(room, 0..1, 0..1, src),
-        tx.finish(
-            room,
-            AuxData {
-                first_token: 1,
-                logprob: 0.0,
-                top: handoff_proto::datalink::TopLogprobs::NONE,
-            }
-        ),
-        tx.wait(room)
+    // The write and the end are queued at once, in order, and the room's
+    // events channel yields its end.
+    let (a, b) = tokio::join!(
+        room.send(0..1, 0..1, src),
+        room.finish(AuxData {
+            first_token: 1,
+            logprob: 0.0,
+            top: handoff_proto::datalink::TopLogprobs::NONE,
+        })
     );
+    let out = room.outcome().await;
     let dt = t0.elapsed();
-    let out = a.and(b).and(out).map_err(|e| e.to_string());
+    let out = a
+        .and(b)
+        .map_err(|e| e.to_string())
+        .and(out.map_err(|e| e.to_string()));
     (dt, out)
 }
 
@@ -567,27 +559,25 @@ async fn latency_4k(
 ) -> Result<Vec<f64>, String> {
     let mut v = Vec::new();
     for i in rooms.first_page..rooms.first_page + rooms.n {
-        let room = ctx.room();
-        tx.open(room).await.map_err(|e| e.to_string())?;
+        let mut room = tx.submit(ctx.room()).await.map_err(|e| e.to_string())?;
+        let id = room.room().get();
         zero(&peer.region, &[PageIndex(i as u32)], 4 << 10);
-        let ok = peer.cmd(&format!("ONE {} {i}", room.get()))?;
+        let ok = peer.cmd(&format!("ONE {id} {i}"))?;
         if ok != "OK" {
             return Err(format!("decode peer: {ok}"));
         }
-        wait_waiting(tx, room).await?;
+        wait_waiting(&mut room).await?;
         let (dt, out) = match io {
             Some(io) => {
-                let (tx, src) = (tx.clone(), src.clone());
-                io.spawn(async move { one_room(&tx, room, src).await })
+                let src = src.clone();
+                io.spawn(one_room(room, src))
                     .await
                     .map_err(|e| e.to_string())?
             }
-            None => one_room(tx, room, src.clone()).await,
+            None => one_room(room, src.clone()).await,
         };
         v.push(dt.as_secs_f64() * 1e6);
-        if out? != SenderPoll::Success {
-            return Err(format!("latency room {}: not a success", room.get()));
-        }
+        out.map_err(|e| format!("latency room {id}: {e}"))?;
     }
     Ok(v)
 }
@@ -599,9 +589,9 @@ async fn abort_release(
     ctx: &mut Ctx,
 ) -> Result<LatencyReport, String> {
     let first = ctx.next_room + 1;
-    let rooms: Vec<RoomId> = (0..cfg.latency_iters).map(|_| ctx.room()).collect();
-    for r in &rooms {
-        tx.open(*r).await.map_err(|e| e.to_string())?;
+    let mut rooms = Vec::with_capacity(cfg.latency_iters);
+    for _ in 0..cfg.latency_iters {
+        rooms.push(tx.submit(ctx.room()).await.map_err(|e| e.to_string())?);
     }
     let line = peer.cmd(&format!("ABORTS {first} {}", rooms.len()))?;
     let v: Vec<f64> = line
@@ -610,8 +600,8 @@ async fn abort_release(
         .split_whitespace()
         .filter_map(|x| x.parse().ok())
         .collect();
-    for r in &rooms {
-        let _ = tx.wait(*r).await;
+    for r in &mut rooms {
+        let _ = r.outcome().await;
     }
     Ok(latency(v))
 }
