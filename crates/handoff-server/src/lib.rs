@@ -2,47 +2,24 @@
 //! completions, SGLang's `/generate`, health, load, server info and
 //! Prometheus metrics — around a running engine; and the PD router in front
 //! of prefill and decode workers ([`router`]).
+//!
+//! The modules, bottom up: [`state`] (`AppState`, what every handler
+//! shares); [`http`] (the HTTP layer: the app, listener, auth, CORS, body
+//! extraction, errors, SSE, drain, metrics, tracing export); [`worker`]
+//! (a worker's API: the request types, their checks, generation and its
+//! answers); [`router`] (the PD router) and [`discovery`] (etcd).
 #![warn(missing_docs)]
 #![forbid(unsafe_code)]
 
-pub mod abort_api;
-pub mod aborts;
-pub mod app;
-pub mod auth;
-pub mod backend;
-pub mod choices;
-pub mod cors;
 pub mod discovery;
-pub mod drain;
-pub mod errors;
-pub mod exposition;
-pub mod extract;
-pub mod field_metrics;
-pub mod fields;
-pub mod generate_api;
-pub mod generation;
-pub mod info_api;
-pub mod listen;
-pub mod metrics;
-pub mod openai_api;
-pub mod openai_types;
-pub mod otel;
-pub mod params;
-pub mod pd_fields;
-pub mod prompt;
-pub mod request_ids;
+pub mod http;
 pub mod router;
-pub mod sampling_fields;
-pub mod sse;
 pub mod state;
-pub mod structured;
-pub mod tenancy;
-pub mod token_api;
-pub mod tools;
-pub mod trust;
+pub mod worker;
 
-pub use app::{app, app_with_state, AppState};
-pub use backend::{Backend, Bootstrap};
-pub use errors::ApiError;
-pub use listen::{serve, HttpLimits};
+pub use http::app::{app, app_with_state};
+pub use http::errors::ApiError;
+pub use http::listen::{serve, HttpLimits};
 pub use router::{router_app, run_router, RouterConfig, RouterHandle};
+pub use state::AppState;
+pub use worker::backend::{Backend, Bootstrap};

@@ -4,12 +4,12 @@
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-use crate::aborts::Aborts;
-use crate::backend::{Backend, Bootstrap};
-use crate::errors::ApiError;
-use crate::metrics::Metrics;
-use crate::request_ids::unix_now;
-use crate::trust::BootstrapTrust;
+use crate::http::errors::ApiError;
+use crate::http::metrics::Metrics;
+use crate::worker::aborts::Aborts;
+use crate::worker::backend::{Backend, Bootstrap};
+use crate::worker::request_ids::unix_now;
+use crate::worker::trust::BootstrapTrust;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -27,7 +27,7 @@ pub struct AppState {
     /// A generation that waits this long for its next token is ended
     /// (`stalled`) and cancelled; `None`: never.
     pub stall_timeout: Option<std::time::Duration>,
-    /// The prefill endpoints a decode worker dials ([`crate::trust`]):
+    /// The prefill endpoints a decode worker dials ([`crate::worker::trust`]):
     /// none until the embedder says which.
     pub bootstrap_trust: BootstrapTrust,
     /// Compiles requests' structured-output grammars over the model's

@@ -447,9 +447,9 @@ async fn a_stream_whose_client_stops_reading_pauses_its_generation() {
 async fn cross_origin_pages_get_access_only_from_allowed_origins() {
     let good = "http://chat.localhost:3000";
     let engine: handoff_server::Backend = server().engine.clone().into();
-    let origins = vec![good.parse::<handoff_server::cors::Origin>().unwrap()];
+    let origins = vec![good.parse::<handoff_server::http::cors::Origin>().unwrap()];
     let allowed = common::serve_on_thread(move |listener| async move {
-        let app = handoff_server::cors::allow_origins(handoff_server::app(engine), &origins);
+        let app = handoff_server::http::cors::allow_origins(handoff_server::app(engine), &origins);
         handoff_server::serve(
             listener,
             app,

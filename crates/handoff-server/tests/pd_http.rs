@@ -64,7 +64,7 @@ const SECRET: &[u8] = b"pd-http test secret";
 fn serve_decode(d: &DecodeHandle) -> String {
     common::serve_state(
         handoff_server::AppState::new(d.clone()).with_bootstrap_trust(
-            handoff_server::trust::BootstrapTrust::new(Some(SECRET.to_vec()), vec![]),
+            handoff_server::worker::trust::BootstrapTrust::new(Some(SECRET.to_vec()), vec![]),
         ),
     )
 }
@@ -98,7 +98,7 @@ fn serve_router(prefill: &str, bootstrap_port: u16, decode: &str) -> String {
     config.health_interval = Duration::from_secs(1);
     // Every prompt through the prefill: these tests are about the pair.
     config.local_prefill_below = 0;
-    config.transfer_secret = handoff_server::trust::TransferSecret::new(SECRET.to_vec());
+    config.transfer_secret = handoff_server::worker::trust::TransferSecret::new(SECRET.to_vec());
     common::serve_on_thread(move |listener| async move {
         handoff_server::run_router(listener, config, std::future::pending())
             .await

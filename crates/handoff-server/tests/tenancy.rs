@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use axum::extract::Request;
 use axum::routing;
-use handoff_server::auth::ApiKey;
+use handoff_server::http::auth::ApiKey;
 use handoff_server::router::build_router;
 use handoff_server::router::PrefillSpec;
 use handoff_server::RouterConfig;
@@ -66,7 +66,7 @@ async fn a_worker_serves_by_priority_then_tenant_share_and_keys_cannot_be_forged
     let engine = common::start_engine_with(|c| c.max_batch = 1);
     let state = handoff_server::AppState::new(engine.clone());
     let base = common::serve_on_thread(move |listener| async move {
-        let app = handoff_server::auth::require_api_key(
+        let app = handoff_server::http::auth::require_api_key(
             handoff_server::app_with_state(state),
             Some(keys()),
         );

@@ -405,7 +405,7 @@ pub struct HttpLimitArgs {
     /// byte from decode (the router) before it ends with a `stalled` error
     /// (an SSE error event once streaming) and is cancelled on both PD
     /// sides, its KV pages freed. 0: never.
-    #[arg(long, default_value_t = handoff_server::app::DEFAULT_STALL_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    #[arg(long, default_value_t = handoff_server::http::app::DEFAULT_STALL_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(0..=86_400))]
     pub stream_stall_timeout_secs: u64,
     /// API key every request must carry (`Authorization: Bearer KEY`; 401
     /// otherwise), but those to --open-path. Also read from $HANDOFF_API_KEY;
@@ -422,13 +422,13 @@ pub struct HttpLimitArgs {
     pub api_key_file: Option<std::path::PathBuf>,
     /// A path open without the API key; repeat for several [default:
     /// /health, /readiness, /metrics].
-    #[arg(long = "open-path", value_name = "PATH", default_values_t = handoff_server::auth::DEFAULT_OPEN_PATHS.iter().map(|p| p.to_string()))]
+    #[arg(long = "open-path", value_name = "PATH", default_values_t = handoff_server::http::auth::DEFAULT_OPEN_PATHS.iter().map(|p| p.to_string()))]
     pub open_paths: Vec<String>,
     /// An origin (`https://host[:port]`) whose web pages may call this
     /// server (CORS); repeat for several. None by default: no cross-origin
     /// page can read an answer.
     #[arg(long = "allow-origin", value_name = "ORIGIN")]
-    pub allow_origin: Vec<handoff_server::cors::Origin>,
+    pub allow_origin: Vec<handoff_server::http::cors::Origin>,
 }
 
 impl HttpLimitArgs {
@@ -444,13 +444,13 @@ impl HttpLimitArgs {
     }
 
     /// The API key these flags give (`None`: no key).
-    pub fn api_key(&self) -> anyhow::Result<Option<handoff_server::auth::ApiKey>> {
+    pub fn api_key(&self) -> anyhow::Result<Option<handoff_server::http::auth::ApiKey>> {
         let key = match (&self.api_key, &self.api_key_file) {
             (Some(k), _) => k.clone(),
             (None, Some(path)) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading the API key file {}", path.display()))?;
-                let keys = handoff_server::auth::ApiKey::from_file(&text, &self.open_paths)
+                let keys = handoff_server::http::auth::ApiKey::from_file(&text, &self.open_paths)
                     .with_context(|| format!("the API key file {}", path.display()))?;
                 return Ok(Some(keys));
             }
@@ -460,7 +460,7 @@ impl HttpLimitArgs {
                 Err(e) => bail!("HANDOFF_API_KEY: {e}"),
             },
         };
-        let key = handoff_server::auth::ApiKey::new(&key, &self.open_paths)
+        let key = handoff_server::http::auth::ApiKey::new(&key, &self.open_paths)
             .context("--api-key / --api-key-file / HANDOFF_API_KEY")?;
         Ok(Some(key))
     }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use handoff_proto::Role;
-use handoff_server::auth::ApiKey;
+use handoff_server::http::auth::ApiKey;
 use handoff_server::router::admin::RestartRequests;
 use handoff_server::router::RouterControl;
 
@@ -229,7 +229,7 @@ impl Fleet {
             slots,
             key,
             drain_grace: drain_timeout
-                + handoff_server::drain::DRAIN_LINGER
+                + handoff_server::http::drain::DRAIN_LINGER
                 + Duration::from_secs(5),
         })
     }

@@ -97,7 +97,7 @@ pub fn run(
             (Some(s.clone().into_bytes()), Some(s))
         }
     };
-    let router_secret = secret.and_then(handoff_server::trust::TransferSecret::new);
+    let router_secret = secret.and_then(handoff_server::worker::trust::TransferSecret::new);
     let spec = |role: Role, port: u16, bootstrap_port: Option<u16>, extra: Vec<String>| Spec {
         role,
         model: model.clone(),

@@ -125,7 +125,7 @@ fn run() -> anyhow::Result<()> {
         Command::Router(_) => "handoff-router",
         _ => "handoff",
     };
-    let _export = match handoff_server::otel::init(service) {
+    let _export = match handoff_server::http::otel::init(service) {
         Ok(Some(e)) => {
             tracing::info!(endpoint = %e.endpoint, service, "exporting traces over OTLP");
             Some(e)

@@ -200,7 +200,7 @@ pub fn config(
     c.stall_timeout = args.limits.stall_timeout();
     c.transfer_secret = crate::worker::transfer_secret(args.transfer_secret_file.as_deref())
         .map_err(|e| usage_error(ErrorKind::ValueValidation, format!("{e:#}")))?
-        .and_then(handoff_server::trust::TransferSecret::new);
+        .and_then(handoff_server::worker::trust::TransferSecret::new);
     c.api_key = args
         .limits
         .api_key()

@@ -46,7 +46,7 @@ pub struct PdArgs {
     /// endpoint a request names needs `bootstrap_sig` from a router holding
     /// the same transfer secret, else the request gets a 403.
     #[arg(long = "prefill-allow", value_name = "HOST:PORT")]
-    pub prefill_allow: Vec<handoff_server::trust::AllowedPrefill>,
+    pub prefill_allow: Vec<handoff_server::worker::trust::AllowedPrefill>,
     /// Decode: TCP streams per data link to each prefill (tcp transport
     /// only). Concurrent requests' KV is spread over the streams; one
     /// request's KV travels on one stream. Pays with as many I/O threads
@@ -222,8 +222,10 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
     // A decode worker dials what a router holding the transfer secret
     // signed, and the endpoints --prefill-allow names.
     let secret = transfer_secret(args.pd.transfer_secret_file.as_deref())?;
-    let trust =
-        handoff_server::trust::BootstrapTrust::new(secret.clone(), args.pd.prefill_allow.clone());
+    let trust = handoff_server::worker::trust::BootstrapTrust::new(
+        secret.clone(),
+        args.pd.prefill_allow.clone(),
+    );
     let record_secret = secret.clone();
     let warn_untrusting =
         mode == Mode::Decode && args.pd.prefill_allow.is_empty() && secret.is_none();
@@ -279,8 +281,8 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
         };
         // Stopping: leave discovery, refuse new work (503 draining) while
         // routers catch up, then stop accepting and let in-flight requests
-        // finish (handoff_server::drain).
-        let gate = handoff_server::drain::DrainGate::new();
+        // finish (handoff_server::http::drain).
+        let gate = handoff_server::http::drain::DrainGate::new();
         let closing = gate.clone();
         let stop = async move {
             if exit_with_parent {
@@ -296,17 +298,17 @@ pub fn run(mode: Mode, args: WorkerArgs) -> anyhow::Result<()> {
                 let _ = tokio::time::timeout(std::time::Duration::from_secs(3), task).await;
             }
             closing.close();
-            tokio::time::sleep(handoff_server::drain::DRAIN_LINGER).await;
+            tokio::time::sleep(handoff_server::http::drain::DRAIN_LINGER).await;
         };
         let app = handoff_server::app_with_state(
             handoff_server::AppState::new(backend)
                 .with_stall_timeout(args.http.limits.stall_timeout())
                 .with_bootstrap_trust(trust),
         );
-        let app = handoff_server::auth::require_api_key(gate.guard(app), api_key);
+        let app = handoff_server::http::auth::require_api_key(gate.guard(app), api_key);
         handoff_server::serve(
             listener,
-            handoff_server::cors::allow_origins(app, &args.http.limits.allow_origin),
+            handoff_server::http::cors::allow_origins(app, &args.http.limits.allow_origin),
             args.http.limits.limits(),
             stop,
         )

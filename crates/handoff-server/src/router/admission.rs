@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use axum::http::HeaderMap;
 use serde_json::{Map, Value};
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 use crate::router::workers::Worker;
 
 /// Weight of a new sample in the rate's average.

@@ -70,9 +70,9 @@ pub struct RouterConfig {
     /// `x-slo-ttft-ms` header): one predicted to miss it gets a 429 at once.
     pub default_slo_ttft: Option<Duration>,
     /// Connection hygiene on the router's own port.
-    pub http: crate::listen::HttpLimits,
+    pub http: crate::http::listen::HttpLimits,
     /// Origins whose web pages may call the router (CORS); none by default.
-    pub allow_origins: Vec<crate::cors::Origin>,
+    pub allow_origins: Vec<crate::http::cors::Origin>,
     /// A stream whose decode brings no byte for this long ends as
     /// `stalled`: before its first byte with a 504, after it with an SSE
     /// error event; both workers' requests are cancelled (default 120 s;
@@ -80,12 +80,12 @@ pub struct RouterConfig {
     pub stall_timeout: Option<Duration>,
     /// The API key clients must send (and the router sends its workers);
     /// `None`: no key.
-    pub api_key: Option<crate::auth::ApiKey>,
+    pub api_key: Option<crate::http::auth::ApiKey>,
     /// The transfer secret the decode workers share: the router signs each
     /// request's bootstrap fields with it, so a decode worker dials the
     /// prefill it names (`None`: unsigned; decode workers then need
     /// `--prefill-allow`).
-    pub transfer_secret: Option<crate::trust::TransferSecret>,
+    pub transfer_secret: Option<crate::worker::trust::TransferSecret>,
     /// How long a request waits for a worker of a role that has none
     /// dispatchable (all down, restarting, or not registered yet) before a
     /// 503 with `Retry-After` (default 0: at once).
@@ -117,9 +117,9 @@ impl RouterConfig {
             local_prefill_below: DEFAULT_LOCAL_PREFILL_BELOW,
             local_prefill_wait: None,
             default_slo_ttft: None,
-            http: crate::listen::HttpLimits::default(),
+            http: crate::http::listen::HttpLimits::default(),
             allow_origins: Vec::new(),
-            stall_timeout: Some(crate::app::DEFAULT_STALL_TIMEOUT),
+            stall_timeout: Some(crate::http::app::DEFAULT_STALL_TIMEOUT),
             api_key: None,
             transfer_secret: None,
             queue_timeout: Duration::ZERO,

@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 use crate::router::admission;
 use crate::router::prefix_index::prompt_blocks;
 use crate::router::relay::{
@@ -71,18 +71,18 @@ pub fn parse_object(bytes: &[u8]) -> Result<Map<String, Value>, ApiError> {
 async fn handle(state: RouterState, route: &'static str, req: Request) -> Response {
     let arrived = Instant::now();
     let mut tl = Timeline::new(Arc::clone(&state.metrics), route, arrived);
-    if let Err(e) = crate::extract::check_json_content_type(req.headers()) {
+    if let Err(e) = crate::http::extract::check_json_content_type(req.headers()) {
         return refuse(&mut tl, e, "bad_request");
     }
     let headers = req.headers().clone();
-    tl.set_trace(crate::otel::start(
-        &crate::otel::extract(&headers),
+    tl.set_trace(crate::http::otel::start(
+        &crate::http::otel::extract(&headers),
         "router.request",
         opentelemetry::trace::SpanKind::Server,
-        crate::otel::wall(arrived),
+        crate::http::otel::wall(arrived),
         vec![opentelemetry::KeyValue::new("http.route", route)],
     ));
-    let bytes = match crate::extract::read_body(req, &()).await {
+    let bytes = match crate::http::extract::read_body(req, &()).await {
         Ok(b) => b,
         Err(err) => return refuse(&mut tl, err, "bad_request"),
     };
@@ -100,7 +100,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         };
         body.insert(
             "rid".into(),
-            json!(crate::request_ids::new_request_id(prefix)),
+            json!(crate::worker::request_ids::new_request_id(prefix)),
         );
     }
     let slo = match admission::slo_of(&mut body, &headers, state.config.default_slo_ttft) {
@@ -109,8 +109,8 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
     };
     // The priority against the key's limit; the tenant goes to the workers
     // (the router's key lets it name one), which order their queues by both.
-    let class = match crate::tenancy::parse_priority(body.get("priority"))
-        .and_then(|p| crate::tenancy::class_of(p, &headers))
+    let class = match crate::http::tenancy::parse_priority(body.get("priority"))
+        .and_then(|p| crate::http::tenancy::class_of(p, &headers))
     {
         Ok(c) => c,
         Err(e) => return refuse(&mut tl, e, "bad_request"),
@@ -138,7 +138,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
         // queue timeout (and the request's deadline).
         let queued_at = std::time::SystemTime::now();
         let picked = state.wait_for_pair(&failed, &blocks, deadline).await;
-        crate::otel::record(
+        crate::http::otel::record(
             tl.trace(),
             "router.queue",
             queued_at,
@@ -205,7 +205,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 .load(std::sync::atomic::Ordering::Relaxed);
             if let Some(predicted) = state.predictor.predict(queued, own).filter(|p| *p > slo) {
                 let now = std::time::SystemTime::now();
-                crate::otel::record(
+                crate::http::otel::record(
                     tl.trace(),
                     "router.shed",
                     now,
@@ -271,7 +271,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
             (None, Some(why)) => why,
             (None, None) => "no_prefill",
         };
-        crate::otel::record(
+        crate::http::otel::record(
             tl.trace(),
             "router.decision",
             now,
@@ -283,7 +283,7 @@ async fn handle(state: RouterState, route: &'static str, req: Request) -> Respon
                 opentelemetry::KeyValue::new("prompt_tokens", own as i64),
             ],
         );
-        let traceparent = crate::otel::traceparent(tl.trace());
+        let traceparent = crate::http::otel::traceparent(tl.trace());
         let spec = AttemptSpec {
             client: &state.client,
             route,
@@ -406,7 +406,7 @@ fn fail(tl: &mut Timeline, f: Failure) -> Response {
 /// otherwise.
 fn sign_bootstrap(state: &RouterState, body: &mut Map<String, Value>, room: u64, prefill: &Worker) {
     if let Some(secret) = &state.config.transfer_secret {
-        let ts = crate::request_ids::unix_now();
+        let ts = crate::worker::request_ids::unix_now();
         let claim = handoff_proto::bootstrap_auth::BootstrapClaim {
             room,
             host: &prefill.host,

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 use std::sync::Arc;
 
 use crate::router::workers::{Health, Worker};
@@ -110,8 +110,8 @@ async fn forward_post(state: RouterState, path: &'static str, req: Request) -> R
 }
 
 async fn read_json_body(req: Request) -> Result<Bytes, ApiError> {
-    crate::extract::check_json_content_type(req.headers())?;
-    crate::extract::read_body(req, &()).await
+    crate::http::extract::check_json_content_type(req.headers())?;
+    crate::http::extract::read_body(req, &()).await
 }
 
 /// `GET /v1/models`.
@@ -131,17 +131,18 @@ pub async fn server_info(State(state): State<RouterState>) -> Response {
     if !resp.status().is_success() {
         return resp;
     }
-    let bytes = match axum::body::to_bytes(resp.into_body(), crate::extract::MAX_BODY_BYTES).await {
-        Ok(b) => b,
-        Err(e) => {
-            return ApiError::new(
-                502,
-                "worker_unreachable",
-                format!("reading /server_info: {e}"),
-            )
-            .into_response()
-        }
-    };
+    let bytes =
+        match axum::body::to_bytes(resp.into_body(), crate::http::extract::MAX_BODY_BYTES).await {
+            Ok(b) => b,
+            Err(e) => {
+                return ApiError::new(
+                    502,
+                    "worker_unreachable",
+                    format!("reading /server_info: {e}"),
+                )
+                .into_response()
+            }
+        };
     let mut info: Value = match serde_json::from_slice(&bytes) {
         Ok(v) => v,
         Err(e) => {
@@ -266,7 +267,7 @@ pub async fn health_generate(State(state): State<RouterState>) -> Response {
     let body = json!({
         "text": "Hi",
         "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": true},
-        "rid": crate::request_ids::new_request_id("health"),
+        "rid": crate::worker::request_ids::new_request_id("health"),
     });
     let req = Request::builder()
         .method("POST")
@@ -282,7 +283,7 @@ pub async fn health_generate(State(state): State<RouterState>) -> Response {
     };
     let resp = crate::router::dispatch::generate(State(state), req).await;
     let status = resp.status();
-    let bytes = axum::body::to_bytes(resp.into_body(), crate::extract::MAX_BODY_BYTES)
+    let bytes = axum::body::to_bytes(resp.into_body(), crate::http::extract::MAX_BODY_BYTES)
         .await
         .unwrap_or_default();
     let answer: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);

@@ -8,7 +8,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 use crate::router::RouterState;
 use handoff_proto::Role;
 

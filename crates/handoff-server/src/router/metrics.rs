@@ -3,7 +3,7 @@
 //! client sees them, the per-request timeline by stage, failures by side and
 //! kind, retries, and each worker's requests in flight and health; and
 //! SGLang's `sglang:` names for each role's load summed over its workers
-//! ([`crate::field_metrics::RouterFieldMetrics`]).
+//! ([`crate::worker::field_metrics::RouterFieldMetrics`]).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -12,7 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::field_metrics::{RoleLoad, RouterFieldMetrics};
+use crate::worker::field_metrics::{RoleLoad, RouterFieldMetrics};
 
 /// Labels of the request counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -298,8 +298,8 @@ impl RouterMetrics {
 
     /// The text exposition.
     pub fn render(&self) -> String {
-        let mut out = crate::exposition::encode_part(&self.registry);
-        out.push_str(&crate::exposition::encode_part(&self.field_registry));
+        let mut out = crate::http::exposition::encode_part(&self.registry);
+        out.push_str(&crate::http::exposition::encode_part(&self.field_registry));
         out.push_str("# EOF\n");
         out
     }

@@ -41,7 +41,7 @@ use rooms::Rooms;
 
 /// Largest request body the router accepts (bytes): the workers' limit, so
 /// that a body the router takes is never refused behind it for its size.
-pub const ROUTER_MAX_BODY_BYTES: usize = crate::extract::MAX_BODY_BYTES;
+pub const ROUTER_MAX_BODY_BYTES: usize = crate::http::extract::MAX_BODY_BYTES;
 
 /// Why the router cannot start.
 #[derive(Debug, thiserror::Error)]
@@ -294,8 +294,8 @@ pub fn build_router(config: RouterConfig) -> Result<(Router, RouterHandle), Rout
     let origins = config.allow_origins.clone();
     let key = config.api_key.clone();
     let (app, handle) = router_app(config)?;
-    let app = crate::auth::require_api_key(app, key);
-    Ok((crate::cors::allow_origins(app, &origins), handle))
+    let app = crate::http::auth::require_api_key(app, key);
+    Ok((crate::http::cors::allow_origins(app, &origins), handle))
 }
 
 /// Serve what [`build_router`] built on `listener` until `shutdown`
@@ -305,7 +305,7 @@ pub async fn serve_router<F>(
     listener: tokio::net::TcpListener,
     app: Router,
     handle: RouterHandle,
-    limits: crate::listen::HttpLimits,
+    limits: crate::http::listen::HttpLimits,
     shutdown: F,
 ) -> Result<(), RouterError>
 where
@@ -317,7 +317,7 @@ where
             "router starts without a healthy prefill and decode worker; /readiness is 503"
         );
     }
-    crate::listen::serve(listener, app, limits, shutdown).await?;
+    crate::http::listen::serve(listener, app, limits, shutdown).await?;
     drop(handle);
     Ok(())
 }

@@ -17,7 +17,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use futures_util::{Stream, StreamExt};
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 use crate::router::metrics::RouterMetrics;
 use crate::router::rooms::RoomGuard;
 use crate::router::timeline::Timeline;
@@ -166,7 +166,7 @@ impl Failure {
     /// The worker refused because it is shutting down (503 `draining`):
     /// it takes nothing more, so the router stops picking it at once.
     pub fn is_draining(&self) -> bool {
-        matches!(self, Failure::Status { status: 503, body, .. } if crate::drain::is_draining_body(body))
+        matches!(self, Failure::Status { status: 503, body, .. } if crate::http::drain::is_draining_body(body))
     }
 
     /// The client's answer: the worker's own status and body, 502 for an
@@ -374,7 +374,7 @@ pub struct AttemptSpec<'a> {
     pub metrics: &'a RouterMetrics,
     /// The `traceparent` the workers' spans hang under.
     pub traceparent: Option<&'a str>,
-    /// The tenant the request is served for ([`crate::tenancy`]).
+    /// The tenant the request is served for ([`crate::http::tenancy`]).
     pub tenant: Option<&'a str>,
 }
 
@@ -405,7 +405,7 @@ pub async fn start(
             req = req.header("traceparent", tp);
         }
         if let Some(t) = tenant {
-            req = req.header(crate::tenancy::TENANT_HEADER, t);
+            req = req.header(crate::http::tenancy::TENANT_HEADER, t);
         }
         Box::pin(req.body(body.clone()).send())
     };
@@ -699,7 +699,7 @@ struct EndSpan(opentelemetry::Context);
 
 impl Drop for EndSpan {
     fn drop(&mut self) {
-        crate::otel::end(&self.0, Vec::new());
+        crate::http::otel::end(&self.0, Vec::new());
     }
 }
 
@@ -970,7 +970,7 @@ impl RelayBody {
                 body.insert("resume_output_ids".into(), serde_json::json!(m.ids));
             }
             let payload = serde_json::to_vec(&body).unwrap_or_default();
-            let span = crate::otel::start(
+            let span = crate::http::otel::start(
                 &m.trace,
                 "router.migration",
                 opentelemetry::trace::SpanKind::Internal,
@@ -987,11 +987,11 @@ impl RelayBody {
                 .client
                 .post(format!("{}{route}", decode.url))
                 .header(CONTENT_TYPE, "application/json");
-            if let Some(tp) = crate::otel::traceparent(&span) {
+            if let Some(tp) = crate::http::otel::traceparent(&span) {
                 req = req.header("traceparent", tp);
             }
             if let Some(t) = &m.tenant {
-                req = req.header(crate::tenancy::TENANT_HEADER, t);
+                req = req.header(crate::http::tenancy::TENANT_HEADER, t);
             }
             let sent = req.body(payload).send();
             // The span covers the hand-over: until the new decode answered.

@@ -155,7 +155,7 @@ impl Drop for Timeline {
             }
         }
         self.metrics.observe_e2e(done.as_secs_f64());
-        crate::otel::end(
+        crate::http::otel::end(
             &self.trace,
             vec![
                 opentelemetry::KeyValue::new("http.status_code", i64::from(self.status)),

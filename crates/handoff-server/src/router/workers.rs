@@ -382,7 +382,7 @@ impl Workers {
         });
         futures_util::future::join_all(probes).await;
         for role in [Role::Prefill, Role::Decode] {
-            let mut sum = crate::field_metrics::RoleLoad::default();
+            let mut sum = crate::worker::field_metrics::RoleLoad::default();
             for w in self
                 .of(role)
                 .iter()
@@ -393,7 +393,7 @@ impl Workers {
             if sum.model_name.is_empty() {
                 // No healthy worker: the gauges drop to zero under the name
                 // the role's workers last reported.
-                let mut any = crate::field_metrics::RoleLoad::default();
+                let mut any = crate::worker::field_metrics::RoleLoad::default();
                 self.of(role).iter().for_each(|w| any.add(&w.last_load()));
                 sum.model_name = any.model_name;
             }

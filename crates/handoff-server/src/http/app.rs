@@ -7,14 +7,14 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::backend::Backend;
+use crate::worker::backend::Backend;
 
-use crate::errors::ApiError;
-use crate::extract::MAX_BODY_BYTES;
-use crate::{abort_api, generate_api, info_api, openai_api, token_api};
+use crate::http::errors::ApiError;
+use crate::http::extract::MAX_BODY_BYTES;
+use crate::worker::{abort_api, generate_api, info_api, openai_api, token_api};
 
-pub use crate::request_ids::{new_request_id, request_id, unix_now};
 pub use crate::state::{AppState, DEFAULT_STALL_TIMEOUT};
+pub use crate::worker::request_ids::{new_request_id, request_id, unix_now};
 
 /// The HTTP API around `engine` (an `EngineHandle`, `PrefillHandle`,
 /// `DecodeHandle` or [`Backend`]).

@@ -23,7 +23,7 @@ use futures_util::stream;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// Events buffered between producer and body.
 const CHANNEL_CAPACITY: usize = 64;

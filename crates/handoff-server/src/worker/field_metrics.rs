@@ -300,7 +300,7 @@ impl FieldMetrics {
             .get_or_create(l)
             .set(cached as f64 / prompt.max(1) as f64);
         self.throughput();
-        crate::exposition::encode_part(&self.registry)
+        crate::http::exposition::encode_part(&self.registry)
     }
 }
 

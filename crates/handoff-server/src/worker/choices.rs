@@ -17,10 +17,10 @@
 use futures_util::StreamExt;
 use handoff_engine::request::GenerateRequest;
 
-use crate::backend::Bootstrap;
-use crate::errors::ApiError;
-use crate::generation::{Collected, Generation, Step};
+use crate::http::errors::ApiError;
 use crate::state::AppState;
+use crate::worker::backend::Bootstrap;
+use crate::worker::generation::{Collected, Generation, Step};
 
 /// Most sequences one request may run (`n`, `best_of`, prompts × `n`):
 /// each holds its own KV pages for its output.

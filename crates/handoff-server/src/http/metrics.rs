@@ -2,9 +2,9 @@
 //! endpoint and status, errors by type, TTFT / inter-token / end-to-end
 //! latency histograms, token counters, queue depth and KV pages (read from the
 //! engine at scrape time). The same exposition carries SGLang's `sglang:`
-//! names beside these ([`crate::field_metrics`]).
+//! names beside these ([`crate::worker::field_metrics`]).
 
-use crate::backend::TransferSnapshot;
+use crate::worker::backend::TransferSnapshot;
 use handoff_engine::handle::LoadSnapshot;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -13,9 +13,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
-use crate::field_metrics::{FieldLoad, FieldMetrics};
+use crate::worker::field_metrics::{FieldLoad, FieldMetrics};
 
-pub use crate::exposition::{encode, encode_part, EOF};
+pub use crate::http::exposition::{encode, encode_part, EOF};
 
 /// Labels of the request counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]

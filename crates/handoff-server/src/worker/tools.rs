@@ -13,14 +13,14 @@
 //! own tool syntax is not used: said in the README).
 //!
 //! With `tool_choice: "required"` or a named function the output is
-//! constrained (llguidance, [`crate::structured`]) to calls whose
+//! constrained (llguidance, [`crate::worker::structured`]) to calls whose
 //! arguments follow each function's JSON schema, so they always parse.
 
 use handoff_engine::grammar::GrammarSpec;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// Most tools one request may give.
 pub const MAX_TOOLS: usize = 128;

@@ -6,8 +6,8 @@
 use handoff_engine::grammar::{Grammar, GrammarSpec, Grammars};
 use serde_json::{Map, Value};
 
-use crate::errors::ApiError;
-use crate::fields::Endpoint;
+use crate::http::errors::ApiError;
+use crate::worker::fields::Endpoint;
 
 /// The fields each endpoint reads here (taken out of its `extra` map).
 fn fields(endpoint: Endpoint) -> &'static [&'static str] {

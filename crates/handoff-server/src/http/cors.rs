@@ -2,7 +2,7 @@
 //!
 //! By default no response carries `Access-Control-Allow-Origin`, so a web
 //! page on another origin cannot read an answer, and (with POST bodies
-//! required to be `application/json`, [`crate::extract`]) cannot send a
+//! required to be `application/json`, [`crate::http::extract`]) cannot send a
 //! request without a preflight this server does not grant. `--allow-origin`
 //! names the origins whose pages may call the API.
 

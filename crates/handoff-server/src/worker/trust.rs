@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use handoff_proto::bootstrap_auth::{verify, BootstrapClaim, ClaimError};
 
-use crate::backend::Bootstrap;
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
+use crate::worker::backend::Bootstrap;
 
 /// The transfer secret a router signs bootstrap fields with (never
 /// printed).

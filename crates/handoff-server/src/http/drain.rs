@@ -22,7 +22,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// How long a draining worker keeps answering (503 to new work) before it
 /// stops accepting connections.

@@ -9,11 +9,11 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::errors::ApiError;
-use crate::extract::JsonBody;
-use crate::openai_types::MessageInput;
-use crate::prompt;
+use crate::http::errors::ApiError;
+use crate::http::extract::JsonBody;
 use crate::state::AppState;
+use crate::worker::openai_types::MessageInput;
+use crate::worker::prompt;
 
 /// A text or several.
 #[derive(Debug, Clone, Deserialize)]

@@ -6,7 +6,7 @@
 //!
 //! Each field is raw JSON here, typed by [`SamplingFields::raw`] with a 400
 //! naming the field: a flattened field of a concrete type would lose its
-//! name in serde's error (the path reads `.`), as [`crate::pd_fields`]
+//! name in serde's error (the path reads `.`), as [`crate::worker::pd_fields`]
 //! found for the PD fields.
 
 use std::collections::HashMap;
@@ -15,8 +15,8 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::errors::ApiError;
-use crate::params::RawSampling;
+use crate::http::errors::ApiError;
+use crate::worker::params::RawSampling;
 
 /// The sampling fields shared by every generation API.
 #[derive(Debug, Clone, Default, Deserialize)]

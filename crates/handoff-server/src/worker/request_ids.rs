@@ -1,6 +1,6 @@
 //! Request ids and the clock they are stamped with.
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// A fresh request id like `chatcmpl-8c1f0e5a9b3d47e2a6f01c9d`: `prefix`,
 /// a dash and 96 random bits in hex, so ids from different workers (and
@@ -16,7 +16,7 @@ pub fn new_request_id(prefix: &str) -> String {
 pub fn request_id(rid: Option<&String>, prefix: &str) -> Result<String, ApiError> {
     match rid {
         Some(rid) => {
-            crate::aborts::check_rid(rid, "rid")?;
+            crate::worker::aborts::check_rid(rid, "rid")?;
             Ok(rid.clone())
         }
         None => Ok(new_request_id(prefix)),

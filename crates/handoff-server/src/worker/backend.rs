@@ -15,7 +15,7 @@ use handoff_model::chat_template::ChatTemplate;
 use handoff_model::tokenizer::Tokenizer;
 use serde_json::Value;
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// What a PD worker's transfer endpoint reports for `/metrics`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -80,7 +80,7 @@ pub struct Handover {
     /// The request's W3C `traceparent` header: its spans' parent.
     pub traceparent: Option<String>,
     /// `priority` and the tenant: the order it waits in
-    /// ([`crate::tenancy`]).
+    /// ([`crate::http::tenancy`]).
     pub class: handoff_engine::fair::Class,
 }
 
@@ -164,8 +164,8 @@ impl Handover {
         priority: Option<&Value>,
     ) -> Result<(), ApiError> {
         self.traceparent = traceparent_of(headers);
-        let asked = crate::tenancy::parse_priority(priority)?;
-        self.class = crate::tenancy::class_of(asked, headers)?;
+        let asked = crate::http::tenancy::parse_priority(priority)?;
+        self.class = crate::http::tenancy::class_of(asked, headers)?;
         Ok(())
     }
 }

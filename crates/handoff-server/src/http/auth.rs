@@ -7,7 +7,7 @@
 //! A key file may hold several keys, one per line: `NAME KEY`, optionally
 //! followed by the highest `priority` that key's requests may ask (`#`
 //! starts a comment). Each key is a tenant: the name is what fair sharing
-//! between tenants goes by ([`crate::tenancy`]). The first key is the
+//! between tenants goes by ([`crate::http::tenancy`]). The first key is the
 //! cluster's own: the router sends it to its workers, and a request made
 //! with it may name the tenant it is made for (`x-handoff-tenant`). A file
 //! holding one bare key is that key alone, named `default`.
@@ -21,8 +21,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 
-use crate::errors::ApiError;
-use crate::tenancy::{MAX_PRIORITY_HEADER, TENANT_HEADER};
+use crate::http::errors::ApiError;
+use crate::http::tenancy::{MAX_PRIORITY_HEADER, TENANT_HEADER};
 
 /// The paths open without a key by default.
 pub const DEFAULT_OPEN_PATHS: &[&str] = &["/health", "/readiness", "/metrics"];
@@ -131,12 +131,12 @@ impl ApiKey {
                 Some(m) => Some(
                     m.parse::<i32>()
                         .ok()
-                        .filter(|p| crate::tenancy::priority_in_range(*p))
+                        .filter(|p| crate::http::tenancy::priority_in_range(*p))
                         .ok_or_else(|| {
                             bad(format!(
                                 "the highest priority must be an integer in {}..={}, got {m:?}",
-                                crate::tenancy::PRIORITY_MIN,
-                                crate::tenancy::PRIORITY_MAX
+                                crate::http::tenancy::PRIORITY_MIN,
+                                crate::http::tenancy::PRIORITY_MAX
                             ))
                         })?,
                 ),

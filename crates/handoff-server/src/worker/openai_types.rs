@@ -1,16 +1,16 @@
 //! Request shapes of the OpenAI API (`/v1/chat/completions`,
 //! `/v1/completions`). Fields we read are type-checked by serde and
-//! range-checked in [`crate::params`]; every other field is collected in
-//! `extra` and refused by [`crate::fields::check`] when a spec defines it and
+//! range-checked in [`crate::worker::params`]; every other field is collected in
+//! `extra` and refused by [`crate::worker::fields::check`] when a spec defines it and
 //! handoff does not implement it (fields no spec defines are ignored, as
 //! OpenAI clients send many).
 
 use serde::Deserialize;
 
-use crate::errors::ApiError;
-use crate::params::RawSampling;
-use crate::pd_fields::PdFields;
-use crate::sampling_fields::{Limits, SamplingFields};
+use crate::http::errors::ApiError;
+use crate::worker::params::RawSampling;
+use crate::worker::pd_fields::PdFields;
+use crate::worker::sampling_fields::{Limits, SamplingFields};
 
 /// `stream_options`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -102,7 +102,7 @@ pub struct ChatCompletionRequest {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices (1 to 16; [`crate::choices`]).
+    /// Number of choices (1 to 16; [`crate::worker::choices`]).
     #[serde(default)]
     pub n: Option<i64>,
     /// Return the chosen tokens' log-probabilities.
@@ -120,11 +120,11 @@ pub struct ChatCompletionRequest {
     /// The PD fields (set by the router).
     #[serde(flatten)]
     pub pd: PdFields,
-    /// Every other field: refused or accepted by [`crate::fields::check`].
+    /// Every other field: refused or accepted by [`crate::worker::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
     /// Larger is served sooner (SGLang's `priority`); at most the API
-    /// key's limit ([`crate::tenancy`]).
+    /// key's limit ([`crate::http::tenancy`]).
     #[serde(default)]
     pub priority: Option<serde_json::Value>,
 }
@@ -187,7 +187,7 @@ pub struct CompletionRequest {
     /// Streaming options.
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    /// Number of choices (1 to 16; [`crate::choices`]).
+    /// Number of choices (1 to 16; [`crate::worker::choices`]).
     #[serde(default)]
     pub n: Option<i64>,
     /// Only 1 is supported.
@@ -211,11 +211,11 @@ pub struct CompletionRequest {
     /// The PD fields (set by the router).
     #[serde(flatten)]
     pub pd: PdFields,
-    /// Every other field: refused or accepted by [`crate::fields::check`].
+    /// Every other field: refused or accepted by [`crate::worker::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, serde_json::Value>,
     /// Larger is served sooner (SGLang's `priority`); at most the API
-    /// key's limit ([`crate::tenancy`]).
+    /// key's limit ([`crate::http::tenancy`]).
     #[serde(default)]
     pub priority: Option<serde_json::Value>,
 }

@@ -1,15 +1,15 @@
 //! `POST /abort_request` (SGLang's route): end the requests in flight on
-//! this worker by id ([`crate::aborts`] holds them).
+//! this worker by id ([`crate::worker::aborts`] holds them).
 
 use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::aborts::check_rid;
-use crate::errors::ApiError;
-use crate::extract::JsonBody;
+use crate::http::errors::ApiError;
+use crate::http::extract::JsonBody;
 use crate::state::AppState;
+use crate::worker::aborts::check_rid;
 
 /// `POST /abort_request`'s body (SGLang's `AbortReq` fields).
 #[derive(Debug, Deserialize)]

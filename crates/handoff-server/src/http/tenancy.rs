@@ -4,7 +4,7 @@
 //! order waiting requests by priority, then share fairly between tenants
 //! ([`handoff_engine::fair`]).
 //!
-//! The auth layer ([`crate::auth`]) writes both headers below from the key
+//! The auth layer ([`crate::http::auth`]) writes both headers below from the key
 //! a request carries, removing whatever the client sent, so neither can be
 //! forged with another key: the tenant is the key's name (only the
 //! cluster's own key, which the router uses, may name another), and a key
@@ -17,7 +17,7 @@ use axum::http::HeaderMap;
 use handoff_engine::fair::{Class, PRIORITY_RANGE};
 use serde_json::Value;
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// The tenant a request is served for.
 pub const TENANT_HEADER: &str = "x-handoff-tenant";

@@ -5,7 +5,7 @@
 use handoff_engine::request::{Penalties, SamplingParams};
 use serde::Deserialize;
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// `stop`: one string or a list of strings.
 #[derive(Debug, Clone, Deserialize)]
@@ -127,7 +127,7 @@ impl Defaults {
     };
 
     /// The defaults of the model `engine` serves.
-    pub fn of_backend(engine: &crate::backend::Backend) -> Defaults {
+    pub fn of_backend(engine: &crate::worker::backend::Backend) -> Defaults {
         Self::of(&engine.model().sampling_defaults)
     }
 

@@ -3,7 +3,7 @@
 //! either collect the whole answer or hand events to an SSE stream. Dropping a
 //! [`Generation`] drops the engine's `RequestStream`, which cancels the request.
 //! Each generation is registered under its request id for `/abort_request`
-//! ([`crate::aborts`]).
+//! ([`crate::worker::aborts`]).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,11 +13,11 @@ use handoff_engine::pd::PrefillTicket;
 use handoff_engine::request::{FinishReason, Finished, GenerateRequest, StreamEvent, TokenOut};
 use handoff_model::tokenizer::Tokenizer;
 
-use crate::aborts::{aborted_error, AbortWatch};
-use crate::backend::{Bootstrap, Submitted};
-use crate::errors::ApiError;
-use crate::metrics::Metrics;
+use crate::http::errors::ApiError;
+use crate::http::metrics::Metrics;
 use crate::state::AppState;
+use crate::worker::aborts::{aborted_error, AbortWatch};
+use crate::worker::backend::{Bootstrap, Submitted};
 
 /// Where a generation's events come from.
 #[derive(Debug)]
@@ -142,7 +142,7 @@ fn record_prefill_stages(trace: &opentelemetry::Context, t: &handoff_engine::pd:
         ("prefill.compute", t.compute),
         ("prefill.transfer_tail", t.transfer_tail),
     ] {
-        crate::otel::record(trace, name, at, at + d, Vec::new());
+        crate::http::otel::record(trace, name, at, at + d, Vec::new());
         at += d;
     }
 }
@@ -150,7 +150,7 @@ fn record_prefill_stages(trace: &opentelemetry::Context, t: &handoff_engine::pd:
 impl Drop for Generation {
     fn drop(&mut self) {
         if !self.trace_ended {
-            crate::otel::end(
+            crate::http::otel::end(
                 &self.trace,
                 vec![opentelemetry::KeyValue::new("outcome", "cancelled")],
             );
@@ -195,11 +195,11 @@ impl Generation {
         let abort = state.aborts.register(rid);
         let arrived = req.arrived;
         let role = SpanNames::of(state.engine.mode());
-        let trace = crate::otel::start(
-            &crate::otel::parent_of(pd.handover.traceparent.as_deref()),
+        let trace = crate::http::otel::start(
+            &crate::http::otel::parent_of(pd.handover.traceparent.as_deref()),
             role.request,
             opentelemetry::trace::SpanKind::Server,
-            crate::otel::wall(arrived),
+            crate::http::otel::wall(arrived),
             vec![
                 opentelemetry::KeyValue::new("request_id", rid.to_string()),
                 opentelemetry::KeyValue::new("endpoint", endpoint),
@@ -219,7 +219,7 @@ impl Generation {
             },
             Err(e) => {
                 state.metrics.count_error(endpoint, e.code);
-                crate::otel::end(
+                crate::http::otel::end(
                     &trace,
                     vec![opentelemetry::KeyValue::new("error", e.code.to_string())],
                 );
@@ -250,7 +250,7 @@ impl Generation {
 
     fn end_trace(&mut self, attrs: Vec<opentelemetry::KeyValue>) {
         if !std::mem::replace(&mut self.trace_ended, true) {
-            crate::otel::end(&self.trace, attrs);
+            crate::http::otel::end(&self.trace, attrs);
         }
     }
 
@@ -297,10 +297,10 @@ impl Generation {
                 self.metrics.count_generated();
                 if let (None, Some((name, _))) = (self.first_at, self.role.steps) {
                     let wall = std::time::SystemTime::now();
-                    crate::otel::record(
+                    crate::http::otel::record(
                         &self.trace,
                         name,
-                        crate::otel::wall(self.arrived),
+                        crate::http::otel::wall(self.arrived),
                         wall,
                         Vec::new(),
                     );
@@ -316,7 +316,7 @@ impl Generation {
                 );
                 self.ended = true;
                 if let (Some(first), Some((_, name))) = (self.first_at, self.role.steps) {
-                    crate::otel::record(
+                    crate::http::otel::record(
                         &self.trace,
                         name,
                         first,

@@ -10,9 +10,9 @@ use axum::Json;
 use handoff_engine::request::{GenerateRequest, SamplingParams};
 use serde_json::{json, Value};
 
-use crate::errors::ApiError;
-use crate::generation::Generation;
+use crate::http::errors::ApiError;
 use crate::state::AppState;
+use crate::worker::generation::Generation;
 
 /// How long `/health_generate` waits for its one token.
 pub const HEALTH_GENERATE_TIMEOUT: Duration = Duration::from_secs(20);
@@ -58,7 +58,7 @@ pub async fn health_generate(State(state): State<AppState>) -> Result<&'static s
         output_so_far: Vec::new(),
         class: Default::default(),
     };
-    let rid = crate::request_ids::new_request_id("health");
+    let rid = crate::worker::request_ids::new_request_id("health");
     let gen =
         Generation::submit(&state, req, "/health_generate", &Default::default(), &rid).await?;
     match tokio::time::timeout(HEALTH_GENERATE_TIMEOUT, gen.collect()).await {

@@ -9,12 +9,12 @@
 //! holds a runtime thread that `/health` and every other request need; and a
 //! text that cannot fit the context is refused before it is tokenized.
 
-use crate::backend::Backend;
+use crate::worker::backend::Backend;
 use handoff_model::chat_template::ChatMessage;
 
-use crate::errors::ApiError;
-use crate::openai_types::{ContentInput, MessageInput, PromptInput};
-use crate::tools::Tools;
+use crate::http::errors::ApiError;
+use crate::worker::openai_types::{ContentInput, MessageInput, PromptInput};
+use crate::worker::tools::Tools;
 
 /// Roles accepted in `messages` (`developer` is read as `system`).
 pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
@@ -132,12 +132,12 @@ pub fn chat_prompt(
             }
         };
         // Past calls and tools' answers in the Hermes format the tools
-        // are offered in ([`crate::tools`]).
+        // are offered in ([`crate::worker::tools`]).
         for c in calls {
             if !content.is_empty() {
                 content.push('\n');
             }
-            content.push_str(&crate::tools::render_call(
+            content.push_str(&crate::worker::tools::render_call(
                 &c.function.name,
                 &c.function.arguments,
             ));
@@ -145,7 +145,7 @@ pub fn chat_prompt(
         if role == "tool" {
             conv.push(ChatMessage::new(
                 "user",
-                crate::tools::render_response(&content),
+                crate::worker::tools::render_response(&content),
             ));
         } else {
             conv.push(ChatMessage::new(role, content));
@@ -243,12 +243,12 @@ pub fn completion_prompts(
                 "prompt",
                 "prompt is an empty list: send at least one prompt",
             ))
-        } else if n > crate::choices::MAX_CHOICES {
+        } else if n > crate::worker::choices::MAX_CHOICES {
             Err(ApiError::invalid_param(
                 "prompt",
                 format!(
                     "prompt holds {n} prompts: at most {} per request",
-                    crate::choices::MAX_CHOICES
+                    crate::worker::choices::MAX_CHOICES
                 ),
             ))
         } else {

@@ -10,9 +10,9 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::backend::{Bootstrap, Handover};
-use crate::errors::ApiError;
-use crate::sampling_fields::typed;
+use crate::http::errors::ApiError;
+use crate::worker::backend::{Bootstrap, Handover};
+use crate::worker::sampling_fields::typed;
 
 /// The PD fields of a generation request (all set by a router).
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -92,7 +92,7 @@ mod tests {
 
     #[test]
     fn pd_fields_leave_the_rest_and_name_each_bad_value() {
-        let b: Body = crate::extract::parse_json(
+        let b: Body = crate::http::extract::parse_json(
             br#"{"prompt": "p", "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998,
                  "bootstrap_room": 7, "stream_marks": true, "user": "u"}"#,
         )
@@ -136,7 +136,7 @@ mod tests {
             ),
         ] {
             let body = json!({ "prompt": "p", field: value }).to_string();
-            let b: Body = crate::extract::parse_json(body.as_bytes()).unwrap();
+            let b: Body = crate::http::extract::parse_json(body.as_bytes()).unwrap();
             let e = b.pd.bootstrap().expect_err(field);
             assert!(e.message.contains(want), "{field}: {}", e.message);
             assert_eq!(e.param.as_deref(), Some(field));

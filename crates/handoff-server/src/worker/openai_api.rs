@@ -10,14 +10,14 @@ use futures_util::StreamExt;
 use handoff_engine::request::{Finished, GenerateRequest, TokenOut};
 use serde_json::{json, Value};
 
-use crate::backend::Bootstrap;
-use crate::errors::ApiError;
-use crate::extract::JsonBody;
-use crate::generation::{Generation, Step};
-use crate::openai_types::{ChatCompletionRequest, CompletionRequest};
-use crate::prompt;
-use crate::sse::{sse_response_marked, SseSender};
+use crate::http::errors::ApiError;
+use crate::http::extract::JsonBody;
+use crate::http::sse::{sse_response_marked, SseSender};
 use crate::state::AppState;
+use crate::worker::backend::Bootstrap;
+use crate::worker::generation::{Generation, Step};
+use crate::worker::openai_types::{ChatCompletionRequest, CompletionRequest};
+use crate::worker::prompt;
 
 const CHAT_ENDPOINT: &str = "/v1/chat/completions";
 
@@ -68,29 +68,29 @@ struct Answer {
     include_usage: bool,
     system_fingerprint: String,
     /// Chat with tools: calls are parsed out of the output.
-    tools: Option<crate::tools::Tools>,
+    tools: Option<crate::worker::tools::Tools>,
 }
 
 /// A chat answer's content and tool calls, as the output splits into them.
-fn split_calls(tools: &crate::tools::Tools, text: &str) -> (String, Vec<Value>) {
-    let mut parser = crate::tools::Parser::new(tools);
+fn split_calls(tools: &crate::worker::tools::Tools, text: &str) -> (String, Vec<Value>) {
+    let mut parser = crate::worker::tools::Parser::new(tools);
     let mut pieces = parser.push(text);
     pieces.extend(parser.finish());
     let mut content = String::new();
     let mut calls = Vec::new();
     for p in pieces {
         match p {
-            crate::tools::Piece::Text(t) => content.push_str(&t),
-            crate::tools::Piece::Call(c) => calls.push(call_json(&c, None)),
+            crate::worker::tools::Piece::Text(t) => content.push_str(&t),
+            crate::worker::tools::Piece::Call(c) => calls.push(call_json(&c, None)),
         }
     }
     (content, calls)
 }
 
 /// A tool call as `tool_calls` holds it (with `index` in a stream delta).
-fn call_json(c: &crate::tools::Call, index: Option<usize>) -> Value {
+fn call_json(c: &crate::worker::tools::Call, index: Option<usize>) -> Value {
     let mut v = json!({
-        "id": crate::tools::call_id(),
+        "id": crate::worker::tools::call_id(),
         "type": "function",
         "function": {"name": c.name, "arguments": c.arguments},
     });
@@ -238,7 +238,7 @@ impl Answer {
     }
 
     /// The whole answer: one choice per sequence, in order.
-    fn whole(&self, state: &AppState, all: Vec<crate::generation::Collected>) -> Value {
+    fn whole(&self, state: &AppState, all: Vec<crate::worker::generation::Collected>) -> Value {
         let choices: Vec<Value> = all
             .iter()
             .enumerate()
@@ -253,7 +253,7 @@ impl Answer {
     fn whole_choice(
         &self,
         state: &AppState,
-        c: &crate::generation::Collected,
+        c: &crate::worker::generation::Collected,
         index: usize,
     ) -> Value {
         let finish = c.finished.reason.openai();
@@ -353,7 +353,7 @@ impl Answer {
         gens: Vec<Generation>,
         resumed: Vec<u32>,
         tx: SseSender,
-    ) -> Result<(), crate::sse::Disconnected> {
+    ) -> Result<(), crate::http::sse::Disconnected> {
         let offset = if resumed.is_empty() {
             0
         } else {
@@ -377,12 +377,12 @@ impl Answer {
                 // Chat with tools: text streams as content except what may
                 // still become a call; each call comes whole in a
                 // `tool_calls` delta.
-                parser: self.tools.as_ref().map(crate::tools::Parser::new),
+                parser: self.tools.as_ref().map(crate::worker::tools::Parser::new),
                 calls: 0,
                 finished: None,
             })
             .collect();
-        let mut steps = crate::choices::merged(gens);
+        let mut steps = crate::worker::choices::merged(gens);
         while let Some((i, step)) = tx.race(steps.next()).await? {
             let c = &mut choices[i];
             match step {
@@ -427,10 +427,10 @@ impl Answer {
     async fn send_pieces(
         &self,
         tx: &SseSender,
-        pieces: Vec<crate::tools::Piece>,
+        pieces: Vec<crate::worker::tools::Piece>,
         mut logprobs: Value,
         c: &mut ChoiceStream,
-    ) -> Result<(), crate::sse::Disconnected> {
+    ) -> Result<(), crate::http::sse::Disconnected> {
         let role = |first: &mut bool, mut delta: Value| {
             if std::mem::take(first) {
                 delta["role"] = json!("assistant");
@@ -443,8 +443,8 @@ impl Answer {
         }
         for p in pieces {
             let delta = match p {
-                crate::tools::Piece::Text(t) => json!({"content": t}),
-                crate::tools::Piece::Call(call) => {
+                crate::worker::tools::Piece::Text(t) => json!({"content": t}),
+                crate::worker::tools::Piece::Call(call) => {
                     c.calls += 1;
                     json!({"tool_calls": [call_json(&call, Some(c.calls - 1))]})
                 }
@@ -464,7 +464,7 @@ struct ChoiceStream {
     first: bool,
     /// Text offset of the next token (completions logprobs).
     offset: usize,
-    parser: Option<crate::tools::Parser>,
+    parser: Option<crate::worker::tools::Parser>,
     /// Tool calls sent.
     calls: usize,
     finished: Option<Finished>,
@@ -523,7 +523,8 @@ async fn run(
         }
     }
     let per_prompt =
-        crate::choices::submit_prompts(&state, reqs, runs, endpoint, &pd, &answer.id).await?;
+        crate::worker::choices::submit_prompts(&state, reqs, runs, endpoint, &pd, &answer.id)
+            .await?;
     if stream {
         let gens = per_prompt.into_iter().flatten().collect();
         return Ok(sse_response_marked(pd.handover.marks, move |tx| {
@@ -532,9 +533,9 @@ async fn run(
     }
     let mut all = Vec::new();
     for gens in per_prompt {
-        let mut answers = crate::choices::collect(gens).await?;
+        let mut answers = crate::worker::choices::collect(gens).await?;
         if runs > n {
-            answers = crate::choices::best(answers, n);
+            answers = crate::worker::choices::best(answers, n);
         }
         all.extend(answers);
     }
@@ -561,15 +562,18 @@ fn prepare_chat(
     mut req: ChatCompletionRequest,
     arrived: Instant,
 ) -> Result<Prepared, ApiError> {
-    let tools = crate::tools::Tools::take(&mut req.extra)?;
-    let mut grammar = crate::structured::take(
-        crate::fields::Endpoint::Chat,
+    let tools = crate::worker::tools::Tools::take(&mut req.extra)?;
+    let mut grammar = crate::worker::structured::take(
+        crate::worker::fields::Endpoint::Chat,
         &mut req.extra,
         &state.grammars,
     )?;
     // `required` or a named function: the output is calls whose arguments
     // follow the functions' schemas.
-    if let Some(spec) = tools.as_ref().and_then(crate::tools::Tools::grammar) {
+    if let Some(spec) = tools
+        .as_ref()
+        .and_then(crate::worker::tools::Tools::grammar)
+    {
         if grammar.is_some() {
             return Err(ApiError::invalid_param(
                 "tool_choice",
@@ -583,9 +587,9 @@ fn prepare_chat(
             )
         })?);
     }
-    crate::fields::check(crate::fields::Endpoint::Chat, &req.extra)?;
-    let (n, runs) = crate::choices::count(req.n, "n", None, 1)?;
-    let top_logprobs = crate::params::top_logprobs("top_logprobs", req.top_logprobs)?;
+    crate::worker::fields::check(crate::worker::fields::Endpoint::Chat, &req.extra)?;
+    let (n, runs) = crate::worker::choices::count(req.n, "n", None, 1)?;
+    let top_logprobs = crate::worker::params::top_logprobs("top_logprobs", req.top_logprobs)?;
     if top_logprobs > 0 && req.logprobs != Some(true) {
         return Err(ApiError::invalid_param(
             "top_logprobs",
@@ -600,15 +604,15 @@ fn prepare_chat(
         .min(pool_tokens.saturating_sub(prompt_ids.len()));
     let mut sampling = req.sampling()?.into_params(
         default_max,
-        &crate::params::Defaults::of_backend(&state.engine),
+        &crate::worker::params::Defaults::of_backend(&state.engine),
     )?;
     sampling.top_logprobs = top_logprobs;
     sampling.grammar = grammar;
-    crate::params::check_token_ids(&sampling, info.vocab_size)?;
+    crate::worker::params::check_token_ids(&sampling, info.vocab_size)?;
     let answer = Answer {
         kind: Kind::Chat,
-        id: crate::request_ids::request_id(req.rid.as_ref(), "chatcmpl")?,
-        created: crate::request_ids::unix_now(),
+        id: crate::worker::request_ids::request_id(req.rid.as_ref(), "chatcmpl")?,
+        created: crate::worker::request_ids::unix_now(),
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs: req.logprobs.unwrap_or(false),
@@ -657,14 +661,14 @@ fn prepare_completion(
     mut req: CompletionRequest,
     arrived: Instant,
 ) -> Result<Prepared, ApiError> {
-    let grammar = crate::structured::take(
-        crate::fields::Endpoint::Completions,
+    let grammar = crate::worker::structured::take(
+        crate::worker::fields::Endpoint::Completions,
         &mut req.extra,
         &state.grammars,
     )?;
-    crate::fields::check(crate::fields::Endpoint::Completions, &req.extra)?;
+    crate::worker::fields::check(crate::worker::fields::Endpoint::Completions, &req.extra)?;
     let prompts = prompt::completion_prompts(&state.engine, req.prompt.clone())?;
-    let (n, runs) = crate::choices::count(req.n, "n", req.best_of, prompts.len())?;
+    let (n, runs) = crate::worker::choices::count(req.n, "n", req.best_of, prompts.len())?;
     if runs > n && req.stream == Some(true) {
         return Err(ApiError::invalid_param(
             "best_of",
@@ -677,16 +681,17 @@ fn prepare_completion(
     // `logprobs: N`: the chosen tokens' log-probabilities and the N most
     // likely at each position.
     let logprobs = req.logprobs.is_some();
-    let top_logprobs = crate::params::top_logprobs("logprobs", req.logprobs)?;
+    let top_logprobs = crate::worker::params::top_logprobs("logprobs", req.logprobs)?;
     let echo = req.echo == Some(true);
-    let mut sampling = req
-        .sampling()?
-        .into_params(16, &crate::params::Defaults::of_backend(&state.engine))?;
+    let mut sampling = req.sampling()?.into_params(
+        16,
+        &crate::worker::params::Defaults::of_backend(&state.engine),
+    )?;
     sampling.top_logprobs = top_logprobs;
     sampling.grammar = grammar;
     // Echo with logprobs scores the prompt too.
     sampling.prompt_logprobs = echo && logprobs;
-    crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
+    crate::worker::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = req
         .stream_options
@@ -695,8 +700,8 @@ fn prepare_completion(
         .unwrap_or(false);
     let answer = Answer {
         kind: Kind::Completion,
-        id: crate::request_ids::request_id(req.rid.as_ref(), "cmpl")?,
-        created: crate::request_ids::unix_now(),
+        id: crate::worker::request_ids::request_id(req.rid.as_ref(), "cmpl")?,
+        created: crate::worker::request_ids::unix_now(),
         model: state.served_name(),
         system_fingerprint: state.system_fingerprint.clone(),
         logprobs,
@@ -708,7 +713,7 @@ fn prepare_completion(
     };
     Ok(Prepared {
         answer,
-        reqs: crate::choices::requests(prompts, &sampling, arrived),
+        reqs: crate::worker::choices::requests(prompts, &sampling, arrived),
         stream,
         n,
         runs,

@@ -1,7 +1,7 @@
 //! The rule that every request field a spec defines is either honoured or
 //! refused, never silently ignored.
 //!
-//! The request types ([`crate::openai_types`], [`crate::generate_api`]) read
+//! The request types ([`crate::worker::openai_types`], [`crate::worker::generate_api`]) read
 //! the fields handoff implements; every other field lands in their `extra`
 //! map. [`check`] looks each one up in its endpoint's table, built from the
 //! OpenAI API reference and SGLang's and vLLM's request models: a field
@@ -12,7 +12,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// What handoff does with a field its request type does not read.
 #[derive(Debug, Clone, Copy)]
@@ -97,7 +97,7 @@ const COMMON: &[(&str, Support)] = &[
     ("data_parallel_rank", Support::NoEffect),
     ("disagg_prefill_dp_rank", Support::NoEffect),
     // Structured output: chat, completions and `sampling_params` read these
-    // ([`crate::structured`]) before this table is looked at; at
+    // ([`crate::worker::structured`]) before this table is looked at; at
     // `/generate`'s top level they belong in `sampling_params`.
     (
         "response_format",
@@ -224,7 +224,7 @@ const COMMON: &[(&str, Support)] = &[
 /// Fields only the chat endpoint's specs define.
 const CHAT: &[(&str, Support)] = &[
     // `tools`, `tool_choice` and `parallel_tool_calls` are read
-    // ([`crate::tools`]) before this table is looked at.
+    // ([`crate::worker::tools`]) before this table is looked at.
     ("functions", Support::Refused(NoOp::Empty, TOOLS)),
     ("function_call", Support::Refused(NoOp::Str("none"), TOOLS)),
     ("audio", Support::Refused(NoOp::Null, MEDIA)),

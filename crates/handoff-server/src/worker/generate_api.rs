@@ -14,15 +14,15 @@ use handoff_engine::request::GenerateRequest;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::errors::ApiError;
-use crate::extract::JsonBody;
-use crate::fields::Endpoint;
-use crate::generation::{sglang_finish_reason, Generation, Step};
-use crate::pd_fields::PdFields;
-use crate::prompt;
-use crate::sampling_fields::{Limits, SamplingFields};
-use crate::sse::{sse_response_marked, Disconnected, SseSender};
+use crate::http::errors::ApiError;
+use crate::http::extract::JsonBody;
+use crate::http::sse::{sse_response_marked, Disconnected, SseSender};
 use crate::state::AppState;
+use crate::worker::fields::Endpoint;
+use crate::worker::generation::{sglang_finish_reason, Generation, Step};
+use crate::worker::pd_fields::PdFields;
+use crate::worker::prompt;
+use crate::worker::sampling_fields::{Limits, SamplingFields};
 
 const ENDPOINT: &str = "/generate";
 
@@ -58,7 +58,7 @@ pub struct GenerateSampling {
     /// RNG seed (SGLang's name).
     #[serde(default)]
     pub sampling_seed: Option<i64>,
-    /// Choices (1 to 16; [`crate::choices`]).
+    /// Choices (1 to 16; [`crate::worker::choices`]).
     #[serde(default)]
     pub n: Option<i64>,
     /// Minimum output before any end of generation.
@@ -67,7 +67,7 @@ pub struct GenerateSampling {
     /// The sampling fields every API shares.
     #[serde(flatten)]
     pub shared: SamplingFields,
-    /// Every other field: refused or accepted by [`crate::fields::check`].
+    /// Every other field: refused or accepted by [`crate::worker::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
 }
@@ -107,13 +107,13 @@ pub struct GenerateBody {
     #[serde(default)]
     pub return_text_in_logprobs: Option<bool>,
     /// Larger is served sooner (SGLang's `priority`); at most the API
-    /// key's limit ([`crate::tenancy`]).
+    /// key's limit ([`crate::http::tenancy`]).
     #[serde(default)]
     pub priority: Option<Value>,
     /// The PD fields (set by the router).
     #[serde(flatten)]
     pub pd: PdFields,
-    /// Every other field: refused or accepted by [`crate::fields::check`].
+    /// Every other field: refused or accepted by [`crate::worker::fields::check`].
     #[serde(flatten)]
     pub extra: serde_json::Map<String, Value>,
 }
@@ -121,12 +121,12 @@ pub struct GenerateBody {
 /// The prompts of a body: one, or a batch (a list of texts or id lists).
 fn prompts(state: &AppState, body: &GenerateBody) -> Result<(Vec<Vec<u32>>, bool), ApiError> {
     let size = |n: usize, field: &str| {
-        if n == 0 || n > crate::choices::MAX_CHOICES {
+        if n == 0 || n > crate::worker::choices::MAX_CHOICES {
             return Err(ApiError::invalid_param(
                 field,
                 format!(
                     "a batch holds 1 to {} prompts, got {n}",
-                    crate::choices::MAX_CHOICES
+                    crate::worker::choices::MAX_CHOICES
                 ),
             ));
         }
@@ -245,7 +245,8 @@ pub async fn generate(
         }));
     }
     let prompt_ids: Vec<Vec<u32>> = reqs.iter().map(|r| r.prompt_ids.clone()).collect();
-    let submitted = crate::choices::submit_prompts(&state, reqs, n, ENDPOINT, &pd, &rid).await?;
+    let submitted =
+        crate::worker::choices::submit_prompts(&state, reqs, n, ENDPOINT, &pd, &rid).await?;
     let mut bodies: Vec<Value> = Vec::new();
     for (p, gens) in submitted.into_iter().enumerate() {
         let shape = Whole {
@@ -257,7 +258,7 @@ pub async fn generate(
             input_from,
             prompt_ids: &prompt_ids[p],
         };
-        for c in crate::choices::collect(gens).await? {
+        for c in crate::worker::choices::collect(gens).await? {
             bodies.push(shape.body(&c));
         }
     }
@@ -284,7 +285,7 @@ struct Whole<'a> {
 }
 
 impl Whole<'_> {
-    fn body(&self, c: &crate::generation::Collected) -> Value {
+    fn body(&self, c: &crate::worker::generation::Collected) -> Value {
         let ids: Vec<u32> = c.tokens.iter().map(|t| t.id).collect();
         let mut body = json!({
             "text": c.text,
@@ -324,13 +325,13 @@ impl Whole<'_> {
 
 /// The engine request and the response id of a `/generate` body.
 fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Prepared, ApiError> {
-    crate::fields::check(Endpoint::Generate, &body.extra)?;
+    crate::worker::fields::check(Endpoint::Generate, &body.extra)?;
     let mut sp = body.sampling_params.clone().unwrap_or_default();
     let grammar =
-        crate::structured::take(Endpoint::SamplingParams, &mut sp.extra, &state.grammars)?;
-    crate::fields::check(Endpoint::SamplingParams, &sp.extra)?;
+        crate::worker::structured::take(Endpoint::SamplingParams, &mut sp.extra, &state.grammars)?;
+    crate::worker::fields::check(Endpoint::SamplingParams, &sp.extra)?;
     let (prompts, batch) = prompts(state, body)?;
-    let (n, _) = crate::choices::count(sp.n, "sampling_params.n", None, prompts.len())?;
+    let (n, _) = crate::worker::choices::count(sp.n, "sampling_params.n", None, prompts.len())?;
     if (n > 1 || batch) && body.stream == Some(true) {
         return Err(ApiError::invalid_param(
             match (batch, body.input_ids.is_some()) {
@@ -353,17 +354,18 @@ fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Pr
     raw.seed = raw.seed.or(sp.sampling_seed);
     let mut sampling = raw.into_params(
         DEFAULT_MAX_NEW_TOKENS,
-        &crate::params::Defaults::of_backend(&state.engine),
+        &crate::worker::params::Defaults::of_backend(&state.engine),
     )?;
     sampling.grammar = grammar;
-    sampling.top_logprobs = crate::params::top_logprobs("top_logprobs_num", body.top_logprobs_num)?;
+    sampling.top_logprobs =
+        crate::worker::params::top_logprobs("top_logprobs_num", body.top_logprobs_num)?;
     if sampling.top_logprobs > 0 && body.return_logprob != Some(true) {
         return Err(ApiError::invalid_param(
             "top_logprobs_num",
             "top_logprobs_num needs return_logprob: true",
         ));
     }
-    crate::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
+    crate::worker::params::check_token_ids(&sampling, state.engine.model().vocab_size)?;
     let shortest = prompts.iter().map(Vec::len).min().unwrap_or(0);
     match body.logprob_start_len {
         None | Some(-1) => {}
@@ -386,9 +388,9 @@ fn prepare(state: &AppState, body: &GenerateBody, arrived: Instant) -> Result<Pr
             ))
         }
     }
-    let rid = crate::request_ids::request_id(body.rid.as_ref(), "gen")?;
+    let rid = crate::worker::request_ids::request_id(body.rid.as_ref(), "gen")?;
     Ok(Prepared {
-        reqs: crate::choices::requests(prompts, &sampling, arrived),
+        reqs: crate::worker::choices::requests(prompts, &sampling, arrived),
         rid,
         n,
         batch,
@@ -580,7 +582,7 @@ fn top_entry(t: &handoff_engine::request::TokenOut) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::bounded_integer;
+    use crate::worker::backend::bounded_integer;
 
     #[test]
     fn bootstrap_room_bounds() {

@@ -1,6 +1,6 @@
 //! The requests in flight on this worker by request id, for
 //! `/abort_request` (SGLang's route, `abort_api.rs`), so that an operator,
-//! a client or a router can end one it no longer wants. A [`Generation`](crate::generation::Generation) holds an
+//! a client or a router can end one it no longer wants. A [`Generation`](crate::worker::generation::Generation) holds an
 //! [`AbortWatch`] for its id; the watch leaves the registry when it drops,
 //! so the registry holds exactly the requests in flight.
 //!
@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::watch;
 
-use crate::errors::ApiError;
+use crate::http::errors::ApiError;
 
 /// Longest request id accepted (bytes).
 pub const MAX_RID_BYTES: usize = 256;

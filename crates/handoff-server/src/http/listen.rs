@@ -6,7 +6,7 @@
 //!   kept-alive connection waiting for its next request, so it is also the
 //!   idle timeout.
 //! - **Body timeout.** Handlers read a body within
-//!   [`HttpLimits::body_timeout`] ([`crate::extract::read_body`], through the
+//!   [`HttpLimits::body_timeout`] ([`crate::http::extract::read_body`], through the
 //!   [`BodyDeadline`] each request carries) or answer 408.
 //! - **Write timeout.** A write to the socket that makes no progress for
 //!   [`HttpLimits::write_timeout`] (a client that stopped reading its stream)

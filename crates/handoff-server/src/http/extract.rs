@@ -5,8 +5,8 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
-use crate::errors::ApiError;
-use crate::listen::BodyDeadline;
+use crate::http::errors::ApiError;
+use crate::http::listen::BodyDeadline;
 
 /// Largest request body accepted (bytes).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
@@ -62,14 +62,14 @@ where
         if bytes.len() <= PARSE_INLINE_BYTES {
             return parse_json(&bytes).map(JsonBody);
         }
-        crate::prompt::off_runtime(move || parse_json(&bytes))
+        crate::worker::prompt::off_runtime(move || parse_json(&bytes))
             .await
             .map(JsonBody)
     }
 }
 
 /// Read a request's body within the [`BodyDeadline`] that
-/// [`crate::listen::serve`] gave it (none when served otherwise): a client
+/// [`crate::http::listen::serve`] gave it (none when served otherwise): a client
 /// that sends its headers and then trickles or stops its body gets a 408
 /// instead of holding the request.
 pub async fn read_body<S: Send + Sync>(req: Request, state: &S) -> Result<Bytes, ApiError> {
