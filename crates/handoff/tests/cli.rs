@@ -22,6 +22,11 @@ fn fails_with(args: &[&str], needle: &str) {
 
 #[test]
 fn cli_errors_are_precise() {
+    // A bench flag that a mode would ignore is refused by name.
+    fails_with(
+        &["bench-transfer", "--only", "latency", "--runs", "5"],
+        "the argument '--only <ONLY>' cannot be used with '--runs <RUNS>'",
+    );
     fails_with(
         &["serve", "--threads", "0"],
         "invalid value '0' for '--threads <THREADS>'",

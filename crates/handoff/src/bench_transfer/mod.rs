@@ -52,8 +52,9 @@ pub struct BenchTransferArgs {
     /// Bytes per transfer (the standard workload is 1 GiB).
     #[arg(long, default_value_t = 1 << 30)]
     bytes: usize,
-    /// Timed runs per case (median reported).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    /// Timed runs per case (median reported); bandwidth runs only, so
+    /// refused with `--only latency`.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100), conflicts_with = "only")]
     runs: u32,
     /// TCP streams per data link; with more than one, each tcp run moves
     /// its pages as that many concurrent rooms.
