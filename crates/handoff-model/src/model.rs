@@ -256,6 +256,7 @@ fn open_gguf(path: &Path) -> Result<(std::fs::File, Content, Arc<MappedFile>), M
 impl Llama {
     /// Open and load a GGUF file.
     pub fn load(path: &Path, formats: PhaseFormats) -> Result<(Self, Content), ModelError> {
+        crate::heap::keep_pass_buffers();
         let (mut file, content, map) = open_gguf(path)?;
         let (model, _) = Self::from_parts(&content, &mut file, Some(map), formats, Q8Store::Build)?;
         Ok((model, content))
@@ -276,6 +277,7 @@ impl Llama {
             let (m, c) = Self::load(path, formats)?;
             return Ok((m, c, CacheOutcome::Off));
         };
+        crate::heap::keep_pass_buffers();
         let (mut file, content, mut map) = open_gguf(path)?;
         macro_rules! load {
             ($store:expr) => {
