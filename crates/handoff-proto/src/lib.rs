@@ -17,9 +17,9 @@
 //! * [`connection`] — one control connection: bytes in, events out.
 //! * [`room`], [`sender_room`], [`receiver_room`] — per-room state machines.
 //! * [`sender_endpoint`] — the prefill endpoint: rooms, peers, connect
-//!   admission, link assembly, outcomes and waiters in one sans-IO owner.
+//!   admission, link assembly and each room's event sink in one sans-IO owner.
 //! * [`receiver_endpoint`] — the decode endpoint: rooms, peers, leases,
-//!   outcomes and waiters in one sans-IO owner.
+//!   and each room's event sink in one sans-IO owner.
 //! * [`timer`] — the one timer table.
 //! * [`heartbeat`] — peer liveness.
 //! * [`layout`] — KV dtype, K/V and the pool's byte layout (one copy of it).

@@ -4,18 +4,18 @@
 //! [`ReceiverEndpoint`] owns the room table ([`ReceiverRooms`]), peer
 //! liveness, which peers have a control connection and a data link, the
 //! page lease of every room between its reservation and its end, the aux
-//! records that arrived, the outcomes nobody has taken yet and the waiters
-//! for them. It is generic over the lease type `L` (the shell's RAII page
-//! lease) and the waiter token `W` (the shell's reply channel), so nothing
+//! records that arrived and each room's event sink. It is generic over the
+//! lease type `L` (the shell's RAII page lease) and the sink `W` (the room
+//! handle's channel), so nothing
 //! here does I/O: time is passed in, and what the shell must do comes out
 //! of [`ReceiverEndpoint::poll_transmit`] (control messages) and
 //! [`ReceiverEndpoint::poll_event`] (link registrations, peers to close,
-//! outcomes for waiters), in the spirit of quinn-proto's `Endpoint`.
+//! outcomes for sinks), in the spirit of quinn-proto's `Endpoint`.
 //!
 //! A shell calls `handle_*` for what its sockets and tasks report, the
 //! request methods ([`open`](ReceiverEndpoint::open),
 //! [`reserve`](ReceiverEndpoint::reserve), [`abort`](ReceiverEndpoint::abort),
-//! [`wait`](ReceiverEndpoint::wait) ...) for what the engine asks, and
+//! ...) for what the engine asks, and
 //! [`handle_timeout`](ReceiverEndpoint::handle_timeout) at
 //! [`poll_timeout`](ReceiverEndpoint::poll_timeout); after each call it
 //! drains `poll_event` first, then `poll_transmit` (so a link reader learns
@@ -30,6 +30,7 @@ use crate::handshake::{Capabilities, Fingerprint};
 use crate::heartbeat::Liveness;
 use crate::ids::{AuxSlot, PageIndex, PeerId, RankId, RoomId};
 use crate::landing::LandedAux;
+use crate::message::{Message, Outcome, Status};
 use crate::rank::{RankError, RankMap};
 use crate::receiver_room::{ReceiverAction, ReceiverRooms, Source};
 use crate::room::{RoomConfig, RoomState, RoomStats, Transmit};
@@ -404,18 +405,18 @@ impl<L, W> ReceiverEndpoint<L, W> {
     /// A control message from `peer`.
     pub fn handle_message(&mut self, peer: PeerId, msg: crate::message::Message, now: Instant) {
         self.liveness.handle_seen(peer, now);
-        if let crate::message::Message::Status(crate::message::Status {
-            outcome:
-                crate::message::Outcome::Failed {
+        let peer_dead = matches!(
+            &msg,
+            Message::Status(Status {
+                outcome: Outcome::Failed {
                     kind: FailureKind::PeerDead,
                     ..
                 },
-            ..
-        }) = &msg
-        {
-            if let Some(p) = self.peers.get_mut(&peer) {
-                p.stale = true;
-            }
+                ..
+            })
+        );
+        if let Some(p) = self.peers.get_mut(&peer).filter(|_| peer_dead) {
+            p.stale = true;
         }
         self.rooms.handle_message(peer, msg, now);
         self.drive(now);

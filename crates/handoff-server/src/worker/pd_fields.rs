@@ -52,8 +52,8 @@ pub struct PdFields {
 impl PdFields {
     /// The fields, checked: each bad value is a 400 naming its field.
     pub fn bootstrap(&self) -> Result<Bootstrap, ApiError> {
-        let host: Option<String> = typed("bootstrap_host", self.bootstrap_host.as_ref())?;
-        let sig: Option<String> = typed("bootstrap_sig", self.bootstrap_sig.as_ref())?;
+        let host: Option<String> = typed("", "bootstrap_host", self.bootstrap_host.as_ref())?;
+        let sig: Option<String> = typed("", "bootstrap_sig", self.bootstrap_sig.as_ref())?;
         let bootstrap = Bootstrap::parse(
             host.as_ref(),
             self.bootstrap_port.as_ref(),

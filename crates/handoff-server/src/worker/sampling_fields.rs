@@ -9,8 +9,6 @@
 //! name in serde's error (the path reads `.`), as [`crate::worker::pd_fields`]
 //! found for the PD fields.
 
-use std::collections::HashMap;
-
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
@@ -65,18 +63,21 @@ pub struct SamplingFields {
     pub spaces_between_special_tokens: Option<Value>,
 }
 
-/// `value` of the field named `name` as a `T` (`null` or absent: `None`),
-/// else a 400 naming the field.
+/// `value` of the field named `prefix` + `field` as a `T` (`null` or
+/// absent: `None`), else a 400 naming the field (the name is built only
+/// then).
 pub fn typed<T: DeserializeOwned>(
-    name: &str,
+    prefix: &str,
+    field: &str,
     value: Option<&Value>,
 ) -> Result<Option<T>, ApiError> {
     match value.filter(|v| !v.is_null()) {
         None => Ok(None),
         Some(v) => T::deserialize(v).map(Some).map_err(|e| {
+            let name = format!("{prefix}{field}");
             let mut err =
                 ApiError::bad_request("invalid_type", format!("invalid value for `{name}`: {e}"));
-            err.param = Some(name.to_string());
+            err.param = Some(name);
             err
         }),
     }
@@ -101,10 +102,9 @@ impl SamplingFields {
     /// type is a 400 naming it, after `prefix` (`sampling_params.` on
     /// `/generate`).
     pub fn raw(&self, prefix: &str, limits: Limits) -> Result<RawSampling, ApiError> {
-        let name = |field: &str| format!("{prefix}{field}");
         macro_rules! field {
             ($f:ident) => {
-                typed(&name(stringify!($f)), self.$f.as_ref())?
+                typed(prefix, stringify!($f), self.$f.as_ref())?
             };
         }
         Ok(RawSampling {
@@ -123,10 +123,7 @@ impl SamplingFields {
             presence_penalty: field!(presence_penalty),
             frequency_penalty: field!(frequency_penalty),
             repetition_penalty: field!(repetition_penalty),
-            logit_bias: typed::<HashMap<String, f64>>(
-                &name("logit_bias"),
-                self.logit_bias.as_ref(),
-            )?,
+            logit_bias: field!(logit_bias),
             skip_special_tokens: field!(skip_special_tokens),
             spaces_between_special_tokens: field!(spaces_between_special_tokens),
         })

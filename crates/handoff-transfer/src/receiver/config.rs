@@ -38,6 +38,6 @@ impl ReceiverConfig {
     }
 }
 
-/// What [`KvReceiver::poll`](crate::KvReceiver::poll) says about a room: pending, committed (the
-/// lease and aux come back), failed, or unknown.
+/// How a decode room ended, as its [`ReceiverRoom`](crate::ReceiverRoom)
+/// hears it: committed (the lease and aux come back) or failed.
 pub type ReceiverOutcome = handoff_proto::receiver_endpoint::ReceiverOutcome<PageLease>;

@@ -12,7 +12,6 @@ use std::sync::{Arc, Mutex};
 
 use handoff_proto::PeerId;
 
-use super::commands::Cmd;
 use super::KvReceiver;
 use crate::error::TransportError;
 use crate::transport::TransportKind;
@@ -74,7 +73,7 @@ impl KvReceiver {
         tokio::spawn(async move {
             let mut known = slot.lock().await;
             if let Some(p) = *known {
-                if rx.ask(|r| Cmd::Connected(p, r)).await? {
+                if rx.is_connected(p).await? {
                     return Ok(p);
                 }
                 tracing::info!(prefill = %addr, peer = p.0, "prefill connection lost: reconnecting");

@@ -40,7 +40,7 @@ pub struct SenderRoom {
     events: mpsc::UnboundedReceiver<SenderRoomEvent>,
     /// The room's end, once it arrived on `events` (or the endpoint is
     /// gone).
-    end: Option<Result<(), TransferError>>,
+    end: Option<SenderRoomEvent>,
     /// We failed it ourselves: dropping needs no other failure.
     failed: bool,
 }
@@ -70,10 +70,7 @@ impl SenderRoom {
     /// [`Self::ready`] and [`Self::outcome`] both see it. Cancel safe.
     async fn next(&mut self) -> SenderRoomEvent {
         if let Some(end) = &self.end {
-            return match end {
-                Ok(()) => SenderRoomEvent::Success,
-                Err(e) => SenderRoomEvent::Failed(e.clone()),
-            };
+            return end.clone();
         }
         let ev =
             self.events
@@ -84,10 +81,8 @@ impl SenderRoom {
                     reason: "the prefill transfer endpoint stopped".into(),
                     http_status: 503,
                 }));
-        match &ev {
-            SenderRoomEvent::Success => self.end = Some(Ok(())),
-            SenderRoomEvent::Failed(e) => self.end = Some(Err(e.clone())),
-            SenderRoomEvent::Ready => {}
+        if ev != SenderRoomEvent::Ready {
+            self.end = Some(ev.clone());
         }
         ev
     }
