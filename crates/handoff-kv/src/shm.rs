@@ -241,6 +241,13 @@ impl ShmRegion {
         self.file.as_fd()
     }
 
+    /// The address this process maps the region at: what a transfer
+    /// library registers (NIXL) and names in its descriptors. Only an
+    /// address: nothing here hands out a reference into shared memory.
+    pub fn addr(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         self.len

@@ -62,6 +62,12 @@ pub const SETUP_SHM_PUSH: u8 = b'S';
 /// Link setup: decode receives payloads over this TCP stream. Followed by
 /// the pool's page count (u64) and a [`TcpStreamSetup`].
 pub const SETUP_TCP: u8 = b'T';
+/// Link setup: decode pulls over NIXL (a build with the `nixl` feature).
+/// Followed by decode's pool page count (u64). Prefill answers with its
+/// NIXL agent's metadata and where its pool is registered ([`NixlSetup`]);
+/// decode READs each segment out of it, as [`PullRef`] names it, into its
+/// own registered pages: as over shm, no process writes another's memory.
+pub const SETUP_NIXL: u8 = b'N';
 /// Most TCP streams one data link may have.
 pub const MAX_TCP_STREAMS: u8 = 16;
 
@@ -227,6 +233,110 @@ impl PullRef {
     pub fn pages(&self) -> std::ops::Range<u32> {
         self.src_page..self.src_page + self.src_pages
     }
+}
+
+/// Prefill's answer to [`SETUP_NIXL`] after its status byte: where its pool
+/// is registered with its NIXL agent, its pages and the offset of its page
+/// generations in that region, then its agent's name (`name_len` bytes)
+/// and `metadata_len` bytes of the agent's metadata (what decode loads to
+/// reach it; decode in the same process, which shares the agent, does not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NixlSetupHead {
+    /// Address of the registered region in the prefill process.
+    pub base: u64,
+    /// Its length in bytes (KV bytes, then the generation table).
+    pub len: u64,
+    /// The pool's pages.
+    pub pages: u64,
+    /// Offset of the page generation table in the region.
+    pub generations_at: u64,
+    /// Bytes of agent metadata that follow the name.
+    pub metadata_len: u32,
+    /// Bytes of the agent's name that follow this head.
+    pub name_len: u16,
+}
+
+impl NixlSetupHead {
+    /// Encoded bytes.
+    pub const LEN: usize = 38;
+    /// Longest agent name.
+    pub const MAX_NAME: u16 = 255;
+    /// Most metadata bytes a prefill may send (an agent's metadata with
+    /// one registered region over UCX is a few KiB).
+    pub const MAX_METADATA: u32 = 1 << 20;
+
+    /// Encode.
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut b = [0u8; Self::LEN];
+        b[..8].copy_from_slice(&self.base.to_le_bytes());
+        b[8..16].copy_from_slice(&self.len.to_le_bytes());
+        b[16..24].copy_from_slice(&self.pages.to_le_bytes());
+        b[24..32].copy_from_slice(&self.generations_at.to_le_bytes());
+        b[32..36].copy_from_slice(&self.metadata_len.to_le_bytes());
+        b[36..].copy_from_slice(&self.name_len.to_le_bytes());
+        b
+    }
+
+    /// Decode and validate: some pages, the generation table (one word
+    /// for the epoch, one per page) inside the region, the region inside
+    /// the address space, and metadata of a bounded, non-zero size.
+    pub fn decode(b: &[u8; Self::LEN]) -> Result<Self, NixlSetupError> {
+        let h = Self {
+            base: u64::from_le_bytes(arr(&b[..8])),
+            len: u64::from_le_bytes(arr(&b[8..16])),
+            pages: u64::from_le_bytes(arr(&b[16..24])),
+            generations_at: u64::from_le_bytes(arr(&b[24..32])),
+            metadata_len: u32::from_le_bytes(arr(&b[32..36])),
+            name_len: u16::from_le_bytes(arr(&b[36..])),
+        };
+        if h.metadata_len == 0 || h.metadata_len > Self::MAX_METADATA {
+            return Err(NixlSetupError::Metadata(h.metadata_len));
+        }
+        if h.name_len == 0 || h.name_len > Self::MAX_NAME {
+            return Err(NixlSetupError::Name(h.name_len));
+        }
+        let table_end = h
+            .pages
+            .checked_add(1)
+            .and_then(|w| w.checked_mul(8))
+            .and_then(|t| t.checked_add(h.generations_at));
+        let region_end = h.base.checked_add(h.len);
+        match (table_end, region_end) {
+            (Some(t), Some(_)) if h.pages > 0 && h.pages <= u64::from(u32::MAX) && t <= h.len => {
+                Ok(h)
+            }
+            _ => Err(NixlSetupError::Region {
+                base: h.base,
+                len: h.len,
+                pages: h.pages,
+                generations_at: h.generations_at,
+            }),
+        }
+    }
+}
+
+/// Why a prefill's answer to [`SETUP_NIXL`] is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NixlSetupError {
+    /// Agent metadata of zero bytes or more than [`NixlSetupHead::MAX_METADATA`].
+    #[error("nixl link setup: {0} bytes of agent metadata (1 to {max} allowed)", max = NixlSetupHead::MAX_METADATA)]
+    Metadata(u32),
+    /// An agent name of zero bytes or more than [`NixlSetupHead::MAX_NAME`].
+    #[error("nixl link setup: an agent name of {0} bytes (1 to {max} allowed)", max = NixlSetupHead::MAX_NAME)]
+    Name(u16),
+    /// A region that cannot hold its own generation table, or wraps.
+    #[error("nixl link setup: a region of {len} bytes at {base:#x} cannot hold {pages} pages' generations at {generations_at}")]
+    Region {
+        /// Base address.
+        base: u64,
+        /// Length.
+        len: u64,
+        /// Pages.
+        pages: u64,
+        /// Generation table offset.
+        generations_at: u64,
+    },
 }
 
 /// Slice byte of a segment header: whole spans, or the block sliced.
@@ -973,5 +1083,74 @@ mod stream_setup_tests {
             .collect();
         assert_eq!(hits.len(), 4);
         assert_eq!(stream_of(RoomId::new(9).unwrap(), 1), 0);
+    }
+}
+
+#[cfg(test)]
+mod nixl_setup_tests {
+    use super::*;
+
+    fn good() -> NixlSetupHead {
+        NixlSetupHead {
+            base: 0x7f00_0000_0000,
+            len: 4096 + 8 * 5,
+            pages: 4,
+            generations_at: 4096,
+            metadata_len: 900,
+            name_len: 30,
+        }
+    }
+
+    #[test]
+    fn nixl_setup_round_trips() {
+        assert_eq!(NixlSetupHead::decode(&good().encode()), Ok(good()));
+    }
+
+    /// A region too small for its own generation table, one that wraps the
+    /// address space, no pages, and metadata of 0 or too many bytes are
+    /// each refused with what was wrong.
+    #[test]
+    fn nixl_setup_refuses_regions_that_cannot_hold_their_table_and_bad_metadata() {
+        let short = NixlSetupHead {
+            len: 4096 + 8 * 4,
+            ..good()
+        };
+        let wraps = NixlSetupHead {
+            base: u64::MAX - 10,
+            ..good()
+        };
+        let no_pages = NixlSetupHead { pages: 0, ..good() };
+        let huge_table = NixlSetupHead {
+            pages: u64::MAX,
+            ..good()
+        };
+        for bad in [short, wraps, no_pages, huge_table] {
+            let e = NixlSetupHead::decode(&bad.encode()).unwrap_err();
+            assert!(matches!(e, NixlSetupError::Region { .. }), "{bad:?}: {e}");
+            assert!(
+                e.to_string().contains(&format!("{} pages", bad.pages)),
+                "{e}"
+            );
+        }
+        for n in [0, NixlSetupHead::MAX_METADATA + 1] {
+            let bad = NixlSetupHead {
+                metadata_len: n,
+                ..good()
+            };
+            assert_eq!(
+                NixlSetupHead::decode(&bad.encode()),
+                Err(NixlSetupError::Metadata(n))
+            );
+        }
+        for n in [0, NixlSetupHead::MAX_NAME + 1] {
+            let bad = NixlSetupHead {
+                name_len: n,
+                ..good()
+            };
+            assert_eq!(
+                NixlSetupHead::decode(&bad.encode()),
+                Err(NixlSetupError::Name(n))
+            );
+        }
     }
 }

@@ -41,6 +41,10 @@ pub enum TransportError {
         /// The limit.
         limit: usize,
     },
+    /// NIXL is not usable here: a build without the `nixl` feature, its
+    /// library not found, its backend not created, or a NIXL call failed.
+    #[error("nixl: {0}")]
+    Nixl(String),
     /// The endpoint was shut down.
     #[error("transfer endpoint is shut down")]
     Shutdown,
@@ -65,6 +69,7 @@ impl TransportError {
             TransportError::Kv(_) => "shared_memory",
             TransportError::Room(e) => e.error_type(),
             TransportError::TooManyPeers { .. } => "too_many_peers",
+            TransportError::Nixl(_) => "nixl",
             TransportError::Shutdown => "shutdown",
             TransportError::Bootstrap(_) => "bootstrap",
             TransportError::Config(_) => "config",

@@ -71,12 +71,17 @@
 //! # }
 //! # tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(demo()).unwrap();
 //! ```
-#![forbid(unsafe_code)]
+// No `unsafe` here, except (with the `nixl` feature) the one descriptor
+// impl NIXL's registration needs (`nixl/region.rs`).
+#![cfg_attr(not(feature = "nixl"), forbid(unsafe_code))]
+#![cfg_attr(feature = "nixl", deny(unsafe_code))]
 #![warn(missing_docs)]
 
 pub mod conn;
 pub mod error;
 pub mod link;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod plan;
 pub mod receiver;
 pub mod segment;
@@ -95,3 +100,23 @@ pub use sender::room::SenderRoom;
 pub use sender::{KvSender, SenderConfig, SenderRoomEvent};
 pub use stats::EndpointStats;
 pub use transport::{ShmTransport, TcpTransport, Transport, TransportKind};
+
+/// Make sure this build and process can move KV over `kind` (for a worker
+/// that names it at start): for NIXL, the `nixl` feature, the real library
+/// on the loader path and its UCX backend, else the error says which is
+/// missing. Shm and tcp always can.
+pub fn check_transport(kind: TransportKind) -> Result<(), TransportError> {
+    match kind {
+        TransportKind::Shm | TransportKind::Tcp => Ok(()),
+        #[cfg(feature = "nixl")]
+        TransportKind::Nixl => nixl::nixl().map(|_| ()),
+        #[cfg(not(feature = "nixl"))]
+        TransportKind::Nixl => Err(TransportError::Nixl(NO_NIXL.into())),
+    }
+}
+
+/// What a build without the `nixl` feature says when asked for NIXL.
+#[cfg(not(feature = "nixl"))]
+pub(crate) const NO_NIXL: &str =
+    "this handoff was built without NIXL; rebuild with `--features nixl` \
+     (needs libclang to build, and scripts/fetch-nixl.sh's libraries to run)";

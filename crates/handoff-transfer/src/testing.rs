@@ -158,3 +158,14 @@ pub fn sources(peer: PeerId) -> Vec<Source> {
         required_destinations: 1,
     }]
 }
+
+/// As a raw prefill: what follows the status byte of a NIXL link setup
+/// answer for `pool` (registered with this process's agent while the
+/// returned keeper lives).
+#[cfg(feature = "nixl")]
+pub fn nixl_setup_reply(pool: &handoff_kv::KvPool) -> (Vec<u8>, Box<dyn std::any::Any + Send>) {
+    let region = pool.shared_region().expect("a shared pool").clone();
+    let gens = pool.generations().expect("a shared pool").clone();
+    let offer = crate::link::offer_nixl_for_tests(&region, gens).expect("nixl offer");
+    (offer.reply(), Box::new(offer))
+}

@@ -35,10 +35,15 @@ pub enum TransportKind {
     Shm,
     /// TCP payload streaming (any host).
     Tcp,
+    /// NIXL (UCX underneath): decode READs each segment out of the
+    /// prefill's registered pool, as over shm. Needs a build with the
+    /// `nixl` feature and NIXL's libraries on the loader path.
+    Nixl,
 }
 
 impl TransportKind {
-    /// Both kinds, for conformance loops.
+    /// The kinds every build has, for conformance loops (NIXL is a
+    /// feature: see [`Self::available`]).
     pub const ALL: [TransportKind; 2] = [TransportKind::Shm, TransportKind::Tcp];
 
     /// Stable name.
@@ -46,6 +51,22 @@ impl TransportKind {
         match self {
             TransportKind::Shm => "shm",
             TransportKind::Tcp => "tcp",
+            TransportKind::Nixl => "nixl",
+        }
+    }
+
+    /// Whether segments of this kind are pulled by decode (a [`PullRef`]
+    /// follows each header) rather than streamed by prefill.
+    pub const fn pulls(self) -> bool {
+        matches!(self, TransportKind::Shm | TransportKind::Nixl)
+    }
+
+    /// Whether this build can move KV over this kind: shm and tcp always,
+    /// NIXL only with the `nixl` feature.
+    pub const fn available(self) -> bool {
+        match self {
+            TransportKind::Shm | TransportKind::Tcp => true,
+            TransportKind::Nixl => cfg!(feature = "nixl"),
         }
     }
 }
@@ -87,13 +108,28 @@ const SHM_BATCH_SEGS: usize = 1024;
 pub struct ShmTransport {
     gens: PageGenerations,
     link: OwnedWriteHalf,
+    /// Shm, or NIXL (the same records; decode READs instead of copying).
+    kind: TransportKind,
 }
 
 impl ShmTransport {
     /// A transport announcing pulls from the pool whose page generations
     /// are `gens`, with `link` carrying records.
     pub fn new(gens: PageGenerations, link: OwnedWriteHalf) -> Self {
-        Self { gens, link }
+        Self {
+            gens,
+            link,
+            kind: TransportKind::Shm,
+        }
+    }
+
+    /// The same announcements for a decode that READs them over NIXL
+    /// out of our registered pool.
+    pub fn nixl(gens: PageGenerations, link: OwnedWriteHalf) -> Self {
+        Self {
+            kind: TransportKind::Nixl,
+            ..Self::new(gens, link)
+        }
     }
 }
 
@@ -113,7 +149,7 @@ fn pull_record(seg: &Segment, epoch: u64) -> impl Iterator<Item = u8> {
 
 impl Transport for ShmTransport {
     fn kind(&self) -> TransportKind {
-        TransportKind::Shm
+        self.kind
     }
 
     async fn write_segments<'a>(

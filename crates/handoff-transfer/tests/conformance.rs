@@ -33,6 +33,12 @@ macro_rules! conformance {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() { super::$name(handoff_transfer::TransportKind::Tcp).await }) *
         }
+        /// NIXL (UCX over tcp on loopback; `--features nixl`).
+        #[cfg(feature = "nixl")]
+        mod nixl {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() { super::$name(handoff_transfer::TransportKind::Nixl).await }) *
+        }
         /// TCP links of three streams (rooms spread over them by id).
         mod tcp_streams {
             $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1117,6 +1123,7 @@ async fn out_of_range_destination_page_is_rejected_and_nothing_written(kind: Tra
         Duration::from_secs(2),
         kind,
         testing::TEST_PAGES,
+        p.d_pool.shared_region(),
     )
     .await
     .unwrap();
@@ -2066,6 +2073,7 @@ async fn a_prefill_naming_a_foreign_file_for_pulls_is_refused() {
         Duration::from_secs(2),
         TransportKind::Shm,
         testing::TEST_PAGES,
+        None,
     )
     .await
     .unwrap_err();
@@ -2458,8 +2466,8 @@ async fn end_room_expecting_a_refusal(data: &mut TcpStream, room: RoomId) {
 
 /// As a raw prefill with pool `src`: send segment `h` whose payload is
 /// `len` bytes of `fill`: on a tcp link the bytes follow the header; over
-/// shm they are put in `src` (at its start) and a pull reference to them
-/// follows, as a prefill's would.
+/// shm and NIXL they are put in `src` (at its start) and a pull reference
+/// to them follows, as a prefill's would.
 async fn send_segment(
     kind: TransportKind,
     data: &mut TcpStream,
@@ -2471,7 +2479,7 @@ async fn send_segment(
     data.write_all(&h.encode()).await.unwrap();
     match kind {
         TransportKind::Tcp => data.write_all(&vec![fill; len]).await.unwrap(),
-        TransportKind::Shm => {
+        TransportKind::Shm | TransportKind::Nixl => {
             // The bytes at the start of the segment's layer's blocks of
             // source page 0, which the pull names (decode refuses a pull
             // whose bytes lie outside the pages it names).
@@ -2531,7 +2539,11 @@ async fn raw_prefill(
             s.read_exact(&mut k).await.unwrap();
             let mut pages = [0u8; 8];
             s.read_exact(&mut pages).await.unwrap();
-            let st = if k[0] == handoff_proto::datalink::SETUP_SHM {
+            let pulls = [
+                handoff_proto::datalink::SETUP_SHM,
+                handoff_proto::datalink::SETUP_NIXL,
+            ];
+            let st = if pulls.contains(&k[0]) {
                 TcpStreamSetup {
                     nonce: 0,
                     index: 0,
@@ -2544,6 +2556,13 @@ async fn raw_prefill(
             };
             // Setup accepted; over shm, with the pool decode pulls from.
             let mut ok = vec![0u8];
+            #[cfg(feature = "nixl")]
+            if k[0] == handoff_proto::datalink::SETUP_NIXL {
+                let (reply, keep) = testing::nixl_setup_reply(src);
+                ok.extend_from_slice(&reply);
+                // Registered for the rest of the test process.
+                std::mem::forget(keep);
+            }
             if k[0] == handoff_proto::datalink::SETUP_SHM {
                 let region = src.shared_region().unwrap();
                 ok.extend_from_slice(&region.handle().to_bytes());

@@ -28,8 +28,11 @@ pub struct PdArgs {
     /// if not given).
     #[arg(long, value_name = "PORT")]
     pub disaggregation_bootstrap_port: Option<u16>,
-    /// Decode: KV transport: auto (shm for a prefill on a loopback address,
-    /// tcp otherwise), shm or tcp.
+    /// KV transport: auto (shm for a prefill on a loopback address, tcp
+    /// otherwise), shm, tcp or nixl (decode READs over NIXL/UCX; a build
+    /// with `--features nixl` and NIXL's libraries on LD_LIBRARY_PATH,
+    /// checked at start). Decode picks; a prefill given nixl makes its NIXL
+    /// agent at start, any prefill serves what decode asks for.
     #[arg(long, alias = "transfer", default_value = "auto")]
     pub disaggregation_transfer_backend: TransportChoice,
     /// A file holding a shared secret; prefill and decode then authenticate
@@ -152,6 +155,13 @@ impl PdArgs {
     fn config(&self, host: &str, secret: Option<Vec<u8>>) -> anyhow::Result<PdConfig> {
         let mut pd = PdConfig::new(handoff_engine::pd::TransportKind::Tcp);
         pd.transport_choice = self.disaggregation_transfer_backend;
+        if let TransportChoice::Fixed(kind) = pd.transport_choice {
+            // A worker that cannot move KV the way it was told refuses to
+            // start, naming what is missing (for NIXL: the feature, the
+            // library path searched, UCX_TLS).
+            handoff_transfer::check_transport(kind)
+                .with_context(|| format!("--transfer {}", kind.name()))?;
+        }
         pd.tcp_streams = self.transfer_tcp_streams;
         pd.io_threads = usize::from(self.transfer_io_threads);
         pd.delta_transfer = !self.disable_delta_transfer;

@@ -203,8 +203,9 @@ impl std::str::FromStr for TransportChoice {
             "auto" => Ok(TransportChoice::Auto),
             "shm" => Ok(TransportChoice::Fixed(TransportKind::Shm)),
             "tcp" => Ok(TransportChoice::Fixed(TransportKind::Tcp)),
+            "nixl" => Ok(TransportChoice::Fixed(TransportKind::Nixl)),
             other => Err(format!(
-                "unknown transport `{other}`: expected auto, shm or tcp"
+                "unknown transport `{other}`: expected auto, shm, tcp or nixl"
             )),
         }
     }

@@ -36,10 +36,10 @@ async fn main() {
 }
 
 fn kind(s: &str) -> TransportKind {
-    if s == "shm" {
-        TransportKind::Shm
-    } else {
-        TransportKind::Tcp
+    match s {
+        "shm" => TransportKind::Shm,
+        "nixl" => TransportKind::Nixl,
+        _ => TransportKind::Tcp,
     }
 }
 
@@ -74,8 +74,11 @@ async fn run(args: &[String]) -> Result<(), String> {
         }
         Some("prefill") => {
             let room = handoff_proto::RoomId::new(77).ok_or("room")?;
-            let _k = kind(args.get(2).ok_or("transport")?);
+            let k = kind(args.get(2).ok_or("transport")?);
             let state = args.get(3).ok_or("state")?.clone();
+            // As a prefill worker started for NIXL does: the agent is made
+            // (or refused) before anyone connects.
+            handoff_transfer::check_transport(k).map_err(|e| e.to_string())?;
             let (pool, _) = testing::pool();
             let region = pool.shared_region().ok_or("shared")?.clone();
             region

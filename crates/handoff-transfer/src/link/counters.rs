@@ -16,4 +16,7 @@ pub struct LinkCounters {
     /// KV payload bytes queued onto data links (prefill; a room cancelled
     /// mid-write moves less).
     pub kv_bytes_sent: AtomicU64,
+    /// NIXL READs given up after a stall (their rooms failed; their pages
+    /// were held until each READ ended).
+    pub stalled_reads: AtomicU64,
 }

@@ -30,12 +30,19 @@ pub enum SetupRefusal {
     /// A transport byte we do not know.
     #[error("unknown transport {0}")]
     UnknownTransport(u8),
+    /// Decode asked for NIXL and this prefill cannot offer it (a build
+    /// without the feature, the library or backend missing).
+    #[error("this prefill cannot serve a NIXL link: {0}")]
+    Nixl(String),
 }
 
 impl SetupRefusal {
     /// True when the peer sent something wrong (not our own settings).
     pub fn blames_peer(&self) -> bool {
-        !matches!(self, SetupRefusal::Plan(_) | SetupRefusal::Shm(_))
+        !matches!(
+            self,
+            SetupRefusal::Plan(_) | SetupRefusal::Shm(_) | SetupRefusal::Nixl(_)
+        )
     }
 }
 

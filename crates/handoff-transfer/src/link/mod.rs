@@ -42,7 +42,9 @@ pub use counters::LinkCounters;
 pub use error::{LinkReadError, SetupRefusal};
 pub use reader::LinkReader;
 pub use reader_api::{ReaderCmd, ReaderEvent};
+#[cfg(all(feature = "nixl", feature = "testing"))]
+pub(crate) use setup::offer_nixl as offer_nixl_for_tests;
 pub use setup::{accept_link, connect_link, connect_link_stream, AcceptedLink, LinkStream};
-pub use source::SourcePool;
+pub use source::{PullSource, SourcePool};
 pub use span::{page_span, span_offset};
 pub use writer::{LinkEvent, LinkJob};

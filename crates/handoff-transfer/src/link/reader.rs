@@ -19,7 +19,7 @@ use super::counters::LinkCounters;
 use super::error::LinkReadError;
 use super::reader_api::{ReaderCmd, ReaderEvent};
 use super::socket::{read_once, read_once_with};
-use super::source::SourcePool;
+use super::source::PullSource;
 use crate::plan::LinkPlan;
 use crate::transport::TransportKind;
 
@@ -75,9 +75,8 @@ pub struct LinkReader {
     acks: Vec<u8>,
     /// Events for the driver, sent before the acks gathered with them.
     events: Vec<ReaderEvent>,
-    /// Over shm, the prefill's pool (mapped read-only) this link pulls
-    /// from.
-    source: Option<Arc<SourcePool>>,
+    /// Over shm or NIXL, the prefill's pool this link pulls from.
+    source: Option<PullSource>,
     /// Bytes landed since the last [`Self::flush`], added to
     /// `counters.bytes_landed` there: one atomic add per batch of records,
     /// not one per page (a locked add right after a page copy waits for
@@ -144,9 +143,9 @@ impl LinkReader {
         }
     }
 
-    /// Over shm: the prefill's pool this link pulls from (from the link
-    /// setup). Without it an shm link refuses every segment.
-    pub fn with_source(mut self, source: Option<Arc<SourcePool>>) -> Self {
+    /// Over shm or NIXL: the prefill's pool this link pulls from (from the
+    /// link setup). Without it a pulling link refuses every segment.
+    pub fn with_source(mut self, source: Option<PullSource>) -> Self {
         self.source = source;
         self
     }

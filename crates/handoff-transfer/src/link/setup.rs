@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use handoff_kv::{KvLayout, KvPool, PageGenerations, ShmRegion};
 use handoff_proto::datalink::{
-    encode_preface, TcpStreamSetup, PREFACE_DATA, SETUP_SHM, SETUP_SHM_PUSH, SETUP_TCP,
+    encode_preface, TcpStreamSetup, PREFACE_DATA, SETUP_NIXL, SETUP_SHM, SETUP_SHM_PUSH, SETUP_TCP,
 };
 use handoff_proto::handshake::{Fingerprint, HandshakeConfig};
 use handoff_proto::PeerId;
@@ -16,7 +16,7 @@ use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 
 use super::error::SetupRefusal;
-use super::source::{SourcePool, SHM_REPLY_LEN};
+use super::source::{PullSource, SourcePool, SHM_REPLY_LEN};
 use crate::conn::handshake_exact;
 use crate::error::TransportError;
 use crate::plan::LinkPlan;
@@ -50,7 +50,8 @@ async fn read_setup(
 /// Decode side: open a data link of one stream to `addr` for `kind`, for
 /// our pool of `num_pages` pages, as decode endpoint
 /// `endpoint`, for its connect number `connect` ([`handoff_proto::datalink::CONNECT_SEQ_LEN`]).
-/// Returns the socket and the prefill's fingerprint (its TP rank and size).
+/// A NIXL link READs into `local` (our pool). Returns the socket and the
+/// prefill's fingerprint (its TP rank and size).
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_link(
     addr: std::net::SocketAddr,
@@ -60,6 +61,7 @@ pub async fn connect_link(
     timeout: Duration,
     kind: TransportKind,
     num_pages: usize,
+    local: Option<&Arc<ShmRegion>>,
 ) -> Result<(TcpStream, Fingerprint), TransportError> {
     let one = TcpStreamSetup {
         nonce: rand::random(),
@@ -67,7 +69,7 @@ pub async fn connect_link(
         count: 1,
     };
     connect_link_stream(
-        addr, endpoint, connect, config, timeout, kind, num_pages, one,
+        addr, endpoint, connect, config, timeout, kind, num_pages, one, local,
     )
     .await
     .map(|l| (l.stream, l.fingerprint))
@@ -79,13 +81,13 @@ pub struct LinkStream {
     pub stream: TcpStream,
     /// The prefill's fingerprint (its TP rank and size).
     pub fingerprint: Fingerprint,
-    /// Over shm, the prefill's pool, mapped read-only, that this link
-    /// pulls from.
-    pub source: Option<Arc<SourcePool>>,
+    /// Over shm or NIXL, the prefill's pool this link pulls from.
+    pub source: Option<PullSource>,
 }
 
 /// [`connect_link`] for stream `stream.index` of a TCP link of
-/// `stream.count` streams (`stream` is ignored for shm).
+/// `stream.count` streams (`stream` is ignored for shm and NIXL). A NIXL
+/// link READs into `local`, our pool (registered here).
 #[allow(clippy::too_many_arguments)]
 pub async fn connect_link_stream(
     addr: std::net::SocketAddr,
@@ -96,7 +98,10 @@ pub async fn connect_link_stream(
     kind: TransportKind,
     num_pages: usize,
     stream: TcpStreamSetup,
+    local: Option<&Arc<ShmRegion>>,
 ) -> Result<LinkStream, TransportError> {
+    // A build or process that cannot do NIXL says so before connecting.
+    crate::check_transport(kind)?;
     let mut s = TcpStream::connect(addr)
         .await
         .map_err(TransportError::io("data link connect"))?;
@@ -115,6 +120,10 @@ pub async fn connect_link_stream(
             setup.push(SETUP_TCP);
             setup.extend_from_slice(&(num_pages as u64).to_le_bytes());
             setup.extend_from_slice(&stream.encode());
+        }
+        TransportKind::Nixl => {
+            setup.push(SETUP_NIXL);
+            setup.extend_from_slice(&(num_pages as u64).to_le_bytes());
         }
     }
     s.write_all(&setup)
@@ -137,15 +146,50 @@ pub async fn connect_link_stream(
         TransportKind::Shm => {
             let mut reply = [0u8; SHM_REPLY_LEN];
             read_setup(&mut s, &mut reply, timeout, "data link setup reply").await?;
-            Some(Arc::new(SourcePool::open(&reply)?))
+            Some(PullSource::Mapped(Arc::new(SourcePool::open(&reply)?)))
         }
         TransportKind::Tcp => None,
+        TransportKind::Nixl => Some(nixl_source(&mut s, timeout, local).await?),
     };
     Ok(LinkStream {
         stream: s,
         fingerprint: n.peer_fingerprint,
         source,
     })
+}
+
+/// Read prefill's answer to a NIXL setup and load its agent.
+#[cfg(feature = "nixl")]
+async fn nixl_source(
+    s: &mut TcpStream,
+    timeout: Duration,
+    local: Option<&Arc<ShmRegion>>,
+) -> Result<PullSource, TransportError> {
+    use handoff_proto::datalink::NixlSetupHead;
+    let local = local
+        .ok_or_else(|| TransportError::Nixl("a NIXL link needs the pool it READs into".into()))?;
+    let mut h = [0u8; NixlSetupHead::LEN];
+    read_setup(s, &mut h, timeout, "nixl link setup reply").await?;
+    let head =
+        NixlSetupHead::decode(&h).map_err(|e| TransportError::PeerMisbehaved(e.to_string()))?;
+    let mut name = vec![0u8; usize::from(head.name_len)];
+    read_setup(s, &mut name, timeout, "nixl link setup reply").await?;
+    let mut md = vec![0u8; head.metadata_len as usize];
+    read_setup(s, &mut md, timeout, "nixl link setup reply").await?;
+    let name = String::from_utf8(name).map_err(|_| {
+        TransportError::PeerMisbehaved("nixl link setup: an agent name that is not UTF-8".into())
+    })?;
+    let src = crate::nixl::NixlSource::open(&head, &name, &md, local)?;
+    Ok(PullSource::Nixl(Arc::new(src)))
+}
+
+#[cfg(not(feature = "nixl"))]
+async fn nixl_source(
+    _: &mut TcpStream,
+    _: Duration,
+    _: Option<&Arc<ShmRegion>>,
+) -> Result<PullSource, TransportError> {
+    Err(TransportError::Nixl(crate::NO_NIXL.into()))
 }
 
 /// A link accepted on the prefill side, ready to run.
@@ -167,6 +211,8 @@ pub struct AcceptedLink {
 pub(super) enum LinkWriter {
     Shm(ShmTransport),
     Tcp(TcpTransport),
+    /// Pull announcements as over shm, and the registration decode READs.
+    Nixl(ShmTransport, NixlOffer),
 }
 
 /// A link whose setup succeeded but was not yet confirmed to decode: the
@@ -178,7 +224,61 @@ pub(super) struct PendingWriter {
     /// Over shm, our pool's page generations (their table's place goes to
     /// decode with the pool's handle).
     shm: Option<PageGenerations>,
+    /// Over NIXL, the same, our pool's registration (kept while the link
+    /// lives) and the agent metadata decode loads.
+    nixl: Option<NixlOffer>,
     w: tokio::net::tcp::OwnedWriteHalf,
+}
+
+/// What a NIXL link's prefill offers decode.
+pub(crate) struct NixlOffer {
+    gens: PageGenerations,
+    head: handoff_proto::datalink::NixlSetupHead,
+    metadata: Vec<u8>,
+    #[cfg(feature = "nixl")]
+    _registration: Arc<crate::nixl::Registration>,
+}
+
+/// Register our pool with the process's agent and describe it for decode.
+#[cfg(feature = "nixl")]
+pub(crate) fn offer_nixl(
+    src: &Arc<ShmRegion>,
+    gens: PageGenerations,
+) -> Result<NixlOffer, TransportError> {
+    let n = crate::nixl::nixl()?;
+    let registration = n.register(src)?;
+    let metadata = n.local_metadata()?;
+    let head = handoff_proto::datalink::NixlSetupHead {
+        base: src.addr() as u64,
+        len: src.len() as u64,
+        pages: gens.pages() as u64,
+        generations_at: gens.offset() as u64,
+        metadata_len: u32::try_from(metadata.len()).unwrap_or(u32::MAX),
+        name_len: n.name().len() as u16,
+    };
+    let mut metadata = metadata;
+    // The name goes ahead of the metadata.
+    metadata.splice(0..0, n.name().bytes());
+    Ok(NixlOffer {
+        gens,
+        head,
+        metadata,
+        _registration: registration,
+    })
+}
+
+impl NixlOffer {
+    /// The setup answer after the status byte: head, name, metadata.
+    pub(crate) fn reply(&self) -> Vec<u8> {
+        let mut b = self.head.encode().to_vec();
+        b.extend_from_slice(&self.metadata);
+        b
+    }
+}
+
+#[cfg(not(feature = "nixl"))]
+fn offer_nixl(_: &Arc<ShmRegion>, _: PageGenerations) -> Result<NixlOffer, TransportError> {
+    Err(TransportError::Nixl(crate::NO_NIXL.into()))
 }
 
 impl PendingWriter {
@@ -192,13 +292,17 @@ impl PendingWriter {
             ok.extend_from_slice(&(g.pages() as u64).to_le_bytes());
             ok.extend_from_slice(&(g.offset() as u64).to_le_bytes());
         }
+        if let Some(n) = &self.nixl {
+            ok.extend_from_slice(&n.reply());
+        }
         self.w
             .write_all(&ok)
             .await
             .map_err(TransportError::io("data link setup reply"))?;
-        Ok(match self.shm {
-            Some(gens) => LinkWriter::Shm(ShmTransport::new(gens, self.w)),
-            None => LinkWriter::Tcp(TcpTransport::new(self.src, self.w)),
+        Ok(match (self.shm, self.nixl) {
+            (Some(gens), _) => LinkWriter::Shm(ShmTransport::new(gens, self.w)),
+            (None, Some(n)) => LinkWriter::Nixl(ShmTransport::nixl(n.gens.clone(), self.w), n),
+            (None, None) => LinkWriter::Tcp(TcpTransport::new(self.src, self.w)),
         })
     }
 }
@@ -227,6 +331,7 @@ pub async fn accept_link(
         index: 0,
         count: 1,
     };
+    let mut nixl = None;
     let setup: Result<(TransportKind, usize, Option<PageGenerations>), SetupRefusal> =
         match (&plan, kind[0]) {
             (Err(e), _) => Err(e.clone().into()),
@@ -242,6 +347,26 @@ pub async fn accept_link(
                     PageGenerations::new(src.clone(), gens_at, layout.num_pages)
                         .map(|g| (TransportKind::Shm, pages as usize, Some(g)))
                         .map_err(SetupRefusal::from)
+                }
+            }
+            (Ok(_), SETUP_NIXL) => {
+                let mut b = [0u8; 8];
+                read_setup(&mut s, &mut b, timeout, "nixl link setup").await?;
+                let pages = u64::from_le_bytes(b);
+                let gens_at = KvPool::generations_offset(layout);
+                if pages == 0 || pages > u64::from(u32::MAX) {
+                    Err(SetupRefusal::Pages(pages))
+                } else {
+                    // Decode READs our registered pool, as it maps it over shm.
+                    PageGenerations::new(src.clone(), gens_at, layout.num_pages)
+                        .map_err(SetupRefusal::from)
+                        .and_then(|g| {
+                            offer_nixl(&src, g).map_err(|e| SetupRefusal::Nixl(e.to_string()))
+                        })
+                        .map(|offer| {
+                            nixl = Some(offer);
+                            (TransportKind::Nixl, pages as usize, None)
+                        })
                 }
             }
             (Ok(_), SETUP_SHM_PUSH) => Err(SetupRefusal::ShmPush),
@@ -277,7 +402,7 @@ pub async fn accept_link(
         kind,
         stream,
         plan,
-        writer: PendingWriter { src, shm, w },
+        writer: PendingWriter { src, shm, nixl, w },
         acks: r,
     })
 }

@@ -67,3 +67,24 @@ impl SourcePool {
 /// Prefill's shm setup reply after the status byte: its pool's handle,
 /// page count and generations offset.
 pub(super) const SHM_REPLY_LEN: usize = ShmRegionHandle::ENCODED_LEN + 16;
+
+/// Where a pulling link's bytes come from.
+#[derive(Debug, Clone)]
+pub enum PullSource {
+    /// The prefill's pool, mapped read-only (shm).
+    Mapped(Arc<SourcePool>),
+    /// The prefill's pool, registered with its NIXL agent.
+    #[cfg(feature = "nixl")]
+    Nixl(Arc<crate::nixl::NixlSource>),
+}
+
+impl PullSource {
+    /// The pool as the pull rule sees it.
+    pub(super) fn shape(&self, layers: u32) -> SourceShape {
+        match self {
+            PullSource::Mapped(s) => s.shape(layers),
+            #[cfg(feature = "nixl")]
+            PullSource::Nixl(s) => s.shape(layers),
+        }
+    }
+}

@@ -183,6 +183,9 @@ impl AcceptedLink {
             let r = match self.writer.confirm().await {
                 Ok(LinkWriter::Shm(t)) => run_writer(t, rx, &ended2).await,
                 Ok(LinkWriter::Tcp(t)) => run_writer(t, rx, &ended2).await,
+                // The registration lives as long as the writer: decode
+                // READs our pool only while the link is up.
+                Ok(LinkWriter::Nixl(t, _offer)) => run_writer(t, rx, &ended2).await,
                 Err(e) => Err(e),
             };
             if let Err(e) = r {

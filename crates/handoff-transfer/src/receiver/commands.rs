@@ -1,7 +1,5 @@
 //! What the decode handle tells its driver task.
 
-use std::sync::Arc;
-
 use handoff_kv::PageLease;
 use handoff_proto::handshake::Capabilities;
 use handoff_proto::receiver_endpoint::TpPosition;
@@ -12,7 +10,7 @@ use tokio::sync::oneshot;
 
 use super::config::ReceiverOutcome;
 use crate::conn::CtlEvent;
-use crate::link::{ReaderEvent, SourcePool};
+use crate::link::{PullSource, ReaderEvent};
 use crate::plan::LinkPlan;
 use crate::stats::EndpointStats;
 use crate::transport::TransportKind;
@@ -60,6 +58,6 @@ pub(super) struct NewLink {
     pub(super) sockets: Vec<TcpStream>,
     pub(super) plan: LinkPlan,
     pub(super) tp: TpPosition,
-    /// Over shm, the prefill's pool this link pulls from.
-    pub(super) source: Option<Arc<SourcePool>>,
+    /// Over shm or NIXL, the prefill's pool this link pulls from.
+    pub(super) source: Option<PullSource>,
 }

@@ -87,7 +87,7 @@ impl KvReceiver {
             armed: true,
         };
         let count = match transport {
-            TransportKind::Shm => 1,
+            TransportKind::Shm | TransportKind::Nixl => 1,
             TransportKind::Tcp => self.config.tcp_streams.clamp(1, MAX_TCP_STREAMS),
         };
         // Every stream connects at once: prefill confirms a link's streams
@@ -98,6 +98,7 @@ impl KvReceiver {
                 let (endpoint, config) = (self.endpoint, self.config.handshake.clone());
                 let timeout = self.config.handshake_timeout;
                 let num_pages = self.layout.num_pages;
+                let pool = self.pool.clone();
                 let setup = TcpStreamSetup {
                     nonce,
                     index,
@@ -105,7 +106,15 @@ impl KvReceiver {
                 };
                 self.tasks.spawn(async move {
                     connect_link_stream(
-                        addr, endpoint, id, config, timeout, transport, num_pages, setup,
+                        addr,
+                        endpoint,
+                        id,
+                        config,
+                        timeout,
+                        transport,
+                        num_pages,
+                        setup,
+                        Some(&pool),
                     )
                     .await
                 })

@@ -50,6 +50,8 @@ pub use peers::MAX_PEER_ADDRESSES;
 pub struct KvReceiver {
     tx: mpsc::UnboundedSender<Ev>,
     config: ReceiverConfig,
+    /// Our pool (a NIXL link registers it to READ into).
+    pool: Arc<ShmRegion>,
     layout: KvLayout,
     tasks: TaskCounter,
     peers: Arc<peers::Peers>,
@@ -70,11 +72,12 @@ impl KvReceiver {
     pub fn start(config: ReceiverConfig, pool: Arc<ShmRegion>, layout: KvLayout) -> KvReceiver {
         let (tx, rx) = mpsc::unbounded_channel();
         let tasks = TaskCounter::default();
-        let driver = Driver::new(&config, tasks.clone(), pool, layout, tx.downgrade());
+        let driver = Driver::new(&config, tasks.clone(), pool.clone(), layout, tx.downgrade());
         tasks.spawn(driver.run(rx));
         KvReceiver {
             tx,
             config,
+            pool,
             layout,
             tasks,
             peers: Arc::default(),

@@ -50,16 +50,16 @@ async fn open_reserved(
     Ok(r)
 }
 
-/// The decode process: `bench-peer <prefill addr> <shm|tcp> <page bytes>
+/// The decode process: `bench-peer <prefill addr> <shm|tcp|nixl> <page bytes>
 /// <pool pages> <seed> [tcp streams]`, then commands on stdin (`ROOMS`, `ONE`, `ABORTS`,
 /// `RAW`, `PING`, `QUIT`), answers on stdout.
 pub async fn peer_main(args: &[String], pin: Option<PinThreads>) -> Result<(), String> {
     let get = |i: usize| args.get(i).cloned().ok_or(format!("missing argument {i}"));
     let addr: SocketAddr = get(0)?.parse().map_err(|e| format!("{e}"))?;
-    let kind = if get(1)? == "shm" {
-        TransportKind::Shm
-    } else {
-        TransportKind::Tcp
+    let kind = match get(1)?.as_str() {
+        "shm" => TransportKind::Shm,
+        "nixl" => TransportKind::Nixl,
+        _ => TransportKind::Tcp,
     };
     let page: usize = get(2)?.parse().map_err(|e| format!("{e}"))?;
     let pages: usize = get(3)?.parse().map_err(|e| format!("{e}"))?;

@@ -78,7 +78,8 @@ pub struct BenchTransferArgs {
     #[arg(long = "case", value_enum)]
     cases: Vec<CaseArg>,
     /// Run only this transport (and its baseline: memcpy for shm, raw TCP
-    /// for tcp); default: both.
+    /// for tcp and nixl); default: shm and tcp, and nixl in a build with
+    /// the `nixl` feature.
     #[arg(long, value_enum)]
     transport: Option<TransportArg>,
 }
@@ -117,6 +118,9 @@ pub enum TransportArg {
     Shm,
     /// TCP, against raw TCP.
     Tcp,
+    /// NIXL (UCX), against raw TCP; compare it with tcp's row of the
+    /// same run. Needs a build with the `nixl` feature.
+    Nixl,
 }
 
 /// Where `--pin` puts the two benchmark processes.
@@ -213,6 +217,7 @@ pub fn run(args: BenchTransferArgs) -> anyhow::Result<()> {
         cfg.transports = vec![match t {
             TransportArg::Shm => TransportKind::Shm,
             TransportArg::Tcp => TransportKind::Tcp,
+            TransportArg::Nixl => TransportKind::Nixl,
         }];
     }
     if let Some(pin) = args.pin {

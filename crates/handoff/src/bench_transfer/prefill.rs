@@ -13,7 +13,9 @@ use handoff_kv::{KvPool, PageIndex, ShmRegion, ShmRegionHandle};
 use handoff_proto::{Role, RoomId};
 use handoff_transfer::{AuxData, KvSender, SenderConfig, SenderRoom, TransportKind};
 
-use super::report::{latency, BenchReport, CaseReport, LatencyReport, PlacedLatency, Sample};
+use super::report::{
+    latency, BenchReport, CaseReport, IdleCpu, LatencyReport, PlacedLatency, Sample,
+};
 use super::workload::{
     fill, geometry, handshake, placement, verify, zero, BenchConfig, IoRuntime, PageCase,
     PinThreads, Placement, LATENCY_ROUNDS, PEER_CPU_ENV,
@@ -197,7 +199,7 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
         for kind in &cfg.transports {
             let streams = match kind {
                 TransportKind::Tcp => cfg.tcp_streams.max(1),
-                TransportKind::Shm => 1,
+                TransportKind::Shm | TransportKind::Nixl => 1,
             };
             let mut peer = Peer::spawn(cfg, tx.local_addr(), *kind, page, 2 * n, streams)?;
             // One room per stream, each a contiguous share of the pages.
@@ -216,7 +218,7 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
             let mut base = CaseReport::new(
                 match kind {
                     TransportKind::Shm => "memcpy",
-                    TransportKind::Tcp => "raw_tcp",
+                    TransportKind::Tcp | TransportKind::Nixl => "raw_tcp",
                 }
                 .into(),
                 case,
@@ -341,7 +343,23 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                             latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, on_io).await?,
                         );
                     }
+                    TransportKind::Nixl => {
+                        let rooms = Rooms {
+                            n: iters,
+                            first_page: 0,
+                        };
+                        report.latency_4k_nixl = latency(
+                            latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, on_io).await?,
+                        );
+                        report.abort_release_nixl =
+                            abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
+                    }
                 }
+                // What the two processes burn with a link up and nothing
+                // to move (NIXL's progress thread must not spin).
+                report
+                    .idle_cpu
+                    .push(idle_cpu(kind.name(), peer.pid()).await);
             }
             if !cfg.latency_only {
                 ours.push(rep);
@@ -580,6 +598,20 @@ async fn latency_4k(
         out.map_err(|e| format!("latency room {id}: {e}"))?;
     }
     Ok(v)
+}
+
+/// Percent of one core each process of the pair used over an idle window.
+async fn idle_cpu(transport: &str, peer: u32) -> IdleCpu {
+    let window = std::time::Duration::from_secs(3);
+    let (us0, them0) = (cpu_seconds(std::process::id()), cpu_seconds(peer));
+    tokio::time::sleep(window).await;
+    let (us1, them1) = (cpu_seconds(std::process::id()), cpu_seconds(peer));
+    let pct = |cpu: f64| 100.0 * cpu / window.as_secs_f64();
+    IdleCpu {
+        transport: transport.into(),
+        prefill_pct: pct(us1 - us0),
+        decode_pct: pct(them1 - them0),
+    }
 }
 
 async fn abort_release(

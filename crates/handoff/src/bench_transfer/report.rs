@@ -92,9 +92,26 @@ pub struct BenchReport {
     pub latency_4k_vs_raw_tcp: f64,
     /// Decode abort → its pages back in the free list.
     pub abort_release: LatencyReport,
+    /// Single 4 KiB transfer over NIXL.
+    pub latency_4k_nixl: LatencyReport,
+    /// Decode abort → its pages back in the free list, over NIXL.
+    pub abort_release_nixl: LatencyReport,
+    /// Each process's CPU with a link up and idle, per transport.
+    pub idle_cpu: Vec<IdleCpu>,
     /// The tcp latency and the raw ping-pong again, in each of
     /// [`BenchConfig::placements`](super::workload::BenchConfig::placements) (both processes pinned).
     pub latency_4k_placed: Vec<PlacedLatency>,
+}
+
+/// What each process of the pair used of one core, a link up and idle.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct IdleCpu {
+    /// The link's transport.
+    pub transport: String,
+    /// The prefill process (this one), percent of a core.
+    pub prefill_pct: f64,
+    /// The decode process (the peer), percent of a core.
+    pub decode_pct: f64,
 }
 
 /// The tcp latency against the raw ping-pong in one placement.
@@ -174,5 +191,31 @@ pub fn render(r: &BenchReport) -> String {
         ));
     }
     out.push_str(&l("abort -> pages released", &r.abort_release));
+    if r.latency_4k_nixl.median_us > 0.0 {
+        out.push_str(&l("4 KiB latency nixl", &r.latency_4k_nixl));
+        out.push_str(&l("abort -> released (nixl)", &r.abort_release_nixl));
+    }
+    for c in &r.cases {
+        if c.transport != "nixl" {
+            continue;
+        }
+        let tcp = r
+            .cases
+            .iter()
+            .find(|t| t.transport == "tcp" && t.page == c.page && t.gbps_median > 0.0);
+        if let Some(t) = tcp {
+            out.push_str(&format!(
+                "nixl / tcp {:<11}      {:.2}x (GB/s medians, same run)\n",
+                c.page,
+                c.gbps_median / t.gbps_median
+            ));
+        }
+    }
+    for i in &r.idle_cpu {
+        out.push_str(&format!(
+            "idle, link up ({:<4})       prefill {:>5.2}% of a core, decode {:>5.2}%\n",
+            i.transport, i.prefill_pct, i.decode_pct
+        ));
+    }
     out
 }

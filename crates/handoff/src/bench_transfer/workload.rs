@@ -124,7 +124,14 @@ impl BenchConfig {
         Self {
             bytes: 1 << 30,
             cases: PageCase::STANDARD.to_vec(),
-            transports: TransportKind::ALL.to_vec(),
+            transports: TransportKind::ALL
+                .into_iter()
+                .chain(
+                    TransportKind::Nixl
+                        .available()
+                        .then_some(TransportKind::Nixl),
+                )
+                .collect(),
             warmup: 1,
             runs: 3,
             seed: 42,

@@ -13,8 +13,8 @@ use handoff_proto::landing::{prompt_pairs_cap, RoomLanding};
 use super::{LinkReader, Pull, ReadState, PULL_BATCH};
 use crate::link::error::LinkReadError;
 use crate::link::reader_api::ReaderEvent;
+use crate::link::source::PullSource;
 use crate::link::span::page_span;
-use crate::transport::TransportKind;
 
 impl LinkReader {
     /// Act on every complete record and payload byte in the staging buffer.
@@ -85,7 +85,7 @@ impl LinkReader {
                         heads: h.heads,
                     })?;
                 let place = self.place(&h);
-                if self.kind == TransportKind::Shm {
+                if self.kind.pulls() {
                     // The bytes stay in prefill's pool until we pull them.
                     self.last_payload = PullRef::LEN;
                     self.state = ReadState::Pull {
@@ -217,8 +217,11 @@ impl LinkReader {
     /// rejects more). A changed page rejects its room.
     fn run_pulls(&mut self) {
         // `pull` queues nothing without a source.
-        let Some(src) = self.source.clone() else {
-            return;
+        let src = match self.source.clone() {
+            None => return,
+            Some(PullSource::Mapped(src)) => src,
+            #[cfg(feature = "nixl")]
+            Some(PullSource::Nixl(src)) => return self.run_nixl_pulls(&src),
         };
         let mut pulls = std::mem::take(&mut self.pulls);
         for p in &mut pulls {
@@ -235,5 +238,73 @@ impl LinkReader {
             }
         }
         self.pulls = pulls;
+    }
+}
+
+/// How long decode waits for one batch's READ before it gives the batch
+/// up: its rooms fail, and their pages stay held (with the READ) until the
+/// READ ends ([`LinkReader::quarantine`]).
+#[cfg(feature = "nixl")]
+const NIXL_STALL: std::time::Duration = std::time::Duration::from_secs(2);
+
+#[cfg(feature = "nixl")]
+impl LinkReader {
+    /// [`Self::run_pulls`] over NIXL: one READ for the batch, then one for
+    /// its source pages' stamps, checked as over shm.
+    fn run_nixl_pulls(&mut self, src: &crate::nixl::NixlSource) {
+        let pulls = std::mem::take(&mut self.pulls);
+        let batch: Vec<crate::nixl::NixlPull> = pulls
+            .iter()
+            .map(|p| crate::nixl::NixlPull {
+                dst: p.dst,
+                src: p.src,
+                len: p.len,
+                pages: p.pages.clone(),
+                epoch: p.epoch,
+            })
+            .collect();
+        match src.pull(&batch, NIXL_STALL) {
+            Ok(kept) => {
+                for (p, ok) in pulls.iter().zip(kept) {
+                    if ok {
+                        self.landed += p.len as u64;
+                    } else {
+                        self.reject(p.room);
+                    }
+                }
+            }
+            Err(stalled) => self.quarantine(stalled.0, pulls.iter().map(|p| p.room)),
+        }
+        let mut pulls = pulls;
+        pulls.clear();
+        self.pulls = pulls;
+    }
+
+    /// A READ that did not end in time: fail its rooms and keep their
+    /// pages (the writer guards) with the READ until it ends, however long
+    /// that is. Nothing of theirs is written by this reader again.
+    fn quarantine(
+        &mut self,
+        mut read: crate::nixl::Transfer,
+        rooms: impl Iterator<Item = handoff_proto::RoomId>,
+    ) {
+        let mut held = Vec::new();
+        for room in rooms {
+            self.reject(room);
+            if let Some(slot) = self.rooms.remove(&room) {
+                held.push(slot);
+            }
+        }
+        self.counters.stalled_reads.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            rooms = held.len(),
+            "a NIXL READ did not end within {NIXL_STALL:?}: its rooms fail, their pages stay held until it ends"
+        );
+        tokio::spawn(async move {
+            while matches!(read.poll(), Ok(false)) {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            drop(held);
+        });
     }
 }

@@ -1,0 +1,220 @@
+//! The prefill pool as decode READs it over NIXL: its agent, where its pool
+//! and page generations are, and our own pool's registration.
+
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use handoff_kv::ShmRegion;
+use handoff_proto::datalink::NixlSetupHead;
+use handoff_proto::placement::SourceShape;
+
+use super::agent::{nixl, RemoteAgent};
+use super::read::Transfer;
+use super::region::Registration;
+use crate::error::TransportError;
+
+/// One checked pull: `len` bytes from `src` (offset in the prefill's pool)
+/// to `dst` (offset in ours), kept only if `pages` were not handed out
+/// again after `epoch`.
+#[derive(Debug, Clone)]
+pub struct NixlPull {
+    /// Offset in our pool.
+    pub dst: usize,
+    /// Offset in the prefill's pool.
+    pub src: usize,
+    /// Bytes.
+    pub len: usize,
+    /// The source pages the bytes come from.
+    pub pages: Range<u32>,
+    /// The source pool's epoch when the segment was built.
+    pub epoch: u64,
+}
+
+/// A prefill's pool, registered with its agent, that this link READs from.
+#[derive(Debug)]
+pub struct NixlSource {
+    remote: RemoteAgent,
+    /// Where the prefill's region is in its process, and its length.
+    base: usize,
+    len: usize,
+    /// End of its KV bytes (its generation table starts there).
+    kv_end: usize,
+    pages: u32,
+    /// Our pool, registered.
+    local: Arc<Registration>,
+    /// Where the source pages' generation words land to be checked
+    /// (grown when a batch needs more).
+    scratch: Mutex<Option<Arc<Registration>>>,
+}
+
+/// A batch whose READ did not end in time: it is still in flight, and the
+/// pages it writes must stay held until [`Transfer::poll`] says it ended.
+#[derive(Debug)]
+pub struct Stalled(pub Transfer);
+
+impl NixlSource {
+    /// Load the prefill's agent from its setup answer and register our
+    /// pool `local`.
+    pub fn open(
+        head: &NixlSetupHead,
+        name: &str,
+        metadata: &[u8],
+        local: &Arc<ShmRegion>,
+    ) -> Result<Self, TransportError> {
+        let bad = |what: &str| {
+            TransportError::PeerMisbehaved(format!("nixl link setup: {what} does not fit here"))
+        };
+        let n = nixl()?;
+        let remote = n.load_remote(name, metadata)?;
+        Ok(Self {
+            base: usize::try_from(head.base).map_err(|_| bad("the region's address"))?,
+            len: usize::try_from(head.len).map_err(|_| bad("the region's length"))?,
+            kv_end: usize::try_from(head.generations_at)
+                .map_err(|_| bad("the generation table's offset"))?,
+            pages: u32::try_from(head.pages).map_err(|_| bad("the page count"))?,
+            local: n.register(local)?,
+            remote,
+            scratch: Mutex::new(None),
+        })
+    }
+
+    /// The pool as the pull rule sees it, for a model of `layers` layers.
+    pub fn shape(&self, layers: u32) -> SourceShape {
+        SourceShape {
+            layers,
+            pages: self.pages,
+            kv_end: self.kv_end,
+        }
+    }
+
+    /// The peer agent's name.
+    pub fn agent(&self) -> &str {
+        self.remote.name()
+    }
+
+    /// READ `pulls` into our pool, then their source pages' generation
+    /// words, and say which pull's bytes may be kept. A READ that fails
+    /// keeps none (the peer is gone or broke the link); one still in flight
+    /// after `stall` is handed back, to be held until it ends.
+    pub fn pull(&self, pulls: &[NixlPull], stall: Duration) -> Result<Vec<bool>, Stalled> {
+        if pulls.is_empty() {
+            return Ok(Vec::new());
+        }
+        let base = self.local.region().addr();
+        let data = pulls
+            .iter()
+            .map(|p| (base + p.dst, self.base + p.src, p.len));
+        if !self.finish(
+            Transfer::read(&self.remote, data, vec![self.local.clone()]),
+            stall,
+        )? {
+            return Ok(vec![false; pulls.len()]);
+        }
+        // Only now, after every byte is in, the stamps: a page handed out
+        // again during the READ shows a newer stamp (seqlock order).
+        let runs = merged(pulls.iter().map(|p| p.pages.clone()));
+        let words: usize = runs.iter().map(|r| r.len()).sum();
+        let Some(scratch) = self.scratch(words * 8) else {
+            return Ok(vec![false; pulls.len()]);
+        };
+        let mut at = 0usize;
+        let mut pieces = Vec::with_capacity(runs.len());
+        for r in &runs {
+            let remote = self.base + self.kv_end + 8 * (1 + r.start as usize);
+            pieces.push((scratch.region().addr() + at, remote, 8 * r.len()));
+            at += 8 * r.len();
+        }
+        let read = Transfer::read(&self.remote, pieces, vec![scratch.clone()]);
+        if !self.finish(read, stall)? {
+            return Ok(vec![false; pulls.len()]);
+        }
+        let mut raw = vec![0u8; at];
+        if scratch.region().read_at(0, &mut raw).is_err() {
+            return Ok(vec![false; pulls.len()]);
+        }
+        let stamp = |page: u32| -> u64 {
+            let mut off = 0usize;
+            for r in &runs {
+                if r.contains(&page) {
+                    let i = off + 8 * (page - r.start) as usize;
+                    return u64::from_le_bytes(raw[i..i + 8].try_into().expect("8 bytes"));
+                }
+                off += 8 * r.len();
+            }
+            u64::MAX
+        };
+        Ok(pulls
+            .iter()
+            .map(|p| p.pages.clone().all(|pg| stamp(pg) <= p.epoch))
+            .collect())
+    }
+
+    /// Wait for a READ: `Ok(true)` every byte in, `Ok(false)` it failed or
+    /// was never posted (nothing in flight), `Err` still in flight.
+    fn finish(
+        &self,
+        read: Result<Transfer, TransportError>,
+        stall: Duration,
+    ) -> Result<bool, Stalled> {
+        let mut t = match read {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(agent = %self.agent(), "nixl READ not posted: {e}");
+                return Ok(false);
+            }
+        };
+        match t.wait(stall) {
+            Ok(true) => Ok(true),
+            Ok(false) => Err(Stalled(t)),
+            Err(e) => {
+                tracing::debug!(agent = %self.agent(), "nixl READ failed: {e}");
+                Ok(false)
+            }
+        }
+    }
+
+    /// A registered buffer of at least `bytes`.
+    fn scratch(&self, bytes: usize) -> Option<Arc<Registration>> {
+        let mut s = self.scratch.lock().expect("nixl scratch");
+        match &*s {
+            Some(r) if r.region().len() >= bytes => Some(r.clone()),
+            _ => {
+                let region = ShmRegion::create("handoff-nixl-stamps", bytes.max(4096)).ok()?;
+                let r = nixl().ok()?.register(&Arc::new(region)).ok()?;
+                *s = Some(r.clone());
+                Some(r)
+            }
+        }
+    }
+
+    /// The region's bounds, as the prefill announced them (for messages).
+    pub fn region_len(&self) -> usize {
+        self.len
+    }
+}
+
+/// `ranges` sorted and merged where they touch or overlap.
+fn merged(ranges: impl Iterator<Item = Range<u32>>) -> Vec<Range<u32>> {
+    let mut v: Vec<Range<u32>> = ranges.filter(|r| !r.is_empty()).collect();
+    v.sort_by_key(|r| r.start);
+    let mut out: Vec<Range<u32>> = Vec::with_capacity(v.len());
+    for r in v {
+        match out.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merged;
+
+    #[test]
+    fn page_runs_merge_where_they_touch_or_overlap() {
+        let runs = merged([5..7, 0..2, 2..3, 6..9, 20..21, 4..4].into_iter());
+        assert_eq!(runs, vec![0..3, 5..9, 20..21]);
+    }
+}
