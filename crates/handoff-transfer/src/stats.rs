@@ -33,4 +33,7 @@ pub struct EndpointStats {
     /// 0 on decode). A room whose decode already held a prefix moves only
     /// the pages past it.
     pub kv_bytes_sent: u64,
+    /// NIXL READs given up after a stall (decode): their rooms failed, and
+    /// their pages were held until each READ ended.
+    pub stalled_reads: u64,
 }

@@ -65,6 +65,9 @@ pub enum LinkReadError {
     /// A record header did not decode.
     #[error("malformed record: {0}")]
     Record(#[from] RecordError),
+    /// A NIXL READ could not be posted or failed.
+    #[error("{0}")]
+    Nixl(String),
     /// A segment's payload cannot fit our pool.
     #[error("segment of {n_pages} pages, heads {heads:?}, is larger than the pool")]
     SegmentTooLarge {

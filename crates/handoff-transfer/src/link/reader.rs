@@ -82,8 +82,13 @@ pub struct LinkReader {
     /// not one per page (a locked add right after a page copy waits for
     /// the copy's stores to drain).
     landed: u64,
-    /// Over shm: pulls checked and not yet copied ([`Self::run_pulls`]).
+    /// Over shm or NIXL: pulls checked and not yet copied
+    /// ([`Self::run_pulls`]).
     pulls: Vec<Pull>,
+    /// Bytes of `pulls`.
+    pulled: usize,
+    /// Why the link must close (a NIXL READ failed), once it must.
+    failed: Option<LinkReadError>,
 }
 
 /// A checked shm pull waiting for its copy: `len` bytes from `src` (in
@@ -104,6 +109,11 @@ struct Pull {
 /// back to back, then their generations checked together (what lets a
 /// 4 KiB page cost about a memcpy).
 const PULL_BATCH: usize = 64;
+/// The same over NIXL, where each batch costs two round trips (its READ,
+/// then its stamps'): larger batches, up to [`NIXL_BATCH_BYTES`].
+const NIXL_PULL_BATCH: usize = 1024;
+/// Most bytes one NIXL batch READs.
+const NIXL_BATCH_BYTES: usize = 64 << 20;
 
 /// Most bytes a reader moves before it looks at its commands again.
 const READ_BUDGET: usize = 16 << 20;
@@ -140,6 +150,8 @@ impl LinkReader {
             source: None,
             landed: 0,
             pulls: Vec::with_capacity(PULL_BATCH),
+            pulled: 0,
+            failed: None,
         }
     }
 

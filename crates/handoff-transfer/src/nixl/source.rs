@@ -48,10 +48,16 @@ pub struct NixlSource {
     scratch: Mutex<Option<Arc<Registration>>>,
 }
 
-/// A batch whose READ did not end in time: it is still in flight, and the
-/// pages it writes must stay held until [`Transfer::poll`] says it ended.
+/// Why a batch's bytes cannot be kept.
 #[derive(Debug)]
-pub struct Stalled(pub Transfer);
+pub enum PullError {
+    /// Its READ did not end in time: it is still in flight, and the pages
+    /// it writes must stay held until [`Transfer::poll`] says it ended.
+    Stalled(Transfer),
+    /// A READ could not be posted or failed (nothing is in flight): the
+    /// link cannot move KV, and this says why.
+    Failed(TransportError),
+}
 
 impl NixlSource {
     /// Load the prefill's agent from its setup answer and register our
@@ -94,10 +100,11 @@ impl NixlSource {
     }
 
     /// READ `pulls` into our pool, then their source pages' generation
-    /// words, and say which pull's bytes may be kept. A READ that fails
-    /// keeps none (the peer is gone or broke the link); one still in flight
-    /// after `stall` is handed back, to be held until it ends.
-    pub fn pull(&self, pulls: &[NixlPull], stall: Duration) -> Result<Vec<bool>, Stalled> {
+    /// words, and say which pull's bytes may be kept. A READ that fails is
+    /// an error (the peer is gone, or NIXL cannot move these bytes); one
+    /// still in flight after `stall` is handed back, to be held until it
+    /// ends.
+    pub fn pull(&self, pulls: &[NixlPull], stall: Duration) -> Result<Vec<bool>, PullError> {
         if pulls.is_empty() {
             return Ok(Vec::new());
         }
@@ -105,19 +112,13 @@ impl NixlSource {
         let data = pulls
             .iter()
             .map(|p| (base + p.dst, self.base + p.src, p.len));
-        if !self.finish(
-            Transfer::read(&self.remote, data, vec![self.local.clone()]),
-            stall,
-        )? {
-            return Ok(vec![false; pulls.len()]);
-        }
+        let read = Transfer::read(&self.remote, data, vec![self.local.clone()]);
+        Self::finish(read, stall)?;
         // Only now, after every byte is in, the stamps: a page handed out
         // again during the READ shows a newer stamp (seqlock order).
         let runs = merged(pulls.iter().map(|p| p.pages.clone()));
         let words: usize = runs.iter().map(|r| r.len()).sum();
-        let Some(scratch) = self.scratch(words * 8) else {
-            return Ok(vec![false; pulls.len()]);
-        };
+        let scratch = self.scratch(words * 8).map_err(PullError::Failed)?;
         let mut at = 0usize;
         let mut pieces = Vec::with_capacity(runs.len());
         for r in &runs {
@@ -126,13 +127,12 @@ impl NixlSource {
             at += 8 * r.len();
         }
         let read = Transfer::read(&self.remote, pieces, vec![scratch.clone()]);
-        if !self.finish(read, stall)? {
-            return Ok(vec![false; pulls.len()]);
-        }
+        Self::finish(read, stall)?;
         let mut raw = vec![0u8; at];
-        if scratch.region().read_at(0, &mut raw).is_err() {
-            return Ok(vec![false; pulls.len()]);
-        }
+        scratch
+            .region()
+            .read_at(0, &mut raw)
+            .map_err(|e| PullError::Failed(e.into()))?;
         let stamp = |page: u32| -> u64 {
             let mut off = 0usize;
             for r in &runs {
@@ -150,40 +150,26 @@ impl NixlSource {
             .collect())
     }
 
-    /// Wait for a READ: `Ok(true)` every byte in, `Ok(false)` it failed or
-    /// was never posted (nothing in flight), `Err` still in flight.
-    fn finish(
-        &self,
-        read: Result<Transfer, TransportError>,
-        stall: Duration,
-    ) -> Result<bool, Stalled> {
-        let mut t = match read {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::debug!(agent = %self.agent(), "nixl READ not posted: {e}");
-                return Ok(false);
-            }
-        };
+    /// Wait for a READ to end with every byte in.
+    fn finish(read: Result<Transfer, TransportError>, stall: Duration) -> Result<(), PullError> {
+        let mut t = read.map_err(PullError::Failed)?;
         match t.wait(stall) {
-            Ok(true) => Ok(true),
-            Ok(false) => Err(Stalled(t)),
-            Err(e) => {
-                tracing::debug!(agent = %self.agent(), "nixl READ failed: {e}");
-                Ok(false)
-            }
+            Ok(true) => Ok(()),
+            Ok(false) => Err(PullError::Stalled(t)),
+            Err(e) => Err(PullError::Failed(e)),
         }
     }
 
     /// A registered buffer of at least `bytes`.
-    fn scratch(&self, bytes: usize) -> Option<Arc<Registration>> {
+    fn scratch(&self, bytes: usize) -> Result<Arc<Registration>, TransportError> {
         let mut s = self.scratch.lock().expect("nixl scratch");
         match &*s {
-            Some(r) if r.region().len() >= bytes => Some(r.clone()),
+            Some(r) if r.region().len() >= bytes => Ok(r.clone()),
             _ => {
-                let region = ShmRegion::create("handoff-nixl-stamps", bytes.max(4096)).ok()?;
-                let r = nixl().ok()?.register(&Arc::new(region)).ok()?;
+                let region = ShmRegion::create("handoff-nixl-stamps", bytes.max(4096))?;
+                let r = nixl()?.register(&Arc::new(region))?;
                 *s = Some(r.clone());
-                Some(r)
+                Ok(r)
             }
         }
     }

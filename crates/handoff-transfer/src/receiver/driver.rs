@@ -252,6 +252,7 @@ impl Driver {
                     tasks: 0,
                     stalled: s.stalled,
                     kv_bytes_sent: 0,
+                    stalled_reads: self.counters.stalled_reads.load(Ordering::Relaxed),
                 });
             }
             Cmd::Shutdown => {}

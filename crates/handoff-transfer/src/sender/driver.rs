@@ -254,6 +254,7 @@ impl Driver {
                     tasks: 0,
                     stalled: s.stalled,
                     kv_bytes_sent: self.counters.kv_bytes_sent.load(Ordering::Relaxed),
+                    stalled_reads: 0,
                 });
             }
             Cmd::Shutdown => {}

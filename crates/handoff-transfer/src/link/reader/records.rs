@@ -10,11 +10,12 @@ use handoff_proto::RoomId;
 
 use handoff_proto::landing::{prompt_pairs_cap, RoomLanding};
 
-use super::{LinkReader, Pull, ReadState, PULL_BATCH};
+use super::{LinkReader, Pull, ReadState, NIXL_BATCH_BYTES, NIXL_PULL_BATCH, PULL_BATCH};
 use crate::link::error::LinkReadError;
 use crate::link::reader_api::ReaderEvent;
 use crate::link::source::PullSource;
 use crate::link::span::page_span;
+use crate::transport::TransportKind;
 
 impl LinkReader {
     /// Act on every complete record and payload byte in the staging buffer.
@@ -23,7 +24,10 @@ impl LinkReader {
     pub(super) fn drain_staging(&mut self) -> Result<(), LinkReadError> {
         let r = self.drain_records();
         self.run_pulls();
-        r
+        match self.failed.take() {
+            Some(e) => Err(e),
+            None => r,
+        }
     }
 
     fn drain_records(&mut self) -> Result<(), LinkReadError> {
@@ -203,7 +207,14 @@ impl LinkReader {
                     epoch: r.epoch,
                     copied: false,
                 });
-                if self.pulls.len() == PULL_BATCH {
+                self.pulled += len;
+                let full = match self.kind {
+                    TransportKind::Nixl => {
+                        self.pulls.len() == NIXL_PULL_BATCH || self.pulled >= NIXL_BATCH_BYTES
+                    }
+                    _ => self.pulls.len() == PULL_BATCH,
+                };
+                if full {
                     self.run_pulls();
                 }
             }
@@ -216,6 +227,7 @@ impl LinkReader {
     /// (seqlock style: every check follows every copy; checking later only
     /// rejects more). A changed page rejects its room.
     fn run_pulls(&mut self) {
+        self.pulled = 0;
         // `pull` queues nothing without a source.
         let src = match self.source.clone() {
             None => return,
@@ -273,7 +285,18 @@ impl LinkReader {
                     }
                 }
             }
-            Err(stalled) => self.quarantine(stalled.0, pulls.iter().map(|p| p.room)),
+            Err(crate::nixl::PullError::Stalled(read)) => {
+                self.quarantine(read, pulls.iter().map(|p| p.room))
+            }
+            // Nothing in flight; the link cannot move KV: it closes with
+            // NIXL's own error, and its rooms fail with it.
+            Err(crate::nixl::PullError::Failed(e)) => {
+                for p in &pulls {
+                    self.reject(p.room);
+                }
+                self.failed
+                    .get_or_insert(LinkReadError::Nixl(e.to_string()));
+            }
         }
         let mut pulls = pulls;
         pulls.clear();
