@@ -47,6 +47,33 @@ step "cargo test"
 cargo test --workspace --no-fail-fast 2>&1 | tee /tmp/handoff-cargo-test.log
 # (set -o pipefail makes a failing cargo test fail this script.)
 
+step "NIXL transport (feature nixl): conformance, PD == colocated and the library checks, over UCX tcp"
+# The feature builds nixl-sys (bindgen: libclang and a C++ compiler) and runs
+# against NIXL's own libraries from the nixl-cu12 wheel (scripts/fetch-nixl.sh,
+# --no-deps: no CUDA, torch or numpy). UCX over tcp on loopback only: an
+# interface that goes away after the agent starts (the netns tests' veths)
+# breaks UCX's registrations, so UCX_NET_DEVICES pins it to lo.
+if ! [ -e /usr/lib/llvm-14/lib/libclang.so ] || ! command -v g++ >/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -q >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q libclang-dev g++ >/dev/null
+    fi
+fi
+if [ -e /usr/lib/llvm-14/lib/libclang.so ] && command -v g++ >/dev/null; then
+    NIXL_LIB="$(scripts/fetch-nixl.sh)"
+    (
+        export LD_LIBRARY_PATH="$NIXL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        export UCX_TLS=tcp,self UCX_NET_DEVICES=lo
+        cargo clippy -p handoff-transfer --all-targets --features nixl -- -D warnings
+        cargo test -p handoff-transfer --features nixl --test conformance -- nixl::
+        cargo test -p handoff-transfer --features nixl --test nixl
+        cargo test -p handoff-engine --features nixl --test pd -- nixl::
+        cargo test -p handoff-engine --features nixl --test pd_smollm2 -- greedy_pd_output_is_colocated_output
+    ) 2>&1 | tee /tmp/handoff-nixl-test.log
+else
+    echo "not root and no libclang/g++: the NIXL tests are skipped"
+fi
+
 step "fuzz smoke: libFuzzer on the fuzz/ targets, 30 s each"
 scripts/fuzz-smoke.sh
 

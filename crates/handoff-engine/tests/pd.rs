@@ -1,6 +1,6 @@
 //! Disaggregated serving on the tiny seeded model, prefill and decode engines
 //! in one process with real transfer over loopback, every test once per
-//! transport (shm, tcp):
+//! transport (shm, tcp, and nixl with the `nixl` feature):
 //!
 //! * output identity: greedy PD output equals colocated output token for
 //!   token, for page sizes 1, 16 and 64, at concurrency 1 and 16;
@@ -39,6 +39,12 @@ macro_rules! per_transport {
         mod tcp {
             $(#[test]
             fn $name() { super::$name(handoff_transfer::TransportKind::Tcp) }) *
+        }
+        /// NIXL (`--features nixl`, its libraries on LD_LIBRARY_PATH).
+        #[cfg(feature = "nixl")]
+        mod nixl {
+            $(#[test]
+            fn $name() { super::$name(handoff_transfer::TransportKind::Nixl) }) *
         }
     };
 }

@@ -384,6 +384,10 @@ fn greedy_pd_output_is_colocated_output() {
             let tcp = Pair::start(TransportKind::Tcp, page_size, &cases);
             tcp.check(&cases[..SEQUENTIAL], &want[..SEQUENTIAL], 1);
             tcp.check(&cases, &want, REQUESTS);
+            drop(tcp);
+            // NIXL (`--features nixl`): the same tokens, concurrently.
+            #[cfg(feature = "nixl")]
+            Pair::start(TransportKind::Nixl, page_size, &cases).check(&cases, &want, REQUESTS);
         }
     }
     eprintln!("all combinations: {:?}", t0.elapsed());

@@ -80,7 +80,7 @@ pub const READERS: &[(&str, &[Shape], &str)] = &[
     ("exit_with_parent", &[C, P, D], ""),
     // The transfer: the PD shapes, each side its own.
     ("disaggregation_bootstrap_port", &[P, L], ""),
-    ("disaggregation_transfer_backend", &[D, L], ""),
+    ("disaggregation_transfer_backend", &[P, D, L], ""),
     ("transfer_secret_file", PD, ""),
     ("transfer_tcp_streams", &[D, L], ""),
     ("disable_delta_transfer", PD, ""),

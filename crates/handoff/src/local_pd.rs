@@ -114,12 +114,18 @@ pub fn run(
         transfer_secret: run_secret.clone(),
     };
     let mut specs = Vec::with_capacity(replicas.prefill + replicas.decode);
+    let mut prefill_extra = common.clone();
+    if transfer == "nixl" {
+        // Its NIXL agent is made (or refused) at start, not on the first
+        // link.
+        prefill_extra.extend(["--transfer".into(), transfer.clone()]);
+    }
     for port in &bootstraps {
         specs.push(spec(
             Role::Prefill,
             free_port()?,
             Some(*port),
-            common.clone(),
+            prefill_extra.clone(),
         ));
     }
     let decode_extra = [

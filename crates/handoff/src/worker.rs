@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
-use handoff_engine::pd::{DecodeEngine, PdConfig, PrefillEngine, TransportChoice};
+use handoff_engine::pd::{DecodeEngine, PdConfig, PrefillEngine, TransportChoice, TransportKind};
 use handoff_engine::Engine;
 use handoff_server::Backend;
 
@@ -197,6 +197,17 @@ pub fn start_backend(
             Engine::start(config).with_context(|| format!("starting the engine on {model}"))?,
         ),
         Mode::Prefill => {
+            // A prefill serves whatever transport each decode asks for; of
+            // the choices only nixl means something to it (its agent is
+            // made, or refused, at start).
+            if let TransportChoice::Fixed(k @ (TransportKind::Shm | TransportKind::Tcp)) =
+                args.pd.disaggregation_transfer_backend
+            {
+                bail!(
+                    "--transfer {} on a prefill worker: a prefill serves the transport each decode asks for; it takes only --transfer nixl (to make its NIXL agent at start)",
+                    k.name()
+                );
+            }
             let pd = args.pd.config(&args.http.host, secret)?;
             check_transfer_exposure(&pd)?;
             let listen = pd.listen;
