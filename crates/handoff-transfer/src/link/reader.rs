@@ -32,6 +32,9 @@ struct Slot {
     /// Keeps the room's pages from the free list while this reader may
     /// write them (held for its drop).
     _guard: WriterGuard,
+    /// Over NIXL: the source pages (and their epochs) of the bytes READ
+    /// for this room, whose stamps are checked once, at its end.
+    unchecked: Vec<(std::ops::Range<u32>, u64)>,
 }
 
 enum ReadState {
@@ -204,6 +207,7 @@ impl LinkReader {
                     Slot {
                         landing: RoomLanding::new(&pages, aux_slot),
                         _guard: guard,
+                        unchecked: Vec::new(),
                     },
                 );
             }

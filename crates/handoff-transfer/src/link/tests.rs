@@ -322,6 +322,18 @@ async fn direct_reader(layers: usize, pages: usize) -> DirectReader {
 /// nothing. Each case fails if its check is removed.
 #[tokio::test]
 async fn shm_pulls_land_only_checked_unchanged_pages_of_their_room() {
+    pulls_land_only_checked_unchanged_pages_of_their_room(TransportKind::Shm).await
+}
+
+/// The same over NIXL: the bytes are READ, then each room's source pages'
+/// stamps at its end (in-process, the prefill's agent is our own).
+#[cfg(feature = "nixl")]
+#[tokio::test]
+async fn nixl_pulls_land_only_checked_unchanged_pages_of_their_room() {
+    pulls_land_only_checked_unchanged_pages_of_their_room(TransportKind::Nixl).await
+}
+
+async fn pulls_land_only_checked_unchanged_pages_of_their_room(kind: TransportKind) {
     let g = handoff_kv::KvGeometry {
         layers: 1,
         kv_heads: 1,
@@ -343,6 +355,31 @@ async fn shm_pulls_land_only_checked_unchanged_pages_of_their_room() {
         !source.region.is_writable(),
         "decode maps prefill read-only"
     );
+    let source = match kind {
+        TransportKind::Shm => PullSource::Mapped(source),
+        #[cfg(feature = "nixl")]
+        TransportKind::Nixl => {
+            let gens = prefill_pool.generations().unwrap().clone();
+            let offer =
+                super::setup::offer_nixl(prefill_pool.shared_region().unwrap(), gens).unwrap();
+            let reply = offer.reply();
+            let (h, rest) = reply.split_at(handoff_proto::datalink::NixlSetupHead::LEN);
+            let head =
+                handoff_proto::datalink::NixlSetupHead::decode(h.try_into().unwrap()).unwrap();
+            let (name, md) = rest.split_at(usize::from(head.name_len));
+            let src = crate::nixl::NixlSource::open(
+                &head,
+                std::str::from_utf8(name).unwrap(),
+                md,
+                decode_pool.shared_region().unwrap(),
+            )
+            .unwrap();
+            // The prefill's registration lives as long as the test.
+            std::mem::forget(offer);
+            PullSource::Nixl(Arc::new(src))
+        }
+        other => unreachable!("{other:?} does not pull"),
+    };
     let (mut prefill, decode) = tcp_pair().await;
     let plan = LinkPlan {
         pair: handoff_proto::rank::PairPlan::Whole,
@@ -351,7 +388,7 @@ async fn shm_pulls_land_only_checked_unchanged_pages_of_their_room() {
     let counters: Arc<LinkCounters> = Default::default();
     let reader = LinkReader::new(
         decode,
-        TransportKind::Shm,
+        kind,
         decode_pool.shared_region().unwrap().clone(),
         layout,
         plan,

@@ -98,10 +98,13 @@ impl Transfer {
     }
 
     /// Poll until the READ ends or `within` passes (`Ok(false)`: still in
-    /// flight). Spins briefly, then yields the CPU between polls.
+    /// flight). Spins briefly, then sleeps between polls, longer each time
+    /// up to 100 us: the agent's progress thread moves the bytes, and a
+    /// waiting reader must not take the CPU a prefill computes on.
     pub fn wait(&mut self, within: Duration) -> Result<bool, TransportError> {
         let t0 = Instant::now();
         let mut spins = 0u32;
+        let mut pause = Duration::from_micros(5);
         loop {
             if self.poll()? {
                 return Ok(true);
@@ -110,10 +113,11 @@ impl Transfer {
                 return Ok(false);
             }
             spins += 1;
-            if spins < 64 {
+            if spins < 32 {
                 std::hint::spin_loop();
             } else {
-                std::thread::yield_now();
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_micros(100));
             }
         }
     }

@@ -99,24 +99,37 @@ impl NixlSource {
         self.remote.name()
     }
 
-    /// READ `pulls` into our pool, then their source pages' generation
-    /// words, and say which pull's bytes may be kept. A READ that fails is
-    /// an error (the peer is gone, or NIXL cannot move these bytes); one
-    /// still in flight after `stall` is handed back, to be held until it
-    /// ends.
-    pub fn pull(&self, pulls: &[NixlPull], stall: Duration) -> Result<Vec<bool>, PullError> {
+    /// READ `pulls` into our pool. A READ that fails is an error (the peer
+    /// is gone, or NIXL cannot move these bytes); one still in flight after
+    /// `stall` is handed back, to be held until it ends. The bytes may be
+    /// kept only once [`Self::unchanged`] says so for their pages.
+    pub fn read(&self, pulls: &[NixlPull], stall: Duration) -> Result<(), PullError> {
         if pulls.is_empty() {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let base = self.local.region().addr();
         let data = pulls
             .iter()
             .map(|p| (base + p.dst, self.base + p.src, p.len));
         let read = Transfer::read(&self.remote, data, vec![self.local.clone()]);
-        Self::finish(read, stall)?;
-        // Only now, after every byte is in, the stamps: a page handed out
-        // again during the READ shows a newer stamp (seqlock order).
-        let runs = merged(pulls.iter().map(|p| p.pages.clone()));
+        Self::finish(read, stall)
+    }
+
+    /// After the READs of `checks`' bytes ended: whether no source page of
+    /// any of them was handed out again after its epoch (one READ of their
+    /// stamps; seqlock order: a page handed out again during a READ, or at
+    /// any time before this one, shows a newer stamp, so checking later
+    /// only rejects more). A stamps READ that stalls rejects; its buffer is
+    /// then left to it and a new one made.
+    pub fn unchanged(
+        &self,
+        checks: &[(Range<u32>, u64)],
+        stall: Duration,
+    ) -> Result<bool, PullError> {
+        let runs = merged(checks.iter().map(|c| c.0.clone()));
+        if runs.is_empty() {
+            return Ok(true);
+        }
         let words: usize = runs.iter().map(|r| r.len()).sum();
         let scratch = self.scratch(words * 8).map_err(PullError::Failed)?;
         let mut at = 0usize;
@@ -127,27 +140,41 @@ impl NixlSource {
             at += 8 * r.len();
         }
         let read = Transfer::read(&self.remote, pieces, vec![scratch.clone()]);
-        Self::finish(read, stall)?;
+        match Self::finish(read, stall) {
+            Ok(()) => {}
+            Err(PullError::Stalled(t)) => {
+                // It may still write the buffer: never read it again.
+                *self.scratch.lock().expect("nixl scratch") = None;
+                drop(t);
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        }
         let mut raw = vec![0u8; at];
         scratch
             .region()
             .read_at(0, &mut raw)
             .map_err(|e| PullError::Failed(e.into()))?;
+        // Each run's stamps, in order, then a page's by binary search.
+        let mut offsets = Vec::with_capacity(runs.len());
+        let mut off = 0usize;
+        for r in &runs {
+            offsets.push(off);
+            off += 8 * r.len();
+        }
         let stamp = |page: u32| -> u64 {
-            let mut off = 0usize;
-            for r in &runs {
-                if r.contains(&page) {
-                    let i = off + 8 * (page - r.start) as usize;
-                    return u64::from_le_bytes(raw[i..i + 8].try_into().expect("8 bytes"));
+            let i = runs.partition_point(|r| r.end <= page);
+            match runs.get(i) {
+                Some(r) if r.contains(&page) => {
+                    let at = offsets[i] + 8 * (page - r.start) as usize;
+                    u64::from_le_bytes(raw[at..at + 8].try_into().expect("8 bytes"))
                 }
-                off += 8 * r.len();
+                _ => u64::MAX,
             }
-            u64::MAX
         };
-        Ok(pulls
+        Ok(checks
             .iter()
-            .map(|p| p.pages.clone().all(|pg| stamp(pg) <= p.epoch))
-            .collect())
+            .all(|(pages, epoch)| pages.clone().all(|pg| stamp(pg) <= *epoch)))
     }
 
     /// Wait for a READ to end with every byte in.

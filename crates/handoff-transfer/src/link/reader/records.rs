@@ -156,6 +156,8 @@ impl LinkReader {
                 }
             }
             Record::End { room, .. } => {
+                #[cfg(feature = "nixl")]
+                self.check_nixl_stamps(room);
                 // Nothing more lands for this room through this link, and
                 // its writer guard goes before the ack does: once prefill
                 // reports the room's success, no link holds its pages (the
@@ -261,8 +263,9 @@ const NIXL_STALL: std::time::Duration = std::time::Duration::from_secs(2);
 
 #[cfg(feature = "nixl")]
 impl LinkReader {
-    /// [`Self::run_pulls`] over NIXL: one READ for the batch, then one for
-    /// its source pages' stamps, checked as over shm.
+    /// [`Self::run_pulls`] over NIXL: one READ for the batch. Its pages'
+    /// stamps are checked at each room's end ([`Self::check_nixl_stamps`]):
+    /// one round trip per room rather than one per batch.
     fn run_nixl_pulls(&mut self, src: &crate::nixl::NixlSource) {
         let pulls = std::mem::take(&mut self.pulls);
         let batch: Vec<crate::nixl::NixlPull> = pulls
@@ -275,13 +278,12 @@ impl LinkReader {
                 epoch: p.epoch,
             })
             .collect();
-        match src.pull(&batch, NIXL_STALL) {
-            Ok(kept) => {
-                for (p, ok) in pulls.iter().zip(kept) {
-                    if ok {
-                        self.landed += p.len as u64;
-                    } else {
-                        self.reject(p.room);
+        match src.read(&batch, NIXL_STALL) {
+            Ok(()) => {
+                for p in &pulls {
+                    self.landed += p.len as u64;
+                    if let Some(slot) = self.rooms.get_mut(&p.room) {
+                        slot.unchecked.push((p.pages.clone(), p.epoch));
                     }
                 }
             }
@@ -301,6 +303,35 @@ impl LinkReader {
         let mut pulls = pulls;
         pulls.clear();
         self.pulls = pulls;
+    }
+
+    /// At `room`'s end, over NIXL: keep its bytes only if none of their
+    /// source pages was handed out again after its segment's epoch.
+    pub(super) fn check_nixl_stamps(&mut self, room: RoomId) {
+        let Some(PullSource::Nixl(src)) = self.source.clone() else {
+            return;
+        };
+        let Some(slot) = self.rooms.get_mut(&room) else {
+            return;
+        };
+        let checks = std::mem::take(&mut slot.unchecked);
+        // (A stamps READ that stalls answers `false`: it writes only a
+        // buffer of the source's, never the room's pages.)
+        let keep = match src.unchanged(&checks, NIXL_STALL) {
+            Ok(keep) => keep,
+            Err(crate::nixl::PullError::Stalled(read)) => {
+                drop(read);
+                false
+            }
+            Err(crate::nixl::PullError::Failed(e)) => {
+                self.failed
+                    .get_or_insert(LinkReadError::Nixl(e.to_string()));
+                false
+            }
+        };
+        if !keep {
+            self.reject(room);
+        }
     }
 
     /// A READ that did not end in time: fail its rooms and keep their
