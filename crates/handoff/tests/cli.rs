@@ -799,3 +799,37 @@ fn a_kv_pool_that_cannot_fit_is_refused_at_start() {
         assert!(t.elapsed() < std::time::Duration::from_secs(20), "{args:?}");
     }
 }
+
+/// A worker told to move KV a way it cannot refuses to start, saying why:
+/// NIXL in a build without the `nixl` feature, and on a prefill a transport
+/// it would ignore (a prefill serves whatever each decode asks for).
+#[test]
+fn transfer_choices_a_worker_cannot_honour_are_refused_at_start() {
+    let model = tiny_model("transfer-refused");
+    let m = model.to_str().unwrap();
+    if !cfg!(feature = "nixl") {
+        for role in ["prefill", "decode"] {
+            let out = handoff()
+                .args([role, "--model", m, "--port", "0", "--transfer", "nixl"])
+                .output()
+                .expect("run handoff");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{role}: {stderr}");
+            assert!(
+                stderr.contains("--transfer nixl") && stderr.contains("built without NIXL"),
+                "{role}: {stderr}"
+            );
+        }
+    }
+    let out = handoff()
+        .args(["prefill", "--model", m, "--port", "0", "--transfer", "tcp"])
+        .output()
+        .expect("run handoff");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("--transfer tcp on a prefill worker")
+            && stderr.contains("takes only --transfer nixl"),
+        "{stderr}"
+    );
+}

@@ -34,6 +34,7 @@ struct Slot {
     _guard: WriterGuard,
     /// Over NIXL: the source pages (and their epochs) of the bytes READ
     /// for this room, whose stamps are checked once, at its end.
+    #[cfg(feature = "nixl")]
     unchecked: Vec<(std::ops::Range<u32>, u64)>,
 }
 
@@ -207,6 +208,7 @@ impl LinkReader {
                     Slot {
                         landing: RoomLanding::new(&pages, aux_slot),
                         _guard: guard,
+                        #[cfg(feature = "nixl")]
                         unchecked: Vec::new(),
                     },
                 );
