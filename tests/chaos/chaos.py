@@ -456,9 +456,12 @@ class Run:
         self.procs = {
             "p": Proc("p", [b, "prefill", "--host", IP["p"], "--port", str(HTTP_PORT["p"]),
                             "--disaggregation-bootstrap-port", str(TRANSFER_PORT),
-                            "--kv-pages", "512"] + common, args.log_dir),
+                            "--kv-pages", "512"] + common
+                      + (["--transfer", "nixl"] if args.transfer == "nixl" else []),
+                      args.log_dir),
             "d": Proc("d", [b, "decode", "--host", IP["d"], "--port", str(HTTP_PORT["d"]),
-                            "--disaggregation-transfer-backend", "tcp", "--kv-pages", "512"]
+                            "--disaggregation-transfer-backend", args.transfer,
+                            "--kv-pages", "512"]
                       + common, args.log_dir),
             "r": Proc("r", [b, "router", "--host", IP["r"], "--port", str(HTTP_PORT["r"]),
                             "--prefill", f"http://{IP['p']}:{HTTP_PORT['p']}", str(PROXY_PORT),
@@ -746,6 +749,11 @@ def main():
     ap.add_argument("--no-faults", action="store_true",
                     help="the same load with no fault: the control run")
     ap.add_argument("--log-dir", default="/tmp/handoff-chaos")
+    ap.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp",
+                    help="KV transport (nixl: a handoff built with --features nixl, "
+                         "scripts/fetch-nixl.sh's folder on LD_LIBRARY_PATH; KV then moves "
+                         "over UCX directly, not through the proxy, whose faults reach only "
+                         "the control connection and the data link's records)")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if os.geteuid() != 0:

@@ -234,7 +234,8 @@ pub(super) struct PendingWriter {
 pub(crate) struct NixlOffer {
     gens: PageGenerations,
     head: handoff_proto::datalink::NixlSetupHead,
-    metadata: Vec<u8>,
+    /// Our agent's name, then its metadata.
+    name_and_metadata: Vec<u8>,
     #[cfg(feature = "nixl")]
     _registration: Arc<crate::nixl::Registration>,
 }
@@ -256,13 +257,12 @@ pub(crate) fn offer_nixl(
         metadata_len: u32::try_from(metadata.len()).unwrap_or(u32::MAX),
         name_len: n.name().len() as u16,
     };
-    let mut metadata = metadata;
-    // The name goes ahead of the metadata.
-    metadata.splice(0..0, n.name().bytes());
+    let mut name_and_metadata = n.name().as_bytes().to_vec();
+    name_and_metadata.extend_from_slice(&metadata);
     Ok(NixlOffer {
         gens,
         head,
-        metadata,
+        name_and_metadata,
         _registration: registration,
     })
 }
@@ -271,7 +271,7 @@ impl NixlOffer {
     /// The setup answer after the status byte: head, name, metadata.
     pub(crate) fn reply(&self) -> Vec<u8> {
         let mut b = self.head.encode().to_vec();
-        b.extend_from_slice(&self.metadata);
+        b.extend_from_slice(&self.name_and_metadata);
         b
     }
 }

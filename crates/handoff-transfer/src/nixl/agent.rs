@@ -142,6 +142,14 @@ impl Nixl {
         Ok(r)
     }
 
+    /// Whether `addr..addr + len` is a region this agent has registered.
+    pub(super) fn has_registered(&self, addr: usize, len: usize) -> bool {
+        let regions = self.regions.lock().expect("nixl regions");
+        regions
+            .get(&(addr, len))
+            .is_some_and(|w| w.strong_count() > 0)
+    }
+
     /// This agent's metadata (its registrations and how to reach it), for
     /// a peer to load.
     pub fn local_metadata(&self) -> Result<Vec<u8>, TransportError> {

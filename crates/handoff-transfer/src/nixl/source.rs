@@ -72,6 +72,17 @@ impl NixlSource {
             TransportError::PeerMisbehaved(format!("nixl link setup: {what} does not fit here"))
         };
         let n = nixl()?;
+        // A prefill in this very process shares our agent: then its pool
+        // must be one this agent registered, and not ours (a peer naming
+        // our agent cannot make us copy our own memory around).
+        if name == n.name()
+            && (!n.has_registered(head.base as usize, head.len as usize)
+                || head.base as usize == local.addr())
+        {
+            return Err(TransportError::PeerMisbehaved(
+                "nixl link setup: a pool under this process's own agent name that it did not register as a prefill's".into(),
+            ));
+        }
         let remote = n.load_remote(name, metadata)?;
         Ok(Self {
             base: usize::try_from(head.base).map_err(|_| bad("the region's address"))?,
@@ -223,7 +234,37 @@ fn merged(ranges: impl Iterator<Item = Range<u32>>) -> Vec<Range<u32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::merged;
+    use super::*;
+
+    /// A peer that names this process's own agent (which needs no
+    /// metadata) is believed only for a pool the agent registered that is
+    /// not the decode pool itself: it cannot make decode copy its own
+    /// memory into a room.
+    #[test]
+    fn a_peer_naming_our_own_agent_gets_only_a_pool_we_registered_for_it() {
+        let n = nixl().expect("NIXL usable in this test process");
+        let ours = Arc::new(ShmRegion::create("nixl-test-decode", 1 << 16).unwrap());
+        let theirs = Arc::new(ShmRegion::create("nixl-test-prefill", 1 << 16).unwrap());
+        let head = |r: &ShmRegion| NixlSetupHead {
+            base: r.addr() as u64,
+            len: r.len() as u64,
+            pages: 4,
+            generations_at: 4096,
+            metadata_len: 1,
+            name_len: n.name().len() as u16,
+        };
+        let open = |r: &ShmRegion| NixlSource::open(&head(r), n.name(), b"x", &ours);
+        let e = open(&theirs).unwrap_err();
+        assert!(e.to_string().contains("own agent name"), "{e}");
+        // Registered as a prefill's pool (as an in-process prefill does).
+        let _reg = n.register(&theirs).unwrap();
+        let src = open(&theirs).expect("a pool this agent registered");
+        assert_eq!(src.agent(), n.name());
+        // Our own pool is registered now (the source READs into it), and
+        // still refused as a source.
+        let e = open(&ours).unwrap_err();
+        assert!(e.to_string().contains("own agent name"), "{e}");
+    }
 
     #[test]
     fn page_runs_merge_where_they_touch_or_overlap() {

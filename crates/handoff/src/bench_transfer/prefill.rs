@@ -334,25 +334,21 @@ pub async fn run(cfg: &BenchConfig) -> Result<BenchReport, String> {
                         );
                         report.abort_release = abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
                     }
-                    TransportKind::Shm => {
+                    TransportKind::Shm | TransportKind::Nixl => {
                         let rooms = Rooms {
                             n: iters,
                             first_page: 0,
                         };
-                        report.latency_4k_shm = latency(
+                        let l = latency(
                             latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, on_io).await?,
                         );
-                    }
-                    TransportKind::Nixl => {
-                        let rooms = Rooms {
-                            n: iters,
-                            first_page: 0,
-                        };
-                        report.latency_4k_nixl = latency(
-                            latency_4k(rooms, &tx, &mut peer, &mut ctx, &src_arc, on_io).await?,
-                        );
-                        report.abort_release_nixl =
-                            abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
+                        if *kind == TransportKind::Shm {
+                            report.latency_4k_shm = l;
+                        } else {
+                            report.latency_4k_nixl = l;
+                            report.abort_release_nixl =
+                                abort_release(cfg, &tx, &mut peer, &mut ctx).await?;
+                        }
                     }
                 }
                 // What the two processes burn with a link up and nothing
