@@ -64,11 +64,15 @@ if [ -e /usr/lib/llvm-14/lib/libclang.so ] && command -v g++ >/dev/null; then
     (
         export LD_LIBRARY_PATH="$NIXL_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         export UCX_TLS=tcp,self UCX_NET_DEVICES=lo
-        cargo clippy -p handoff-transfer --all-targets --features nixl -- -D warnings
-        cargo test -p handoff-transfer --features nixl --test conformance -- nixl::
-        cargo test -p handoff-transfer --features nixl --test nixl
-        cargo test -p handoff-engine --features nixl --test pd -- nixl::
-        cargo test -p handoff-engine --features nixl --test pd_smollm2 -- greedy_pd_output_is_colocated_output
+        cargo clippy --workspace --all-targets \
+            --features handoff-transfer/nixl,handoff-engine/nixl -- -D warnings
+        # One build over the whole workspace's features (plus nixl), so
+        # nothing but the crates that see handoff-transfer is rebuilt; the
+        # tests are the ones named for nixl (conformance's and pd.rs's nixl
+        # modules, tests/nixl.rs, SmolLM2's PD == colocated over nixl).
+        cargo test --workspace --features handoff-transfer/nixl,handoff-engine/nixl \
+            --test conformance --test nixl --test pd --test pd_smollm2 -- nixl
+        cargo test -p handoff-transfer --features nixl --lib -- nixl
     ) 2>&1 | tee /tmp/handoff-nixl-test.log
 else
     echo "not root and no libclang/g++: the NIXL tests are skipped"

@@ -384,13 +384,22 @@ fn greedy_pd_output_is_colocated_output() {
             let tcp = Pair::start(TransportKind::Tcp, page_size, &cases);
             tcp.check(&cases[..SEQUENTIAL], &want[..SEQUENTIAL], 1);
             tcp.check(&cases, &want, REQUESTS);
-            drop(tcp);
-            // NIXL (`--features nixl`): the same tokens, concurrently.
-            #[cfg(feature = "nixl")]
-            Pair::start(TransportKind::Nixl, page_size, &cases).check(&cases, &want, REQUESTS);
         }
     }
     eprintln!("all combinations: {:?}", t0.elapsed());
+}
+
+/// Over NIXL (`--features nixl`): the same tokens as colocated, one at a
+/// time and all at once.
+#[cfg(feature = "nixl")]
+#[test]
+fn greedy_pd_output_over_nixl_is_colocated_output() {
+    let engine16 = colocated_engine(16);
+    let cases = cases(&engine16);
+    let want = colocated(&engine16, &cases);
+    let nixl = Pair::start(TransportKind::Nixl, 16, &cases);
+    nixl.check(&cases[..SEQUENTIAL], &want[..SEQUENTIAL], 1);
+    nixl.check(&cases, &want, REQUESTS);
 }
 
 #[test]

@@ -23,7 +23,7 @@ fn the_real_nixl_library_is_loaded_not_the_stub() {
 /// A process that names NIXL and gets only the stub (the library not on
 /// the loader path) refuses to start, saying which path was searched.
 #[test]
-fn a_process_that_finds_only_the_stub_refuses_naming_the_path_searched() {
+fn a_nixl_process_that_finds_only_the_stub_refuses_naming_the_path_searched() {
     let out = Command::new(env!("CARGO_BIN_EXE_handoff-transfer-peer"))
         .args(["prefill", "nixl", "ready"])
         .env("LD_LIBRARY_PATH", "/nonexistent/nixl")
@@ -48,7 +48,7 @@ fn a_process_that_finds_only_the_stub_refuses_naming_the_path_searched() {
 /// The library is there but UCX cannot make the backend (shared memory
 /// alone gives UCX no peer failure handling): refused, naming UCX_TLS.
 #[test]
-fn a_backend_ucx_cannot_make_is_refused_naming_ucx_tls() {
+fn a_nixl_backend_ucx_cannot_make_is_refused_naming_ucx_tls() {
     let out = Command::new(env!("CARGO_BIN_EXE_handoff-transfer-peer"))
         .args(["prefill", "nixl", "ready"])
         .env("UCX_TLS", "posix")
