@@ -28,4 +28,4 @@ mod source;
 pub use agent::{nixl, Nixl, RemoteAgent};
 pub use read::Transfer;
 pub use region::Registration;
-pub use source::{NixlPull, NixlSource, PullError};
+pub use source::{NixlSource, PullError};

@@ -121,11 +121,6 @@ impl Transfer {
             }
         }
     }
-
-    /// Whether it has ended.
-    pub fn is_done(&self) -> bool {
-        self.done
-    }
 }
 
 impl Drop for Transfer {

@@ -14,30 +14,12 @@ use super::read::Transfer;
 use super::region::Registration;
 use crate::error::TransportError;
 
-/// One checked pull: `len` bytes from `src` (offset in the prefill's pool)
-/// to `dst` (offset in ours), kept only if `pages` were not handed out
-/// again after `epoch`.
-#[derive(Debug, Clone)]
-pub struct NixlPull {
-    /// Offset in our pool.
-    pub dst: usize,
-    /// Offset in the prefill's pool.
-    pub src: usize,
-    /// Bytes.
-    pub len: usize,
-    /// The source pages the bytes come from.
-    pub pages: Range<u32>,
-    /// The source pool's epoch when the segment was built.
-    pub epoch: u64,
-}
-
 /// A prefill's pool, registered with its agent, that this link READs from.
 #[derive(Debug)]
 pub struct NixlSource {
     remote: RemoteAgent,
-    /// Where the prefill's region is in its process, and its length.
+    /// Where the prefill's region is in its process.
     base: usize,
-    len: usize,
     /// End of its KV bytes (its generation table starts there).
     kv_end: usize,
     pages: u32,
@@ -86,7 +68,6 @@ impl NixlSource {
         let remote = n.load_remote(name, metadata)?;
         Ok(Self {
             base: usize::try_from(head.base).map_err(|_| bad("the region's address"))?,
-            len: usize::try_from(head.len).map_err(|_| bad("the region's length"))?,
             kv_end: usize::try_from(head.generations_at)
                 .map_err(|_| bad("the generation table's offset"))?,
             pages: u32::try_from(head.pages).map_err(|_| bad("the page count"))?,
@@ -110,18 +91,22 @@ impl NixlSource {
         self.remote.name()
     }
 
-    /// READ `pulls` into our pool. A READ that fails is an error (the peer
-    /// is gone, or NIXL cannot move these bytes); one still in flight after
-    /// `stall` is handed back, to be held until it ends. The bytes may be
-    /// kept only once [`Self::unchanged`] says so for their pages.
-    pub fn read(&self, pulls: &[NixlPull], stall: Duration) -> Result<(), PullError> {
-        if pulls.is_empty() {
+    /// READ `pieces`, each `(offset in our pool, offset in the prefill's,
+    /// length)`, checked by the pull rule. A READ that fails is an error
+    /// (the peer is gone, or NIXL cannot move these bytes); one still in
+    /// flight after `stall` is handed back, to be held until it ends. The
+    /// bytes may be kept only once [`Self::unchanged`] says so for their
+    /// pages.
+    pub fn read(
+        &self,
+        pieces: impl ExactSizeIterator<Item = (usize, usize, usize)>,
+        stall: Duration,
+    ) -> Result<(), PullError> {
+        if pieces.len() == 0 {
             return Ok(());
         }
         let base = self.local.region().addr();
-        let data = pulls
-            .iter()
-            .map(|p| (base + p.dst, self.base + p.src, p.len));
+        let data = pieces.map(|(dst, src, len)| (base + dst, self.base + src, len));
         let read = Transfer::read(&self.remote, data, vec![self.local.clone()]);
         Self::finish(read, stall)
     }
@@ -131,18 +116,18 @@ impl NixlSource {
     /// stamps; seqlock order: a page handed out again during a READ, or at
     /// any time before this one, shows a newer stamp, so checking later
     /// only rejects more). A stamps READ that stalls rejects; its buffer is
-    /// then left to it and a new one made.
+    /// then left to it and a new one made. An error: the READ failed.
     pub fn unchanged(
         &self,
         checks: &[(Range<u32>, u64)],
         stall: Duration,
-    ) -> Result<bool, PullError> {
+    ) -> Result<bool, TransportError> {
         let runs = merged(checks.iter().map(|c| c.0.clone()));
         if runs.is_empty() {
             return Ok(true);
         }
         let words: usize = runs.iter().map(|r| r.len()).sum();
-        let scratch = self.scratch(words * 8).map_err(PullError::Failed)?;
+        let scratch = self.scratch(words * 8)?;
         let mut at = 0usize;
         let mut pieces = Vec::with_capacity(runs.len());
         for r in &runs {
@@ -159,13 +144,10 @@ impl NixlSource {
                 drop(t);
                 return Ok(false);
             }
-            Err(e) => return Err(e),
+            Err(PullError::Failed(e)) => return Err(e),
         }
         let mut raw = vec![0u8; at];
-        scratch
-            .region()
-            .read_at(0, &mut raw)
-            .map_err(|e| PullError::Failed(e.into()))?;
+        scratch.region().read_at(0, &mut raw)?;
         // Each run's stamps, in order, then a page's by binary search.
         let mut offsets = Vec::with_capacity(runs.len());
         let mut off = 0usize;
@@ -210,11 +192,6 @@ impl NixlSource {
                 Ok(r)
             }
         }
-    }
-
-    /// The region's bounds, as the prefill announced them (for messages).
-    pub fn region_len(&self) -> usize {
-        self.len
     }
 }
 

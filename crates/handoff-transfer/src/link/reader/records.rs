@@ -267,18 +267,9 @@ impl LinkReader {
     /// stamps are checked at each room's end ([`Self::check_nixl_stamps`]):
     /// one round trip per room rather than one per batch.
     fn run_nixl_pulls(&mut self, src: &crate::nixl::NixlSource) {
-        let pulls = std::mem::take(&mut self.pulls);
-        let batch: Vec<crate::nixl::NixlPull> = pulls
-            .iter()
-            .map(|p| crate::nixl::NixlPull {
-                dst: p.dst,
-                src: p.src,
-                len: p.len,
-                pages: p.pages.clone(),
-                epoch: p.epoch,
-            })
-            .collect();
-        match src.read(&batch, NIXL_STALL) {
+        let mut pulls = std::mem::take(&mut self.pulls);
+        let pieces = pulls.iter().map(|p| (p.dst, p.src, p.len));
+        match src.read(pieces, NIXL_STALL) {
             Ok(()) => {
                 for p in &pulls {
                     self.landed += p.len as u64;
@@ -300,7 +291,6 @@ impl LinkReader {
                     .get_or_insert(LinkReadError::Nixl(e.to_string()));
             }
         }
-        let mut pulls = pulls;
         pulls.clear();
         self.pulls = pulls;
     }
@@ -319,11 +309,7 @@ impl LinkReader {
         // buffer of the source's, never the room's pages.)
         let keep = match src.unchanged(&checks, NIXL_STALL) {
             Ok(keep) => keep,
-            Err(crate::nixl::PullError::Stalled(read)) => {
-                drop(read);
-                false
-            }
-            Err(crate::nixl::PullError::Failed(e)) => {
+            Err(e) => {
                 self.failed
                     .get_or_insert(LinkReadError::Nixl(e.to_string()));
                 false
