@@ -258,13 +258,16 @@ impl<F: Format> KMatrix<F> {
 }
 
 /// Groups and activation rows per register tile: on AVX-512 (32 vector
-/// registers), 4 groups for one row (independent sums to hide the dot
-/// instruction's latency) and 2 × 4 for many (each weight vector unpacked
-/// once for 4 rows; `kquant_timing`: 2 × 4 fastest of 1-2 × 1-8);
-/// elsewhere (16 registers) 1 × 2.
+/// registers), one group for one row (a decode step reads each weight once
+/// and is bound by memory: one sequential stream per thread read 20-23 GB/s
+/// on one Zen 4 core where 4 groups' interleaved streams read 13-15,
+/// `kquant_bandwidth`; the kernel splits its sums in two chains to hide the
+/// dot instruction's latency), 2 × 2 for two and 2 × 4 for many (each
+/// weight vector unpacked once for 4 rows; `kquant_timing`: 2 × 4 fastest
+/// of 1-2 × 1-8); elsewhere (16 registers) 1 × 2.
 fn tile_shape(path: Q8Path, n: usize) -> (usize, usize) {
     match (path, n) {
-        (Q8Path::Avx512Vnni, 1) => (4, 1),
+        (Q8Path::Avx512Vnni, 1) => (1, 1),
         (Q8Path::Avx512Vnni, 2) => (2, 2),
         (Q8Path::Avx512Vnni, _) => (2, 4),
         _ => (1, 2),

@@ -231,12 +231,111 @@ fn kquant_timing() {
         }
         let mb = |s: &Vec<Linear>| s.iter().map(|m| m.bytes()).sum::<usize>() >> 20;
         println!(
-            "n={n}: repacked {:.1} ms ({} MiB), q8_0 {:.1} ms ({} MiB): time ratio {:.3}",
+            "n={n}: repacked {:.1} ms ({} MiB, {:.1} GB/s), q8_0 {:.1} ms ({} MiB, {:.1} GB/s): time ratio {:.3}",
             best[0] * 1e3,
             mb(&packed),
+            (mb(&packed) << 20) as f64 / best[0] / 1e9,
             best[1] * 1e3,
             mb(&q8),
+            (mb(&q8) << 20) as f64 / best[1] / 1e9,
             best[0] / best[1]
+        );
+    }
+}
+
+/// Bytes a second of one decode row (n = 1) through repacked Q4_K and
+/// through Q8_0 copies, beside a plain read loop over as many bytes, on 1
+/// and 2 threads; about 200 MB of `KBW_OUT` × `KBW_IN` matrices (default
+/// 8192 × 2048), each read once per pass (streamed from memory). "one
+/// group stream" calls the kernel on one thread without the pool.
+/// `KBW_OUT=2048 KBW_IN=2048 cargo test --release -p handoff-model --lib
+/// kquant_bandwidth -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn kquant_bandwidth() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let env = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(d)
+    };
+    let (out, inp) = (env("KBW_OUT", 8192), env("KBW_IN", 2048));
+    let count = 200_000_000 / (out * inp / 2);
+    let mats: Vec<Q4kMatrix> = (0..count)
+        .map(|_| {
+            let w = random(&mut rng, out * inp, 0.1);
+            let data = quantized(&w, out, inp, GgmlDType::Q4K);
+            Q4kMatrix::from_ggml(&data, out, inp).unwrap()
+        })
+        .collect();
+    let q8: Vec<crate::q8_matmul::Q8Matrix> = (0..count * 9 / 17)
+        .map(|_| {
+            let w = random(&mut rng, out * inp, 0.1);
+            let data = quantized(&w, out, inp, GgmlDType::Q8_0);
+            crate::q8_matmul::Q8Matrix::from_ggml_q8_0(&data, out, inp).unwrap()
+        })
+        .collect();
+    let q8_bytes: usize = q8.iter().map(|m| m.bytes()).sum();
+    let bytes: usize = mats.iter().map(|m| m.bytes()).sum();
+    let x = random(&mut rng, inp, 1.0);
+    let buf: Vec<u64> = (0..(bytes / 8) as u64).collect();
+    for threads in [1usize, 2] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        let mut best = [f64::MAX; 4];
+        for _ in 0..6 {
+            let t = std::time::Instant::now();
+            pool.install(|| {
+                for m in &q8 {
+                    std::hint::black_box(m.forward(&x, 1));
+                }
+            });
+            best[3] = best[3].min(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            pool.install(|| {
+                for m in &mats {
+                    std::hint::black_box(m.forward(&x, 1));
+                }
+            });
+            best[0] = best[0].min(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            pool.install(|| {
+                use rayon::prelude::*;
+                let s: u64 = buf
+                    .par_chunks(1 << 16)
+                    .map(|c| {
+                        let l = c.chunks_exact(8).fold([0u64; 8], |mut a, x| {
+                            for (a, x) in a.iter_mut().zip(x) {
+                                *a = a.wrapping_add(*x);
+                            }
+                            a
+                        });
+                        l.iter().fold(0u64, |a, &x| a.wrapping_add(x))
+                    })
+                    .reduce(|| 0, u64::wrapping_add);
+                std::hint::black_box(s);
+            });
+            best[1] = best[1].min(t.elapsed().as_secs_f64());
+            let acts = quantize_rows(&x, 1, inp);
+            let t = std::time::Instant::now();
+            pool.install(|| {
+                for m in &mats {
+                    let mut o = vec![0f32; out];
+                    m.groups(&acts, 1, 0, &mut o, Q8Path::chosen());
+                    std::hint::black_box(o);
+                }
+            });
+            best[2] = best[2].min(t.elapsed().as_secs_f64());
+        }
+        println!(
+            "threads {threads}: q4_k {:.1} GB/s, read loop {:.1} GB/s, q4_k one thread without the pool {:.1} GB/s, q8_0 {:.1} GB/s",
+            bytes as f64 / best[0] / 1e9,
+            bytes as f64 / best[1] / 1e9,
+            bytes as f64 / best[2] / 1e9,
+            q8_bytes as f64 / best[3] / 1e9
         );
     }
 }

@@ -49,6 +49,8 @@ macro_rules! q4k_kernel {
                 for p in 0..4 {
                     let mut lo: [[__m256i; C]; G] = [[_mm256_setzero_si256(); C]; G];
                     let mut hi: [[__m256i; C]; G] = [[_mm256_setzero_si256(); C]; G];
+                    let mut lo2: [[__m256i; C]; G] = [[_mm256_setzero_si256(); C]; G];
+                    let mut hi2: [[__m256i; C]; G] = [[_mm256_setzero_si256(); C]; G];
                     for wd in 0..8 {
                         let mut xl = [_mm256_setzero_si256(); C];
                         let mut xh = [_mm256_setzero_si256(); C];
@@ -76,8 +78,21 @@ macro_rules! q4k_kernel {
                             let ql = _mm256_and_si256(v, low);
                             let qh = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
                             for k in 0..C {
-                                lo[g][k] = $dot(lo[g][k], ql, xl[k]);
-                                hi[g][k] = $dot(hi[g][k], qh, xh[k]);
+                                if G * C == 1 && wd % 2 == 1 {
+                                    lo2[g][k] = $dot(lo2[g][k], ql, xl[k]);
+                                    hi2[g][k] = $dot(hi2[g][k], qh, xh[k]);
+                                } else {
+                                    lo[g][k] = $dot(lo[g][k], ql, xl[k]);
+                                    hi[g][k] = $dot(hi[g][k], qh, xh[k]);
+                                }
+                            }
+                        }
+                    }
+                    if G * C == 1 {
+                        for g in 0..G {
+                            for k in 0..C {
+                                lo[g][k] = _mm256_add_epi32(lo[g][k], lo2[g][k]);
+                                hi[g][k] = _mm256_add_epi32(hi[g][k], hi2[g][k]);
                             }
                         }
                     }
