@@ -1,7 +1,8 @@
 //! What a K-quant register tile reads: the format trait, the tile and the
-//! Q4_K group-block layout, shared by the matrix (`kquant/`) and its
-//! kernels (`simd/kquant.rs`). The Q4_K layout is described in
-//! `kquant/q4k.rs`, beside its packing and arithmetic.
+//! Q4_K and Q6_K group-block layouts, shared by the matrix (`kquant/`) and
+//! its kernels (`simd/kquant.rs`). Each layout is described in its format's
+//! file (`kquant/q4k.rs`, `kquant/q6k.rs`), beside its packing and
+//! arithmetic.
 
 use crate::simd::Q8Path;
 
@@ -18,6 +19,9 @@ pub trait Format: Sized + Send + Sync + 'static {
     const DTYPE: candle_core::quantized::GgmlDType;
     /// Bytes of one block in the file.
     const BLOCK_BYTES: usize;
+    /// Whether the kernels read the activation's sums per 16 quants
+    /// ([`Tile::bs16`]).
+    const SUMS16: bool;
     /// Repack one row's block `blk` (as the file holds it) as row `r` of
     /// a group-block.
     fn pack(blk: &[u8], r: usize, w: &mut Self::W, m: &mut Self::M);
@@ -44,6 +48,9 @@ pub struct Tile<'a, F: Format, const G: usize, const C: usize> {
     pub(crate) bs: [&'a [i32]; C],
     /// Activation scales, `[block]` per row.
     pub(crate) xd: [&'a [f32]; C],
+    /// 32 × each 16 activation quants' sum, `[block · 16]` per row (empty
+    /// unless the format's [`Format::SUMS16`]).
+    pub(crate) bs16: [&'a [i32]; C],
     /// Blocks per row.
     pub(crate) blocks: usize,
 }
@@ -78,3 +85,20 @@ pub struct Meta {
 
 /// The Q4_K format.
 pub struct Q4k;
+
+/// One group-block of Q6_K: per sub-block, 2 vectors of interleaved low
+/// nibbles and one of interleaved high bit pairs (`kquant/q6k.rs`).
+pub(crate) type Q6Quants = [[u8; 32]; 48];
+
+/// One group-block's Q6_K scales.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
+pub struct Q6Meta {
+    /// Each row's `d`, f16 bits.
+    pub(crate) d: [u16; GROUP],
+    /// `[sub-block][row]`: the 8-bit signed scales of the 16 sub-blocks.
+    pub(crate) sc: [[i8; GROUP]; 16],
+}
+
+/// The Q6_K format.
+pub struct Q6k;

@@ -6,7 +6,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::error::ModelError;
-use crate::kquant::Q4kMatrix;
+use crate::kquant::{Q4kMatrix, Q6kMatrix};
 use crate::native::{BlockType, NativeMatrix, Part, WeightBytes};
 use crate::q8_matmul::Q8Matrix;
 use crate::weight_cache::Q8Store;
@@ -32,6 +32,8 @@ enum Mat {
     Q8(Q8Matrix),
     /// Q4_K weights in row groups of 8 (`repacked`).
     Q4k(Q4kMatrix),
+    /// Q6_K weights in row groups of 8 (`repacked`).
+    Q6k(Q6kMatrix),
     /// Rows stacked from parts of different types, each part a matrix of
     /// its own (`repacked`: a Q4_K_M file's Q4_K queries and keys beside
     /// Q6_K values), with its row count.
@@ -56,9 +58,18 @@ impl Mat {
         let dev = Device::Cpu;
         let float = matches!(src.dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if format.own_kernel(small_batch) && !float {
-            if format == WeightFormat::Repacked && repacks(src.dtype, src.cols) {
+            if format == WeightFormat::Repacked && repacked_in(src.dtype, src.cols, small_batch) {
                 let (key, rows, cols) = (&src.key, src.rows, src.cols);
                 let malformed = |e| ModelError::Malformed(format!("tensor {key}: {e}"));
+                if src.dtype == GgmlDType::Q6K {
+                    if let Some(m) = store.lookup_k(key, rows, cols) {
+                        return Ok(Mat::Q6k(m));
+                    }
+                    let m = Q6kMatrix::from_ggml(&src.tensor()?.data()?, rows, cols)
+                        .map_err(malformed)?;
+                    store.record_k(key, &m);
+                    return Ok(Mat::Q6k(m));
+                }
                 if let Some(m) = store.lookup_k(key, rows, cols) {
                     return Ok(Mat::Q4k(m));
                 }
@@ -140,6 +151,7 @@ impl Mat {
             Mat::Native(m) => m.mapped_bytes(),
             Mat::Q8(m) => m.mapped_bytes(),
             Mat::Q4k(m) => m.mapped_bytes(),
+            Mat::Q6k(m) => m.mapped_bytes(),
             Mat::Parts(p) => p.iter().map(|(m, _)| m.mapped_bytes()).sum(),
             _ => 0,
         }
@@ -149,6 +161,7 @@ impl Mat {
         match self {
             Mat::Q8(m) => m.bytes(),
             Mat::Q4k(m) => m.bytes(),
+            Mat::Q6k(m) => m.bytes(),
             Mat::Parts(p) => p.iter().map(|(m, _)| m.bytes()).sum(),
             Mat::Native(m) => m.bytes(),
             Mat::Quant(QMatMul::QTensor(q), _) => q.storage_size_in_bytes(),
@@ -160,7 +173,7 @@ impl Mat {
     /// Whether each activation row is computed on its own.
     fn rows_independent(&self) -> bool {
         match self {
-            Mat::Q8(_) | Mat::Q4k(_) | Mat::Native(_) => true,
+            Mat::Q8(_) | Mat::Q4k(_) | Mat::Q6k(_) | Mat::Native(_) => true,
             Mat::Parts(p) => p.iter().all(|(m, _)| m.rows_independent()),
             Mat::Quant(..) | Mat::Dense(_) => false,
         }
@@ -170,6 +183,7 @@ impl Mat {
         let y = match self {
             Mat::Q8(m) => return Ok(m.forward(x, n)),
             Mat::Q4k(m) => return Ok(m.forward(x, n)),
+            Mat::Q6k(m) => return Ok(m.forward(x, n)),
             Mat::Native(m) => return Ok(m.forward(x, n)),
             Mat::Parts(parts) => {
                 let out: usize = parts.iter().map(|(_, r)| r).sum();
@@ -375,9 +389,20 @@ fn stacked_dtype(parts: &[RawTensor], formats: PhaseFormats) -> GgmlDType {
 /// Whether `repacked` keeps a `dtype` matrix of `cols` columns in its own
 /// quants (Q4_K, whole blocks, on a CPU with VNNI).
 pub(crate) fn repacks(dtype: GgmlDType, cols: usize) -> bool {
-    dtype == GgmlDType::Q4K
+    matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K)
         && cols.is_multiple_of(crate::kquant::QK_K)
         && crate::kquant::supported()
+}
+
+/// Whether `repacked` computes a `dtype` matrix from its repacked quants
+/// when it runs with few activation rows (`small_batch`: decode, the LM
+/// head) or many (prefill). Q4_K in both; Q6_K with few only: its 6 bits
+/// are unpacked for every product, which costs less than the bytes it
+/// saves at one row (0.81x the Q8_0 copy's time on the 1B shape's
+/// matrices) and more at many (1.16x at 8 rows, 1.37x at 64;
+/// `kquant_timing`), so prefill keeps a Q8_0 copy of Q6_K matrices.
+pub(crate) fn repacked_in(dtype: GgmlDType, cols: usize, small_batch: bool) -> bool {
+    repacks(dtype, cols) && (dtype == GgmlDType::Q4K || small_batch)
 }
 
 /// A `[rows, cols]` candle tensor of `dtype` from its bytes.
@@ -472,12 +497,16 @@ impl Linear {
         // per phase (candle's in prefill), and so a different copy.
         // (`repacked` packs Q4_K unlike the others: shared only with
         // itself.)
+        // (`repacked` computes Q6_K from its own quants in decode only, from
+        // a Q8_0 copy in prefill: two copies.)
+        let split = formats.decode == WeightFormat::Repacked
+            && repacked_in(src.dtype, src.cols, true) != repacked_in(src.dtype, src.cols, false);
         let same = formats.decode == formats.prefill && formats.decode != WeightFormat::Q8_0;
         let both_own = formats.prefill.own_kernel(false)
             && formats.decode.own_kernel(true)
             && (formats.prefill == WeightFormat::Repacked)
                 == (formats.decode == WeightFormat::Repacked);
-        let decode = if same || both_own {
+        let decode = if (same || both_own) && !split {
             prefill.clone()
         } else {
             std::sync::Arc::new(Mat::build(src, formats.decode, true, store)?)
@@ -547,7 +576,7 @@ impl Linear {
             formats.prefill == WeightFormat::Repacked && formats.decode == WeightFormat::Repacked;
         if repacked
             && parts.iter().any(|p| p.dtype != parts[0].dtype)
-            && parts.iter().any(|p| repacks(p.dtype, p.cols))
+            && parts.iter().any(|p| repacked_in(p.dtype, p.cols, false))
         {
             let mut mats = Vec::with_capacity(parts.len());
             for p in parts {

@@ -911,11 +911,39 @@ pub struct WeightEstimate {
     pub mapped: u64,
 }
 
+/// Whether tensor `name` is a part of a stack (`blk.N.attn_{q,k,v}`,
+/// `blk.N.ffn_{gate,up}`) that `repacked` keeps as parts
+/// (`Linear::from_parts`): types that differ, one of them repacked in
+/// prefill.
+fn mixed_stack(c: &Content, name: &str, formats: PhaseFormats) -> bool {
+    if formats.prefill != WeightFormat::Repacked || formats.decode != WeightFormat::Repacked {
+        return false;
+    }
+    let Some((layer, part)) = name.rsplit_once('.').and_then(|(s, _)| s.rsplit_once('.')) else {
+        return false;
+    };
+    let siblings: &[&str] = match part {
+        "attn_q" | "attn_k" | "attn_v" => &["attn_q", "attn_k", "attn_v"],
+        "ffn_gate" | "ffn_up" => &["ffn_gate", "ffn_up"],
+        _ => return false,
+    };
+    let infos: Vec<_> = siblings
+        .iter()
+        .filter_map(|s| c.tensor_infos.get(&format!("{layer}.{s}.weight")))
+        .collect();
+    infos.iter().any(|t| t.ggml_dtype != infos[0].ggml_dtype)
+        && infos.iter().any(|t| {
+            let cols = t.shape.dims().last().copied().unwrap_or(0);
+            crate::linear::repacked_in(t.ggml_dtype, cols, false)
+        })
+}
+
 /// About how many bytes of weights a process holds after [`Llama::load`]
 /// of this file with `formats`, from its header alone: a quantized matrix
 /// with a native kernel, in a phase whose format is `native`, read in place
-/// (`mapped`, the file's bytes); a Q4_K matrix in a `repacked` phase as
-/// its repacked copy (`kquant`: 1248 bytes per 8 × 256 weights); otherwise one Q8_0
+/// (`mapped`, the file's bytes); a Q4_K or Q6_K matrix in a `repacked` phase
+/// as its repacked copy (`kquant`: 1248 and 1680 bytes per 8 × 256
+/// weights); otherwise one Q8_0
 /// copy (34 bytes per 32 weights) shared by the phases that need one; float ones as f32; the
 /// embedding table read in place if its rows are whole blocks of a native
 /// type, else f32 (a tied LM head is a matrix like the others); the RoPE
@@ -946,20 +974,35 @@ pub fn estimate_weights(
         Repacked,
         Q8,
     }
-    let matrix = |est: &mut WeightEstimate, q8_bytes: &mut u64, dtype: GgmlDType, n: u64, cols| {
+    // `one`: the matrix is built once for both phases with few rows (the LM
+    // head: `Linear::small_batch_from`) or with many (a part of a mixed
+    // `repacked` stack: `Linear::from_parts`).
+    let matrix = |est: &mut WeightEstimate,
+                  q8_bytes: &mut u64,
+                  dtype: GgmlDType,
+                  n: u64,
+                  cols,
+                  one: Option<bool>| {
         let native = crate::native::BlockType::of(dtype).is_some();
-        let repacks = crate::linear::repacks(dtype, cols);
-        let copy = |f: WeightFormat| match f {
+        let copy = |f: WeightFormat, small_batch| match f {
             WeightFormat::Native if native => Held::File,
-            WeightFormat::Repacked if repacks => Held::Repacked,
+            WeightFormat::Repacked if crate::linear::repacked_in(dtype, cols, small_batch) => {
+                Held::Repacked
+            }
             _ => Held::Q8,
         };
-        let (pre, dec) = (copy(formats.prefill), copy(formats.decode));
+        let (pre, dec) = match one {
+            Some(small) => (copy(formats.decode, small), copy(formats.decode, small)),
+            None => (copy(formats.prefill, false), copy(formats.decode, true)),
+        };
         if pre == Held::File || dec == Held::File {
             est.mapped += n / dtype.block_size() as u64 * dtype.type_size() as u64;
         }
         let bytes = |c: &Held| match c {
             Held::File => 0,
+            Held::Repacked if dtype == GgmlDType::Q6K => {
+                (n as f64 * crate::kquant::Q6kMatrix::bytes_per_weight()) as u64
+            }
             Held::Repacked => (n as f64 * crate::kquant::Q4kMatrix::bytes_per_weight()) as u64,
             Held::Q8 => q8(n),
         };
@@ -985,14 +1028,19 @@ pub fn estimate_weights(
                 if float {
                     q8_bytes += q8(n);
                 } else {
-                    matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n, hidden);
+                    matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n, hidden, Some(true));
                 }
             }
         } else if float || t.shape.rank() < 2 {
             est.private += n * 4;
         } else {
             let cols = t.shape.dims().last().copied().unwrap_or(0);
-            matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n, cols);
+            let one = if name == "output.weight" {
+                Some(true)
+            } else {
+                mixed_stack(c, name, formats).then_some(false)
+            };
+            matrix(&mut est, &mut q8_bytes, t.ggml_dtype, n, cols, one);
         }
     }
     if cached {

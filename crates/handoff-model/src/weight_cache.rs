@@ -23,7 +23,7 @@
 //! bytes, its size u64 and modification time u128 in ns); each matrix's
 //! quants and scales at 64-byte aligned offsets; the index: a u32 count and
 //! per matrix its name (u32 length, bytes), its kind (u32: 0 Q8_0, 1
-//! Q4_K), rows, columns, quants offset
+//! Q4_K, 2 Q6_K), rows, columns, quants offset
 //! and scales offset (u64 each).
 
 use std::collections::HashMap;
@@ -41,7 +41,7 @@ use crate::weight_format::PhaseFormats;
 
 const MAGIC: &[u8; 8] = b"HOFFQ8W3";
 /// Bump when `Q8Matrix`'s or a `KMatrix`'s stored layout changes.
-const LAYOUT: u32 = 3;
+const LAYOUT: u32 = 4;
 const HEADER: usize = 8 + 32 + 16;
 const ALIGN: u64 = 64;
 
@@ -141,13 +141,19 @@ enum Kind {
     Q8 = 0,
     /// `Q4kMatrix`: nibbles, then scales.
     Q4k = 1,
+    /// `Q6kMatrix`: quants, then scales.
+    Q6k = 2,
 }
 
 impl Kind {
     /// The kind of a repacked `F` matrix (`None`: a format the cache does
     /// not keep).
     fn of<F: Format>() -> Option<Kind> {
-        (F::DTYPE == candle_core::quantized::GgmlDType::Q4K).then_some(Kind::Q4k)
+        match F::DTYPE {
+            candle_core::quantized::GgmlDType::Q4K => Some(Kind::Q4k),
+            candle_core::quantized::GgmlDType::Q6K => Some(Kind::Q6k),
+            _ => None,
+        }
     }
 }
 
@@ -175,6 +181,7 @@ impl CacheFile {
             let fits = match e.kind {
                 Kind::Q8 => file.q8(name, e.rows, e.cols).is_some(),
                 Kind::Q4k => file.k::<crate::kquant::Q4k>(name, e.rows, e.cols).is_some(),
+                Kind::Q6k => file.k::<crate::kquant::Q6k>(name, e.rows, e.cols).is_some(),
             };
             if !fits {
                 return Err(format!("matrix {name} does not lie in the file"));
@@ -208,6 +215,7 @@ impl CacheFile {
                 kind: match r.u32()? {
                     0 => Kind::Q8,
                     1 => Kind::Q4k,
+                    2 => Kind::Q6k,
                     k => return Err(format!("matrix {name} is of unknown kind {k}")),
                 },
                 rows: r.u64()?,

@@ -26,6 +26,7 @@
 //! keep K-quants as Q8_0 ([`supported`]).
 
 pub(crate) mod q4k;
+pub(crate) mod q6k;
 
 use rayon::prelude::*;
 
@@ -34,7 +35,7 @@ use crate::simd::Q8Path;
 use crate::slab::Slab;
 
 pub(crate) use crate::k_tile::GROUP;
-pub use crate::k_tile::{Format, Q4k, Tile};
+pub use crate::k_tile::{Format, Q4k, Q6k, Tile};
 
 /// Elements per K-quant block.
 pub const QK_K: usize = 256;
@@ -60,6 +61,9 @@ pub struct KMatrix<F: Format> {
 /// Q4_K weights, repacked.
 pub type Q4kMatrix = KMatrix<Q4k>;
 
+/// Q6_K weights, repacked.
+pub type Q6kMatrix = KMatrix<Q6k>;
+
 /// Activation rows quantized to Q8_K, laid out for the kernels.
 pub struct Q8kRows {
     /// Quants as words of 4 (`i8` bytes, little endian), `[n][in / 4]`.
@@ -69,6 +73,9 @@ pub struct Q8kRows {
     pub(crate) bs: Vec<i32>,
     /// Scales, `[n][blocks]`.
     pub(crate) d: Vec<f32>,
+    /// 32 × the sum of each 16 quants, `[n][blocks][16]` (Q6_K's offset;
+    /// empty when the format does not read it).
+    pub(crate) bs16: Vec<i32>,
 }
 
 impl<F: Format> KMatrix<F> {
@@ -191,7 +198,7 @@ impl<F: Format> KMatrix<F> {
         if n == 0 || self.out_dim == 0 {
             return vec![0.0; n * self.out_dim];
         }
-        let acts = quantize_rows(x, n, self.in_dim);
+        let acts = quantize_rows(x, n, self.in_dim, F::SUMS16);
         crate::q8_matmul::by_groups(self.out_dim, n, |g0, out| {
             self.groups(&acts, n, g0, out, path)
         })
@@ -246,6 +253,13 @@ impl<F: Format> KMatrix<F> {
             x: std::array::from_fn(|k| &acts.x[(c + k) * blocks * 64..][..blocks * 64]),
             bs: std::array::from_fn(|k| &acts.bs[(c + k) * blocks * 4..][..blocks * 4]),
             xd: std::array::from_fn(|k| &acts.d[(c + k) * blocks..][..blocks]),
+            bs16: std::array::from_fn(|k| {
+                if F::SUMS16 {
+                    &acts.bs16[(c + k) * blocks * 16..][..blocks * 16]
+                } else {
+                    &acts.bs16[..0]
+                }
+            }),
             blocks,
         };
         let res = F::simd::<G, C>(path, &t).unwrap_or_else(|| F::portable::<G, C>(&t));
@@ -275,14 +289,16 @@ fn tile_shape(path: Q8Path, n: usize) -> (usize, usize) {
 }
 
 /// Quantize `n` rows of `in_dim` (a multiple of 256) to Q8_K (as
-/// `native::act` does, llama.cpp's `quantize_row_q8_K_ref`), rows in
-/// parallel when there are many (each row on its own: the same quants).
-pub(crate) fn quantize_rows(x: &[f32], n: usize, in_dim: usize) -> Q8kRows {
+/// `native::act` does, llama.cpp's `quantize_row_q8_K_ref`), with the sums
+/// per 16 where `sums16`, rows in parallel when there are many (each row
+/// on its own: the same quants).
+pub(crate) fn quantize_rows(x: &[f32], n: usize, in_dim: usize, sums16: bool) -> Q8kRows {
     let blocks = in_dim / QK_K;
     let mut out = Q8kRows {
         x: vec![0; n * in_dim / 4],
         bs: vec![0; n * blocks * 4],
         d: vec![0.0; n * blocks],
+        bs16: Vec::new(),
     };
     let row = |src: &[f32], x: &mut [i32], bs: &mut [i32], d: &mut [f32]| {
         let mut q = [0i8; QK_K];
@@ -315,6 +331,20 @@ pub(crate) fn quantize_rows(x: &[f32], n: usize, in_dim: usize) -> Q8kRows {
             .zip(out.bs.chunks_mut(blocks * 4))
             .zip(out.d.chunks_mut(blocks))
             .for_each(|(((s, x), b), d)| row(s, x, b, d));
+    }
+    if sums16 {
+        // Each 16 quants are 4 words.
+        out.bs16 = out
+            .x
+            .chunks_exact(4)
+            .map(|w| {
+                32 * w
+                    .iter()
+                    .flat_map(|w| w.to_le_bytes())
+                    .map(|b| i32::from(b as i8))
+                    .sum::<i32>()
+            })
+            .collect();
     }
     out
 }

@@ -34,6 +34,7 @@ impl Format for Q4k {
     type M = Meta;
     const DTYPE: candle_core::quantized::GgmlDType = candle_core::quantized::GgmlDType::Q4K;
     const BLOCK_BYTES: usize = 144;
+    const SUMS16: bool = false;
 
     fn pack(blk: &[u8], r: usize, w: &mut Nibbles, m: &mut Meta) {
         m.d[r] = u16::from_le_bytes([blk[0], blk[1]]);

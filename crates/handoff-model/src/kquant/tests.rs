@@ -69,16 +69,20 @@ fn forward<F: Format>(
 }
 
 /// Every path this CPU runs gives the bits of the reference computed from
-/// the file's own blocks, for row counts that are
-/// not whole groups, every tile shape and tail, and a zero activation row.
+/// the file's own blocks, for each format, row counts that are not whole
+/// groups, every tile shape and tail, and a zero activation row.
 #[test]
 fn every_path_gives_the_same_bits() {
+    same_bits::<Q4k>(BlockType::Q4K);
+    same_bits::<Q6k>(BlockType::Q6K);
+}
+
+fn same_bits<F: Format>(t: BlockType) {
     let paths = Q8Path::available();
     eprintln!("kernel paths on this CPU: {paths:?}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-    let (t, dtype) = (BlockType::Q4K, GgmlDType::Q4K);
     for &(out, inp) in &[(27, 512), (64, 2048), (9, 256)] {
-        let data = quantized(&random(&mut rng, out * inp, 0.1), out, inp, dtype);
+        let data = quantized(&random(&mut rng, out * inp, 0.1), out, inp, F::DTYPE);
         for &n in &[1usize, 2, 3, 4, 5, 7, 9] {
             let mut x = random(&mut rng, n * inp, 3.0);
             if n > 2 {
@@ -86,25 +90,30 @@ fn every_path_gives_the_same_bits() {
             }
             let want = reference(t, &data, &x, out, inp, n);
             for &p in &paths {
-                let got = forward::<Q4k>(&data, out, inp, &x, n, p);
+                let got = forward::<F>(&data, out, inp, &x, n, p);
                 assert_bits_eq(&got, &want, &format!("{t:?} {p:?} {out}x{inp} n={n}"));
             }
         }
     }
 }
 
-/// Within float rounding of candle's Q4_K × Q8_K product (llama.cpp's
-/// `ggml_vec_dot_q4_K_q8_K`, which sums in another order),
+/// Within float rounding of candle's K-quant × Q8_K product (llama.cpp's
+/// `ggml_vec_dot_q4_K_q8_K` and `_q6_K_q8_K`, which sum in another order),
 /// and of the dequantized weights times the activations.
 #[test]
 fn close_to_candle_and_to_the_dequantized_product() {
+    close_to_candle::<Q4k>(BlockType::Q4K);
+    close_to_candle::<Q6k>(BlockType::Q6K);
+}
+
+fn close_to_candle<F: Format>(t: BlockType) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(6);
     let (out, inp, n) = (40, 1024, 3);
-    let (t, dtype) = (BlockType::Q4K, GgmlDType::Q4K);
+    let dtype = F::DTYPE;
     let w = random(&mut rng, out * inp, 0.2);
     let data = quantized(&w, out, inp, dtype);
     let x = random(&mut rng, n * inp, 2.0);
-    let ours = forward::<Q4k>(&data, out, inp, &x, n, Q8Path::chosen());
+    let ours = forward::<F>(&data, out, inp, &x, n, Q8Path::chosen());
     let qt = QTensor::quantize(
         &Tensor::from_slice(&w, (out, inp), &Device::Cpu).unwrap(),
         dtype,
@@ -144,10 +153,15 @@ fn close_to_candle_and_to_the_dequantized_product() {
 /// A row's result is the same bits in any batch and on any thread count.
 #[test]
 fn batch_independent() {
+    independent::<Q4k>();
+    independent::<Q6k>();
+}
+
+fn independent<F: Format>() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let (out, inp, n) = (83, 768, 13);
-    let data = quantized(&random(&mut rng, out * inp, 0.05), out, inp, GgmlDType::Q4K);
-    let m = Q4kMatrix::from_ggml(&data, out, inp).unwrap();
+    let data = quantized(&random(&mut rng, out * inp, 0.05), out, inp, F::DTYPE);
+    let m = KMatrix::<F>::from_ggml(&data, out, inp).unwrap();
     let x = random(&mut rng, n * inp, 3.0);
     let all = m.forward(&x, n);
     for r in 0..n {
@@ -172,7 +186,7 @@ fn rejects_bad_shapes() {
     assert_eq!(Q4kMatrix::stored_len(9, 512), Some(4));
 }
 
-/// Repacked Q4_K against the Q8_0 copy of the same weights, layer shapes
+/// Repacked Q4_K (or Q6_K) against the Q8_0 copy of the same weights, layer shapes
 /// of the 1B Llama shape (fused QKV, fused gate and up), a distinct matrix
 /// per use (streamed from memory):
 /// `cargo test --release -p handoff-model kquant_timing -- --ignored --nocapture`.
@@ -185,12 +199,17 @@ fn kquant_timing() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(6);
+    // `KQUANT_TYPE=q6k`: every matrix Q6_K.
+    let t = match std::env::var("KQUANT_TYPE").as_deref() {
+        Ok("q6k") => GgmlDType::Q6K,
+        _ => GgmlDType::Q4K,
+    };
     let shapes = [
-        (2048, 2048, GgmlDType::Q4K),
-        (1024, 2048, GgmlDType::Q4K),
-        (2048, 2048, GgmlDType::Q4K),
-        (16384, 2048, GgmlDType::Q4K),
-        (2048, 8192, GgmlDType::Q4K),
+        (2048, 2048, t),
+        (1024, 2048, t),
+        (2048, 2048, t),
+        (16384, 2048, t),
+        (2048, 8192, t),
     ];
     let both = |f| PhaseFormats {
         prefill: f,
@@ -319,7 +338,7 @@ fn kquant_bandwidth() {
                 std::hint::black_box(s);
             });
             best[1] = best[1].min(t.elapsed().as_secs_f64());
-            let acts = quantize_rows(&x, 1, inp);
+            let acts = quantize_rows(&x, 1, inp, false);
             let t = std::time::Instant::now();
             pool.install(|| {
                 for m in &mats {

@@ -111,7 +111,7 @@ mod kquant;
     target_feature = "avx2",
     target_feature = "fma"
 ))]
-pub(crate) use kquant::q4k_products;
+pub(crate) use kquant::{q4k_products, q6k_products};
 
 #[cfg(all(
     target_arch = "x86_64",
