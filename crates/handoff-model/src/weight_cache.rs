@@ -126,9 +126,8 @@ impl Q8Store<'_> {
     /// [`Self::record`] for a repacked K-quant matrix.
     pub(crate) fn record_k<F: Format>(&mut self, name: &str, m: &KMatrix<F>) {
         if let Q8Store::Write(w) = self {
-            let (qs, meta) = m.stored_bytes();
             if let Some(kind) = Kind::of::<F>() {
-                w.append(name, kind, [m.out_dim(), m.in_dim()], qs, meta);
+                w.append(name, kind, [m.out_dim(), m.in_dim()], m.stored_bytes(), &[]);
             }
         }
     }
@@ -139,9 +138,9 @@ impl Q8Store<'_> {
 enum Kind {
     /// `Q8Matrix`: quants, then scales.
     Q8 = 0,
-    /// `Q4kMatrix`: nibbles, then scales.
+    /// `Q4kMatrix`: its group-blocks (and an empty second array).
     Q4k = 1,
-    /// `Q6kMatrix`: quants, then scales.
+    /// `Q6kMatrix`: its group-blocks (and an empty second array).
     Q6k = 2,
 }
 
@@ -256,12 +255,7 @@ impl CacheFile {
             return None;
         }
         let n = KMatrix::<F>::stored_len(rows, cols)?;
-        KMatrix::from_slabs(
-            rows,
-            cols,
-            Slab::mapped(&self.map, e.qs, n)?,
-            Slab::mapped(&self.map, e.d, n)?,
-        )
+        KMatrix::from_slab(rows, cols, Slab::mapped(&self.map, e.qs, n)?)
     }
 }
 

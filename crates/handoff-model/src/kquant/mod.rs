@@ -53,9 +53,7 @@ pub struct KMatrix<F: Format> {
     in_dim: usize,
     blocks: usize,
     /// `[group][block]`.
-    qs: Slab<F::W>,
-    /// `[group][block]`.
-    meta: Slab<F::M>,
+    qs: Slab<F::B>,
 }
 
 /// Q4_K weights, repacked.
@@ -79,48 +77,38 @@ pub struct Q8kRows {
 }
 
 impl<F: Format> KMatrix<F> {
-    /// Elements of each of the quants and scales a `rows` × `cols` matrix
-    /// stores (`None` when `cols` is not whole blocks).
+    /// Group-blocks a `rows` × `cols` matrix stores (`None` when `cols`
+    /// is not whole blocks).
     pub(crate) fn stored_len(rows: usize, cols: usize) -> Option<usize> {
         cols.is_multiple_of(QK_K)
             .then(|| rows.div_ceil(GROUP).checked_mul(cols / QK_K))
             .flatten()
     }
 
-    /// A matrix over stored quants and scales, if their lengths fit.
-    pub(crate) fn from_slabs(
-        rows: usize,
-        cols: usize,
-        qs: Slab<F::W>,
-        meta: Slab<F::M>,
-    ) -> Option<Self> {
+    /// A matrix over stored group-blocks, if their length fits.
+    pub(crate) fn from_slab(rows: usize, cols: usize, qs: Slab<F::B>) -> Option<Self> {
         let n = Self::stored_len(rows, cols)?;
-        (qs.as_slice().len() == n && meta.as_slice().len() == n).then_some(Self {
+        (qs.as_slice().len() == n).then_some(Self {
             out_dim: rows,
             in_dim: cols,
             blocks: cols / QK_K,
             qs,
-            meta,
         })
     }
 
-    /// The stored quants and scales, as bytes (for the weight cache).
-    pub(crate) fn stored_bytes(&self) -> (&[u8], &[u8]) {
-        (
-            bytemuck::cast_slice(self.qs.as_slice()),
-            bytemuck::cast_slice(self.meta.as_slice()),
-        )
+    /// The stored group-blocks, as bytes (for the weight cache).
+    pub(crate) fn stored_bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self.qs.as_slice())
     }
 
     /// Bytes this matrix holds.
     pub fn bytes(&self) -> usize {
-        let (a, b) = self.stored_bytes();
-        a.len() + b.len()
+        self.stored_bytes().len()
     }
 
     /// Of [`Self::bytes`], those mapped from a weight cache file.
     pub fn mapped_bytes(&self) -> usize {
-        if self.qs.is_mapped() && self.meta.is_mapped() {
+        if self.qs.is_mapped() {
             self.bytes()
         } else {
             0
@@ -129,7 +117,7 @@ impl<F: Format> KMatrix<F> {
 
     /// Bytes per weight when stored (for estimates).
     pub fn bytes_per_weight() -> f64 {
-        (std::mem::size_of::<F::W>() + std::mem::size_of::<F::M>()) as f64 / (GROUP * QK_K) as f64
+        std::mem::size_of::<F::B>() as f64 / (GROUP * QK_K) as f64
     }
 
     /// Repack GGUF data of this format (`out · in / 256` blocks, row-major)
@@ -150,20 +138,14 @@ impl<F: Format> KMatrix<F> {
             ));
         }
         let groups = out_dim.div_ceil(GROUP);
-        let mut qs = vec![<F::W as bytemuck::Zeroable>::zeroed(); groups * blocks];
-        let mut meta = vec![<F::M as bytemuck::Zeroable>::zeroed(); groups * blocks];
+        let mut qs = vec![<F::B as bytemuck::Zeroable>::zeroed(); groups * blocks];
         // Groups are independent: repack them on the pool.
         qs.par_chunks_mut(blocks)
-            .zip(meta.par_chunks_mut(blocks))
             .zip(data.par_chunks(blocks * F::BLOCK_BYTES * GROUP))
-            .for_each(|((qs, meta), src)| {
+            .for_each(|(qs, src)| {
                 for (r, row) in src.chunks_exact(blocks * F::BLOCK_BYTES).enumerate() {
-                    for ((blk, w), m) in row
-                        .chunks_exact(F::BLOCK_BYTES)
-                        .zip(&mut *qs)
-                        .zip(&mut *meta)
-                    {
-                        F::pack(blk, r, w, m);
+                    for (blk, b) in row.chunks_exact(F::BLOCK_BYTES).zip(&mut *qs) {
+                        F::pack(blk, r, b);
                     }
                 }
             });
@@ -172,7 +154,6 @@ impl<F: Format> KMatrix<F> {
             in_dim,
             blocks,
             qs: Slab::Owned(qs),
-            meta: Slab::Owned(meta),
         })
     }
 
@@ -246,10 +227,9 @@ impl<F: Format> KMatrix<F> {
         path: Q8Path,
     ) {
         let blocks = self.blocks;
-        let (qs, meta) = (self.qs.as_slice(), self.meta.as_slice());
+        let qs = self.qs.as_slice();
         let t: Tile<'_, F, G, C> = Tile {
             w: std::array::from_fn(|k| &qs[(g0 + i + k) * blocks..][..blocks]),
-            meta: std::array::from_fn(|k| &meta[(g0 + i + k) * blocks..][..blocks]),
             x: std::array::from_fn(|k| &acts.x[(c + k) * blocks * 64..][..blocks * 64]),
             bs: std::array::from_fn(|k| &acts.bs[(c + k) * blocks * 4..][..blocks * 4]),
             xd: std::array::from_fn(|k| &acts.d[(c + k) * blocks..][..blocks]),

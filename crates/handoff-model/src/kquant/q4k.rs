@@ -8,10 +8,11 @@
 //! low nibbles are 4 quants of sub-block `2p`, their high nibbles 4 quants
 //! of sub-block `2p + 1`, so one dot instruction against the broadcast 4
 //! activation quants adds, in lane `r`, 4 products of row `r` (as
-//! `q8_matmul` does for Q8_0). Beside them, [`Meta`] holds each row's `d`
-//! and `dmin` (the file's f16 bits) and its 6-bit scales and minimums,
-//! unpacked once at load. 1248 bytes per 8 rows and 256 columns: 4.9 bits
-//! a weight, against 4.5 in the file and 8.5 as Q8_0.
+//! `q8_matmul` does for Q8_0). Before them, [`Meta`](crate::k_tile::Meta)
+//! holds each row's `d` and `dmin` (the file's f16 bits) and its 6-bit
+//! scales and minimums, unpacked once at load to a byte each (one
+//! sequential stream, [`Q4kBlock`]). 1184 bytes per 8 rows and 256
+//! columns: 4.625 bits a weight, against 4.5 in the file and 8.5 as Q8_0.
 //!
 //! Arithmetic of one output element (weight row `w`, activation row `x`
 //! quantized to Q8_K as llama.cpp does, `native::act`), the same for every
@@ -25,18 +26,18 @@
 //! The VNNI kernels (`simd/kquant.rs`): `vpdpbusd` takes the unsigned
 //! nibbles as they are, `vpmulld` the scales, `vpmaddwd` the minimums.
 
-use crate::k_tile::{Format, Meta, Nibbles, Q4k, Tile, GROUP};
+use crate::k_tile::{Format, Q4k, Q4kBlock, Tile, GROUP};
 use crate::native::blocks::k4_scales;
 use crate::simd::Q8Path;
 
 impl Format for Q4k {
-    type W = Nibbles;
-    type M = Meta;
+    type B = Q4kBlock;
     const DTYPE: candle_core::quantized::GgmlDType = candle_core::quantized::GgmlDType::Q4K;
     const BLOCK_BYTES: usize = 144;
     const SUMS16: bool = false;
 
-    fn pack(blk: &[u8], r: usize, w: &mut Nibbles, m: &mut Meta) {
+    fn pack(blk: &[u8], r: usize, b: &mut Q4kBlock) {
+        let Q4kBlock { q: w, m } = b;
         m.d[r] = u16::from_le_bytes([blk[0], blk[1]]);
         m.dmin[r] = u16::from_le_bytes([blk[2], blk[3]]);
         let (sc, mins) = k4_scales(&blk[4..16]);
@@ -47,7 +48,7 @@ impl Format for Q4k {
             .enumerate()
         {
             m.sc[j][r] = s;
-            m.m[j / 2][2 * r + j % 2] = i16::from(mn);
+            m.m[j / 2][2 * r + j % 2] = mn;
         }
         let nib = &blk[16..];
         for (v, dst) in w.iter_mut().enumerate() {
@@ -63,7 +64,7 @@ impl Format for Q4k {
         let mut acc = [[[0f32; GROUP]; C]; G];
         for b in 0..t.blocks {
             for g in 0..G {
-                let (w, m) = (&t.w[g][b], &t.meta[g][b]);
+                let (w, m) = (&t.w[g][b].q, &t.w[g][b].m);
                 for k in 0..C {
                     let x = &t.x[k][b * 64..][..64];
                     let bs = &t.bs[k][b * 4..][..4];

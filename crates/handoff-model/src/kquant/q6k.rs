@@ -11,8 +11,9 @@
 //!   low nibbles, of quad `4u + 2t + 1` in the high nibbles;
 //! - vector `3u + 2`, the high 2 bits: of quad `4u + k` in bits `2k, 2k+1`.
 //!
-//! Beside them, [`Q6Meta`] holds each row's `d` (the file's f16 bits) and
-//! its 16 scales. 1680 bytes per 8 rows and 256 columns: 6.5625 bits a
+//! Before them, [`Q6Meta`](crate::k_tile::Q6Meta) holds each row's `d` (the
+//! file's f16 bits) and its 16 scales (one sequential stream,
+//! [`Q6kBlock`]). 1680 bytes per 8 rows and 256 columns: 6.5625 bits a
 //! weight, the file's own size (8.5 as a Q8_0 copy).
 //!
 //! Arithmetic of one output element (weight row `w`, activation row `x`
@@ -28,7 +29,7 @@
 //! AVX-512), `vpdpbusd` adds 4 products per row, `vpmulld` applies the
 //! scale to each sub-block's sum less its offset.
 
-use crate::k_tile::{Format, Q6Meta, Q6Quants, Q6k, Tile, GROUP};
+use crate::k_tile::{Format, Q6k, Q6kBlock, Tile, GROUP};
 use crate::simd::Q8Path;
 
 /// Row `r`'s 6-bit quants of one file block (`ql[128]`, `qh[64]`,
@@ -49,13 +50,13 @@ pub(crate) fn quants(blk: &[u8]) -> [u8; 256] {
 }
 
 impl Format for Q6k {
-    type W = Q6Quants;
-    type M = Q6Meta;
+    type B = Q6kBlock;
     const DTYPE: candle_core::quantized::GgmlDType = candle_core::quantized::GgmlDType::Q6K;
     const BLOCK_BYTES: usize = 210;
     const SUMS16: bool = true;
 
-    fn pack(blk: &[u8], r: usize, w: &mut Q6Quants, m: &mut Q6Meta) {
+    fn pack(blk: &[u8], r: usize, b: &mut Q6kBlock) {
+        let Q6kBlock { q: w, m } = b;
         m.d[r] = u16::from_le_bytes([blk[208], blk[209]]);
         for (u, &s) in blk[192..208].iter().enumerate() {
             m.sc[u][r] = s as i8;
@@ -79,7 +80,7 @@ impl Format for Q6k {
         let mut acc = [[[0f32; GROUP]; C]; G];
         for b in 0..t.blocks {
             for g in 0..G {
-                let (w, m) = (&t.w[g][b], &t.meta[g][b]);
+                let (w, m) = (&t.w[g][b].q, &t.w[g][b].m);
                 for k in 0..C {
                     let x = &t.x[k][b * 64..][..64];
                     let bs = &t.bs16[k][b * 16..][..16];

@@ -8,11 +8,11 @@
 //! float steps are the format doc's, in its order.
 
 use core::arch::x86_64::{
-    __m256, __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtepu8_epi32,
-    _mm256_cvtph_ps, _mm256_fmadd_ps, _mm256_loadu_si256, _mm256_madd_epi16, _mm256_mul_ps,
-    _mm256_mullo_epi32, _mm256_or_si256, _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps,
-    _mm256_setzero_ps, _mm256_setzero_si256, _mm256_slli_epi16, _mm256_srli_epi16,
-    _mm256_sub_epi32, _mm256_cvtepi8_epi32, _mm_loadl_epi64, _mm_loadu_si128,
+    __m256, __m256i, _mm256_add_epi32, _mm256_and_si256, _mm256_cvtepi32_ps, _mm256_cvtepi8_epi32,
+    _mm256_cvtepu8_epi16, _mm256_cvtepu8_epi32, _mm256_cvtph_ps, _mm256_fmadd_ps,
+    _mm256_loadu_si256, _mm256_madd_epi16, _mm256_mul_ps, _mm256_mullo_epi32, _mm256_or_si256,
+    _mm256_set1_epi32, _mm256_set1_epi8, _mm256_set1_ps, _mm256_setzero_ps, _mm256_setzero_si256,
+    _mm256_slli_epi16, _mm256_srli_epi16, _mm256_sub_epi32, _mm_loadl_epi64, _mm_loadu_si128,
 };
 use safe_arch::m256;
 
@@ -28,7 +28,6 @@ macro_rules! q4k_kernel {
         ) -> [[[f32; GROUP]; C]; G] {
             let Tile {
                 w,
-                meta,
                 x,
                 bs,
                 xd,
@@ -36,7 +35,7 @@ macro_rules! q4k_kernel {
                 ..
             } = *t;
             for g in 0..G {
-                assert!(w[g].len() >= blocks && meta[g].len() >= blocks);
+                assert!(w[g].len() >= blocks);
             }
             for k in 0..C {
                 assert!(
@@ -73,7 +72,7 @@ macro_rules! q4k_kernel {
                             // load reads exactly them.
                             let v = unsafe {
                                 _mm256_loadu_si256(
-                                    w[g].get_unchecked(b)[8 * p + wd].as_ptr().cast(),
+                                    w[g].get_unchecked(b).q[8 * p + wd].as_ptr().cast(),
                                 )
                             };
                             let ql = _mm256_and_si256(v, low);
@@ -100,7 +99,7 @@ macro_rules! q4k_kernel {
                     for g in 0..G {
                         // SAFETY: as above; each scale row is 8 bytes.
                         let (sl, sh) = unsafe {
-                            let m = meta[g].get_unchecked(b);
+                            let m = &w[g].get_unchecked(b).m;
                             (
                                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(m.sc[2 * p].as_ptr().cast())),
                                 _mm256_cvtepu8_epi32(_mm_loadl_epi64(
@@ -120,14 +119,16 @@ macro_rules! q4k_kernel {
                     }
                 }
                 for g in 0..G {
-                    // SAFETY: as above; `d`, `dmin` are 16 bytes each and
-                    // each pair row of minimums 32.
-                    let m = unsafe { meta[g].get_unchecked(b) };
+                    // SAFETY: as above; `d`, `dmin` and each pair row of
+                    // minimums are 16 bytes each.
+                    let m = unsafe { &w[g].get_unchecked(b).m };
                     let (dw, dm, mins) = unsafe {
                         (
                             _mm256_cvtph_ps(_mm_loadu_si128(m.d.as_ptr().cast())),
                             _mm256_cvtph_ps(_mm_loadu_si128(m.dmin.as_ptr().cast())),
-                            [0, 1, 2, 3].map(|i| _mm256_loadu_si256(m.m[i].as_ptr().cast())),
+                            [0, 1, 2, 3].map(|i| {
+                                _mm256_cvtepu8_epi16(_mm_loadu_si128(m.m[i].as_ptr().cast()))
+                            }),
                         )
                     };
                     for k in 0..C {
@@ -245,7 +246,6 @@ macro_rules! q6k_kernel {
         ) -> [[[f32; GROUP]; C]; G] {
             let Tile {
                 w,
-                meta,
                 x,
                 bs16,
                 xd,
@@ -253,7 +253,7 @@ macro_rules! q6k_kernel {
                 ..
             } = *t;
             for g in 0..G {
-                assert!(w[g].len() >= blocks && meta[g].len() >= blocks);
+                assert!(w[g].len() >= blocks);
             }
             for k in 0..C {
                 assert!(
@@ -273,7 +273,7 @@ macro_rules! q6k_kernel {
                         // each vector is 32 bytes, an unaligned load reads
                         // exactly them.
                         let (n0, n1, h) = unsafe {
-                            let v = w[g].get_unchecked(b);
+                            let v = &w[g].get_unchecked(b).q;
                             (
                                 _mm256_loadu_si256(v[3 * u].as_ptr().cast()),
                                 _mm256_loadu_si256(v[3 * u + 1].as_ptr().cast()),
@@ -305,19 +305,16 @@ macro_rules! q6k_kernel {
                         // SAFETY: as above; each scale row is 8 bytes.
                         let sc = unsafe {
                             _mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                meta[g].get_unchecked(b).sc[u].as_ptr().cast(),
+                                w[g].get_unchecked(b).m.sc[u].as_ptr().cast(),
                             ))
                         };
                         for k in 0..C {
                             // SAFETY: `b * 16 + u < blocks * 16`, asserted
                             // above.
-                            let off = _mm256_set1_epi32(unsafe {
-                                *bs16[k].get_unchecked(b * 16 + u)
-                            });
-                            let sum = _mm256_sub_epi32(
-                                _mm256_add_epi32(dot[g][k], dot2[g][k]),
-                                off,
-                            );
+                            let off =
+                                _mm256_set1_epi32(unsafe { *bs16[k].get_unchecked(b * 16 + u) });
+                            let sum =
+                                _mm256_sub_epi32(_mm256_add_epi32(dot[g][k], dot2[g][k]), off);
                             s[g][k] = _mm256_add_epi32(s[g][k], _mm256_mullo_epi32(sum, sc));
                         }
                     }
@@ -325,9 +322,7 @@ macro_rules! q6k_kernel {
                 for g in 0..G {
                     // SAFETY: as above; `d` is 16 bytes.
                     let dw = unsafe {
-                        _mm256_cvtph_ps(_mm_loadu_si128(
-                            meta[g].get_unchecked(b).d.as_ptr().cast(),
-                        ))
+                        _mm256_cvtph_ps(_mm_loadu_si128(w[g].get_unchecked(b).m.d.as_ptr().cast()))
                     };
                     for k in 0..C {
                         // SAFETY: `b < blocks`, asserted above.
