@@ -62,12 +62,14 @@ impl Mat {
                 let (key, rows, cols) = (&src.key, src.rows, src.cols);
                 let malformed = |e| ModelError::Malformed(format!("tensor {key}: {e}"));
                 if src.dtype == GgmlDType::Q6K {
-                    if let Some(m) = store.lookup_k(key, rows, cols) {
+                    // Beside the prefill's Q8_0 copy of the same tensor.
+                    let key = format!("{key}#q6k");
+                    if let Some(m) = store.lookup_k(&key, rows, cols) {
                         return Ok(Mat::Q6k(m));
                     }
                     let m = Q6kMatrix::from_ggml(&src.tensor()?.data()?, rows, cols)
                         .map_err(malformed)?;
-                    store.record_k(key, &m);
+                    store.record_k(&key, &m);
                     return Ok(Mat::Q6k(m));
                 }
                 if let Some(m) = store.lookup_k(key, rows, cols) {

@@ -255,6 +255,9 @@ impl CacheFile {
             return None;
         }
         let n = KMatrix::<F>::stored_len(rows, cols)?;
+        // The second array is empty, but its offset must lie in the file
+        // as every offset must.
+        Slab::<u8>::mapped(&self.map, e.d, 0)?;
         KMatrix::from_slab(rows, cols, Slab::mapped(&self.map, e.qs, n)?)
     }
 }
