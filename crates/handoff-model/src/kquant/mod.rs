@@ -1,15 +1,21 @@
 //! K-quant matrices × Q8_K activations over the file's own quants,
 //! repacked once in row groups of 8 (issue 31: compute from the weights as
 //! the file holds them, at well under the bytes per token of a Q8_0 copy).
-//! A format's layout and arithmetic are in its file (`q4k.rs`, the one
-//! format today); this module holds what formats share: the matrix, the
-//! threads, the register tiles and the activation rows.
+//! A format's layout and arithmetic are in its file (`q4k.rs`, `q6k.rs`);
+//! this module holds what formats share: the matrix, the threads, the
+//! register tiles and the activation rows.
 //!
-//! Q6_K was built and measured in two layouts and dropped: its 6 bits
-//! unpacked from 4 + 2 took 1.55-1.7x the Q8_0 kernel's time in prefill and
-//! only tied it in decode; kept as bytes (8.6 bits a weight, no smaller
-//! than Q8_0) its per-16 integer scales cost 1.07-1.27x (BENCHMARKS.md).
-//! Q6_K matrices stay Q8_0 copies.
+//! A matrix is one array of group-blocks, each its scales then its quants,
+//! so that a decode step reads it as one sequential stream: on a Zen 4
+//! core, quants and scales in two arrays (or three interleaved streams of
+//! Q6_K's nibbles, high bits and scales) read at 14-21 GB/s where one
+//! stream reads 28-37 (`kquant_timing`, BENCHMARKS.md).
+//!
+//! Q6_K is computed from its repacked quants in decode only
+//! (`linear::repacked_in`): its 6 bits are unpacked for every product,
+//! which costs less than the bytes saved at one activation row (0.70-0.81x
+//! the Q8_0 copy's time) and more at many (1.33-1.37x at 8, 1.4-1.5x at 64),
+//! so prefill keeps a Q8_0 copy of each Q6_K matrix.
 //!
 //! Per group of [`GROUP`] = 8 rows and 256-element block, a format keeps
 //! its quants interleaved so that one 32-byte vector holds 4 consecutive
