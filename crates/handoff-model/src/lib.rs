@@ -7,6 +7,23 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+/// `$e`, a `simd` kernel's `Option` of results, where the build targets
+/// x86-64 with AVX2 and FMA (the baseline those kernels are compiled
+/// beyond); `None` elsewhere, where the portable kernel runs (`$arg`: the
+/// arguments `$e` would have used).
+macro_rules! simd_kernel {
+    ($e:expr, $($arg:ident),*) => {{
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+        let r = $e;
+        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+        let r = {
+            $(let _ = $arg;)*
+            None
+        };
+        r
+    }};
+}
+
 pub mod attention;
 pub mod chat_template;
 pub mod config;

@@ -464,21 +464,7 @@ fn faster<const G: usize, const C: usize>(
     path: crate::simd::Q8Path,
     t: &Tile<'_, G, C>,
 ) -> Option<[[[f32; GROUP]; C]; G]> {
-    #[cfg(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    ))]
-    return crate::simd::group_products::<G, C>(path, t);
-    #[cfg(not(all(
-        target_arch = "x86_64",
-        target_feature = "avx2",
-        target_feature = "fma"
-    )))]
-    {
-        let _ = (path, t);
-        None
-    }
+    simd_kernel!(crate::simd::group_products::<G, C>(path, t), path, t)
 }
 
 /// Activation rows quantized to Q8_0, `[n][blocks]` each.

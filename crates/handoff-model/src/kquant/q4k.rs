@@ -108,20 +108,6 @@ impl Format for Q4k {
         path: Q8Path,
         t: &Tile<'_, Self, G, C>,
     ) -> Option<[[[f32; GROUP]; C]; G]> {
-        #[cfg(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma"
-        ))]
-        return crate::simd::q4k_products::<G, C>(path, t);
-        #[cfg(not(all(
-            target_arch = "x86_64",
-            target_feature = "avx2",
-            target_feature = "fma"
-        )))]
-        {
-            let _ = (path, t);
-            None
-        }
+        simd_kernel!(crate::simd::q4k_products::<G, C>(path, t), path, t)
     }
 }
