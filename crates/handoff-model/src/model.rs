@@ -941,9 +941,9 @@ fn mixed_stack(c: &Content, name: &str, formats: PhaseFormats) -> bool {
 /// About how many bytes of weights a process holds after [`Llama::load`]
 /// of this file with `formats`, from its header alone: a quantized matrix
 /// with a native kernel, in a phase whose format is `native`, read in place
-/// (`mapped`, the file's bytes); a Q4_K or Q6_K matrix in a `repacked` phase
-/// as its repacked copy (`kquant`: 1248 and 1680 bytes per 8 × 256
-/// weights); otherwise one Q8_0
+/// (`mapped`, the file's bytes); a Q4_K matrix in a `repacked` phase, and a
+/// Q6_K one in a `repacked` decode or LM head, as its repacked copy
+/// (`kquant`: 1184 and 1680 bytes per 8 × 256 weights); otherwise one Q8_0
 /// copy (34 bytes per 32 weights) shared by the phases that need one; float ones as f32; the
 /// embedding table read in place if its rows are whole blocks of a native
 /// type, else f32 (a tied LM head is a matrix like the others); the RoPE
