@@ -32,10 +32,10 @@
 use crate::k_tile::{Format, Q6k, Q6kBlock, Tile, GROUP};
 use crate::simd::Q8Path;
 
-/// Row `r`'s 6-bit quants of one file block (`ql[128]`, `qh[64]`,
-/// `scales[16]`, `d`), element by element, as llama.cpp's
-/// `dequantize_row_q6_K` reads them (before its offset of 32).
-pub(crate) fn quants(blk: &[u8]) -> [u8; 256] {
+/// The 6-bit quants of one file block (`ql[128]`, `qh[64]`, `scales[16]`,
+/// `d`), element by element, as llama.cpp's `dequantize_row_q6_K` reads
+/// them (before its offset of 32).
+fn quants(blk: &[u8]) -> [u8; 256] {
     let (ql, qh) = (&blk[..128], &blk[128..192]);
     let mut q = [0u8; 256];
     for (i, q) in q.iter_mut().enumerate() {
