@@ -396,6 +396,21 @@ pub(crate) fn repacks(dtype: GgmlDType, cols: usize) -> bool {
         && crate::kquant::supported()
 }
 
+/// Whether a stack of parts of these types and widths is kept as parts
+/// (`Mat::Parts`, each part built for prefill and shared by decode):
+/// `repacked` in both phases, types that differ, one part repacked in
+/// prefill (a Q4_K_M file's Q4_K queries and keys beside Q6_K values).
+pub(crate) fn kept_as_parts(
+    parts: impl Iterator<Item = (GgmlDType, usize)> + Clone,
+    formats: PhaseFormats,
+) -> bool {
+    let first = parts.clone().next().map(|(t, _)| t);
+    formats.prefill == WeightFormat::Repacked
+        && formats.decode == WeightFormat::Repacked
+        && parts.clone().any(|(t, _)| Some(t) != first)
+        && parts.clone().any(|(t, cols)| repacked_in(t, cols, false))
+}
+
 /// Whether `repacked` computes a `dtype` matrix from its repacked quants
 /// when it runs with few activation rows (`small_batch`: decode, the LM
 /// head) or many (prefill). Q4_K in both; Q6_K with few only: its 6 bits
@@ -574,12 +589,7 @@ impl Linear {
         // `repacked` keeps the Q4_K parts of a mixed stack (a Q4_K_M
         // file's Q4_K queries and keys with Q6_K values) Q4_K, each part a
         // matrix of its own.
-        let repacked =
-            formats.prefill == WeightFormat::Repacked && formats.decode == WeightFormat::Repacked;
-        if repacked
-            && parts.iter().any(|p| p.dtype != parts[0].dtype)
-            && parts.iter().any(|p| repacked_in(p.dtype, p.cols, false))
-        {
+        if kept_as_parts(parts.iter().map(|p| (p.dtype, p.cols)), formats) {
             let mut mats = Vec::with_capacity(parts.len());
             for p in parts {
                 let src = Source::stacked(std::slice::from_ref(p), formats, p.name.clone());

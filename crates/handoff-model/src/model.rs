@@ -913,12 +913,8 @@ pub struct WeightEstimate {
 
 /// Whether tensor `name` is a part of a stack (`blk.N.attn_{q,k,v}`,
 /// `blk.N.ffn_{gate,up}`) that `repacked` keeps as parts
-/// (`Linear::from_parts`): types that differ, one of them repacked in
-/// prefill.
+/// (`linear::kept_as_parts`, as `Linear::from_parts` decides).
 fn mixed_stack(c: &Content, name: &str, formats: PhaseFormats) -> bool {
-    if formats.prefill != WeightFormat::Repacked || formats.decode != WeightFormat::Repacked {
-        return false;
-    }
     let Some((layer, part)) = name.rsplit_once('.').and_then(|(s, _)| s.rsplit_once('.')) else {
         return false;
     };
@@ -931,11 +927,13 @@ fn mixed_stack(c: &Content, name: &str, formats: PhaseFormats) -> bool {
         .iter()
         .filter_map(|s| c.tensor_infos.get(&format!("{layer}.{s}.weight")))
         .collect();
-    infos.iter().any(|t| t.ggml_dtype != infos[0].ggml_dtype)
-        && infos.iter().any(|t| {
+    crate::linear::kept_as_parts(
+        infos.iter().map(|t| {
             let cols = t.shape.dims().last().copied().unwrap_or(0);
-            crate::linear::repacked_in(t.ggml_dtype, cols, false)
-        })
+            (t.ggml_dtype, cols)
+        }),
+        formats,
+    )
 }
 
 /// About how many bytes of weights a process holds after [`Llama::load`]

@@ -160,13 +160,7 @@ macro_rules! q4k_kernel {
                     }
                 }
             }
-            let mut out = [[[0f32; GROUP]; C]; G];
-            for g in 0..G {
-                for k in 0..C {
-                    out[g][k] = m256(acc[g][k]).into();
-                }
-            }
-            out
+            acc.map(|row| row.map(|a| m256(a).into()))
         }
     };
 }
@@ -335,13 +329,7 @@ macro_rules! q6k_kernel {
                     }
                 }
             }
-            let mut out = [[[0f32; GROUP]; C]; G];
-            for g in 0..G {
-                for k in 0..C {
-                    out[g][k] = m256(acc[g][k]).into();
-                }
-            }
-            out
+            acc.map(|row| row.map(|a| m256(a).into()))
         }
     };
 }

@@ -205,13 +205,7 @@ mod vnni {
                         }
                     }
                 }
-                let mut out = [[[0f32; GROUP]; C]; G];
-                for g in 0..G {
-                    for k in 0..C {
-                        out[g][k] = m256(acc[g][k]).into();
-                    }
-                }
-                out
+                acc.map(|row| row.map(|a| m256(a).into()))
             }
         };
     }
